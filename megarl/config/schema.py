@@ -1,0 +1,366 @@
+"""The typed configuration schema of megarl.
+
+One dataclass per section of DESIGN.md §4, used as an OmegaConf structured config: YAML files and
+``key.sub=value`` overrides are merged onto these defaults, unknown keys and wrong types are errors
+(see :mod:`megarl.config.loader`), and cross-field checks live in :func:`megarl.config.validate.validate`.
+
+Parallel and model fields use Megatron-Core's names. Model *architecture* (layers, heads, experts,
+hidden sizes, rope) is never typed here: it is read from the Hugging Face ``config.json`` under
+``model.hf_path``.
+
+Defaults are the paper defaults of GSPO (Zheng et al. 2025, arXiv:2507.18071): sequence-level
+importance ratio, clip range 3e-4 / 4e-4, no KL penalty, group-normalised advantages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    """The policy model. Architecture comes from ``{hf_path}/config.json``."""
+
+    hf_path: str = "???"
+    """Hugging Face model directory (config.json, tokenizer files, safetensors weights)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory; defaults to ``hf_path``."""
+    load_weights: bool = True
+    """Load the HF weights into the trainer at start (False: random init, for tests and benchmarks)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times tensor_model_parallel_size."""
+    moe_router_dtype: Optional[str] = "fp32"
+    """Router logits dtype: ``fp32`` (default, recommended for RL), ``fp64`` or None (model dtype)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Auxiliary load-balancing loss coefficient; 0 (off) by default for RL."""
+    moe_router_freeze: bool = False
+    """Freeze the router weights (no gradient step on them)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """Megatron MoE token dispatcher: ``alltoall`` or ``allgather``."""
+    moe_grouped_gemm: Optional[bool] = None
+    """Grouped GEMM for experts; None = on with CUDA/Transformer Engine, off on CPU."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: None, ``selective`` or ``full`` (Megatron's names)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (0 for RL)."""
+    hidden_dropout: float = 0.0
+    """Dropout on hidden states (0 for RL)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Trainer parallelism, in Megatron-Core's names. DP size is derived: world / (TP*PP*CP)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor (intra-layer) model-parallel size (TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline model-parallel size (PP): the layers are split into this many stages."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved pipeline: model chunks per PP stage (None = no interleaving)."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size (EP): the experts are split over this many ranks."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor-parallel size inside each expert (ETP); None = Megatron's default (equal to TP)."""
+    context_parallel_size: int = 1
+    """Context-parallel size (CP): the sequence is split over this many ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (requires TP > 1; required for MoE with TP > 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
+
+
+@dataclass
+class TrainConfig:
+    """Policy optimisation: steps, batches, optimizer, precision."""
+
+    num_steps: int = 100
+    """RL steps (rollout -> train -> weight sync), i.e. policy versions to produce."""
+    global_batch_size: int = 64
+    """Trajectories per optimizer step. The trajectories of one RL step are split into
+    ``num_trajectories / global_batch_size`` optimizer steps."""
+    micro_batch_size: int = 1
+    """Sequences per micro batch when ``max_tokens_per_microbatch`` is unset."""
+    max_tokens_per_microbatch: Optional[int] = 4096
+    """Token budget per micro batch (dynamic batching); None = fixed ``micro_batch_size``."""
+    optimizer: str = "adam"
+    """``adam`` (AdamW) or ``sgd``."""
+    lr: float = 1.0e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up, in optimizer steps."""
+    lr_decay_style: str = "constant"
+    """``constant``, ``linear`` or ``cosine``."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.98
+    """Adam beta2."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    precision: str = "bf16"
+    """Parameter / compute dtype: ``bf16``, ``fp16`` or ``fp32`` (CPU runs use fp32)."""
+    fp8: Optional[str] = None
+    """FP8 through Transformer Engine (GPU only): None, ``e4m3`` or ``hybrid``."""
+    fp8_recipe: str = "delayed"
+    """Transformer Engine FP8 recipe: ``delayed``, ``tensorwise``, ``blockwise`` or ``mxfp8``."""
+    routing_replay: str = "none"
+    """MoE routing replay: ``none``; ``r2`` (replay routes recorded in the old-logprob pass);
+    ``r3`` (replay the rollout engine's routes, Rollout Routing Replay, arXiv:2510.11370)."""
+    seed: int = 1234
+    """Seed of the trainer, the data order and the rollout sampling."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective. Names select functions in :mod:`megarl.algorithms`."""
+
+    policy_loss: str = "gspo"
+    """``gspo`` (sequence-level, default), ``gspo_token`` or ``ppo_clip`` (GRPO/DAPO token level)."""
+    advantage_estimator: str = "grpo"
+    """``grpo`` (group mean/std), ``dr_grpo`` (no std division), ``rloo`` or ``reinforce_pp``."""
+    clip_low: float = 3.0e-4
+    """Lower clip range: ratios below ``1 - clip_low`` are clipped. GSPO paper: 3e-4 (PPO/GRPO: 0.2)."""
+    clip_high: float = 4.0e-4
+    """Upper clip range: ratios above ``1 + clip_high`` are clipped. GSPO paper: 4e-4 (DAPO: 0.28)."""
+    clip_c: Optional[float] = None
+    """Dual-clip constant for negative advantages (``ppo_clip`` only); None = off."""
+    loss_aggregation: str = "seq_mean_token_mean"
+    """``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum`` or ``seq_mean_token_sum_norm``."""
+    advantage_eps: float = 1.0e-6
+    """Added to the group standard deviation before dividing (``grpo``)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL(policy || reference) penalty in the loss; 0 = no reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator: ``k1``, ``k2`` or ``k3``."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    rollout_correction: str = "none"
+    """Train-inference mismatch correction: ``none``, ``tis``, ``mis`` or ``icepop``."""
+    rollout_correction_level: str = "token"
+    """``token`` or ``sequence`` level importance weights for the correction."""
+    rollout_correction_clip: float = 2.0
+    """Upper clip of the truncated importance weight (TIS) / upper band (MIS, IcePop)."""
+    rollout_correction_low: float = 0.5
+    """Lower band of masked IS / IcePop."""
+    filter_zero_variance_groups: bool = True
+    """Drop groups whose rewards are all equal (they carry no group-relative signal)."""
+
+
+@dataclass
+class SamplingConfig:
+    """SGLang sampling parameters for one generate call (one turn)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_new_tokens: int = 512
+    """Upper bound on tokens generated in one turn."""
+    stop: List[str] = field(default_factory=list)
+    """Extra stop strings."""
+
+
+@dataclass
+class AgentConfig:
+    """The multi-turn agent loop."""
+
+    name: str = "tool_agent"
+    """Agent loop, by registry name (``tool_agent`` or ``single_turn``)."""
+    max_turns: int = 4
+    """Maximum generate calls per trajectory."""
+    max_response_tokens: int = 1024
+    """Maximum response tokens (model and tool tokens) per trajectory."""
+    max_context_tokens: int = 4096
+    """Prompt + response limit; stop (truncated) before exceeding it."""
+    system_prompt: Optional[str] = None
+    """System message prepended to every prompt."""
+    tool_call_parser: str = "qwen25"
+    """SGLang FunctionCallParser name (``qwen25`` covers Qwen2.5 and Qwen3)."""
+    max_tool_output_chars: int = 2048
+    """Tool observations longer than this are truncated."""
+
+
+@dataclass
+class EngineConfig:
+    """SGLang server settings for each rollout engine."""
+
+    tensor_parallel_size: int = 1
+    """TP size of each SGLang engine (GPUs per engine without EP)."""
+    expert_parallel_size: int = 1
+    """EP size inside each SGLang engine."""
+    host: str = "127.0.0.1"
+    """Address the engines bind."""
+    base_port: int = 30000
+    """First HTTP port; engine i uses a free port at or above base_port + 10 * i."""
+    mem_fraction_static: float = 0.8
+    """SGLang ``--mem-fraction-static``."""
+    max_total_tokens: Optional[int] = None
+    """SGLang ``--max-total-tokens`` (KV cache size); None = SGLang's choice."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for ``/health`` after launch."""
+    request_timeout_s: float = 600.0
+    """Seconds before one generate request is abandoned."""
+    extra_args: List[str] = field(default_factory=list)
+    """Extra ``sglang.launch_server`` arguments, verbatim."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout: engines, sampling, agent loop, tools and reward."""
+
+    num_engines: int = 1
+    """SGLang engines started by megarl (ignored when ``external_engine_urls`` is set)."""
+    external_engine_urls: List[str] = field(default_factory=list)
+    """Already running SGLang servers to use instead of launching engines."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Per-engine server settings."""
+    group_size: int = 8
+    """Trajectories per prompt (G)."""
+    num_prompts_per_step: int = 8
+    """Prompts per RL step; the step produces ``num_prompts_per_step * group_size`` trajectories."""
+    over_sample_prompts: int = 0
+    """Extra prompts started per step; the excess is aborted once enough groups are ready."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling parameters of training rollouts."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """The agent loop."""
+    tools: Dict[str, Any] = field(default_factory=dict)
+    """Tools by registry name -> their settings (``{python: {timeout_s: 5}}``)."""
+    reward: str = "gsm8k"
+    """Reward function, by registry name."""
+    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Settings of the reward function."""
+    async_mode: bool = False
+    """Overlap rollout of step k+1 with training of step k (off = on-policy)."""
+    max_staleness: int = 1
+    """Async mode: the most policy versions a trained trajectory may lag behind."""
+    partial_rollouts: bool = False
+    """Resume aborted trajectories after a weight update instead of discarding them."""
+
+
+@dataclass
+class WeightSyncConfig:
+    """Trainer -> engine weight transfer after optimizer steps."""
+
+    transport: str = "distributed"
+    """``distributed`` (process group with the engines), ``shard`` (per-rank payloads, same host),
+    ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""
+    bucket_size_mb: int = 512
+    """Bucket size for flattened transfers, in MiB."""
+    backend: str = "auto"
+    """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
+    pause_mode: str = "retract"
+    """How generation is paused for the update: ``retract``, ``abort`` or ``in_place``."""
+    every_n_steps: int = 1
+    """Sync after every N RL steps (async mode may use N > 1)."""
+    verify: str = "first"
+    """Check engine logprobs against the trainer after a sync: ``off``, ``first``, ``always``."""
+    verify_tolerance: float = 1.0e-2
+    """Max allowed mean absolute logprob difference in verification."""
+    timeout_s: float = 600.0
+    """Seconds before a sync is declared failed."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    train_path: str = "???"
+    """Training prompts (jsonl or parquet)."""
+    eval_path: Optional[str] = None
+    """Held-out prompts for evaluation."""
+    prompt_key: str = "question"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer (given to the reward)."""
+    max_prompt_tokens: int = 1024
+    """Prompts longer than this (after the chat template) are skipped."""
+    shuffle: bool = True
+    """Shuffle the prompt order every epoch (seeded by ``train.seed``)."""
+    max_eval_samples: Optional[int] = 64
+    """Evaluate on at most this many held-out prompts."""
+    eval_interval: int = 0
+    """Evaluate every N RL steps (0 = never); greedy decoding."""
+
+
+@dataclass
+class ClusterConfig:
+    """Placement of trainer and rollout processes (Ray)."""
+
+    device: str = "auto"
+    """``auto`` (cuda when available), ``cuda`` or ``cpu``."""
+    placement: str = "disaggregated"
+    """``disaggregated`` (separate trainer and rollout devices) or ``colocated`` (shared)."""
+    trainer_nodes: int = 1
+    """Nodes for the trainer."""
+    trainer_devices_per_node: int = 1
+    """GPUs (CPU: processes) per trainer node; trainer world size = nodes x devices."""
+    rollout_nodes: int = 1
+    """Nodes for the rollout engines (disaggregated)."""
+    rollout_devices_per_node: int = 1
+    """GPUs (CPU: engine ranks) per rollout node."""
+    ray_address: Optional[str] = None
+    """Existing Ray cluster (``auto`` or ``host:port``); None = start a local one."""
+    master_port: int = 29500
+    """torch.distributed rendezvous port of the trainer group (a free one is picked if taken)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Trainer checkpoints and resume."""
+
+    save_dir: Optional[str] = None
+    """Where checkpoints go; None = ``{logging.run_dir}/checkpoints``."""
+    save_interval: int = 0
+    """Save every N RL steps (0 = only at the end)."""
+    resume: bool = False
+    """Resume from the newest checkpoint under ``save_dir``."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints (0 = all)."""
+    hf_export_interval: int = 0
+    """Also export a Hugging Face checkpoint every N steps (0 = never)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Run directory and metric sinks."""
+
+    run_dir: str = "runs/megarl"
+    """Run outputs: resolved config, logs, metrics, plots, checkpoints."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``run_dir/tensorboard``."""
+    jsonl: bool = True
+    """Append one JSON line of metrics per step to ``run_dir/metrics.jsonl``."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs ``pip install wandb``)."""
+    wandb_project: str = "megarl"
+    """W&B project."""
+    progress_bar: bool = True
+    """Show a progress bar on the console."""
+    plots: bool = True
+    """Save reward and mismatch curves as PNG at the end."""
+    level: str = "INFO"
+    """Python logging level."""
+
+
+@dataclass
+class MegarlConfig:
+    """The whole run. Sections as in DESIGN.md §4."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,1 @@
+"""megarl.data."""

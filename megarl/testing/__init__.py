@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and the CPU demo: tiny Hugging Face models made locally."""

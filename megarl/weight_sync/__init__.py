@@ -1,0 +1,1 @@
+"""megarl.weight_sync."""

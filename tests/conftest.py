@@ -1,0 +1,37 @@
+"""Shared pytest fixtures: tiny models (built once per session) and the GPU skip rule."""
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE HF directory (2 layers, 8 experts, top-2, fp32), built once per session."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_moe", TinyModelSpec(family="qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_dir(tmp_path_factory):
+    """A tiny dense Qwen3 HF directory (2 layers, fp32), built once per session."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_dense", TinyModelSpec(family="qwen3"))
