@@ -1,0 +1,35 @@
+"""Pure tensor RL math: policy losses, advantages, KL, rollout corrections, loss aggregation.
+
+Only torch is imported here: no config objects and no process groups. See
+`megarl.algorithms.aggregation` for how a trainer must split a batch into micro batches and
+data-parallel ranks, and `megarl.algorithms.metrics` for how metrics are reduced.
+"""
+
+from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from megarl.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
+from megarl.algorithms.corrections import ROLLOUT_CORRECTIONS, RolloutCorrection, icepop, masked_is, truncated_is
+from megarl.algorithms.kl import kl_estimate, kl_penalty_loss
+from megarl.algorithms.losses import POLICY_LOSSES, compute_policy_loss, gspo_loss, gspo_token_loss, ppo_clip_loss
+from megarl.algorithms.metrics import Metric, reduce_metrics
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
+    "LossNormalizer",
+    "Metric",
+    "RolloutCorrection",
+    "aggregate_loss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "gspo_loss",
+    "gspo_token_loss",
+    "icepop",
+    "kl_estimate",
+    "kl_penalty_loss",
+    "masked_is",
+    "ppo_clip_loss",
+    "reduce_metrics",
+    "truncated_is",
+]

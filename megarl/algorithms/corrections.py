@@ -1,0 +1,215 @@
+"""Rollout (train-inference mismatch) corrections: TIS, masked IS (MIS) and IcePop.
+
+The engine samples from ``pi_rollout`` (its logprobs: ``rollout_logprobs``) while the loss
+assumes ``pi_old`` (the trainer at the same weights: ``old_logprobs``); kernels, precision and MoE
+routing make them differ. Each correction turns the importance weight
+``w = pi_old / pi_rollout`` into a detached weight per token and possibly a smaller loss mask:
+
+- level ``"token"``: ``w_it = exp(old_logp_it - rollout_logp_it)``;
+- level ``"sequence"``: ``w_i = exp(sum_t m_it (old_logp_it - rollout_logp_it))`` (product of token
+  ratios), broadcast to the sequence's tokens;
+- level ``"geometric"``: ``w_i = exp(mean_t ...)``, the length-normalised form that matches GSPO.
+
+Pass ``weights`` as ``is_weights`` and ``loss_mask`` as the loss mask of a policy loss
+(`megarl.algorithms.losses`), and count the `LossNormalizer` from that returned ``loss_mask``.
+
+Metrics (``section/name``; means are over the input loss tokens unless stated):
+``mismatch/log_ratio_abs_mean`` = mean ``|old_logp - rollout_logp|``;
+``mismatch/token_prob_ratio_error`` = mean ``exp(|old_logp - rollout_logp|)`` (NeMo-RL's
+``token_mult_prob_error``, which users gate CI on, e.g. median over steps < 1.05);
+``mismatch/kl_k3`` = k3 estimate of ``KL(pi_rollout || pi_old)``;
+``mismatch/is_clip_frac`` (TIS) or ``mismatch/is_masked_frac`` (MIS, IcePop) over tokens or
+sequences (per level); ``mismatch/is_weight_{mean,min,max}`` over the kept tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from megarl.algorithms.metrics import Metric, extreme_metric, mean_metric
+
+LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutCorrection:
+    """Result of a rollout correction.
+
+    Attributes:
+        weights: ``[B, T]`` float, detached importance weight of each token (a sequence weight is
+            repeated over its tokens); 0 where the returned ``loss_mask`` is False.
+        loss_mask: ``[B, T]`` bool, the input mask minus dropped tokens or sequences.
+        metrics: ``dict[str, Metric]`` (module docstring).
+    """
+
+    weights: Tensor
+    loss_mask: Tensor
+    metrics: dict[str, Metric]
+
+
+def _log_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, keep: Tensor, level: str) -> Tensor:
+    """Log importance weight per token ``[B, T]`` at the given level (0 outside ``keep``)."""
+    if level not in LEVELS:
+        raise ValueError(f"correction level must be one of {LEVELS}, got {level!r}")
+    zeros = torch.zeros_like(old_logprobs)
+    log_ratio = torch.where(keep, old_logprobs, zeros) - torch.where(keep, rollout_logprobs, zeros)
+    if level == "token":
+        return log_ratio
+    seq_log = log_ratio.sum(dim=-1, keepdim=True)
+    if level == "geometric":
+        seq_log = seq_log / keep.sum(dim=-1, keepdim=True).clamp(min=1)
+    return torch.where(keep, seq_log.expand_as(log_ratio), zeros)
+
+
+def _check(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"old_logprobs must be [B, T], got shape {tuple(old_logprobs.shape)}")
+    for name, tensor in (("rollout_logprobs", rollout_logprobs), ("loss_mask", loss_mask)):
+        if tensor.shape != old_logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} != old_logprobs shape {tuple(old_logprobs.shape)}")
+    return loss_mask != 0
+
+
+def _items(flags: Tensor, keep: Tensor, level: str) -> tuple[Tensor, Tensor]:
+    """Per-token flags and mask, or per-sequence (first loss token decides) for sequence levels."""
+    if level == "token":
+        return flags, keep
+    return (flags & keep).any(dim=-1), keep.any(dim=-1)
+
+
+def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> dict[str, Metric]:
+    """Trainer-vs-engine logprob metrics over loss tokens (module docstring), no correction.
+
+    Args:
+        old_logprobs: ``[B, T]`` trainer logprobs at the sampling-time weights.
+        rollout_logprobs: ``[B, T]`` engine logprobs of the same tokens.
+        loss_mask: ``[B, T]`` bool or {0, 1}; 1 = trained token.
+
+    Returns:
+        ``mismatch/log_ratio_abs_mean``, ``mismatch/token_prob_ratio_error``, ``mismatch/kl_k3``.
+    """
+    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    log_ratio = _log_weights(old_logprobs.detach(), rollout_logprobs.detach(), keep, "token")
+    return {
+        "mismatch/log_ratio_abs_mean": mean_metric(log_ratio.abs(), keep),
+        "mismatch/token_prob_ratio_error": mean_metric(torch.exp(log_ratio.abs()), keep),
+        "mismatch/kl_k3": mean_metric(torch.expm1(log_ratio) - log_ratio, keep),
+    }
+
+
+def _result(
+    weights: Tensor, new_keep: Tensor, base: dict[str, Metric], frac_name: str, frac: Metric
+) -> RolloutCorrection:
+    weights = torch.where(new_keep, weights, torch.zeros_like(weights)).detach()
+    metrics = dict(base)
+    metrics[frac_name] = frac
+    metrics["mismatch/is_weight_mean"] = mean_metric(weights, new_keep)
+    metrics["mismatch/is_weight_min"] = extreme_metric(weights, new_keep, "min")
+    metrics["mismatch/is_weight_max"] = extreme_metric(weights, new_keep, "max")
+    return RolloutCorrection(weights=weights, loss_mask=new_keep, metrics=metrics)
+
+
+@torch.no_grad()
+def truncated_is(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    level: str = "token",
+    upper: float = 2.0,
+    lower: float | None = None,
+) -> RolloutCorrection:
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly
+    Brings You Off-Policy RL Training"): ``weight = min(w, upper)`` (and ``max(., lower)`` if given).
+
+    Args:
+        old_logprobs, rollout_logprobs: ``[B, T]`` float (module docstring).
+        loss_mask: ``[B, T]`` bool or {0, 1}; 1 = trained token.
+        level: ``"token"``, ``"sequence"`` or ``"geometric"``.
+        upper: truncation cap (default 2.0).
+        lower: optional floor, None for no floor.
+
+    Returns:
+        `RolloutCorrection`; ``loss_mask`` is unchanged; ``mismatch/is_clip_frac`` is the fraction of
+        tokens (token level) or sequences whose weight was truncated.
+
+    Raises:
+        ValueError: on an unknown level, bad bounds or mismatched shapes.
+    """
+    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    if upper <= 0 or (lower is not None and not 0 <= lower <= upper):
+        raise ValueError(f"truncated_is needs 0 <= lower <= upper and upper > 0, got lower={lower} upper={upper}")
+    raw = torch.exp(_log_weights(old_logprobs, rollout_logprobs, keep, level))
+    weights = raw.clamp(min=lower, max=upper)
+    truncated = raw > upper if lower is None else (raw > upper) | (raw < lower)
+    flags, items = _items(truncated, keep, level)
+    frac = mean_metric(flags.to(raw.dtype), items)
+    base = mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask)
+    return _result(weights, keep, base, "mismatch/is_clip_frac", frac)
+
+
+@torch.no_grad()
+def masked_is(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    level: str = "token",
+    lower: float = 0.5,
+    upper: float = 2.0,
+) -> RolloutCorrection:
+    """Masked importance sampling (MIS): keep weight ``w`` inside ``[lower, upper]``, drop the rest.
+
+    Tokens (token level) or whole sequences (sequence levels) whose weight leaves the band are
+    removed from the loss mask; the others keep their untruncated weight ``w``.
+
+    Args:
+        old_logprobs, rollout_logprobs: ``[B, T]`` float (module docstring).
+        loss_mask: ``[B, T]`` bool or {0, 1}; 1 = trained token.
+        level: ``"token"``, ``"sequence"`` or ``"geometric"``.
+        lower: band lower bound (default 0.5).
+        upper: band upper bound (default 2.0).
+
+    Returns:
+        `RolloutCorrection`; ``mismatch/is_masked_frac`` is the fraction of tokens or sequences
+        dropped.
+
+    Raises:
+        ValueError: on an unknown level, ``not 0 <= lower <= upper`` or mismatched shapes.
+    """
+    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    if not 0 <= lower <= upper:
+        raise ValueError(f"masked_is needs 0 <= lower <= upper, got lower={lower} upper={upper}")
+    raw = torch.exp(_log_weights(old_logprobs, rollout_logprobs, keep, level))
+    outside = (raw < lower) | (raw > upper)
+    flags, items = _items(outside, keep, level)
+    frac = mean_metric(flags.to(raw.dtype), items)
+    base = mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask)
+    return _result(raw, keep & ~outside, base, "mismatch/is_masked_frac", frac)
+
+
+@torch.no_grad()
+def icepop(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    lower: float = 0.5,
+    upper: float = 5.0,
+) -> RolloutCorrection:
+    """IcePop (Ling Team 2025, Ring-1T, arXiv:2510.18855): token-level discrepancy masking.
+
+    Each token's policy gradient is multiplied by ``M(w) = w if lower <= w <= upper else 0`` with
+    ``w = pi_train / pi_infer``; defaults are the paper's ``alpha = 0.5``, ``beta = 5``. This is
+    `masked_is` at token level with IcePop's band.
+
+    Args, Returns, Raises: as `masked_is` (no ``level``).
+    """
+    return masked_is(old_logprobs, rollout_logprobs, loss_mask, level="token", lower=lower, upper=upper)
+
+
+ROLLOUT_CORRECTIONS = {"tis": truncated_is, "mis": masked_is, "icepop": icepop}
+"""Registry of correction functions by short name."""
