@@ -9,7 +9,14 @@ from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
 from megarl.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
 from megarl.algorithms.corrections import ROLLOUT_CORRECTIONS, RolloutCorrection, icepop, masked_is, truncated_is
 from megarl.algorithms.kl import kl_estimate, kl_penalty_loss
-from megarl.algorithms.losses import POLICY_LOSSES, compute_policy_loss, gspo_loss, gspo_token_loss, ppo_clip_loss
+from megarl.algorithms.losses import (
+    POLICY_LOSSES,
+    compute_policy_loss,
+    entropy_bonus_loss,
+    gspo_loss,
+    gspo_token_loss,
+    ppo_clip_loss,
+)
 from megarl.algorithms.metrics import Metric, reduce_metrics
 
 __all__ = [
@@ -23,6 +30,7 @@ __all__ = [
     "aggregate_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "entropy_bonus_loss",
     "gspo_loss",
     "gspo_token_loss",
     "icepop",

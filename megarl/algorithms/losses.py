@@ -310,6 +310,34 @@ def ppo_clip_loss(
     return loss, metrics
 
 
+def entropy_bonus_loss(
+    entropy: Tensor,
+    loss_mask: Tensor,
+    *,
+    entropy_coef: float,
+    loss_agg_mode: str = "token_mean",
+    normalizer: LossNormalizer | None = None,
+) -> PolicyLossOutput:
+    """Entropy bonus as a loss term to add: ``-entropy_coef * aggregate(entropy)``.
+
+    Args:
+        entropy: ``[B, T]`` float, per-token entropy of the current policy (with grad), computed
+            by the caller from the (vocab-parallel) logits.
+        loss_mask: ``[B, T]`` bool or {0, 1}; 1 = trained token.
+        entropy_coef: bonus coefficient (>= 0 raises entropy).
+        loss_agg_mode, normalizer: as the policy loss, so the sum stays split-invariant.
+
+    Returns:
+        ``(loss, metrics)`` with ``loss/entropy_bonus`` (sum) and ``loss/entropy`` (mean).
+
+    Raises:
+        ValueError: on mismatched shapes or an unknown ``loss_agg_mode``.
+    """
+    loss = -entropy_coef * aggregate_loss(entropy, loss_mask, loss_agg_mode, normalizer)
+    metrics = {"loss/entropy_bonus": sum_metric(loss), "loss/entropy": mean_metric(entropy, loss_mask != 0)}
+    return loss, metrics
+
+
 POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {
     "gspo": gspo_loss,
     "gspo_token": gspo_token_loss,
