@@ -1,0 +1,291 @@
+"""Megatron-Core 0.16.1 on a machine without CUDA: the named compatibility patches.
+
+Megatron-Core assumes CUDA in a handful of places that matter for a CPU/gloo run (tests, CI,
+laptops). Each assumption is patched by one named function below; ``apply_cpu_patches()`` applies
+them, only when CUDA is absent and only on the megatron-core version they were written for (every
+patch is shown necessary by ``tests/unit/training/test_cpu_compat.py``, which disables it and
+asserts the documented failure; re-run that test after upgrading megatron-core).
+
+=====================  ======================================================================
+name                   what breaks without it
+=====================  ======================================================================
+rng                    the tensor-parallel RNG tracker calls ``torch.cuda.get_rng_state``
+current_device         ``torch.cuda.current_device()`` (rotary embedding, DDP buffers, p2p)
+moe_te_gemm            0.16.1 bug: ``NameError: te_general_gemm`` in the router without TE
+cuda_device_mode       hard-coded ``device="cuda"`` / ``.cuda()`` (schedules, optimizer, clip)
+tensor_type_names      optimizer checks ``param.type() == 'torch.cuda.FloatTensor'``
+cuda_sync              pipeline p2p calls ``torch.cuda.synchronize()``
+cuda_stream            the alltoall token dispatcher creates ``torch.cuda.Stream()``
+moe_splits_numpy       alltoall split sizes stay tensors on CPU; ``all_to_all_single`` rejects them
+torchnorm_sp           the local spec's torch norm refuses ``sequence_parallel`` (needed by MoE+TP)
+=====================  ======================================================================
+
+Scope: the patches are process-global, except ``cuda_device_mode`` (a ``TorchFunctionMode``),
+which is per thread: call ``apply_cpu_patches()`` in every thread that runs Megatron code (it is
+idempotent and cheap).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Callable, Iterable
+
+import torch
+
+SUPPORTED_MCORE_VERSION = "0.16.1"
+"""The megatron-core release these patches were written and tested for."""
+
+_APPLIED: set[str] = set()
+_LOCK = threading.Lock()
+_THREAD = threading.local()
+
+
+def patch_rng() -> None:
+    """Route Megatron's CUDA RNG tracker to the CPU default generator.
+
+    ``model_parallel_cuda_manual_seed`` and ``CudaRNGStatesTracker.add/fork`` get/set the CUDA
+    generator state. On CPU the CPU generator plays its role: ``torch.cuda.manual_seed(s)`` seeds
+    it, so each tracker state (data-, model-, expert-parallel) is a distinct seeded CPU state.
+    """
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+
+def patch_current_device() -> None:
+    """Make ``torch.cuda.current_device()`` return ``"cpu"`` (used as a ``device=`` argument)."""
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def patch_moe_te_gemm() -> None:
+    """Define ``moe_utils.te_general_gemm = None`` (0.16.1 leaves it undefined without TE)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _cpu_device(device):
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """Rewrites ``device="cuda..."`` arguments to CPU and makes ``Tensor.cuda()`` the identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _cpu_device(args[1])) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def patch_cuda_device_mode() -> None:
+    """Enter a per-thread ``TorchFunctionMode`` that maps CUDA device arguments to CPU.
+
+    Megatron hard-codes ``device="cuda"`` in the schedules (token counters), the optimizer
+    (scales, overflow buffers), gradient clipping and DDP buffers. Entered once per thread.
+    """
+    if getattr(_THREAD, "mode", None) is None:
+        mode = _CudaToCpuMode()
+        mode.__enter__()
+        _THREAD.mode = mode
+
+
+def patch_tensor_type_names() -> None:
+    """Report CPU tensors under CUDA type names in ``Tensor.type()`` without arguments.
+
+    Megatron's optimizers accept only ``'torch.cuda.{Float,Half,BFloat16}Tensor'`` parameters.
+    """
+    original = torch.Tensor.type
+    if getattr(original, "_megarl_cpu_patch", False):
+        return
+
+    def _type(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and not name.startswith("torch.cuda."):
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    _type._megarl_cpu_patch = True
+    torch.Tensor.type = _type
+
+
+def patch_cuda_sync() -> None:
+    """Make ``torch.cuda.synchronize()`` a no-op (called by pipeline p2p after batched ops)."""
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+class _NoStream:
+    """Stand-in for ``torch.cuda.Stream``/``Event`` on CPU: every operation completes at once."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def record_event(self, *args, **kwargs):
+        return _NoStream()
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def patch_cuda_stream() -> None:
+    """Replace ``torch.cuda`` streams and events with completed no-ops.
+
+    The alltoall dispatcher builds a device-to-host side stream at construction and synchronises
+    on its events; on CPU the copies are synchronous already.
+    """
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.default_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def patch_moe_splits_numpy() -> None:
+    """Make ``maybe_move_tensor_to_cpu(as_numpy=True)`` return numpy for CPU tensors too.
+
+    Upstream converts only CUDA tensors; the alltoall dispatcher then passes tensors as split
+    sizes to ``all_to_all_single``, which accepts only lists of ints (or numpy arrays).
+    """
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_megarl_cpu_patch", False):
+        return
+
+    def _move(tensor, as_numpy=False, record_stream=False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+    _move._megarl_cpu_patch = True
+    moe_utils.maybe_move_tensor_to_cpu = _move
+    token_dispatcher.maybe_move_tensor_to_cpu = _move
+
+
+def patch_torchnorm_sp() -> None:
+    """Let the local spec's ``WrappedTorchNorm`` run under sequence parallelism.
+
+    MoE with TP > 1 requires ``sequence_parallel``, which the torch norm refuses (TE/apex norms
+    accept it). The norm is built from a copy of the config without it, and its parameters are
+    tagged ``sequence_parallel=True`` (as TE/apex do) so ``finalize_model_grads`` all-reduces their
+    gradients over the tensor-parallel group.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_megarl_cpu_patch", False):
+        return
+
+    def _new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            config = dataclasses.replace(config, sequence_parallel=False)
+        norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    _new._megarl_cpu_patch = True
+    WrappedTorchNorm.__new__ = _new
+
+
+PATCHES: dict[str, Callable[[], None]] = {
+    "rng": patch_rng,
+    "current_device": patch_current_device,
+    "moe_te_gemm": patch_moe_te_gemm,
+    "cuda_device_mode": patch_cuda_device_mode,
+    "tensor_type_names": patch_tensor_type_names,
+    "cuda_sync": patch_cuda_sync,
+    "cuda_stream": patch_cuda_stream,
+    "moe_splits_numpy": patch_moe_splits_numpy,
+    "torchnorm_sp": patch_torchnorm_sp,
+}
+"""Every patch by name, in application order."""
+
+
+def check_megatron_version() -> str:
+    """Return the installed megatron-core version.
+
+    Raises:
+        RuntimeError: it is not :data:`SUPPORTED_MCORE_VERSION`.
+    """
+    from importlib.metadata import version
+
+    installed = version("megatron-core")
+    if installed != SUPPORTED_MCORE_VERSION:
+        raise RuntimeError(
+            f"megarl.training.cpu_compat: the CPU patches were written for megatron-core "
+            f"{SUPPORTED_MCORE_VERSION}, but {installed} is installed. Re-verify each patch with "
+            f"tests/unit/training/test_cpu_compat.py and update SUPPORTED_MCORE_VERSION.")
+    return installed
+
+
+def apply_cpu_patches(names: Iterable[str] | None = None, *, force: bool = False) -> tuple[str, ...]:
+    """Apply the CPU patches (all, or the named ones) when CUDA is absent.
+
+    Idempotent: a patch already applied is skipped (``cuda_device_mode`` is entered once per
+    thread).
+
+    Args:
+        names: patch names from :data:`PATCHES`; None = all of them.
+        force: apply even when CUDA is available (tests only).
+
+    Returns:
+        The names applied or already active, in application order; empty when CUDA is available.
+
+    Raises:
+        RuntimeError: the installed megatron-core is not the supported version.
+        KeyError: an unknown patch name.
+    """
+    if torch.cuda.is_available() and not force:
+        return ()
+    wanted = list(PATCHES) if names is None else list(names)
+    unknown = [n for n in wanted if n not in PATCHES]
+    if unknown:
+        raise KeyError(f"unknown CPU patch(es) {unknown}; known: {list(PATCHES)}")
+    check_megatron_version()
+    with _LOCK:
+        for name in PATCHES:
+            if name not in wanted:
+                continue
+            if name == "cuda_device_mode" or name not in _APPLIED:
+                PATCHES[name]()
+                _APPLIED.add(name)
+    return tuple(n for n in PATCHES if n in _APPLIED)
+
+
+def applied_patches() -> tuple[str, ...]:
+    """Names of the patches applied in this process so far."""
+    return tuple(n for n in PATCHES if n in _APPLIED)
