@@ -170,7 +170,9 @@ def gspo_loss(
 
     Defaults are the paper's clip ranges (section 5.1, 3e-4 / 4e-4; peers such as slime default to
     0.2). Deviations from the paper: optional rollout-correction ``is_weights`` multiply each
-    token's loss; other aggregation modes weight ``l_i`` by ``n_i`` (see `aggregate_loss`).
+    token's copy of ``l_i`` (so token-level weights act as their per-sequence aggregate, e.g. the
+    mean weight under ``seq_mean_token_mean``); other aggregation modes weight ``l_i`` by ``n_i``
+    (see `aggregate_loss`).
 
     Args:
         logprobs, old_logprobs, loss_mask, is_weights, entropy: see the module docstring.
