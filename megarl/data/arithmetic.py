@@ -1,0 +1,107 @@
+"""Generated multi-digit arithmetic with a calculator tool: the CPU learning demonstration's task.
+
+A tiny model cannot add four-digit numbers in its head, but it can learn to call a calculator and
+copy the result. The task therefore rewards a *choice* the policy makes (call the tool, copy the
+expression exactly, copy the result into ``\\boxed{}``) that sampling can discover and GSPO can
+reinforce — the kind of task on which RL moves a tiny policy (see the DESIGN notes on the learning
+demonstration).
+
+Rows: ``{"question": "What is (4831 + 2976)?", "answer": "7807", "expression": "(4831 + 2976)"}``.
+Demonstrations (for the SFT cold start) are chat messages in the OpenAI format the chat template
+renders: either a calculator call then ``\\boxed{result}``, or a direct answer without the tool.
+"""
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from megarl.data.datasets import Row
+
+OPERATORS = ("+", "-")
+CALCULATOR = "calculator"
+
+
+def make_arithmetic_rows(num_rows: int, *, seed: int, min_digits: int = 3, max_digits: int = 4,
+                         operators: tuple[str, ...] = OPERATORS) -> list[Row]:
+    """Random problems ``a op b`` with ``min_digits``..``max_digits``-digit operands.
+
+    Args:
+        num_rows: how many rows.
+        seed: RNG seed (rows are a pure function of the arguments).
+        min_digits, max_digits: operand sizes, in decimal digits.
+        operators: drawn uniformly from ``+``, ``-``, ``*``.
+
+    Raises:
+        ValueError: an unknown operator or an empty digit range.
+    """
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    unknown = set(operators) - {"+", "-", "*"}
+    if unknown:
+        raise ValueError(f"unknown operators {sorted(unknown)} (known: + - *)")
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        a, b = (rng.randint(10 ** (rng.randint(min_digits, max_digits) - 1),
+                            10 ** max_digits - 1) for _ in range(2))
+        op = rng.choice(operators)
+        # Parentheses make the first operand its own pre-token both in the question and after the
+        # JSON quote of the tool call, so copying it is copying the same token ids.
+        expression = f"({a} {op} {b})"
+        result = {"+": a + b, "-": a - b, "*": a * b}[op]
+        rows.append({"question": f"What is {expression}?", "answer": str(result), "expression": expression})
+    return rows
+
+
+def split_disjoint(rows: list[Row], num_eval: int) -> tuple[list[Row], list[Row]]:
+    """Split into (train, eval) with no expression appearing in both.
+
+    Raises:
+        ValueError: fewer rows than ``num_eval``.
+    """
+    if num_eval > len(rows):
+        raise ValueError(f"cannot hold out {num_eval} of {len(rows)} rows")
+    eval_rows = rows[:num_eval]
+    held = {r["expression"] for r in eval_rows}
+    return [r for r in rows[num_eval:] if r["expression"] not in held], eval_rows
+
+
+def demonstration(row: Row, *, use_tool: bool, system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """An SFT demonstration for one row, as chat messages.
+
+    Args:
+        row: an arithmetic row.
+        use_tool: True: ``calculator`` call, the tool's result, then ``\\boxed{answer}``. False: a
+            direct ``\\boxed{answer}`` (the correct number: a tiny model imitating it learns the
+            format but not the arithmetic, so its direct answers are mostly wrong).
+        system_prompt: optional system message.
+    """
+    messages: list[dict[str, Any]] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": row["question"]})
+    if use_tool:
+        call = {"type": "function", "function": {
+            "name": CALCULATOR, "arguments": json.dumps({"expression": row["expression"]})}}
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages.append({"role": "tool", "name": CALCULATOR, "content": row["answer"]})
+    messages.append({"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"})
+    return messages
+
+
+def demonstrations(rows: list[Row], *, tool_fraction: float, seed: int,
+                   system_prompt: str | None = None) -> list[list[dict[str, Any]]]:
+    """Demonstrations for ``rows``; a seeded ``tool_fraction`` of them use the calculator.
+
+    A warm start that uses the tool only part of the time leaves room for RL: the policy starts
+    with a mix of tool calls (mostly right) and direct answers (mostly wrong).
+
+    Raises:
+        ValueError: ``tool_fraction`` outside [0, 1].
+    """
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError(f"tool_fraction must be in [0, 1], got {tool_fraction}")
+    rng = random.Random(seed)
+    return [demonstration(r, use_tool=rng.random() < tool_fraction, system_prompt=system_prompt)
+            for r in rows]

@@ -1,0 +1,178 @@
+"""Ray start-up and placement of trainer ranks and rollout engines (the ``cluster`` section).
+
+Placement (DESIGN.md §6):
+
+- ``disaggregated`` (default): two placement groups. The trainer group has one bundle per trainer
+  rank (``trainer_nodes x trainer_devices_per_node``; ``{"CPU": 1, "GPU": 1}`` on CUDA); the rollout
+  group has one bundle per engine holding all of that engine's devices (``{"CPU": 1, "GPU": tp*ep}``),
+  so the engine's SGLang server sees exactly its GPUs. Trainer and engines never share a device.
+- ``colocated``: one placement group (the trainer's); engine ``i`` sits in the bundle of trainer
+  rank ``i * devices_per_engine`` with a fractional GPU share, and the driver releases engine memory
+  around every train step (``/release_memory_occupation`` / ``/resume_memory_occupation``).
+
+On CPU the bundles hold only ``CPU`` and stand for processes; Ray local mode is started with at least
+as many logical CPUs as the bundles need (they are a scheduling count, not a core reservation).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+COLOCATED_TRAINER_GPU = 0.5
+"""GPU share a trainer rank requests when colocated (the engine in the same bundle gets the rest)."""
+COLOCATED_ENGINE_GPU = 0.4
+
+
+def use_cuda(device: str) -> bool:
+    """``cluster.device`` -> whether the run uses CUDA (``auto`` = when available here)."""
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def trainer_world_size(cluster: Any) -> int:
+    """Number of trainer ranks: ``trainer_nodes * trainer_devices_per_node``."""
+    return int(cluster.trainer_nodes) * int(cluster.trainer_devices_per_node)
+
+
+def devices_per_engine(rollout: Any) -> int:
+    """Devices (GPUs; CPU: ranks) one SGLang engine uses: its TP size times its EP size over TP."""
+    tp, ep = int(rollout.engine.tensor_parallel_size), int(rollout.engine.expert_parallel_size)
+    return max(tp, ep)
+
+
+def worker_env(cuda: bool) -> dict[str, str]:
+    """Environment every Ray worker of the run gets (thread counts, offline hub, no usage stats)."""
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", "1")}
+    if not cuda:
+        # One intra-op thread per process: several ranks and engines share a few cores on CPU.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    for key in ("MEGARL_GSM8K_DIR", "PYTHONPATH", "RAY_AUTH_MODE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def init_ray(cfg: Any) -> bool:
+    """Connect to ``cluster.ray_address`` or start a local Ray; reuse one already initialised.
+
+    Returns:
+        True when this call started (and so should shut down) Ray.
+    """
+    import ray
+
+    if ray.is_initialized():
+        logger.info("using the Ray instance already initialised in this process")
+        return False
+    cuda = use_cuda(cfg.cluster.device)
+    env = worker_env(cuda)
+    if cfg.cluster.ray_address:
+        logger.info("connecting to the Ray cluster at %s", cfg.cluster.ray_address)
+        ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        return True
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance; see notes/local_slurm.md
+    needed = trainer_world_size(cfg.cluster) + int(cfg.rollout.num_engines) + 2
+    num_cpus = max(os.cpu_count() or 1, needed)
+    logger.info("starting a local Ray instance (%d logical CPUs)", num_cpus)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
+             log_to_driver=True, logging_level=logging.WARNING)
+    return True
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where each trainer rank and each engine goes.
+
+    Attributes:
+        trainer_pg: placement group of the trainer ranks (bundle ``r`` = rank ``r``).
+        rollout_pg: placement group of the engines (bundle ``i`` = engine ``i``); the trainer's
+            group when colocated.
+        engine_bundles: bundle index of each engine inside ``rollout_pg``.
+        trainer_num_gpus, engine_num_gpus: GPU share each actor requests in its bundle (0 on CPU).
+        colocated: trainer and engines share devices (and bundles: each then asks half a CPU).
+    """
+
+    trainer_pg: Any
+    rollout_pg: Any
+    engine_bundles: list[int]
+    trainer_num_gpus: float
+    engine_num_gpus: float
+    colocated: bool
+
+    @property
+    def _num_cpus(self) -> float:
+        return 0.5 if self.colocated else 1.0
+
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        """``.options(**...)`` for the actor of trainer rank ``rank``."""
+        return _pg_options(self.trainer_pg, rank, self._num_cpus, self.trainer_num_gpus)
+
+    def engine_options(self, engine_index: int) -> dict[str, Any]:
+        """``.options(**...)`` for the actor that owns engine ``engine_index``."""
+        return _pg_options(self.rollout_pg, self.engine_bundles[engine_index], self._num_cpus,
+                           self.engine_num_gpus)
+
+    def remove(self) -> None:
+        """Release the placement groups."""
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in {id(self.trainer_pg): self.trainer_pg, id(self.rollout_pg): self.rollout_pg}.values():
+            remove_placement_group(pg)
+
+
+def _pg_options(pg: Any, bundle: int, num_cpus: float, num_gpus: float) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle,
+                placement_group_capture_child_tasks=True)}
+
+
+def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
+    """Create the placement groups of the ``cluster`` section and wait until they are ready.
+
+    Raises:
+        TimeoutError: the cluster does not have the resources (the message lists what was asked).
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    cuda = use_cuda(cfg.cluster.device)
+    world = trainer_world_size(cfg.cluster)
+    per_engine = devices_per_engine(cfg.rollout)
+    num_engines = 0 if cfg.rollout.external_engine_urls else int(cfg.rollout.num_engines)
+    trainer_bundle = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
+    trainer_pg = placement_group([dict(trainer_bundle) for _ in range(world)], strategy="PACK",
+                                 name="megarl_trainer")
+    groups = [trainer_pg]
+    if cfg.cluster.placement == "colocated":
+        bundles = [min(i * per_engine, world - 1) for i in range(num_engines)]
+        placement = Placement(trainer_pg, trainer_pg, bundles,
+                              COLOCATED_TRAINER_GPU if cuda else 0, COLOCATED_ENGINE_GPU if cuda else 0, True)
+    else:
+        engine_bundle = {"CPU": 1, "GPU": per_engine} if cuda else {"CPU": 1}
+        rollout_pg = (placement_group([dict(engine_bundle) for _ in range(num_engines)], strategy="PACK",
+                                      name="megarl_rollout") if num_engines else trainer_pg)
+        if num_engines:
+            groups.append(rollout_pg)
+        placement = Placement(trainer_pg, rollout_pg, list(range(num_engines)),
+                              1 if cuda else 0, per_engine if cuda else 0, False)
+    try:
+        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(
+            f"placement groups not ready after {timeout_s:.0f}s: trainer {world} x {trainer_bundle}, "
+            f"{num_engines} engines x {per_engine} devices ({cfg.cluster.placement}); cluster has "
+            f"{ray.cluster_resources()}") from e
+    return placement

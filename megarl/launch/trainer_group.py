@@ -1,0 +1,164 @@
+"""The trainer as a group of Ray actors, one per Megatron rank.
+
+Each actor is one torch.distributed process: before the trainer is built it gets ``MASTER_ADDR``,
+``MASTER_PORT`` (rank 0's node and a free port there), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
+(its index among the ranks on its node) and ``OMP_NUM_THREADS``. Every call fans out to all ranks
+with the same arguments (the batch travels through the Ray object store once); the trainer shards
+it over data-parallel ranks itself. If one rank fails, the group kills every rank instead of letting
+the others hang in a collective, and raises.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Sequence
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerGroupError(RuntimeError):
+    """A trainer rank failed or timed out; the whole group has been killed."""
+
+
+@ray.remote
+class TrainerWorker:
+    """One trainer rank: holds a :class:`megarl.training.trainer.Trainer` and runs its methods."""
+
+    def __init__(self, rank: int, world_size: int, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        self.rank = rank
+        self.trainer: Any = None
+
+    def node_info(self, preferred_port: int = 0) -> tuple[str, str, int]:
+        """(node id, node IP, ``preferred_port`` if free on this node, else a free TCP port)."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port(preferred_port)
+
+    def setup(self, master_addr: str, master_port: int, local_rank: int, cfg_yaml: str) -> int:
+        """Set the rendezvous variables and build the trainer (initialises torch.distributed).
+
+        Returns:
+            The rank, once its trainer is built.
+        """
+        os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+                           "LOCAL_RANK": str(local_rank)})
+        from omegaconf import OmegaConf
+
+        from megarl.training.trainer import Trainer
+
+        cfg = OmegaConf.create(cfg_yaml)
+        # TODO(trainer): confirm the constructor; the trainer reads RANK/WORLD_SIZE/MASTER_* from
+        # the environment and initialises torch.distributed (gloo on CPU, nccl on CUDA).
+        self.trainer = Trainer(cfg)
+        return self.rank
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``self.trainer.<method>(*args, **kwargs)`` and return its result."""
+        return getattr(self.trainer, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        """The process id (for fault-injection tests)."""
+        return os.getpid()
+
+
+class TrainerGroup:
+    """All trainer ranks of a run.
+
+    Args:
+        cfg: the resolved run config (DictConfig).
+        placement: where the ranks go (:class:`megarl.launch.cluster.Placement`).
+        env: extra environment for every rank.
+        setup_timeout_s: seconds to wait for every rank to build its trainer.
+
+    Raises:
+        TrainerGroupError: a rank failed to start.
+    """
+
+    def __init__(self, cfg: Any, placement: Any, env: dict[str, str] | None = None,
+                 setup_timeout_s: float = 900.0) -> None:
+        from omegaconf import OmegaConf
+
+        from megarl.launch.cluster import trainer_world_size
+
+        self.world_size = trainer_world_size(cfg.cluster)
+        self.timeout_s = float(cfg.weight_sync.timeout_s) * 2
+        env = dict(env or {})
+        self.workers = [TrainerWorker.options(**placement.trainer_options(r), name=None)
+                        .remote(r, self.world_size, env) for r in range(self.world_size)]
+        infos = self._gather([w.node_info.remote(int(cfg.cluster.master_port or 0)) for w in self.workers],
+                             setup_timeout_s)
+        master_ip, master_port = infos[0][1], infos[0][2]
+        local_ranks = _local_ranks([info[0] for info in infos])
+        cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        logger.info("trainer group: %d ranks, rendezvous %s:%d", self.world_size, master_ip, master_port)
+        self._gather([w.setup.remote(master_ip, master_port, lr, cfg_yaml)
+                      for w, lr in zip(self.workers, local_ranks)], setup_timeout_s)
+
+    def _gather(self, refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
+        """``ray.get`` of one call per rank; on the first failure or timeout, kill the group and raise."""
+        pending = list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+                if not done:
+                    raise TimeoutError(f"{len(pending)} trainer ranks did not answer in {timeout_s}s")
+                ray.get(done[0])  # raises at once if that rank failed
+            return ray.get(list(refs))
+        except Exception as e:
+            self.shutdown()
+            raise TrainerGroupError(f"trainer group failed: {e}") from e
+
+    def run(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``Trainer.<method>`` on every rank with the same arguments; results in rank order.
+
+        Large arguments are put in the object store once and shared by the ranks.
+
+        Raises:
+            TrainerGroupError: a rank failed or did not answer within ``timeout_s``.
+        """
+        args = tuple(ray.put(a) if _is_large(a) else a for a in args)
+        refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]
+        return self._gather(refs, timeout_s or self.timeout_s)
+
+    def pids(self) -> list[int]:
+        """Process ids of the ranks."""
+        return ray.get([w.pid.remote() for w in self.workers], timeout=60)
+
+    def shutdown(self) -> None:
+        """Kill every rank (idempotent)."""
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.workers = []
+
+
+def _is_large(value: Any) -> bool:
+    return not isinstance(value, (int, float, str, bool, type(None)))
+
+
+def _local_ranks(node_ids: Sequence[str]) -> list[int]:
+    """Index of each rank among the ranks on its node, in rank order."""
+    seen: dict[str, int] = {}
+    out = []
+    for node in node_ids:
+        out.append(seen.get(node, 0))
+        seen[node] = out[-1] + 1
+    return out
+
+
+def _free_port(preferred: int = 0) -> int:
+    """``preferred`` when it can be bound here, else a port the OS picks."""
+    for port in ((preferred, 0) if preferred else (0,)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    raise OSError("no free port")

@@ -1,0 +1,74 @@
+"""The learning-demo task and SFT demonstrations tokenised as rollouts are."""
+import json
+
+import pytest
+
+from megarl.data.arithmetic import demonstration, demonstrations, make_arithmetic_rows, split_disjoint
+from megarl.data.sft import DemonstrationError, demonstration_to_trajectory
+
+CALC_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def test_rows_are_correct_and_deterministic():
+    rows = make_arithmetic_rows(200, seed=5, min_digits=2, max_digits=4, operators=("+", "-", "*"))
+    assert rows == make_arithmetic_rows(200, seed=5, min_digits=2, max_digits=4, operators=("+", "-", "*"))
+    for row in rows:
+        a, op, b = row["expression"].strip("()").split()
+        assert 2 <= len(a) <= 4 and 2 <= len(b) <= 4
+        assert int(row["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert row["question"] == f"What is {row['expression']}?"
+    with pytest.raises(ValueError):
+        make_arithmetic_rows(1, seed=0, operators=("/",))
+
+
+def test_split_is_disjoint():
+    train, held_out = split_disjoint(make_arithmetic_rows(300, seed=1, min_digits=1, max_digits=1), 50)
+    assert len(held_out) == 50
+    assert not {r["expression"] for r in train} & {r["expression"] for r in held_out}
+
+
+def test_demonstrations_mix_tool_and_direct_answers():
+    rows = make_arithmetic_rows(400, seed=2)
+    demos = demonstrations(rows, tool_fraction=0.25, seed=0)
+    with_tool = [d for d in demos if any(m.get("tool_calls") for m in d)]
+    assert 0.18 < len(with_tool) / len(demos) < 0.32
+    call = with_tool[0][1]["tool_calls"][0]["function"]
+    row = rows[demos.index(with_tool[0])]
+    assert call["name"] == "calculator" and json.loads(call["arguments"]) == {"expression": row["expression"]}
+    assert with_tool[0][-1]["content"] == f"\\boxed{{{row['answer']}}}"
+
+
+def test_sft_trajectory_matches_the_rendered_conversation(tiny_dense_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dense_dir)
+    row = make_arithmetic_rows(1, seed=0)[0]
+    messages = demonstration(row, use_tool=True, system_prompt="Use the calculator.")
+    traj = demonstration_to_trajectory(tok, messages, tools=[CALC_SCHEMA])
+    # Reference 1: the whole conversation rendered at once by the chat template.
+    full = tok.apply_chat_template(messages, tools=[CALC_SCHEMA], tokenize=False)
+    assert tok.decode(traj.prompt_ids.tolist() + traj.response_ids.tolist()) == full
+    assert tok.decode(traj.prompt_ids.tolist()).endswith("<|im_start|>assistant\n")
+    # Reference 2: the trained tokens are exactly the two assistant turns, each ending at <|im_end|>.
+    ids, mask = traj.response_ids.tolist(), traj.loss_mask.tolist()
+    spans, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    assert spans == [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call><|im_end|>'
+        % row["expression"], "\\boxed{%s}<|im_end|>" % row["answer"]]
+    assert traj.rollout_logprobs.abs().sum() == 0 and traj.num_turns == 2
+
+
+def test_demonstration_without_assistant_is_rejected(tiny_dense_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dense_dir)
+    with pytest.raises(DemonstrationError):
+        demonstration_to_trajectory(tok, [{"role": "user", "content": "hi"}])
