@@ -1,0 +1,172 @@
+"""MoE routing replay: record the experts chosen per token and layer, and replay them later.
+
+R2 (``train.routing_replay = "r2"``): the old-logprob pass records each router's top-k experts and
+the training forward replays them, so the importance ratio compares the same expert paths.
+R3 (``"r3"``, Rollout Routing Replay, Ma et al. 2025, arXiv:2510.11370): the rollout engine returns
+its routes (``Trajectory.routed_experts``, packed into ``TrainBatch.routed_experts [T_total, L, K]``)
+and the trainer replays those, so trainer and engine compute the same MoE function.
+
+How it hooks Megatron-Core (0.16.1): ``TopKRouter.routing`` passes its ``router_replay`` attribute
+to ``topk_routing_with_score_function``, which calls
+``router_replay.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``
+to choose the top-k. `RoutingReplay` puts one `_RouterSlot` in that attribute of every
+``TopKRouter`` of the model (Megatron's own ``RouterReplay`` class keeps a process-global list of
+instances; the slot keeps its state per router instead). A slot in replay mode returns the
+replayed ids and ``scores.gather(1, ids)``, so the combine weights (softmax over the chosen
+logits for Qwen3-MoE) stay differentiable: **router weights keep their gradients**; only the
+discrete choice is fixed. Rows of ``-1`` (tokens without a recorded route, e.g. the prompt of an
+R3 trajectory) fall back to the router's own top-k.
+
+Token order: the router sees this rank's tokens of the packed row ``[1, T]`` in sequence order;
+under sequence parallelism TP rank ``r`` sees rows ``[r T/tp, (r + 1) T/tp)``. Layer ``l`` (0-based,
+global; the ``L`` axis of ``routed_experts``) is the router whose Megatron ``layer_number`` is
+``l + 1``. Replay during activation recomputation is not supported (rejected by the trainer).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class RoutingReplayError(ValueError):
+    """Replay data is missing, misaligned or holds invalid expert ids."""
+
+
+def validate_routed_experts(routed_experts: Tensor | None, *, num_layers: int, num_experts: int, topk: int,
+                            cu_seqlens: Tensor | None = None) -> None:
+    """Check replay routes before they reach a router.
+
+    Args:
+        routed_experts: ``[T_total, L, K]`` integer expert ids, ``-1`` rows = not recorded.
+        num_layers: L, the model's number of layers.
+        num_experts: E; valid ids are ``0 .. E - 1``.
+        topk: K, the router's top-k.
+        cu_seqlens: ``[B + 1]`` boundaries, only used to name the sequence in error messages.
+
+    Raises:
+        RoutingReplayError: when ``routed_experts`` is None, has the wrong ``[L, K]``, a row that
+            mixes -1 with ids, an id outside ``[0, E)``, or a repeated id within a token's top-k.
+    """
+    if routed_experts is None:
+        raise RoutingReplayError("routing replay is on but the batch has no routed_experts "
+                                 "(R3: the engine must return routed experts; R2: run compute_logprobs first)")
+    if routed_experts.dim() != 3 or tuple(routed_experts.shape[1:]) != (num_layers, topk):
+        raise RoutingReplayError(f"routed_experts must be [T, L={num_layers}, K={topk}], got {tuple(routed_experts.shape)}")
+    if routed_experts.is_floating_point():
+        raise RoutingReplayError(f"routed_experts must hold integer ids, got {routed_experts.dtype}")
+    unset = routed_experts < 0
+    row_unset = unset.all(dim=-1)
+    problems = [
+        ("a row mixes -1 (unrecorded) with expert ids", unset.any(dim=-1) & ~row_unset),
+        (f"an expert id is >= num_moe_experts={num_experts}", (routed_experts >= num_experts).any(dim=-1)),
+        (f"an expert id is < -1", (routed_experts < -1).any(dim=-1)),
+    ]
+    ids = routed_experts.sort(dim=-1).values
+    duplicate = (ids[..., 1:] == ids[..., :-1]).any(dim=-1) & ~row_unset
+    problems.append(("an expert id is repeated within a token's top-k", duplicate))
+    for what, bad in problems:
+        if bool(bad.any()):
+            token, layer = (int(x) for x in bad.nonzero()[0])
+            where = f"token {token}"
+            if cu_seqlens is not None:
+                seq = int(torch.searchsorted(cu_seqlens, torch.tensor(token), right=True)) - 1
+                where += f" (sequence {seq}, position {token - int(cu_seqlens[seq])})"
+            raise RoutingReplayError(f"routed_experts: {what} at {where}, layer {layer}: "
+                                     f"{routed_experts[token, layer].tolist()}")
+
+
+class _RouterSlot:
+    """Sits in ``TopKRouter.router_replay``; Megatron calls `get_replay_topk` for every routing."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.mode = "off"
+        self.target: Tensor | None = None
+        self.recorded: list[Tensor] = []
+
+    def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None,
+                        default_compute_topk: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+        probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.mode == "record":
+            self.recorded.append(indices.detach().clone())
+        elif self.mode == "replay":
+            target = self.target
+            if target is None or target.shape != indices.shape:
+                raise RoutingReplayError(
+                    f"layer {self.layer}: replay routes for {None if target is None else tuple(target.shape)} "
+                    f"but the router sees {tuple(indices.shape)} (tokens x top-k); micro batch misaligned")
+            self.target = None  # one use per set: a stale route must never be replayed silently
+            recorded = (target >= 0).all(dim=-1, keepdim=True)
+            indices = torch.where(recorded, target.to(indices.device, indices.dtype), indices)
+            probs = scores.gather(1, indices)  # differentiable: the router keeps its gradient
+        return probs, indices
+
+
+class RoutingReplay:
+    """Record / replay hooks on every ``TopKRouter`` of a model (see the module docstring).
+
+    Args:
+        model_chunks: the model chunks of this rank (Megatron modules, DDP-wrapped or not).
+
+    Raises:
+        RoutingReplayError: if the model has no ``TopKRouter`` or one lacks a ``layer_number``.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.slots: dict[int, _RouterSlot] = {}
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    layer = getattr(module, "layer_number", None)
+                    if layer is None:
+                        raise RoutingReplayError("a TopKRouter has no layer_number; cannot map routes to layers")
+                    slot = _RouterSlot(layer - 1)
+                    module.router_replay = slot
+                    self.slots[layer - 1] = slot
+        if not self.slots:
+            raise RoutingReplayError("routing replay needs an MoE model, but no TopKRouter was found")
+
+    @property
+    def layers(self) -> list[int]:
+        """0-based global indices of the MoE layers on this rank."""
+        return sorted(self.slots)
+
+    def off(self) -> None:
+        """Route freely; forget targets and recordings."""
+        for slot in self.slots.values():
+            slot.mode, slot.target, slot.recorded = "off", None, []
+
+    def record(self) -> None:
+        """Record every routing from now on (one ``[N, K]`` entry per router call)."""
+        self.off()
+        for slot in self.slots.values():
+            slot.mode = "record"
+
+    def take_recorded(self) -> dict[int, Tensor]:
+        """``{layer: [N, K] int64}`` ids of the single routing each router recorded, then clear.
+
+        Raises:
+            RoutingReplayError: if a router recorded no or several calls (one micro batch per take).
+        """
+        out = {}
+        for layer, slot in self.slots.items():
+            if len(slot.recorded) != 1:
+                raise RoutingReplayError(f"layer {layer} recorded {len(slot.recorded)} routings, expected 1")
+            out[layer] = slot.recorded.pop()
+        return out
+
+    def replay(self, routes: Tensor) -> None:
+        """Replay ``routes`` in the next forward of each router.
+
+        Args:
+            routes: ``[N, L, K]`` integer ids of the N tokens this rank's routers will see, for all
+                L layers of the model (-1 rows route freely).
+        """
+        for layer, slot in self.slots.items():
+            if layer >= routes.shape[1]:
+                raise RoutingReplayError(f"routes have {routes.shape[1]} layers, the model has MoE layer {layer}")
+            slot.mode, slot.target, slot.recorded = "replay", routes[:, layer, :], []

@@ -1,0 +1,60 @@
+"""Routing-replay validation and the router slot's record / replay semantics."""
+import pytest
+import torch
+
+from megarl.training.routing_replay import RoutingReplayError, _RouterSlot, validate_routed_experts
+
+
+def _topk(scores, k, num_groups=None, group_topk=None):
+    return torch.topk(scores, k=k, dim=1)
+
+
+@pytest.mark.timeout(30)
+def test_validation_accepts_good_and_unrecorded_rows():
+    routes = torch.tensor([[[0, 3], [1, 2]], [[-1, -1], [-1, -1]], [[3, 0], [2, 1]]], dtype=torch.int32)
+    validate_routed_experts(routes, num_layers=2, num_experts=4, topk=2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad, message", [
+    ([[4, 0]], "num_moe_experts=4"),
+    ([[1, 1]], "repeated"),
+    ([[-1, 2]], "mixes -1"),
+    ([[-2, -2]], "< -1"),
+])
+def test_validation_rejects_corrupted_ids(bad, message):
+    routes = torch.zeros(5, 1, 2, dtype=torch.int64)
+    routes[:, 0] = torch.tensor([0, 1])
+    routes[3, 0] = torch.tensor(bad[0])
+    with pytest.raises(RoutingReplayError, match=message) as err:
+        validate_routed_experts(routes, num_layers=1, num_experts=4, topk=2, cu_seqlens=torch.tensor([0, 2, 5]))
+    assert "sequence 1, position 1" in str(err.value)
+
+
+@pytest.mark.timeout(30)
+def test_validation_missing_and_shape():
+    with pytest.raises(RoutingReplayError, match="no routed_experts"):
+        validate_routed_experts(None, num_layers=2, num_experts=4, topk=2)
+    with pytest.raises(RoutingReplayError, match="L=2, K=2"):
+        validate_routed_experts(torch.zeros(3, 1, 2, dtype=torch.int64), num_layers=2, num_experts=4, topk=2)
+
+
+@pytest.mark.timeout(30)
+def test_slot_replays_ids_and_keeps_router_gradient():
+    slot = _RouterSlot(0)
+    logits = torch.randn(4, 6, requires_grad=True)
+    slot.mode = "record"
+    _, free = slot.get_replay_topk(logits, 2, default_compute_topk=_topk)
+    assert torch.equal(slot.recorded[0], free)
+    target = torch.tensor([[5, 0], [-1, -1], [2, 3], [1, 4]])
+    slot.mode, slot.target = "replay", target
+    probs, ids = slot.get_replay_topk(logits, 2, default_compute_topk=_topk)
+    expected = target.clone()
+    expected[1] = free[1]  # the unrecorded row routes freely
+    assert torch.equal(ids, expected)
+    torch.testing.assert_close(probs, logits.gather(1, expected))
+    probs.sum().backward()
+    assert logits.grad.abs().sum() > 0
+    # a target is used once; a second forward without new routes is an error, not a stale replay
+    with pytest.raises(RoutingReplayError, match="misaligned"):
+        slot.get_replay_topk(logits, 2, default_compute_topk=_topk)
