@@ -102,8 +102,8 @@ class TrainConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
-    precision: str = "bf16"
-    """Parameter / compute dtype: ``bf16``, ``fp16`` or ``fp32`` (CPU runs use fp32)."""
+    precision: str = "auto"
+    """Parameter / compute dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16``, ``fp16`` or ``fp32``."""
     fp8: Optional[str] = None
     """FP8 through Transformer Engine (GPU only): None, ``e4m3`` or ``hybrid``."""
     fp8_recipe: str = "delayed"

@@ -26,38 +26,40 @@ SPECIAL_TOKENS = [
 # Qwen2.5/Qwen3-style template (no thinking section). Assistant turns render their content verbatim
 # and then any structured tool_calls, as Qwen's own template does; tool results are wrapped in
 # <tool_response> inside a user turn, consecutive tool messages sharing one user turn.
-CHAT_TEMPLATE = r"""{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}{%- for message in messages %}{%- if message.role == 'system' %}{%- elif message.role == 'user' %}<|im_start|>user
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' %}<|im_start|>assistant
-{% if message.content %}{{ message.content }}{% endif %}{% if message.tool_calls %}{% for tc in message.tool_calls %}{% if loop.first and message.content %}
-{% elif not loop.first %}
-{% endif %}<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}}
-</tool_call>{% endfor %}{% endif %}<|im_end|>
-{% elif message.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
-<tool_response>
-{{ message.content }}
-</tool_response>{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
-{% endif %}{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{%- if loop.first and message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set args = tc.function.arguments %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + tc.function.name + '\\\", \\\"arguments\\\": ' }}"
+    "{{- args if args is string else args | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 @dataclass(kw_only=True)
@@ -170,13 +172,15 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int):
 
 
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
-                    gsm8k_dir: str | os.PathLike | None = None) -> Path:
+                    gsm8k_dir: str | os.PathLike | None = None, *, overwrite: bool = True) -> Path:
     """Write a tiny random-init HF model directory (config, safetensors, tokenizer, chat template).
 
     Args:
         out_dir: destination; created (parents too) if missing; written atomically (temp dir + rename).
         spec: sizes and family; defaults to :class:`TinyModelSpec`.
         gsm8k_dir: GSM8K directory for the tokenizer corpus (default: found from the repository).
+        overwrite: replace an existing ``out_dir``; if False and another process finished first,
+            keep theirs (safe for concurrent callers).
 
     Returns:
         The output directory.
@@ -207,10 +211,69 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         # transformers 5 keeps MoE experts fused in memory but saves checkpoint-style per-expert
         # names through its conversion mapping; verified by tests/unit/test_tiny_model.py.
         model.save_pretrained(tmp, safe_serialization=True)
-        if out.exists():
+        if out.exists() and overwrite:
             shutil.rmtree(out)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if overwrite or not (out / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+TINY_SCHEME = "tiny:"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MEGARL_CACHE_DIR", Path.home() / ".cache" / "megarl"))
+
+
+def parse_tiny_uri(uri: str) -> TinyModelSpec:
+    """Parse ``tiny:<family>[?field=value&...]`` into a :class:`TinyModelSpec`.
+
+    Raises:
+        ValueError: not a tiny URI, unknown field, or a value of the wrong type (message names it).
+    """
+    import dataclasses
+    from urllib.parse import parse_qsl
+
+    if not uri.startswith(TINY_SCHEME):
+        raise ValueError(f"model.hf_path: {uri!r} is not a {TINY_SCHEME}<family> URI")
+    family, _, query = uri[len(TINY_SCHEME):].partition("?")
+    kwargs: dict = {"family": family or "qwen3_moe"}
+    fields = {f.name: f for f in dataclasses.fields(TinyModelSpec)}
+    for key, raw in parse_qsl(query, keep_blank_values=True):
+        if key not in fields:
+            raise ValueError(f"model.hf_path: unknown tiny-model field {key!r} (known: {', '.join(fields)})")
+        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(
+            str(fields[key].type), str)
+        try:
+            kwargs[key] = kind(raw)
+        except ValueError as e:
+            raise ValueError(f"model.hf_path: tiny-model field {key}={raw!r}: {e}") from e
+    if kwargs["family"] not in ("qwen3_moe", "qwen3"):
+        raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} (known: qwen3_moe, qwen3)")
+    return TinyModelSpec(**kwargs)
+
+
+def resolve_model_path(hf_path: str) -> str:
+    """Turn ``tiny:<family>[?...]`` into a directory (built once, cached); other paths pass through.
+
+    The cache lives under ``$MEGARL_CACHE_DIR`` (default ``~/.cache/megarl``), keyed by the spec,
+    so every process of a run (and every run) resolves the same URI to the same weights.
+    """
+    import dataclasses
+    import hashlib
+
+    if not hf_path.startswith(TINY_SCHEME):
+        return hf_path
+    spec = parse_tiny_uri(hf_path)
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    out = _cache_root() / "tiny" / f"{spec.family}-{key}"
+    if not (out / "config.json").is_file():
+        make_tiny_model(out, spec, overwrite=False)
+    return str(out)

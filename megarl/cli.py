@@ -1,0 +1,132 @@
+"""The ``megarl`` command line.
+
+    megarl train CONFIG [key.sub=value ...]       run RL training (validates first)
+    megarl validate CONFIG [key.sub=value ...]    check a config without starting anything
+    megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]
+    megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]
+    megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
+
+Every command that takes a config validates it first and reports all problems at once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.config import ConfigError, load_config, validate
+
+log = logging.getLogger("megarl")
+
+
+def prepare_config(path: str, overrides: Sequence[str]) -> DictConfig:
+    """Load, resolve ``tiny:`` model paths, and validate a config.
+
+    Raises:
+        ConfigError: every problem found in the config.
+    """
+    from megarl.testing.tiny_model import resolve_model_path
+
+    cfg = load_config(path, overrides)
+    if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
+        return validate(cfg)
+    try:
+        cfg.model.hf_path = resolve_model_path(cfg.model.hf_path)
+    except ValueError as e:
+        from megarl.config import ConfigIssue
+        raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
+    return validate(cfg)
+
+
+def _summary(cfg: DictConfig) -> str:
+    from megarl.config.validate import num_experts_of, read_hf_config
+
+    hf = read_hf_config(cfg.model.hf_path)
+    p, cl = cfg.parallel, cfg.cluster
+    world = cl.trainer_nodes * cl.trainer_devices_per_node
+    dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
+    return (f"model {hf.architectures[0]} ({hf.num_hidden_layers} layers, {num_experts_of(hf)} experts) | "
+            f"trainer world {world} = TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size} "
+            f"x CP{p.context_parallel_size} x DP{dp}, EP{p.expert_model_parallel_size} | "
+            f"{cfg.rollout.num_prompts_per_step} prompts x G{cfg.rollout.group_size} per step | "
+            f"{cfg.algorithm.policy_loss}")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = prepare_config(args.config, args.overrides)
+    print(f"OK {args.config}: {_summary(cfg)}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = prepare_config(args.config, args.overrides)
+    from megarl.launch.driver import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from megarl.checkpoint import convert
+
+    if args.direction == "hf-to-megatron":
+        convert.hf_to_megatron(args.src, args.dst, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                               expert_model_parallel_size=args.expert_model_parallel_size,
+                               expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+    else:
+        convert.megatron_to_hf_dir(args.src, args.dst, hf_config_dir=args.hf_config)
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace, rest: list[str]) -> int:
+    import runpy
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py"
+    sys.argv = [str(tool), *rest]
+    runpy.run_path(str(tool), run_name="__main__")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("train", "run RL training"), ("validate", "check a config")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("config", help="YAML file (may `extends:` others)")
+        p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints")
+    conv.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    conv.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    conv.add_argument("--expert-model-parallel-size", type=int, default=1)
+    conv.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    conv.add_argument("--hf-config", default=None, help="HF dir with config.json and tokenizer (export)")
+    sub.add_parser("make-tiny-model", help="write a tiny random HF model (see tools/make_tiny_model.py)",
+                   add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    if argv and argv[0] == "make-tiny-model":
+        return cmd_make_tiny_model(argparse.Namespace(), argv[1:])
+    args = parser.parse_args(argv)
+    try:
+        return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert}[args.command](args)
+    except ConfigError as e:
+        print(f"megarl {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

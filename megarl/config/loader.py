@@ -1,0 +1,201 @@
+"""Load a run configuration: YAML files (which may extend others) + ``key.sub=value`` overrides.
+
+The result is an OmegaConf structured config typed by :class:`megarl.config.schema.MegarlConfig`.
+Every unknown key and every wrong type is collected (not only the first), each error naming the key,
+the value, the file and line it came from (or the override), and what would be valid; then one
+:class:`ConfigError` lists them all.
+
+Composition: a YAML file may say ``extends: base.yaml`` (or a list); paths are relative to the file.
+Later files and then the command-line overrides win. Keys whose schema type is a free-form dict
+(``rollout.tools``, ``rollout.reward_kwargs``) are taken whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megarl.config.schema import MegarlConfig
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a configuration: the dotted key, its value, where it came from, and why."""
+
+    key: str
+    message: str
+    value: Any = None
+    source: str = ""
+
+    def __str__(self) -> str:
+        where = f" ({self.source})" if self.source else ""
+        return f"{self.key}={self.value!r}{where}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid. ``issues`` lists every problem found, not only the first."""
+
+    def __init__(self, issues: Iterable[ConfigIssue]):
+        self.issues = list(issues)
+        lines = "\n".join(f"  - {i}" for i in self.issues)
+        super().__init__(f"invalid configuration ({len(self.issues)} problem"
+                         f"{'s' if len(self.issues) != 1 else ''}):\n{lines}")
+
+
+def _now(fmt: str = "%Y%m%d-%H%M%S") -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+if not OmegaConf.has_resolver("now"):
+    # omegaconf 2.4 renamed register_new_resolver to register_resolver.
+    _register = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+    _register("now", _now, use_cache=True)
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Map each dotted key of a YAML mapping document to its 1-based line number."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                lines[key] = k.start_mark.line + 1
+                walk(v, key)
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[dict, str, dict[str, int]]]:
+    """Read ``path`` and the files it extends, base first: a list of (data, file, key lines)."""
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in chain + (path,))
+        raise ConfigError([ConfigIssue("extends", f"cyclic extends: {cycle}", source=str(path))])
+    if not path.is_file():
+        raise ConfigError([ConfigIssue("config", "file not found", value=str(path))])
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([ConfigIssue("config", f"not valid YAML: {e}", value=str(path))]) from e
+    if not isinstance(data, dict):
+        raise ConfigError([ConfigIssue("config", "top level must be a mapping", value=str(path))])
+    parents = data.pop("extends", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    layers: list[tuple[dict, str, dict[str, int]]] = []
+    for parent in parents:
+        layers += _read_yaml(path.parent / parent, chain + (path,))
+    layers.append((data, str(path), _key_lines(text)))
+    return layers
+
+
+def _is_free_dict(node: DictConfig, key: str) -> bool:
+    """True when ``key`` of a structured node is typed as a free-form Dict (taken whole)."""
+    obj_type = OmegaConf.get_type(node)
+    if obj_type is None or not dataclasses.is_dataclass(obj_type):
+        return True
+    fields = {f.name: f for f in dataclasses.fields(obj_type)}
+    if key not in fields:
+        return False
+    return str(fields[key].type).startswith(("Dict", "dict"))
+
+
+def _apply(cfg: DictConfig, data: dict, source: str, lines: dict[str, int],
+           issues: list[ConfigIssue], prefix: str = "") -> None:
+    """Set every leaf of ``data`` on ``cfg``, collecting unknown-key and type errors."""
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        where = f"{source}:{lines[dotted]}" if dotted in lines else source
+        node = OmegaConf.select(cfg, prefix) if prefix else cfg
+        if not isinstance(node, DictConfig) or key not in node.keys():
+            valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
+            issues.append(ConfigIssue(dotted, f"unknown key; valid keys here: {', '.join(map(str, valid))}",
+                                      value, where))
+            continue
+        child = node[key] if not OmegaConf.is_missing(node, key) else None
+        if isinstance(value, dict) and isinstance(child, DictConfig) and not _is_free_dict(node, key):
+            _apply(cfg, value, source, lines, issues, dotted)
+            continue
+        try:
+            # Free-form dicts (rollout.tools) merge across files, like OmegaConf.merge.
+            OmegaConf.update(cfg, dotted, value, merge=isinstance(value, dict))
+        except OmegaConfBaseException as e:
+            msg = str(e).split("\n")[0]
+            issues.append(ConfigIssue(dotted, f"wrong type: {msg}", value, where))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse one ``key.sub=value`` override; the value is read as YAML (``4``, ``true``, ``[a, b]``).
+
+    Raises:
+        ConfigError: the text has no ``=`` or an empty key.
+    """
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([ConfigIssue(text, "override must look like key.sub=value", source="command line")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def _nest(dotted: str, value: Any) -> dict:
+    out: Any = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()) -> DictConfig:
+    """Compose the schema defaults, the YAML file chain and the overrides into a typed config.
+
+    Args:
+        path: a YAML file (may ``extends`` others), or None for schema defaults only.
+        overrides: ``key.sub=value`` strings, applied last.
+
+    Returns:
+        A structured ``DictConfig`` of :class:`MegarlConfig` (struct mode: unknown keys raise).
+
+    Raises:
+        ConfigError: unknown keys, wrong types, unreadable or cyclic files — all of them at once.
+    """
+    cfg = OmegaConf.structured(MegarlConfig)
+    issues: list[ConfigIssue] = []
+    layers = _read_yaml(Path(path), ()) if path is not None else []
+    for data, source, lines in layers:
+        _apply(cfg, data, source, lines, issues)
+    for text in overrides:
+        key, value = parse_override(text)
+        _apply(cfg, _nest(key, value), "command line", {}, issues)
+    if issues:
+        raise ConfigError(issues)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (interpolations resolved), as saved beside each run."""
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def save_resolved(cfg: DictConfig, run_dir: str | os.PathLike) -> Path:
+    """Write ``run_dir/config.yaml`` with the resolved config; returns its path."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg), encoding="utf-8")
+    tmp.replace(out)
+    return out

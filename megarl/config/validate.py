@@ -1,0 +1,374 @@
+"""Cross-field validation: everything that can be checked before a process or a GPU is touched.
+
+:func:`validate` collects every problem (each naming its key, value and what would be valid) and
+raises one :class:`~megarl.config.loader.ConfigError`. It runs at the start of every command and as
+``megarl validate CONFIG``. Architecture is read from the model's ``config.json`` (never retyped in
+YAML) and checked against the parallel layout.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.config.loader import ConfigError, ConfigIssue
+
+CHOICES: dict[str, tuple] = {
+    "model.moe_router_dtype": (None, "fp32", "fp64"),
+    "model.moe_token_dispatcher_type": ("alltoall", "allgather"),
+    "model.recompute_granularity": (None, "selective", "full"),
+    "train.optimizer": ("adam", "sgd"),
+    "train.lr_decay_style": ("constant", "linear", "cosine"),
+    "train.precision": ("auto", "bf16", "fp16", "fp32"),
+    "train.fp8": (None, "e4m3", "hybrid"),
+    "train.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+    "train.routing_replay": ("none", "r2", "r3"),
+    "algorithm.policy_loss": ("gspo", "gspo_token", "ppo_clip"),
+    "algorithm.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+    "algorithm.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                   "seq_mean_token_sum_norm"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.rollout_correction": ("none", "tis", "mis", "icepop"),
+    "algorithm.rollout_correction_level": ("token", "sequence"),
+    "rollout.agent.name": ("tool_agent", "single_turn"),
+    "weight_sync.transport": ("distributed", "shard", "tensor", "disk"),
+    "weight_sync.backend": ("auto", "nccl", "gloo"),
+    "weight_sync.pause_mode": ("retract", "abort", "in_place"),
+    "weight_sync.verify": ("off", "first", "always"),
+    "cluster.device": ("auto", "cuda", "cpu"),
+    "cluster.placement": ("disaggregated", "colocated"),
+}
+
+POSITIVE_INTS = [
+    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "parallel.expert_model_parallel_size", "parallel.context_parallel_size",
+    "train.num_steps", "train.global_batch_size", "train.micro_batch_size",
+    "rollout.num_engines", "rollout.group_size", "rollout.num_prompts_per_step",
+    "rollout.engine.tensor_parallel_size", "rollout.engine.expert_parallel_size",
+    "rollout.agent.max_turns", "rollout.agent.max_response_tokens", "rollout.agent.max_context_tokens",
+    "rollout.sampling.max_new_tokens", "weight_sync.bucket_size_mb", "weight_sync.every_n_steps",
+    "cluster.trainer_nodes", "cluster.trainer_devices_per_node", "cluster.rollout_nodes",
+    "cluster.rollout_devices_per_node", "data.max_prompt_tokens",
+]
+NON_NEGATIVE = [
+    "train.lr", "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps",
+    "algorithm.kl_coef", "algorithm.entropy_coef", "model.moe_aux_loss_coeff",
+    "rollout.over_sample_prompts", "checkpoint.save_interval", "checkpoint.keep_last",
+    "checkpoint.hf_export_interval", "data.eval_interval", "rollout.sampling.temperature",
+]
+GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
+GSPO_MAX_CLIP = 0.05  # the paper's clip ranges are 3e-4 / 4e-4; PPO-sized ranges defeat GSPO
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def resolved_precision(cfg: DictConfig) -> str:
+    """``train.precision`` with ``auto`` resolved: fp32 on CPU, bf16 on GPU."""
+    if cfg.train.precision != "auto":
+        return cfg.train.precision
+    return "fp32" if _device_is_cpu(cfg) else "bf16"
+
+
+def _parent(cfg: DictConfig, key: str) -> DictConfig:
+    return _get(cfg, key.rsplit(".", 1)[0])
+
+
+class _Checker:
+    """Collects issues; ``check(cond, key, message)`` records one when ``cond`` is False."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.issues: list[ConfigIssue] = []
+
+    def check(self, ok: bool, key: str, message: str, value: Any = "__from_cfg__") -> bool:
+        if not ok:
+            if value == "__from_cfg__":
+                try:
+                    value = _get(self.cfg, key)
+                except Exception:  # noqa: BLE001 - a key missing in the cfg is reported as is
+                    value = None
+            self.issues.append(ConfigIssue(key, message, value))
+        return ok
+
+
+def _device_is_cpu(cfg: DictConfig) -> bool:
+    if cfg.cluster.device == "cpu":
+        return True
+    if cfg.cluster.device == "cuda":
+        return False
+    try:
+        import torch
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def _check_fields(c: _Checker) -> None:
+    cfg = c.cfg
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        c.check(value in choices, key, f"must be one of {', '.join(map(repr, choices))}")
+    for key in POSITIVE_INTS:
+        c.check(_get(cfg, key) >= 1, key, "must be >= 1")
+    for key in NON_NEGATIVE:
+        c.check(_get(cfg, key) >= 0, key, "must be >= 0")
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        c.check(vpp >= 2 and cfg.parallel.pipeline_model_parallel_size > 1,
+                "parallel.virtual_pipeline_model_parallel_size",
+                "interleaving needs >= 2 chunks per stage and pipeline_model_parallel_size > 1 (or null)")
+    etp = cfg.parallel.expert_tensor_parallel_size
+    if etp is not None:
+        c.check(etp >= 1, "parallel.expert_tensor_parallel_size", "must be >= 1 (or null = TP)")
+
+
+def _trainer_world_size(cfg: DictConfig) -> int:
+    return cfg.cluster.trainer_nodes * cfg.cluster.trainer_devices_per_node
+
+
+def _check_parallel(c: _Checker) -> int:
+    cfg, p = c.cfg, c.cfg.parallel
+    world = _trainer_world_size(cfg)
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    ep = p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    mp = tp * pp * cp
+    dp = world // mp if mp and world % mp == 0 else 0
+    c.check(mp > 0 and world % mp == 0, "parallel.tensor_model_parallel_size",
+            f"TP*PP*CP = {tp}*{pp}*{cp} = {mp} must divide the trainer world size "
+            f"cluster.trainer_nodes*cluster.trainer_devices_per_node = {world}")
+    c.check(world % (etp * ep * pp) == 0, "parallel.expert_model_parallel_size",
+            f"ETP*EP*PP = {etp}*{ep}*{pp} must divide the trainer world size {world} "
+            f"(expert_tensor_parallel_size defaults to TP={tp}; set it to 1 for TP>1 with EP>1 on few ranks)")
+    c.check(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
+            "sequence parallelism needs tensor_model_parallel_size > 1")
+    return dp
+
+
+def _check_batches(c: _Checker, dp: int) -> None:
+    cfg = c.cfg
+    gbs, mbs, g = cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.rollout.group_size
+    num_traj = cfg.rollout.num_prompts_per_step * g
+    if dp:
+        c.check(gbs % dp == 0, "train.global_batch_size",
+                f"must be divisible by the data-parallel size {dp}")
+        if cfg.train.max_tokens_per_microbatch is None:
+            c.check(gbs % (mbs * dp) == 0, "train.global_batch_size",
+                    f"must be divisible by micro_batch_size*DP = {mbs}*{dp} when max_tokens_per_microbatch is null")
+    c.check(num_traj % gbs == 0, "train.global_batch_size",
+            f"must divide the trajectories per step rollout.num_prompts_per_step*rollout.group_size = {num_traj}")
+    c.check(gbs % g == 0, "train.global_batch_size",
+            f"must be a multiple of rollout.group_size={g} so optimizer steps hold whole groups")
+    if cfg.algorithm.advantage_estimator in GROUP_RELATIVE:
+        c.check(g >= 2, "rollout.group_size",
+                f"group-relative advantages ({cfg.algorithm.advantage_estimator}) need >= 2 trajectories per prompt")
+    mtpm = cfg.train.max_tokens_per_microbatch
+    ctx = cfg.rollout.agent.max_context_tokens
+    if mtpm is not None:
+        c.check(mtpm >= ctx, "train.max_tokens_per_microbatch",
+                f"must be >= rollout.agent.max_context_tokens={ctx} so the longest trajectory fits")
+    c.check(cfg.data.max_prompt_tokens < ctx, "data.max_prompt_tokens",
+            f"must be < rollout.agent.max_context_tokens={ctx}")
+
+
+def _check_algorithm(c: _Checker) -> None:
+    a = c.cfg.algorithm
+    for key in ("clip_low", "clip_high"):
+        value = a[key]
+        if a.policy_loss in ("gspo", "gspo_token"):
+            c.check(0 < value <= GSPO_MAX_CLIP, f"algorithm.{key}",
+                    f"GSPO clips the sequence-level ratio: use a small positive range (paper: "
+                    f"3e-4 low / 4e-4 high), at most {GSPO_MAX_CLIP}; PPO-sized ranges belong to ppo_clip")
+        else:
+            c.check(0 < value < 1, f"algorithm.{key}", "must be in (0, 1)")
+    if a.clip_c is not None:
+        c.check(a.policy_loss == "ppo_clip" and a.clip_c > 1, "algorithm.clip_c",
+                "dual clip needs policy_loss=ppo_clip and clip_c > 1 (or null)")
+    c.check(a.rollout_correction_clip >= 1, "algorithm.rollout_correction_clip", "must be >= 1")
+    c.check(0 <= a.rollout_correction_low <= 1, "algorithm.rollout_correction_low", "must be in [0, 1]")
+    if c.cfg.rollout.async_mode:
+        c.check(c.cfg.rollout.max_staleness >= 1, "rollout.max_staleness", "async mode needs >= 1")
+
+
+def _check_precision(c: _Checker) -> None:
+    t = c.cfg.train
+    if t.fp8 is not None:
+        c.check(not _device_is_cpu(c.cfg), "train.fp8",
+                "FP8 runs through Transformer Engine on CUDA GPUs only; set train.fp8=null on CPU")
+        c.check(t.precision in ("bf16", "auto"), "train.precision", "FP8 training needs precision=bf16")
+    if _device_is_cpu(c.cfg):
+        c.check(t.precision in ("fp32", "auto"), "train.precision",
+                "CPU training runs in fp32 (Megatron-Core's CPU path); set train.precision=fp32")
+
+
+def _check_cluster(c: _Checker) -> None:
+    cfg = c.cfg
+    cl, r = cfg.cluster, cfg.rollout
+    if r.external_engine_urls:
+        return
+    engine_devices = r.num_engines * r.engine.tensor_parallel_size
+    if cl.placement == "disaggregated":
+        available = cl.rollout_nodes * cl.rollout_devices_per_node
+        c.check(engine_devices <= available, "rollout.num_engines",
+                f"num_engines*engine.tensor_parallel_size = {engine_devices} devices, but the rollout "
+                f"side has cluster.rollout_nodes*cluster.rollout_devices_per_node = {available}")
+    else:
+        world = _trainer_world_size(cfg)
+        c.check(engine_devices <= world, "rollout.num_engines",
+                f"colocated engines need {engine_devices} devices; the trainer has {world}")
+    if cfg.weight_sync.transport == "tensor":
+        c.check(cl.placement == "colocated", "weight_sync.transport",
+                "the tensor transport shares memory: it needs cluster.placement=colocated")
+    alloc_nodes = os.environ.get("MEGARL_ALLOC_NODES")
+    if alloc_nodes:
+        need = cl.trainer_nodes + (cl.rollout_nodes if cl.placement == "disaggregated" else 0)
+        c.check(need <= int(alloc_nodes), "cluster.trainer_nodes",
+                f"the run needs {need} nodes (trainer_nodes + rollout_nodes) but the allocation has "
+                f"{alloc_nodes} (MEGARL_ALLOC_NODES)")
+    alloc_gpus = os.environ.get("MEGARL_ALLOC_GPUS_PER_NODE")
+    if alloc_gpus:
+        for key in ("cluster.trainer_devices_per_node", "cluster.rollout_devices_per_node"):
+            c.check(_get(cfg, key) <= int(alloc_gpus), key,
+                    f"more devices per node than the allocation's {alloc_gpus} (MEGARL_ALLOC_GPUS_PER_NODE)")
+
+
+def _supported_architectures() -> set[str]:
+    try:
+        families = importlib.import_module("megarl.checkpoint.families")
+        return set(families.supported_architectures())
+    except (ImportError, AttributeError):
+        return {"Qwen3MoeForCausalLM", "Qwen3ForCausalLM"}
+
+
+def read_hf_config(hf_path: str):
+    """Read ``{hf_path}/config.json`` through ``transformers.AutoConfig`` (both 4.x and 5 spellings).
+
+    Raises:
+        OSError / ValueError: unreadable or unknown config.
+    """
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(hf_path, trust_remote_code=False, local_files_only=True)
+
+
+def num_experts_of(hf_config) -> int:
+    """Routed experts per MoE layer (0 for dense models), whichever spelling the config uses."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def _check_model(c: _Checker) -> None:
+    cfg = c.cfg
+    hf_path = cfg.model.hf_path
+    if not c.check(Path(hf_path).is_dir() and (Path(hf_path) / "config.json").is_file(), "model.hf_path",
+                   "must be a Hugging Face model directory containing config.json"):
+        return
+    try:
+        hf = read_hf_config(hf_path)
+    except Exception as e:  # noqa: BLE001 - any failure to parse is reported with the key
+        c.check(False, "model.hf_path", f"config.json could not be read: {e}")
+        return
+    arch = (getattr(hf, "architectures", None) or ["?"])[0]
+    supported = _supported_architectures()
+    c.check(arch in supported, "model.hf_path",
+            f"architecture {arch} in config.json is not supported (supported: {', '.join(sorted(supported))})")
+    p = cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    heads, groups = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+    c.check(heads % tp == 0, "parallel.tensor_model_parallel_size",
+            f"num_attention_heads={heads} (config.json) must be divisible by TP")
+    c.check(groups % tp == 0, "parallel.tensor_model_parallel_size",
+            f"num_key_value_heads (query groups)={groups} (config.json) must be divisible by TP")
+    chunks = pp * (p.virtual_pipeline_model_parallel_size or 1)
+    c.check(hf.num_hidden_layers % chunks == 0, "parallel.pipeline_model_parallel_size",
+            f"num_hidden_layers={hf.num_hidden_layers} (config.json) must be divisible by "
+            f"PP*VPP = {chunks}")
+    experts = num_experts_of(hf)
+    ep = p.expert_model_parallel_size
+    if experts:
+        c.check(experts % ep == 0, "parallel.expert_model_parallel_size",
+                f"num_moe_experts={experts} (config.json) must be divisible by EP")
+        c.check(tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
+                "Megatron requires sequence_parallel=true for MoE models with tensor_model_parallel_size > 1")
+    else:
+        c.check(ep == 1, "parallel.expert_model_parallel_size", "the model has no experts: use 1")
+        c.check(cfg.train.routing_replay == "none", "train.routing_replay",
+                "routing replay needs an MoE model")
+    etp = cfg.rollout.engine.tensor_parallel_size
+    c.check(heads % etp == 0, "rollout.engine.tensor_parallel_size",
+            f"num_attention_heads={heads} (config.json) must be divisible by the engine TP")
+
+
+def _check_paths(c: _Checker) -> None:
+    d = c.cfg.data
+    c.check(Path(d.train_path).is_file(), "data.train_path", "file not found (jsonl or parquet)")
+    if d.eval_path is not None:
+        c.check(Path(d.eval_path).is_file(), "data.eval_path", "file not found (jsonl or parquet)")
+    if c.cfg.model.tokenizer_path is not None:
+        c.check(Path(c.cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", "directory not found")
+
+
+def _registry_names(module: str, registry: str) -> set[str] | None:
+    """Names registered in ``module.registry`` (a dict), or None when the module is unavailable."""
+    try:
+        return set(getattr(importlib.import_module(module), registry))
+    except (ImportError, AttributeError):
+        return None
+
+
+def _check_plugins(c: _Checker) -> None:
+    r = c.cfg.rollout
+    tools = _registry_names("megarl.rollout.tools", "TOOL_REGISTRY")
+    if tools is not None:
+        for name in r.tools:
+            c.check(name in tools, f"rollout.tools.{name}",
+                    f"unknown tool; registered tools: {', '.join(sorted(tools))}", value=name)
+    rewards = _registry_names("megarl.rollout.rewards", "REWARD_REGISTRY")
+    if rewards is not None:
+        c.check(r.reward in rewards, "rollout.reward",
+                f"unknown reward; registered rewards: {', '.join(sorted(rewards))}")
+
+
+def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:
+    """Check a loaded config across fields, the model's config.json, the cluster and the registries.
+
+    Args:
+        cfg: from :func:`megarl.config.loader.load_config`.
+        check_paths: also check that model, data and tokenizer paths exist and read config.json.
+
+    Returns:
+        ``cfg``, unchanged, when valid.
+
+    Raises:
+        ConfigError: listing every problem found.
+    """
+    c = _Checker(cfg)
+    missing = [k for k in ("model.hf_path", "data.train_path") if OmegaConf.is_missing(_parent(cfg, k), k.split(".")[-1])]
+    for key in missing:
+        c.check(False, key, "required: set it in the YAML or as an override", value="???")
+    if missing:
+        raise ConfigError(c.issues)
+    _check_fields(c)
+    dp = _check_parallel(c)
+    _check_batches(c, dp)
+    _check_algorithm(c)
+    _check_precision(c)
+    _check_cluster(c)
+    _check_plugins(c)
+    if check_paths:
+        _check_model(c)
+        _check_paths(c)
+    if c.issues:
+        raise ConfigError(c.issues)
+    return cfg
