@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 REWARD_KEYS = ("rollout/reward_mean", "eval/accuracy")
 """Curves drawn in ``reward.png`` (those present in the log)."""
-MISMATCH_KEYS = ("mismatch/logprob_abs_diff_mean", "weight_sync/logprob_abs_diff_mean")
+MISMATCH_KEYS = ("mismatch/log_ratio_abs_mean",)
 """Curves drawn in ``mismatch.png``: mean |trainer - engine| logprob over trained tokens."""
 
 

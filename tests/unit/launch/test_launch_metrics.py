@@ -16,12 +16,12 @@ def test_jsonl_and_tensorboard_receive_the_same_values(tmp_path):
     log = MetricsLogger(tmp_path, tensorboard=True, jsonl=True)
     for step in range(3):
         log.log(step, {"rollout/reward_mean": 0.1 * step, "loss/clip_frac": torch.tensor(0.5),
-                       "mismatch/logprob_abs_diff_mean": mean_metric(torch.tensor([1.0, 3.0]), torch.tensor([1, 1]))})
+                       "mismatch/log_ratio_abs_mean": mean_metric(torch.tensor([1.0, 3.0]), torch.tensor([1, 1]))})
     log.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[2]["rollout/reward_mean"] == pytest.approx(0.2)
-    assert rows[0]["mismatch/logprob_abs_diff_mean"] == pytest.approx(2.0)
+    assert rows[0]["mismatch/log_ratio_abs_mean"] == pytest.approx(2.0)
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     events = acc.Scalars("rollout/reward_mean")
@@ -44,7 +44,7 @@ def test_plots_are_written_from_the_log(tmp_path):
 
     log = MetricsLogger(tmp_path, tensorboard=False)
     for step in range(4):
-        log.log(step, {"rollout/reward_mean": step / 4, "mismatch/logprob_abs_diff_mean": 0.01})
+        log.log(step, {"rollout/reward_mean": step / 4, "mismatch/log_ratio_abs_mean": 0.01})
     log.close()
     written = save_plots(tmp_path)
     assert sorted(p.name for p in written) == ["mismatch.png", "reward.png"]

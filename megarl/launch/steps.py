@@ -1,0 +1,120 @@
+"""The driver's pure stages: rollout statistics, filters + advantages -> TrainBatch, mismatch.
+
+Kept apart from the Ray plumbing so each is testable on hand-made trajectories.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from megarl.algorithms.advantages import compute_advantages
+from megarl.algorithms.corrections import mismatch_metrics
+from megarl.algorithms.packing import padded_from_packed
+from megarl.rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
+from megarl.training.batch import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+UNTRAINABLE = (RolloutStatus.ABORTED, RolloutStatus.ERROR)
+"""Trajectories that never reach the trainer: aborted (over-sampling excess) or failed engines."""
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+def rollout_metrics(groups: Sequence[TrajectoryGroup], policy_version: int) -> dict[str, float]:
+    """Statistics of one step's rollouts (all trajectories, before filtering).
+
+    Keys: ``rollout/reward_{mean,std}``, ``rollout/response_tokens_{mean,max}`` (model + tool
+    tokens), ``rollout/model_tokens_mean``, ``rollout/turns_mean``, ``rollout/tool_calls_mean``,
+    ``rollout/{truncated,aborted,error}_frac``, ``rollout/staleness_max`` (policy versions the
+    oldest trajectory lags behind ``policy_version``), ``rollout/num_trajectories``.
+    """
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {"rollout/num_trajectories": 0.0}
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    out = {
+        "rollout/num_trajectories": float(len(trajs)),
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std(unbiased=False)),
+        "rollout/response_tokens_mean": _mean([t.num_response_tokens for t in trajs]),
+        "rollout/response_tokens_max": float(max(t.num_response_tokens for t in trajs)),
+        "rollout/model_tokens_mean": _mean([t.num_model_tokens for t in trajs]),
+        "rollout/turns_mean": _mean([t.num_turns for t in trajs]),
+        "rollout/tool_calls_mean": _mean([float(t.metadata.get("num_tool_calls", 0)) for t in trajs]),
+        "rollout/staleness_max": float(max(policy_version - t.policy_version for t in trajs)),
+    }
+    for status in (RolloutStatus.TRUNCATED, RolloutStatus.ABORTED, RolloutStatus.ERROR):
+        out[f"rollout/{status.value}_frac"] = _mean([float(t.status == status) for t in trajs])
+    return out
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """Output of :func:`build_train_batch`: the batch (None when nothing is left) and its metrics."""
+
+    batch: TrainBatch | None
+    metrics: dict[str, float]
+    trajectories: list[Trajectory]
+
+
+def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, policy_version: int,
+                      max_staleness: int | None = None) -> BatchResult:
+    """Filter trajectories and groups, compute group-relative advantages, pack a TrainBatch.
+
+    Filters, in order: aborted / failed trajectories; (async) trajectories more than
+    ``max_staleness`` policy versions old; groups with fewer than 2 trajectories left; and, when
+    ``algorithm.filter_zero_variance_groups``, groups whose rewards are all equal (zero advantage,
+    no signal). Advantages use ``algorithm.advantage_estimator`` within each remaining group.
+
+    Returns:
+        The batch and ``filter/*`` metrics (kept counts, dropped counts by reason).
+    """
+    kept_groups: list[list[Trajectory]] = []
+    dropped = {"failed": 0, "stale": 0, "small_group": 0, "zero_variance": 0}
+    for group in groups:
+        trajs = [t for t in group.trajectories if t.status not in UNTRAINABLE]
+        dropped["failed"] += len(group.trajectories) - len(trajs)
+        if max_staleness is not None:
+            fresh = [t for t in trajs if policy_version - t.policy_version <= max_staleness]
+            dropped["stale"] += len(trajs) - len(fresh)
+            trajs = fresh
+        if len(trajs) < 2:
+            dropped["small_group"] += len(trajs)
+            continue
+        rewards = [t.reward for t in trajs]
+        if algorithm.filter_zero_variance_groups and max(rewards) == min(rewards):
+            dropped["zero_variance"] += len(trajs)
+            continue
+        kept_groups.append(trajs)
+    metrics = {f"filter/dropped_{k}": float(v) for k, v in dropped.items()}
+    metrics["filter/kept_groups"] = float(len(kept_groups))
+    metrics["filter/kept_trajectories"] = float(sum(len(g) for g in kept_groups))
+    if not kept_groups:
+        return BatchResult(None, metrics, [])
+    flat = [t for g in kept_groups for t in g]
+    rewards = torch.tensor([t.reward for t in flat], dtype=torch.float32)
+    group_ids = torch.tensor([i for i, g in enumerate(kept_groups) for _ in g], dtype=torch.int64)
+    kwargs = {"eps": algorithm.advantage_eps} if algorithm.advantage_estimator in ("grpo", "reinforce_pp") else {}
+    advantages = compute_advantages(algorithm.advantage_estimator, rewards, group_ids, **kwargs)
+    metrics["advantages/abs_mean"] = float(advantages.abs().mean())
+    return BatchResult(TrainBatch.from_trajectories(flat, advantages), metrics, flat)
+
+
+def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
+    """Trainer (``old_logprobs``) vs engine (``rollout_logprobs``) on trained tokens.
+
+    ``mismatch/log_ratio_abs_mean`` is the mean ``|old_logprob - rollout_logprob|``: right after a
+    weight sync both sides hold the same weights, so it measures the sync's fidelity plus kernel
+    differences.
+    """
+    if batch.old_logprobs is None:
+        return {}
+    padded = [padded_from_packed(x, batch.cu_seqlens) for x in
+              (batch.old_logprobs.float(), batch.rollout_logprobs.float(), batch.loss_mask.float())]
+    return {k: float(m.value) for k, m in mismatch_metrics(*padded).items()}
