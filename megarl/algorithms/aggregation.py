@@ -33,9 +33,10 @@ How the trainer must use it (the split-invariance contract):
 3. Gradients are **summed**: ``backward()`` on each micro batch loss accumulates (a sum) and the
    data-parallel gradient reduction must be a SUM, not an average. Then the summed loss and the
    summed gradient equal those of the whole global batch computed at once (tested in float64).
-   With Megatron-Core, which by default divides a 2-tuple ``loss_func`` result by
-   ``num_microbatches`` and averages gradients over the data-parallel group (scaling
-   ``1/dp_size``), return ``loss * num_microbatches * dp_size`` from ``loss_func``.
+   Megatron-Core 0.16 (2-tuple ``loss_func``, ``calculate_per_token_loss=False``,
+   ``context_parallel_size=1``) divides each micro-batch loss by ``num_microbatches`` and scales
+   gradients by ``1/dp_size`` before its data-parallel sum, so ``loss_func`` must return
+   ``loss * num_microbatches * dp_size`` to obtain the sum.
 4. A sequence must not be split across micro batches or ranks (context parallelism must gather a
    sequence's logprobs before calling the loss): ``n_i`` and GSPO's sequence ratio are per row.
 

@@ -65,7 +65,9 @@ def kl_estimate(
         kl = torch.expm1(log_r) - log_r
     if old_logprobs is not None:
         if old_logprobs.shape != logprobs.shape:
-            raise ValueError(f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}")
+            raise ValueError(
+                f"old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
+            )
         kl = torch.exp(logprobs - old_logprobs) * kl
     return kl
 

@@ -61,7 +61,9 @@ def _token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
         return advantages
     if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
         return advantages[:, None].expand_as(like)
-    raise ValueError(f"advantages must be [B, T] or [B], got {tuple(advantages.shape)} for logprobs {tuple(like.shape)}")
+    raise ValueError(
+        f"advantages must be [B, T] or [B], got {tuple(advantages.shape)} for logprobs {tuple(like.shape)}"
+    )
 
 
 def _masked_log_ratio(logprobs: Tensor, old_logprobs: Tensor, keep: Tensor) -> Tensor:
@@ -224,7 +226,9 @@ def gspo_token_loss(
     ``s_i grad logp_it``; ``l_it = -min(s_it A_it, clip(s_it, 1 - clip_low, 1 + clip_high) A_it)``,
     aggregated per token (default ``seq_mean_token_mean``: the paper's
     ``(1/G) sum_i (1/|y_i|) sum_t``). When ``A_it = A_i`` for every token, value and gradient
-    equal `gspo_loss`'s in every aggregation mode. Deviation: optional ``is_weights``.
+    equal `gspo_loss`'s in every aggregation mode. With per-token advantages the gradient is,
+    by the paper's design, not the derivative of the loss value (stop-gradients); the value always
+    equals the clipped ``s_i A_it`` terms. Deviation: optional ``is_weights``.
 
     Args:
         logprobs, old_logprobs, loss_mask, is_weights, entropy: see the module docstring.

@@ -30,7 +30,9 @@ def padded_from_packed(values: Tensor, cu_seqlens: Tensor, *, pad_value: float =
         ValueError: if ``cu_seqlens`` is not a valid boundary vector for ``values``.
     """
     if values.dim() != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"values must be [T_total] and cu_seqlens [B + 1], got {tuple(values.shape)}, {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"values must be [T_total] and cu_seqlens [B + 1], got {tuple(values.shape)}, {tuple(cu_seqlens.shape)}"
+        )
     cu_seqlens = cu_seqlens.to(device=values.device, dtype=torch.long)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != values.shape[0] or bool((lengths < 0).any()):

@@ -73,7 +73,8 @@ def _loss_cases():
         return gspo_token_loss(lp, d["old"], d["token_advantages"], d["mask"], clip_low=0.05, clip_high=0.08, **kw)
 
     def ppo(lp, ent, d, **kw):
-        return ppo_clip_loss(lp, d["old"], d["token_advantages"], d["mask"], clip_low=0.1, clip_high=0.12, clip_c=1.1, **kw)
+        clips = dict(clip_low=0.1, clip_high=0.12, clip_c=1.1)
+        return ppo_clip_loss(lp, d["old"], d["token_advantages"], d["mask"], **clips, **kw)
 
     def kl(lp, ent, d, **kw):
         return kl_penalty_loss(lp, d["ref"], d["mask"], kl_coef=0.3, old_logprobs=d["old"], **kw)
@@ -93,7 +94,7 @@ def _whole_and_split(loss_fn, mode):
     whole_loss.backward()
 
     micro = [rows for rank in LAYOUT for rows in rank]
-    counts = [LossNormalizer.from_loss_mask(data["mask"][rows], max_response_tokens=MAX_RESPONSE_TOKENS) for rows in micro]
+    counts = [LossNormalizer.from_loss_mask(data["mask"][r], max_response_tokens=MAX_RESPONSE_TOKENS) for r in micro]
     global_normalizer = functools.reduce(lambda a, b: a + b, counts)
     split_loss, split_grad, split_metrics = 0.0, torch.zeros_like(weight0), []
     for rank in LAYOUT:

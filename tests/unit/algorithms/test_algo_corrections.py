@@ -104,7 +104,9 @@ def test_correction_feeds_policy_losses_without_nan():
     correction = masked_is(old, rollout, mask)
     normalizer = LossNormalizer.from_loss_mask(correction.loss_mask)
     adv = torch.ones(5, dtype=torch.float64)
-    loss, _ = ppo_clip_loss(logprobs, old, adv, correction.loss_mask, is_weights=correction.weights, normalizer=normalizer)
+    loss, _ = ppo_clip_loss(
+        logprobs, old, adv, correction.loss_mask, is_weights=correction.weights, normalizer=normalizer
+    )
     loss.backward()
     expected = -(correction.weights * torch.exp(torch.tensor(0.01, dtype=torch.float64).clamp(max=0.2))).sum()
     assert loss.item() == pytest.approx(expected.item() / correction.loss_mask.sum().item(), rel=1e-12)

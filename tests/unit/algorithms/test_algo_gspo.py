@@ -87,7 +87,8 @@ def test_gspo_aggregation_modes_weight_sequence_loss_by_tokens(mode):
     lengths = mask.sum(-1).to(torch.float64)
     seq_losses = []
     for i in range(mask.shape[0]):
-        s = math.exp(float((logprobs[i].detach() - old[i])[mask[i]].sum()) / max(int(lengths[i]), 1)) if lengths[i] else 1.0
+        log_ratio = float((logprobs[i].detach() - old[i])[mask[i]].sum()) / max(int(lengths[i]), 1)
+        s = math.exp(log_ratio)  # 1.0 for the empty sequence
         a = float(advantages[i])
         seq_losses.append(-min(s * a, min(max(s, 0.95), 1.08) * a))
     seq_losses = torch.tensor(seq_losses, dtype=torch.float64)
@@ -144,7 +145,8 @@ def test_gradient_exactly_zero_outside_clip_band_with_clipping_sign(loss_fn):
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_gspo_token_equals_gspo_with_sequence_advantages(mode):
     logprobs, old, advantages, mask = _ragged_batch(11)
-    kwargs = dict(clip_low=0.05, clip_high=0.08, loss_agg_mode=mode, normalizer=LossNormalizer.from_loss_mask(mask, max_response_tokens=16))
+    normalizer = LossNormalizer.from_loss_mask(mask, max_response_tokens=16)
+    kwargs = dict(clip_low=0.05, clip_high=0.08, loss_agg_mode=mode, normalizer=normalizer)
     loss_seq, _ = gspo_loss(logprobs, old, advantages, mask, **kwargs)
     (grad_seq,) = torch.autograd.grad(loss_seq, logprobs)
     token_advantages = advantages[:, None].expand_as(logprobs).clone()

@@ -38,7 +38,8 @@ def test_ppo_clip_matches_objective_per_token(clip_c):
     """J_t = min(r A, clip(r, 1-el, 1+eh) A), and max(J_t, c A) for A < 0 (Ye et al. 2020); token mean."""
     logprobs, old, advantages, mask = _batch(1, batch=6, width=8, noise=0.5)
     clip_low, clip_high = 0.2, 0.28
-    loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
+    clips = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
+    loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, **clips)
     loss.backward()
     num_tokens = int(mask.sum())
     objective, grad, dual_hits = 0.0, torch.zeros_like(old), 0
@@ -96,7 +97,8 @@ def test_gradcheck_policy_losses(name, mode):
     normalizer = LossNormalizer.from_loss_mask(mask, max_response_tokens=7)
 
     def fn(lp):
-        return compute_policy_loss(name, lp, old, advantages, mask, normalizer=normalizer, is_weights=is_weights, **kwargs)[0]
+        extra = dict(normalizer=normalizer, is_weights=is_weights)
+        return compute_policy_loss(name, lp, old, advantages, mask, **extra, **kwargs)[0]
 
     assert torch.autograd.gradcheck(fn, (logprobs,), eps=1e-6, atol=1e-8)
 
