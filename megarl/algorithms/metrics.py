@@ -82,9 +82,10 @@ def extreme_metric(values: Tensor, mask: Tensor, reduction: Literal["max", "min"
     values = values.detach()
     fill = float("-inf") if reduction == "max" else float("inf")
     filled = torch.where(mask != 0, values, torch.full_like(values, fill))
-    value = filled.max() if reduction == "max" else filled.min()
     if filled.numel() == 0:
         value = torch.tensor(fill, dtype=values.dtype, device=values.device)
+    else:
+        value = filled.max() if reduction == "max" else filled.min()
     return Metric(value, reduction, torch.ones((), dtype=values.dtype, device=values.device))
 
 

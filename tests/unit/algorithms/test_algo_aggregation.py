@@ -154,3 +154,19 @@ def test_unknown_mode_and_bad_shapes_are_rejected():
         aggregate_loss(torch.zeros(2, 3), mask, "token-mean")
     with pytest.raises(ValueError, match="token_losses shape"):
         aggregate_loss(torch.zeros(2, 4), mask, "token_mean")
+
+
+def test_empty_micro_batch_is_the_identity_of_metric_reduction():
+    """A micro batch with no loss tokens (even B = 0) changes neither the loss nor any metric."""
+    data, weight = _data()
+    logprobs, entropy, pick = _forward(weight, data, list(range(BATCH)))
+    case = _loss_cases()["gspo"]
+    _, metrics = case(logprobs, entropy, pick)
+    empty_mask = {**pick, "mask": torch.zeros_like(pick["mask"])}
+    empty_loss, empty_metrics = case(logprobs, entropy, empty_mask)
+    none = {k: v[:0] for k, v in pick.items()}
+    none_loss, none_metrics = case(logprobs[:0], entropy[:0], none)
+    assert empty_loss.item() == 0.0 and none_loss.item() == 0.0
+    combined = reduce_metrics([empty_metrics, metrics, none_metrics])
+    for name, metric in metrics.items():
+        assert combined[name].value.item() == pytest.approx(metric.value.item(), rel=1e-14), name
