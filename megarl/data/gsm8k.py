@@ -7,7 +7,10 @@ demonstrations can still use the reasoning.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+from typing import Any
 
 from megarl.data.datasets import DatasetError, PromptDataset, Row, read_rows
 
@@ -62,3 +65,44 @@ def is_gsm8k_file(path: str | os.PathLike) -> bool:
     """True when the first row of ``path`` looks like raw GSM8K (its answer has a ``####`` line)."""
     rows = read_rows(path)
     return bool(rows) and FINAL_ANSWER_MARK in str(rows[0].get("answer", ""))
+
+
+_ANNOTATION = re.compile(r"<<([^<>=]+)=([^<>]*)>>")
+
+
+def python_demonstration(row: Row, *, system_prompt: str | None = None) -> list[dict[str, Any]] | None:
+    """A tool-use demonstration for one GSM8K row: compute with the ``python`` tool, then answer.
+
+    The code prints the last calculator annotation of the worked solution (``<<48+24=72>>`` ->
+    ``print(48+24)``), the tool message is what ``print`` writes, and the final turn states
+    ``\\boxed{answer}``. Only the format is taught (as in ReTool's cold start); whether the policy
+    picks the right computation is left to RL.
+
+    Returns:
+        The chat messages, or None when the solution has no annotation whose value is the final
+        answer (about one row in ten).
+    """
+    from megarl.rollout.tools.calculator import calculate
+
+    solution = str(row.get("solution") or row["answer"])
+    answer = gsm8k_final_answer(solution) if FINAL_ANSWER_MARK in solution else str(row["answer"])
+    found = _ANNOTATION.findall(solution)
+    if not found:
+        return None
+    expression = found[-1][0].strip()
+    try:
+        value = calculate(expression)
+        if abs(float(value) - float(answer)) > 1e-6:
+            return None
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    code = f"print({expression})"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages += [
+        {"role": "user", "content": row["question"]},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "python", "arguments": json.dumps({"code": code})}}]},
+        {"role": "tool", "name": "python", "content": f"{value}\n"},
+        {"role": "assistant", "content": f"The answer is \\boxed{{{answer}}}."},
+    ]
+    return messages

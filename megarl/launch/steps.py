@@ -46,7 +46,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], policy_version: int) -> d
         "rollout/response_tokens_max": float(max(t.num_response_tokens for t in trajs)),
         "rollout/model_tokens_mean": _mean([t.num_model_tokens for t in trajs]),
         "rollout/turns_mean": _mean([t.num_turns for t in trajs]),
-        "rollout/tool_calls_mean": _mean([float(t.metadata.get("num_tool_calls", 0)) for t in trajs]),
+        "rollout/tool_calls_mean": _mean([float(t.metadata.get("tool_calls", 0)) for t in trajs]),
         "rollout/staleness_max": float(max(policy_version - t.policy_version for t in trajs)),
     }
     for status in (RolloutStatus.TRUNCATED, RolloutStatus.ABORTED, RolloutStatus.ERROR):

@@ -15,7 +15,7 @@ def traj(reward, *, version=5, status=RolloutStatus.COMPLETED, n=3, tools=0):
     return Trajectory(prompt_ids=torch.tensor([1, 2]), response_ids=torch.arange(n) + 10,
                       loss_mask=torch.ones(n, dtype=torch.int64), rollout_logprobs=torch.full((n,), -0.5),
                       reward=reward, status=status, num_turns=2, policy_version=version,
-                      metadata={"num_tool_calls": tools})
+                      metadata={"tool_calls": tools})
 
 
 def test_filters_and_group_relative_advantages():
