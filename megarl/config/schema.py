@@ -209,6 +209,10 @@ class EngineConfig:
     """Seconds before one generate request is abandoned."""
     extra_args: List[str] = field(default_factory=list)
     """Extra ``sglang.launch_server`` arguments, verbatim."""
+    dtype: str = "auto"
+    """SGLang ``--dtype``: ``auto`` (the checkpoint's), ``bfloat16``, ``float16`` or ``float32``."""
+    grammar_backend: str = "xgrammar"
+    """SGLang ``--grammar-backend`` for regex / json_schema constrained decoding (``none`` = off)."""
 
 
 @dataclass

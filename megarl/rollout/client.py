@@ -1,0 +1,421 @@
+"""Async HTTP client for one SGLang server (the production :class:`RolloutEngine`).
+
+It speaks SGLang's native API: ``/generate`` with token ids in and token ids + logprobs out, and
+the control endpoints for pausing, cache flushing, aborting and weight updates (DESIGN.md §3;
+protocol facts in ../shared/notes/sglang_cpu.md and sglang_sync_r3.md).
+
+Failure policy:
+
+- A connection that cannot be opened (refused, unreachable, DNS) is retried with exponential
+  backoff: the request never reached the server, so a retry cannot duplicate it.
+- A request that reached the server is never re-sent by the client. If the connection drops
+  mid-request the client raises :class:`EngineConnectionLost`; the router decides what to do.
+- An HTTP error status raises :class:`EngineRequestError` (not retried).
+- A generate request that times out or whose caller is cancelled is aborted on the server
+  (``/abort_request`` with its ``rid``), so the engine stops spending compute on it.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import uuid
+from typing import Any, Sequence
+
+import aiohttp
+import numpy as np
+import torch
+
+from megarl.rollout.types import GenerateOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Base class of engine failures raised by :class:`SGLangClient`."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine could not be reached (after the connection retries)."""
+
+
+class EngineConnectionLost(EngineUnavailableError):
+    """The connection dropped after the request was sent; the engine may or may not have run it."""
+
+
+class EngineTimeoutError(EngineError):
+    """No answer within the request timeout (the request was aborted on the engine)."""
+
+
+class EngineRequestError(EngineError):
+    """The engine answered with an HTTP error status.
+
+    Attributes:
+        status: the HTTP status code.
+        body: the response body (text).
+    """
+
+    def __init__(self, path: str, status: int, body: str) -> None:
+        super().__init__(f"{path} -> HTTP {status}: {body[:2000]}")
+        self.status = status
+        self.body = body
+
+
+def decode_routed_experts(data: str, num_layers: int, topk: int) -> torch.Tensor:
+    """Decode SGLang's ``meta_info["routed_experts"]``.
+
+    Args:
+        data: base64 of little-endian int32, row-major ``[rows, num_layers, topk]``.
+        num_layers: decoder layers L (``num_hidden_layers`` of the HF config).
+        topk: experts per token K (``num_experts_per_tok``).
+
+    Returns:
+        ``[rows, L, K]`` int32 Hugging Face expert ids. With ``routed_experts_start_len=0`` rows is
+        ``P + N - 1``: every prompt token and every output token but the last sampled one.
+
+    Raises:
+        ValueError: the payload size is not a multiple of ``L * K`` int32 values.
+    """
+    raw = base64.b64decode(data)
+    row_bytes = 4 * num_layers * topk
+    if len(raw) % row_bytes:
+        raise ValueError(f"routed_experts payload of {len(raw)} bytes is not a multiple of "
+                         f"4 * num_layers({num_layers}) * topk({topk})")
+    flat = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int32))
+    return flat.view(-1, num_layers, topk)
+
+
+def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """One rank's ``update_weights_from_tensor`` payload: base64 of a torch ForkingPickler dump.
+
+    CPU tensors are shared with the server through named shared-memory files (torch's
+    ``file_system`` strategy, set process-wide here): the default file-descriptor strategy needs a
+    multiprocessing connection the server does not have. Keep the tensors alive until the update
+    request has returned.
+    """
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+
+    if any(t.device.type == "cpu" for _, t in named_tensors):
+        tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(named_tensors))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class SGLangClient:
+    """Async client of one SGLang server; implements :class:`megarl.rollout.types.RolloutEngine`.
+
+    Args:
+        url: ``http://host:port`` of the server.
+        engine_id: name reported in :attr:`GenerateOutput.engine_id` (default: the URL).
+        request_timeout_s: seconds before a generate (or control) request is abandoned.
+        connect_timeout_s: seconds to open one connection.
+        max_connect_retries: retries after a failed connection attempt (0 = none).
+        retry_backoff_s: first retry delay; doubled per retry.
+        routed_experts_layout: ``(num_layers, topk)`` to decode routed experts; None reads them
+            from the served model's ``config.json`` on first use.
+        max_connections: concurrent connections to this server.
+    """
+
+    def __init__(self, url: str, *, engine_id: str | None = None, request_timeout_s: float = 600.0,
+                 connect_timeout_s: float = 10.0, max_connect_retries: int = 3,
+                 retry_backoff_s: float = 0.5, routed_experts_layout: tuple[int, int] | None = None,
+                 max_connections: int = 1024) -> None:
+        self.url = url.rstrip("/")
+        self.engine_id = engine_id or self.url
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connect_retries = max_connect_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.routed_experts_layout = routed_experts_layout
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ transport
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # A session is bound to its event loop; tests (and Ray actors) may use several loops.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections, force_close=False),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s))
+            self._session_loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        """Close the HTTP session (idempotent)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> "SGLangClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _request(self, method: str, path: str, payload: Any = None, *,
+                       timeout_s: float | None = None, expect_json: bool = True) -> Any:
+        """Send one request, retrying only connection failures; see the module docstring.
+
+        Raises:
+            EngineUnavailableError: no connection after the retries.
+            EngineConnectionLost: the connection dropped after the request was sent.
+            EngineTimeoutError: no response within ``timeout_s``.
+            EngineRequestError: HTTP error status.
+        """
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.request_timeout_s,
+                                        sock_connect=self.connect_timeout_s)
+        delay = self.retry_backoff_s
+        for attempt in range(self.max_connect_retries + 1):
+            try:
+                async with self._get_session().request(method, self.url + path, json=payload,
+                                                       timeout=timeout) as resp:
+                    body = await resp.read()
+                    if resp.status >= 400:
+                        raise EngineRequestError(path, resp.status, body.decode("utf-8", "replace"))
+                    if not expect_json:
+                        return body.decode("utf-8", "replace")
+                    return json.loads(body) if body else None
+            except aiohttp.ClientConnectorError as exc:
+                if attempt == self.max_connect_retries:
+                    raise EngineUnavailableError(f"{self.engine_id}: cannot connect to {self.url} "
+                                                 f"after {attempt + 1} attempts: {exc}") from exc
+                log.debug("%s: connect failed (%s); retry in %.2f s", self.engine_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay *= 2
+            except asyncio.TimeoutError as exc:
+                raise EngineTimeoutError(f"{self.engine_id}: {path} got no answer within "
+                                         f"{timeout.total} s") from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                    aiohttp.ClientPayloadError) as exc:
+                raise EngineConnectionLost(f"{self.engine_id}: connection lost during {path}: "
+                                           f"{exc!r}") from exc
+        raise AssertionError("unreachable")
+
+    async def _post(self, path: str, payload: Any = None, **kwargs) -> Any:
+        return await self._request("POST", path, {} if payload is None else payload, **kwargs)
+
+    async def _post_checked(self, path: str, payload: Any, **kwargs) -> dict:
+        """POST to an endpoint that answers ``{"success": bool, "message": str}``."""
+        result = await self._post(path, payload, **kwargs)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineRequestError(path, 200, json.dumps(result))
+        return result
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *,
+                       return_routed_experts: bool = False, session_id: str | None = None,
+                       return_logprob: bool = True, routed_experts_start_len: int = 0,
+                       rid: str | None = None) -> GenerateOutput:
+        """Generate one turn from token ids.
+
+        Args:
+            input_ids: ``[P]`` prompt token ids.
+            sampling_params: SGLang sampling parameters (``max_new_tokens``, ``temperature``,
+                ``top_p``, ``stop``, ``regex``, ``json_schema``, ...); not modified.
+            return_routed_experts: also return the routed experts (server launched with
+                ``--enable-return-routed-experts``).
+            session_id: ignored by a single engine (it is the router's affinity key).
+            return_logprob: return the logprob of each output token.
+            routed_experts_start_len: first position whose routing is returned (0 = all).
+            rid: request id on the server (default: a fresh uuid); see :meth:`abort`.
+
+        Returns:
+            :class:`GenerateOutput` with ``output_ids [N]``, ``output_logprobs [N]`` (empty if not
+            requested), ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``cached_tokens``,
+            ``weight_version`` and, if requested, ``routed_experts [P + N - 1 - start, L, K]`` int32.
+
+        Raises:
+            EngineError: see :meth:`_request`. Cancellation aborts the request on the server.
+        """
+        rid = rid or uuid.uuid4().hex
+        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                   "return_logprob": return_logprob, "rid": rid}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = routed_experts_start_len
+        try:
+            result = await self._post("/generate", payload)
+        except (asyncio.CancelledError, EngineTimeoutError):
+            self._abort_in_background(rid)
+            raise
+        return await self._parse_generate(result, return_routed_experts)
+
+    async def _parse_generate(self, result: dict, return_routed_experts: bool) -> GenerateOutput:
+        meta = result["meta_info"]
+        logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        routed = None
+        if return_routed_experts:
+            if meta.get("routed_experts") is None:
+                raise EngineRequestError("/generate", 200, "no routed_experts in the response; "
+                                         "launch the engine with --enable-return-routed-experts")
+            num_layers, topk = await self._routed_experts_layout()
+            routed = decode_routed_experts(meta["routed_experts"], num_layers, topk)
+        finish = meta.get("finish_reason") or {}
+        return GenerateOutput(
+            output_ids=list(result["output_ids"]), output_logprobs=logprobs,
+            finish_reason=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),
+            routed_experts=routed, cached_tokens=int(meta.get("cached_tokens") or 0),
+            weight_version=meta.get("weight_version"), engine_id=self.engine_id)
+
+    async def _routed_experts_layout(self) -> tuple[int, int]:
+        if self.routed_experts_layout is None:
+            info = await self.model_info()
+            with open(f"{info['model_path']}/config.json", encoding="utf-8") as fh:
+                hf_config = json.load(fh)
+            text_config = hf_config.get("text_config", hf_config)
+            self.routed_experts_layout = (int(text_config["num_hidden_layers"]),
+                                          int(text_config["num_experts_per_tok"]))
+        return self.routed_experts_layout
+
+    def _abort_in_background(self, rid: str) -> None:
+        async def abort() -> None:
+            try:
+                await self.abort(rid)
+            except Exception as exc:  # best effort: the engine may be gone
+                log.debug("%s: abort of %s failed: %r", self.engine_id, rid, exc)
+
+        try:
+            asyncio.get_running_loop().create_task(abort())
+        except RuntimeError:
+            pass
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request (by ``rid``) or all; aborted requests return ``finish_reason="abort"``."""
+        if rid is None and not abort_all:
+            raise ValueError("abort() needs a rid or abort_all=True")
+        await self._post("/abort_request", {"rid": rid or "", "abort_all": abort_all},
+                         expect_json=False, timeout_s=30.0)
+
+    # ------------------------------------------------------------------ control
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """``/health`` answered 200 within ``timeout_s`` (never raises; no retries)."""
+        try:
+            session = self._get_session()
+            async with session.get(self.url + "/health",
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def model_info(self) -> dict:
+        """``/model_info``: model_path, weight_version, tool_call_parser, ..."""
+        return await self._request("GET", "/model_info", timeout_s=30.0)
+
+    async def get_weight_version(self) -> str | None:
+        """The engine's current weight version string."""
+        return (await self.model_info()).get("weight_version")
+
+    async def pause(self, mode: str = "retract") -> None:
+        """Pause generation: ``retract`` (running requests go back to the queue and resume later),
+        ``abort`` (they return now with ``finish_reason="abort"``) or ``in_place`` (kept as is)."""
+        if mode not in ("retract", "abort", "in_place"):
+            raise ValueError(f"pause mode must be retract | abort | in_place, got {mode!r}")
+        await self._post("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        """Continue generation after :meth:`pause`."""
+        await self._post("/continue_generation", {})
+
+    async def flush_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty the prefix (radix) cache, waiting up to ``timeout_s`` for running requests.
+
+        Raises:
+            EngineRequestError: the engine refused (requests still running after ``timeout_s``).
+        """
+        await self._request("POST", f"/flush_cache?timeout={timeout_s}", None,
+                            timeout_s=timeout_s + 30.0, expect_json=False)
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Release weights and/or KV cache memory (``tags``: ``weights``, ``kv_cache``; None = all)."""
+        await self._post("/release_memory_occupation", {"tags": list(tags) if tags else None},
+                         expect_json=False)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`release_memory_occupation` released."""
+        await self._post("/resume_memory_occupation", {"tags": list(tags) if tags else None},
+                         expect_json=False)
+
+    # ------------------------------------------------------------------ weight updates
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        """Open a weight-update session (required around tensor / distributed updates in 0.5.23)."""
+        return await self._post_checked("/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict:
+        """Close the weight-update session opened by :meth:`begin_weight_update`."""
+        return await self._post_checked("/end_weight_update", {})
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict:
+        """Make the engine's TP ranks join a process group with the trainer.
+
+        Engine rank ``tp_rank`` becomes group rank ``rank_offset + tp_rank`` of ``world_size``;
+        the caller must join concurrently (this call returns when the group is formed).
+        ``backend``: ``nccl`` on GPU, ``gloo`` on CPU.
+        """
+        return await self._post_checked("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend})
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """Leave and destroy the weight-update process group."""
+        return await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], *,
+                                              group_name: str = "weight_update_group",
+                                              weight_version: str | None = None,
+                                              flush_cache: bool = True,
+                                              load_format: str | None = None) -> dict:
+        """Receive full HF-named tensors broadcast by group rank 0 (the caller broadcasts
+        concurrently, in ``names`` order; ``load_format="flattened_bucket"`` = one flat buffer).
+
+        SGLang ignores names it does not know and still reports success: verify by logprobs.
+        """
+        payload = {"names": list(names), "dtypes": list(dtypes),
+                   "shapes": [list(s) for s in shapes], "group_name": group_name,
+                   "flush_cache": flush_cache, "weight_version": weight_version}
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._post_checked("/update_weights_from_distributed", payload)
+
+    async def update_weights_from_tensor(
+            self, per_rank: Sequence[str | Sequence[tuple[str, torch.Tensor]]], *,
+            load_format: str | None = None, flush_cache: bool = True,
+            weight_version: str | None = None) -> dict:
+        """Load tensors into the engine, one payload per engine TP rank.
+
+        Args:
+            per_rank: element ``r`` goes to TP rank ``r`` only: either ``[(hf_name, tensor), ...]``
+                (serialised here with :func:`serialize_named_tensors`) or an already serialised
+                payload string.
+            load_format: None (full HF tensors, SGLang slices them), ``direct`` (engine-internal
+                layout), ``flattened_bucket``, or a ``--custom-weight-loader`` import path.
+        """
+        payloads = [p if isinstance(p, str) else serialize_named_tensors(p) for p in per_rank]
+        payload = {"serialized_named_tensors": payloads, "flush_cache": flush_cache,
+                   "weight_version": weight_version}
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._post_checked("/update_weights_from_tensor", payload)
+
+    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
+                                       weight_version: str | None = None,
+                                       flush_cache: bool = True) -> dict:
+        """Reload all weights from a model directory the engine can read."""
+        payload = {"model_path": str(model_path), "weight_version": weight_version,
+                   "flush_cache": flush_cache}
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return await self._post_checked("/update_weights_from_disk", payload)
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.engine_id})"

@@ -1,0 +1,402 @@
+"""Launch, watch, stop and restart SGLang server processes (the rollout engines).
+
+One :class:`EngineProcess` is one ``python -m sglang.launch_server`` process tree (HTTP server,
+scheduler per TP rank, detokenizer), started in its own process group so that stopping it never
+touches anything else. The same code launches SGLang on CUDA (clusters) and on CPU (tests, CI, the
+demo); on CPU it adds SGLang's CPU switches and megarl's CPU shims (:mod:`megarl.rollout.cpu_shims`)
+to the *server's* environment only.
+
+Engines that someone else already runs are used by URL (``rollout.external_engine_urls``); they
+need no launcher, only a :class:`megarl.rollout.client.SGLangClient`.
+
+Example::
+
+    engine = EngineProcess(model_path, device="cpu", log_path="runs/x/engine0.log")
+    engine.start()
+    engine.wait_healthy(timeout_s=120)
+    ...  # SGLangClient(engine.url)
+    engine.stop()
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from megarl.rollout import cpu_shims
+
+log = logging.getLogger(__name__)
+
+_LOG_TAIL_BYTES = 6000
+_LIVE_ENGINES: "weakref.WeakSet[EngineProcess]" = weakref.WeakSet()
+
+
+class EngineStartupError(RuntimeError):
+    """The SGLang server exited or did not answer ``/health`` in time; the message has its log tail."""
+
+
+def resolve_device(device: str) -> str:
+    """Map ``auto`` to ``cuda`` when a CUDA device is visible, else ``cpu``.
+
+    Raises:
+        ValueError: ``device`` is not ``auto``, ``cuda`` or ``cpu``.
+    """
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"engine device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def find_free_port(host: str = "127.0.0.1", start: int | None = None) -> int:
+    """A TCP port free on ``host`` now: the first free one at or above ``start``, else any."""
+    candidates = range(start, min(start + 1000, 65536)) if start else [0]
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError(f"no free port on {host} in [{start}, {start + 1000})")
+
+
+def cpu_threads_bind(tp_size: int, cpus: Sequence[int] | None = None) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` value splitting ``cpus`` evenly over ``tp_size`` ranks.
+
+    SGLang's CPU path gives each TP rank one NUMA node unless told otherwise, so TP larger than the
+    NUMA node count needs an explicit split (``"0|1"`` for TP=2 on two cores).
+
+    Raises:
+        ValueError: fewer CPUs than TP ranks.
+    """
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < tp_size:
+        raise ValueError(f"engine tp_size={tp_size} needs at least {tp_size} CPUs, have {len(cpus)}")
+    per_rank = len(cpus) // tp_size
+    groups = [cpus[r * per_rank:(r + 1) * per_rank] for r in range(tp_size)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
+class EngineProcess:
+    """One SGLang HTTP server process (tree) on this node.
+
+    Args:
+        model_path: Hugging Face model directory served by the engine.
+        port: HTTP port; None picks a free one at :meth:`start`.
+        host: address to bind (``127.0.0.1`` unless the cluster config says otherwise).
+        tp_size: tensor-parallel size of the engine (``--tp``).
+        device: ``auto``, ``cuda`` or ``cpu``. ``cpu`` applies the CPU shims and backends.
+        dtype: ``--dtype`` (``auto`` keeps the checkpoint's dtype; ``float32`` for CPU logprob checks).
+        mem_fraction_static: ``--mem-fraction-static`` or None for SGLang's default.
+        max_total_tokens: ``--max-total-tokens`` (KV cache tokens) or None.
+        grammar_backend: ``--grammar-backend`` for constrained decoding (``xgrammar`` works on CPU;
+            ``none`` disables regex / json_schema sampling params).
+        enable_return_routed_experts: capture routed experts (Rollout Routing Replay).
+        custom_weight_loaders: import paths passed to ``--custom-weight-loader``.
+        extra_args: further ``sglang.launch_server`` arguments, verbatim.
+        env: extra environment variables for the server process.
+        log_path: file receiving the server's stdout and stderr; default a new file under the
+            system temp directory.
+        engine_id: a name for logs and metrics; default ``engine@host:port``.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, port: int | None = None,
+                 host: str = "127.0.0.1", tp_size: int = 1, device: str = "auto", dtype: str = "auto",
+                 mem_fraction_static: float | None = None, max_total_tokens: int | None = None,
+                 grammar_backend: str = "xgrammar", enable_return_routed_experts: bool = False,
+                 custom_weight_loaders: Sequence[str] = (), extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                 engine_id: str | None = None) -> None:
+        if tp_size < 1:
+            raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
+        self.model_path = str(model_path)
+        self.host = host
+        self.port = port
+        self.tp_size = tp_size
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.mem_fraction_static = mem_fraction_static
+        self.max_total_tokens = max_total_tokens
+        self.grammar_backend = grammar_backend
+        self.enable_return_routed_experts = enable_return_routed_experts
+        self.custom_weight_loaders = list(custom_weight_loaders)
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else None
+        self._engine_id = engine_id
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    # ---------------------------------------------------------------- description
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the server (the port is fixed at :meth:`start`)."""
+        if self.port is None:
+            raise RuntimeError("EngineProcess.url is known only after start()")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_id(self) -> str:
+        """Name used in logs, metrics and :class:`GenerateOutput.engine_id`."""
+        return self._engine_id or f"engine@{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the server's main process (also its process-group id), or None."""
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        """The ``sglang.launch_server`` command line."""
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(self.port), "--tp", str(self.tp_size),
+               "--dtype", self.dtype, "--grammar-backend", self.grammar_backend,
+               "--device", self.device]
+        if self.device == "cpu":
+            # SGLang's torch-native paths; overlap scheduling only helps with a GPU stream.
+            cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                    "--disable-overlap-schedule"]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.enable_return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
+        if self.custom_weight_loaders:
+            cmd += ["--custom-weight-loader", *self.custom_weight_loaders]
+        return cmd + self.extra_args
+
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The server's environment: ``base`` (default ``os.environ``), CPU setup, then ``env``."""
+        env = dict(os.environ if base is None else base)
+        if self.device == "cpu":
+            env = cpu_shims.apply_to_env(env)
+            if self.tp_size > 1:
+                env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(self.tp_size))
+        env.update(self.extra_env)
+        return env
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "EngineProcess":
+        """Launch the server in a new process group; returns at once (see :meth:`wait_healthy`).
+
+        Raises:
+            RuntimeError: already running, or (CPU) an SGLang version the shims do not support.
+        """
+        if self.is_alive():
+            raise RuntimeError(f"{self.engine_id} is already running (pid {self.pid})")
+        if self.device == "cpu":
+            cpu_shims.check_sglang_version()
+        if self.port is None:
+            self.port = find_free_port(self.host)
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        log.info("starting %s: %s (log %s)", self.engine_id, " ".join(self.command()), self.log_path)
+        self._proc = subprocess.Popen(self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
+                                      stdout=self._log_file, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        _LIVE_ENGINES.add(self)
+        return self
+
+    def is_alive(self) -> bool:
+        """The main server process is running (says nothing about readiness; see :meth:`health`)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        """``GET /health`` answered 200 within ``timeout_s``."""
+        if self.port is None:
+            return False
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> "EngineProcess":
+        """Block until ``/health`` answers 200.
+
+        Raises:
+            EngineStartupError: the process exited, or ``timeout_s`` passed; the server is stopped
+                and the error carries the tail of its log.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                code = self._proc.returncode if self._proc else None
+                self.stop()
+                raise EngineStartupError(f"{self.engine_id} exited with code {code} during start-up; "
+                                         f"log {self.log_path}:\n{self.log_tail()}")
+            if self.health(timeout_s=min(5.0, max(0.1, deadline - time.monotonic()))):
+                log.info("%s healthy at %s", self.engine_id, self.url)
+                return self
+            time.sleep(poll_s)
+        self.stop()
+        raise EngineStartupError(f"{self.engine_id} did not answer /health within {timeout_s:.0f} s; "
+                                 f"log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after ``grace_s``.
+
+        Returns:
+            The main process's exit code, or None if it was not started.
+        """
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0f s; killing its process group",
+                            self.engine_id, grace_s)
+            # Children (scheduler, detokenizer) may outlive the main process: always sweep the group.
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        _LIVE_ENGINES.discard(self)
+        return proc.returncode if proc is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (simulates a crashed engine; see :meth:`stop`)."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
+
+    def restart(self, timeout_s: float = 300.0) -> "EngineProcess":
+        """Stop (if needed), start on the same port, and wait until healthy.
+
+        The restarted engine serves the weights at ``model_path``; a caller that has pushed newer
+        weights must push them again before routing traffic to it.
+        """
+        self.stop()
+        _wait_port_free(self.host, self.port, timeout_s=30.0)
+        return self.start().wait_healthy(timeout_s)
+
+    def log_tail(self, num_bytes: int = _LOG_TAIL_BYTES) -> str:
+        """The last ``num_bytes`` of the server log."""
+        if self.log_path is None or not self.log_path.exists():
+            return "<no log>"
+        with open(self.log_path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - num_bytes))
+            return fh.read().decode("utf-8", errors="replace")
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "stopped"
+        return f"EngineProcess({self.engine_id}, device={self.device}, tp={self.tp_size}, {state})"
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_port_free(host: str, port: int | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while port is not None and time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return
+            except OSError:
+                time.sleep(0.2)
+
+
+@atexit.register
+def _stop_leftover_engines() -> None:
+    # A crashed driver must not leave servers running on the node.
+    for engine in list(_LIVE_ENGINES):
+        engine.stop(grace_s=5.0)
+
+
+def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
+                   log_dir: str | os.PathLike | None = None, wait: bool = True,
+                   enable_return_routed_experts: bool = False,
+                   custom_weight_loaders: Sequence[str] = (),
+                   extra_env: Mapping[str, str] | None = None) -> list[EngineProcess]:
+    """Start ``cfg.num_engines`` SGLang servers on this node, in parallel.
+
+    Args:
+        cfg: the ``rollout`` section (:class:`megarl.config.schema.RolloutConfig`).
+        model_path: model directory to serve.
+        device: ``auto``, ``cuda`` or ``cpu`` (``cluster.device``).
+        log_dir: directory for ``engine{i}.log``; default: temporary files.
+        wait: block until every engine answers ``/health`` (``cfg.engine.startup_timeout_s``).
+        enable_return_routed_experts: capture routed experts (``train.routing_replay == "r3"``).
+        custom_weight_loaders: ``--custom-weight-loader`` import paths (the weight-sync transport's).
+        extra_env: extra environment variables for every server.
+
+    Returns:
+        The engines, started (and healthy if ``wait``). With ``cfg.external_engine_urls`` set,
+        nothing is launched and the list is empty: use the URLs directly.
+
+    Raises:
+        EngineStartupError: an engine failed to start; all engines started here are stopped.
+    """
+    if cfg.external_engine_urls:
+        return []
+    ecfg = cfg.engine
+    engines: list[EngineProcess] = []
+    try:
+        for i in range(cfg.num_engines):
+            port = find_free_port(ecfg.host, ecfg.base_port + 10 * i)
+            log_path = Path(log_dir) / f"engine{i}.log" if log_dir else None
+            engines.append(EngineProcess(
+                model_path, port=port, host=ecfg.host, tp_size=ecfg.tensor_parallel_size,
+                device=device, dtype=ecfg.dtype, mem_fraction_static=ecfg.mem_fraction_static,
+                max_total_tokens=ecfg.max_total_tokens, grammar_backend=ecfg.grammar_backend,
+                enable_return_routed_experts=enable_return_routed_experts,
+                custom_weight_loaders=custom_weight_loaders, extra_args=list(ecfg.extra_args),
+                env=extra_env, log_path=log_path, engine_id=f"engine{i}").start())
+        if wait:
+            _wait_all_healthy(engines, ecfg.startup_timeout_s)
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
+    return engines
+
+
+def _wait_all_healthy(engines: Sequence[EngineProcess], timeout_s: float) -> None:
+    errors: list[BaseException] = []
+
+    def wait_one(engine: EngineProcess) -> None:
+        try:
+            engine.wait_healthy(timeout_s)
+        except BaseException as exc:  # collected and re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait_one, args=(e,), daemon=True) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 30)
+    if errors:
+        raise errors[0]
