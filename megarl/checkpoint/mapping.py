@@ -1,0 +1,265 @@
+"""Hugging Face <-> Megatron-Core parameter mapping: names, tensor transforms, TP sharding.
+
+A model family (``megarl.checkpoint.families``) declares one table from Megatron parameter-name
+templates to :class:`Entry` values: the HF tensor names, the transform between the HF tensors and
+the one Megatron tensor, and how Megatron shards that tensor over tensor parallelism. This module
+interprets such tables; it knows no family.
+
+Names. Megatron names are *global, checkpoint-style module names* of one ``GPTModel``:
+``decoder.layers.{L}.…`` with the global layer index ``L`` (not the index inside a pipeline stage
+or virtual chunk) and, for experts, the global expert index ``E`` in
+``mlp.experts.local_experts.{E}.…`` (local spec, SequentialMLP) or ``mlp.experts.linear_fc1.weight{E}``
+(Transformer Engine grouped GEMM). :func:`global_name` turns a rank's local parameter name into it.
+
+Tensors. "Full" Megatron tensors are unsharded over TP/ETP, in Megatron's layout: ``linear_qkv``
+rows grouped per query group ``[q_g (heads_per_group*head_dim); k_g (head_dim); v_g (head_dim)]``
+for each group g; GLU ``linear_fc1`` rows ``[gate; up]``; embedding / output rows padded to
+``padded_vocab_size``. :func:`split_tp` / :func:`gather_tp` convert between full tensors and
+per-rank shards (``gather_tp`` is what a weight sync applies to shards it all-gathered).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+
+class Transform(str, enum.Enum):
+    """How the HF tensors of one entry become the full Megatron tensor."""
+
+    COPY = "copy"
+    """One HF tensor, identical."""
+    QKV = "qkv"
+    """HF ``[q, k, v]`` projections interleaved per query group into ``linear_qkv``."""
+    GLU = "glu"
+    """HF ``[gate, up]`` concatenated along rows into ``linear_fc1``."""
+    VOCAB = "vocab"
+    """One HF ``[V, H]`` tensor, rows zero-padded to the padded vocabulary."""
+
+
+class TPSplit(str, enum.Enum):
+    """How a full Megatron tensor is split over its tensor-parallel group."""
+
+    NONE = "none"
+    """Replicated on every TP rank (norms, router)."""
+    COLUMN = "column"
+    """Rows (dim 0) split into equal contiguous chunks (column-parallel linear, vocab)."""
+    ROW = "row"
+    """Columns (dim 1) split into equal chunks (row-parallel linear)."""
+    GLU = "glu"
+    """Column-parallel GLU ``[gate; up]``: each rank holds ``[gate_r; up_r]``."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of a family's mapping table."""
+
+    hf: tuple[str, ...]
+    """HF name templates (``{L}`` layer, ``{E}`` expert), in the transform's argument order."""
+    transform: Transform
+    tp_split: TPSplit
+    expert: bool = False
+    """Expert weight: sharded by expert parallelism and split over the expert-TP group (ETP)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLayout:
+    """The dimensions the mapping needs, from the HF config (see ``families``)."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    """HF vocabulary size (``config.vocab_size``); exported embeddings have exactly this many rows."""
+    padded_vocab_size: int
+    """Megatron's padded vocabulary (multiple of make_vocab_size_divisible_by x TP)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0 = dense model)."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer: True = MoE MLP, False = dense MLP."""
+    tie_word_embeddings: bool = False
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp_size``."""
+    multiple = make_vocab_size_divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def template_of(name: str) -> tuple[str, dict[str, int]]:
+    """Split a concrete name into its template and indices.
+
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight`` ->
+    (``decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight``, {L: 3, E: 5});
+    ``….experts.linear_fc2.weight7`` -> (``….experts.linear_fc2.weight{E}``, {E: 7}).
+    """
+    parts, values = [], {}
+    for part in name.split("."):
+        if part.isdigit():
+            key = "L" if "L" not in values else "E"
+            values[key] = int(part)
+            parts.append("{" + key + "}")
+        elif part.startswith("weight") and part[6:].isdigit():
+            values["E"] = int(part[6:])
+            parts.append("weight{E}")
+        else:
+            parts.append(part)
+    return ".".join(parts), values
+
+
+def lookup(table: Mapping[str, Entry], name: str) -> tuple[Entry, dict[str, int]]:
+    """The table entry of a concrete Megatron name and its indices.
+
+    Raises:
+        KeyError: the name is not in the table.
+    """
+    template, values = template_of(name)
+    if template not in table:
+        raise KeyError(f"no HF mapping for Megatron parameter {name!r} (template {template!r})")
+    return table[template], values
+
+
+def hf_names(entry: Entry, values: Mapping[str, int]) -> list[str]:
+    """The concrete HF names of an entry."""
+    return [t.format(**values) for t in entry.hf]
+
+
+def hf_names_for(megatron_name: str, layout: ModelLayout,
+                 table: Mapping[str, Entry] | None = None) -> list[str]:
+    """The HF tensor names a global Megatron parameter is made of (``[]`` for the output layer
+    when embeddings are tied: it is the embedding).
+
+    Raises:
+        KeyError: a name with no mapping.
+    """
+    entry, values = lookup(table if table is not None else family_table(layout), megatron_name)
+    if layout.tie_word_embeddings and megatron_name == "output_layer.weight":
+        return []
+    return hf_names(entry, values)
+
+
+def family_table(layout: ModelLayout) -> Mapping[str, Entry]:
+    """The mapping table of ``layout.family``."""
+    from megarl.checkpoint.families import get_family
+
+    return get_family(layout.family).table
+
+
+def to_megatron(entry: Entry, hf_tensors: Sequence[torch.Tensor], layout: ModelLayout) -> torch.Tensor:
+    """Build the full Megatron tensor from the entry's HF tensors (in ``entry.hf`` order)."""
+    if entry.transform is Transform.COPY:
+        return hf_tensors[0]
+    if entry.transform is Transform.GLU:
+        return torch.cat(list(hf_tensors), dim=0)
+    if entry.transform is Transform.VOCAB:
+        t = hf_tensors[0]
+        if t.shape[0] > layout.padded_vocab_size:
+            raise ValueError(f"vocabulary rows {t.shape[0]} exceed padded size {layout.padded_vocab_size}")
+        pad = t.new_zeros((layout.padded_vocab_size - t.shape[0],) + tuple(t.shape[1:]))
+        return torch.cat([t, pad], dim=0)
+    q, k, v = hf_tensors
+    groups, hd = layout.num_query_groups, layout.head_dim
+    per_group = layout.num_attention_heads // groups
+    cols = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group * hd, *cols), k.reshape(groups, hd, *cols),
+                       v.reshape(groups, hd, *cols)], dim=1)
+    return fused.reshape(groups * (per_group + 2) * hd, *cols)
+
+
+def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.Tensor]:
+    """Split a full Megatron tensor into the entry's HF tensors (in ``entry.hf`` order)."""
+    if entry.transform is Transform.COPY:
+        return [full]
+    if entry.transform is Transform.GLU:
+        return list(full.chunk(2, dim=0))
+    if entry.transform is Transform.VOCAB:
+        return [full[: layout.vocab_size]]
+    groups, hd = layout.num_query_groups, layout.head_dim
+    per_group = layout.num_attention_heads // groups
+    cols = full.shape[1:]
+    q, k, v = full.reshape(groups, (per_group + 2) * hd, *cols).split([per_group * hd, hd, hd], dim=1)
+    return [q.reshape(-1, *cols), k.reshape(-1, *cols), v.reshape(-1, *cols)]
+
+
+def split_tp(full: torch.Tensor, split: TPSplit, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's shard of a full Megatron tensor (a view where possible).
+
+    Raises:
+        ValueError: the split dimension is not divisible by ``size``.
+    """
+    if split is TPSplit.NONE or size == 1:
+        return full
+    if split is TPSplit.GLU:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([split_tp(gate, TPSplit.COLUMN, rank, size),
+                          split_tp(up, TPSplit.COLUMN, rank, size)], dim=0)
+    dim = 0 if split is TPSplit.COLUMN else 1
+    if full.shape[dim] % size:
+        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by TP size {size}")
+    return full.chunk(size, dim=dim)[rank]
+
+
+def gather_tp(shards: Sequence[torch.Tensor], split: TPSplit) -> torch.Tensor:
+    """The full Megatron tensor from all TP ranks' shards (ordered by TP rank)."""
+    if split is TPSplit.NONE or len(shards) == 1:
+        return shards[0]
+    if split is TPSplit.GLU:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=0 if split is TPSplit.COLUMN else 1)
+
+
+def global_expert_id(local_expert: int, ep_rank: int, num_local_experts: int) -> int:
+    """Megatron's expert placement: rank ``ep_rank`` holds experts ``[ep_rank*n, (ep_rank+1)*n)``."""
+    return ep_rank * num_local_experts + local_expert
+
+
+def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
+                num_local_experts: int) -> str:
+    """The global checkpoint-style name of a rank-local parameter name.
+
+    Args:
+        local_name: name from ``model_chunk.named_parameters()`` (layer index inside the chunk,
+            expert index inside the rank).
+        layer_number: Megatron's 1-based global ``TransformerLayer.layer_number`` of that layer
+            (None for non-layer parameters).
+        ep_rank: expert-parallel rank; num_local_experts: experts held by each EP rank.
+    """
+    template, values = template_of(local_name)
+    if "L" in values:
+        values["L"] = layer_number - 1
+    if "E" in values:
+        values["E"] = global_expert_id(values["E"], ep_rank, num_local_experts)
+    return template.format(**values)
+
+
+def megatron_to_hf(named_params: Iterable[tuple[str, torch.Tensor]], layout: ModelLayout,
+                   table: Mapping[str, Entry] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Convert full Megatron tensors to HF checkpoint-style tensors, one parameter at a time.
+
+    Args:
+        named_params: ``(global Megatron name, full tensor)`` pairs: global layer / expert
+            indices (see :func:`global_name`) and tensors gathered over TP/ETP with
+            :func:`gather_tp` (vocabulary rows may be padded). Any subset and order.
+        layout: the model's :class:`ModelLayout`.
+        table: the family table (default: from ``layout.family``).
+
+    Yields:
+        ``(hf_name, tensor)`` with checkpoint-style names (per-expert
+        ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``); the output layer is
+        skipped when embeddings are tied. Tensors may be views of the inputs.
+
+    Raises:
+        KeyError: a name with no mapping.
+    """
+    table = table if table is not None else family_table(layout)
+    for name, tensor in named_params:
+        entry, values = lookup(table, name)
+        if layout.tie_word_embeddings and name == "output_layer.weight":
+            continue
+        yield from zip(hf_names(entry, values), to_hf(entry, tensor, layout))

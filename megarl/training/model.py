@@ -1,0 +1,180 @@
+"""Megatron-Core ``GPTModel`` built from a Hugging Face ``config.json``.
+
+The architecture (layers, heads, experts, rope, ...) is read from the HF config through the model
+family registry (``megarl.checkpoint.families``); the run's choices (parallelism, precision,
+router dtype, aux loss, dispatcher, dropout) come from megarl's config. Specs: Megatron's local
+spec on CPU (torch norms, SequentialMLP experts), the Transformer Engine spec on GPU.
+
+``build_model`` needs Megatron's parallel state (``megarl.training.parallel_state``) and returns
+one model chunk per virtual pipeline stage (a single chunk without interleaving).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Optional
+
+import torch
+
+from megarl.config.schema import ModelConfig, ParallelConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_hf_config(hf_config_or_path: Any):
+    """An HF ``PretrainedConfig`` (read through ``AutoConfig``, which accepts the transformers 4
+    and 5 spellings) from a directory, or the config object itself."""
+    if isinstance(hf_config_or_path, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(hf_config_or_path))
+    return hf_config_or_path
+
+
+def _spec_backend(device: str, spec: str) -> bool:
+    """True = Transformer Engine spec."""
+    if spec == "auto":
+        if device != "cuda":
+            return False
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    if spec not in ("local", "te"):
+        raise ValueError(f"spec={spec!r}: expected 'auto', 'local' or 'te'")
+    if spec == "te" and device != "cuda":
+        raise ValueError("spec='te' (Transformer Engine) needs device='cuda'")
+    return spec == "te"
+
+
+def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,
+                             precision: str = "fp32", device: str = "cpu", use_te: bool = False,
+                             extra_config: Optional[dict] = None):
+    """Megatron ``TransformerConfig`` for an HF model, a parallel layout and megarl's model section.
+
+    Args:
+        hf_config: HF config object or directory.
+        parallel_cfg / model_cfg: megarl config sections.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (parameters and compute).
+        device: ``cpu``, ``cuda`` or ``meta`` (meta: no memory, used by the converters).
+        use_te: the Transformer Engine spec is used (enables grouped GEMM by default).
+        extra_config: further ``TransformerConfig`` fields (e.g. FP8, ``calculate_per_token_loss``),
+            applied last.
+
+    Raises:
+        ValueError: unknown precision, layers not divisible over pipeline stages, MoE with TP > 1
+            without sequence parallelism, or an unsupported HF architecture (names the field).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.checkpoint.families import get_family
+
+    hf_config = load_hf_config(hf_config)
+    if precision not in _DTYPES:
+        raise ValueError(f"precision={precision!r}: expected one of {list(_DTYPES)}")
+    family = get_family(hf_config)
+    arch = family.architecture(hf_config)
+    p = parallel_cfg
+    stages = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+    if arch["num_hidden_layers"] % stages:
+        raise ValueError(f"num_hidden_layers={arch['num_hidden_layers']} (HF config) is not divisible by "
+                         f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {stages}")
+    is_moe = any(arch["moe_layers"])
+    if is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        raise ValueError("MoE with parallel.tensor_model_parallel_size > 1 needs parallel.sequence_parallel=True")
+    dtype = _DTYPES[precision]
+    kwargs = family.transformer_config_kwargs(arch)
+    kwargs.update(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
+        hidden_dropout=model_cfg.hidden_dropout, attention_dropout=model_cfg.attention_dropout,
+        use_cpu_initialization=device != "cuda", perform_initialization=device != "meta",
+        # Fusions need CUDA kernels (TE/apex); off on CPU, left off on GPU until measured.
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False)
+    if model_cfg.recompute_granularity is not None:
+        kwargs.update(recompute_granularity=model_cfg.recompute_granularity)
+        if model_cfg.recompute_granularity == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    if is_moe:
+        grouped = model_cfg.moe_grouped_gemm if model_cfg.moe_grouped_gemm is not None else use_te
+        if grouped and not use_te:
+            raise ValueError("model.moe_grouped_gemm=True needs the Transformer Engine spec (GPU)")
+        kwargs.update(
+            moe_router_dtype=model_cfg.moe_router_dtype, moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if model_cfg.moe_aux_loss_coeff > 0 else "none",
+            moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type, moe_grouped_gemm=grouped,
+            moe_permute_fusion=False)
+    kwargs.update(extra_config or {})
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,
+                precision: str = "fp32", device: Optional[str] = None, spec: str = "auto",
+                extra_config: Optional[dict] = None) -> list:
+    """Build this rank's ``GPTModel`` chunks (one per virtual pipeline stage).
+
+    Pre/post-processing (embedding / output layer) follows the rank's pipeline stage and each
+    chunk's virtual stage. The vocabulary is padded to a multiple of
+    ``model.make_vocab_size_divisible_by x TP`` (padded rows are zero after
+    :func:`megarl.checkpoint.load_hf_weights`). Weights are randomly initialised; load HF weights
+    with ``load_hf_weights``. ``model.moe_router_freeze`` sets ``requires_grad=False`` on routers.
+
+    Args:
+        hf_config: HF config object or directory.
+        parallel_cfg / model_cfg: megarl config sections (must match the initialised parallel state).
+        precision: ``fp32``, ``bf16`` or ``fp16``.
+        device: ``cpu``, ``cuda``, or ``meta`` (shapes only); None = cuda when available.
+        spec: ``auto`` (TE on CUDA when importable, local otherwise), ``local`` or ``te``.
+        extra_config: extra ``TransformerConfig`` fields (see :func:`build_transformer_config`).
+
+    Returns:
+        ``list[GPTModel]``: the model chunks, on ``device``, in training mode.
+
+    Raises:
+        ValueError: see :func:`build_transformer_config`; RuntimeError: parallel state not initialised.
+    """
+    from megatron.core import parallel_state as mps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megarl.checkpoint.families import get_family
+    from megarl.checkpoint.mapping import padded_vocab_size
+
+    if not mps.model_parallel_is_initialized():
+        raise RuntimeError("build_model needs Megatron's parallel state: call initialize_parallel() first")
+    hf_config = load_hf_config(hf_config)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    use_te = _spec_backend("cuda" if device == "cuda" else "cpu", spec)
+    config = build_transformer_config(hf_config, parallel_cfg, model_cfg, precision=precision,
+                                      device=device, use_te=use_te, extra_config=extra_config)
+    family = get_family(hf_config)
+    gpt_kwargs = family.gpt_model_kwargs(family.architecture(hf_config))
+    vocab = padded_vocab_size(hf_config.vocab_size, model_cfg.make_vocab_size_divisible_by,
+                              parallel_cfg.tensor_model_parallel_size)
+    vpp = parallel_cfg.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in (range(vpp) if vpp else [None]):
+        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                normalization="RMSNorm", vp_stage=vp_stage)
+        ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
+        with ctx:
+            model = GPTModel(
+                config=config, transformer_layer_spec=block_spec, vocab_size=vocab,
+                pre_process=mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage, **gpt_kwargs)
+        if device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        if model_cfg.moe_router_freeze:
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.router.weight"):
+                    param.requires_grad_(False)
+        chunks.append(model)
+    return chunks
