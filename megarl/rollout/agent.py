@@ -1,0 +1,368 @@
+"""Agent loops: one coroutine per trajectory, token ids in and token ids out (DESIGN.md §1).
+
+A loop renders the prompt with the chat template once (tool schemas included), then per turn:
+generate on the engine (token ids + logprobs) -> parse tool calls with SGLang's ``FunctionCallParser``
+-> run the tools concurrently -> append the observation tokens and the chat-template tokens around
+them (``loss_mask`` 0, ``rollout_logprobs`` 0.0). Only the appended suffix is ever tokenised (see
+:class:`ChatTemplate`): the history is never re-rendered or re-tokenised, so a turn costs the same
+at 1k and 32k tokens of history, and the model's own token ids are kept exactly as sampled.
+
+Stops, with a :class:`~megarl.rollout.types.RolloutStatus`:
+``COMPLETED`` a turn ended (EOS or stop) without a tool call; ``TRUNCATED`` ``max_turns`` used up
+with tool calls pending, ``max_response_tokens`` or ``max_context_tokens`` reached, or a turn ended
+by length (no EOS: nothing is appended after it); ``ABORTED`` the engine aborted the request (the
+partial turn is kept; :func:`run_agent` resumes it later when partial rollouts are on);
+``ERROR`` the engine raised.
+
+Registry: ``tool_agent`` (multi-turn with tools), ``single_turn`` (one generate call, no tools).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+import torch
+
+from megarl.rollout.rewards.gsm8k import FINAL_TEXT_KEY
+from megarl.rollout.tools.calls import ToolCallParser, run_tool_calls
+from megarl.rollout.types import GenerateOutput, RolloutEngine, RolloutStatus, Tool, Trajectory
+
+logger = logging.getLogger(__name__)
+
+_SENTINEL = "\u2063megarl-end-of-model-turn\u2063"
+
+
+class ChatTemplate:
+    """Renders prompts once and tokenises only what the agent loop appends between turns.
+
+    The tokens that follow a model turn (end-of-turn marker if the model did not emit it, the tool
+    messages wrapped by the template, the next ``assistant`` header) are found by rendering a fixed
+    two-message anchor conversation whose assistant content is a sentinel, plus the new tool
+    messages, and taking the text after the sentinel. Its cost depends on the observations only.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        tool_schemas: OpenAI-style schemas rendered into the system prompt ([] for no tools).
+        system_prompt: optional system message.
+        eos_token_ids: ids that end an assistant turn (default: the tokenizer's EOS).
+
+    Raises:
+        ValueError: the template does not render the anchor's assistant content verbatim.
+    """
+
+    def __init__(self, tokenizer: Any, tool_schemas: list[dict[str, Any]],
+                 system_prompt: str | None = None, eos_token_ids: set[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tool_schemas = tool_schemas or None
+        self.system_prompt = system_prompt
+        self.eos_token_ids = set(eos_token_ids or {tokenizer.eos_token_id})
+        self.eos_text = tokenizer.eos_token or ""
+        self._anchor = [{"role": "user", "content": "?"},
+                        {"role": "assistant", "content": _SENTINEL}]
+        if _SENTINEL not in self.render(self._anchor):
+            raise ValueError("chat template does not render assistant content verbatim; "
+                             "incremental tokenisation needs it")
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages`` (with the system prompt and tool schemas)."""
+        if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tool_schemas, add_generation_prompt=add_generation_prompt,
+            tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added; special-token strings become their ids)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Render the prompt once, ending with the assistant header."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def observation_ids(self, observations: list[str], turn_ended_with_eos: bool) -> list[int]:
+        """Token ids appended after a model turn: tool messages and the next assistant header.
+
+        Args:
+            observations: the tool results of the turn, in call order.
+            turn_ended_with_eos: the model's last token was an EOS (the end-of-turn marker is then
+                already in the ids and is not appended again).
+        """
+        tool_messages = [{"role": "tool", "content": text} for text in observations]
+        rendered = self.render(self._anchor + tool_messages, add_generation_prompt=True)
+        suffix = rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+        if turn_ended_with_eos and self.eos_text and suffix.startswith(self.eos_text):
+            suffix = suffix[len(self.eos_text):]
+        return self.encode(suffix)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of model tokens, special tokens kept (``<tool_call>`` may be one), EOS dropped."""
+        if ids and ids[-1] in self.eos_token_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@dataclass(kw_only=True)
+class AgentContext:
+    """Everything the loops share (one per RolloutManager).
+
+    Attributes:
+        engine: where turns are generated.
+        template: prompt rendering and suffix tokenisation.
+        tools: tool name -> tool ({} for none).
+        parser: tool-call parser for ``tools`` (None when there are none).
+        sampling_params: SGLang sampling parameters of a turn (``max_new_tokens`` is the per-turn cap).
+        max_turns, max_response_tokens, max_context_tokens: stop limits (AgentConfig).
+        tool_timeout_s: limit of one tool call; max_tool_output_chars: observation cut.
+        return_routed_experts: ask the engine for routed experts (R3).
+        policy_version: the current policy version (set by the manager after weight updates);
+            used when the engine reports no integer ``weight_version``.
+        stop_requested: end every trajectory before its next generate call (status ABORTED).
+    """
+
+    engine: RolloutEngine
+    template: ChatTemplate
+    tools: Mapping[str, Tool] = field(default_factory=dict)
+    parser: ToolCallParser | None = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4
+    max_response_tokens: int = 1024
+    max_context_tokens: int = 4096
+    tool_timeout_s: float = 30.0
+    max_tool_output_chars: int = 2048
+    return_routed_experts: bool = False
+    policy_version: int = 0
+    stop_requested: bool = False
+    """Set by the manager to end every trajectory at its next turn boundary (status ABORTED)."""
+
+
+@dataclass(kw_only=True)
+class TrajectoryState:
+    """A trajectory under construction; survives an abort so the rollout can be resumed.
+
+    ``ids`` is prompt + response in one list that only grows (passed to the engine uncopied).
+    """
+
+    prompt_len: int
+    ids: list[int]
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_start: int = 0
+    """Index into the response where the current (possibly aborted) model turn began."""
+    num_turns: int = 0
+    pending_tools: bool = False
+    """The last model turn finished (stop) and its tool calls have not been run yet."""
+    turn_ended_with_eos: bool = False
+    status: RolloutStatus | None = None
+    group_id: int = 0
+    sample: dict[str, Any] = field(default_factory=dict)
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    routed_experts: torch.Tensor | None = None
+    metadata: dict[str, Any] = field(default_factory=lambda: {
+        "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "generate_time_s": 0.0,
+        "orchestration_s": 0.0, "input_tokens": 0, "cached_tokens": 0, "finish_reasons": [],
+        "num_generate_calls": 0, "generated_tokens": 0, FINAL_TEXT_KEY: ""})
+
+    @property
+    def response_len(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,
+               version: int) -> None:
+        """Append model tokens (loss_mask 1, engine logprobs) or agent tokens (0, 0.0)."""
+        self.ids.extend(ids)
+        self.loss_mask.extend([1 if model else 0] * len(ids))
+        self.logprobs.extend(logprobs if model else [0.0] * len(ids))
+        self.versions.extend([version] * len(ids))
+
+    def to_trajectory(self) -> Trajectory:
+        """Freeze into a :class:`Trajectory` (tensors of the response)."""
+        model_versions = {v for v, m in zip(self.versions, self.loss_mask) if m}
+        first_version = self.versions[self.loss_mask.index(1)] if model_versions else 0
+        return Trajectory(
+            prompt_ids=torch.tensor(self.ids[:self.prompt_len], dtype=torch.int64),
+            response_ids=torch.tensor(self.ids[self.prompt_len:], dtype=torch.int64),
+            loss_mask=torch.tensor(self.loss_mask, dtype=torch.int64),
+            rollout_logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
+            status=self.status or RolloutStatus.ERROR, num_turns=self.num_turns,
+            policy_version=first_version, routed_experts=self._response_routes(),
+            group_id=self.group_id, sample=self.sample, metadata=dict(self.metadata),
+            token_policy_versions=(torch.tensor(self.versions, dtype=torch.int32)
+                                   if len(model_versions) > 1 else None))
+
+    def _response_routes(self) -> torch.Tensor | None:
+        """``[R, L, K]`` routes of the response positions; -1 rows where none were recorded."""
+        if self.routed_experts is None:
+            return None
+        routes = self.routed_experts
+        out = torch.full((self.response_len, *routes.shape[1:]), -1, dtype=torch.int32)
+        known = routes[self.prompt_len:self.prompt_len + self.response_len]
+        out[:known.shape[0]] = known.to(torch.int32)
+        return out
+
+
+def new_state(ctx: AgentContext, prompt_ids: list[int], sample: dict[str, Any],
+              group_id: int) -> TrajectoryState:
+    """A fresh trajectory for an already rendered prompt (shared by the G members of a group)."""
+    return TrajectoryState(prompt_len=len(prompt_ids), ids=list(prompt_ids), sample=sample,
+                           group_id=group_id)
+
+
+def _version(ctx: AgentContext, out: GenerateOutput) -> int:
+    try:
+        return int(out.weight_version)
+    except (TypeError, ValueError):
+        return ctx.policy_version
+
+
+def _turn_budget(ctx: AgentContext, state: TrajectoryState) -> int:
+    """Tokens the next generate call may produce: per-turn, response and context limits."""
+    already = state.response_len - state.turn_start  # tokens of an aborted turn being resumed
+    per_turn = int(ctx.sampling_params.get("max_new_tokens", 512)) - already
+    return min(per_turn, ctx.max_response_tokens - state.response_len,
+               ctx.max_context_tokens - len(state.ids))
+
+
+async def _generate_turn(ctx: AgentContext, state: TrajectoryState, budget: int) -> GenerateOutput:
+    """One generate call; its model tokens are appended to the state."""
+    params = {**ctx.sampling_params, "max_new_tokens": budget}
+    start = time.monotonic()
+    kwargs = {"return_routed_experts": True} if ctx.return_routed_experts else {}
+    out = await ctx.engine.generate(state.ids, params, session_id=state.session_id, **kwargs)
+    meta = state.metadata
+    meta["generate_time_s"] += time.monotonic() - start
+    meta["num_generate_calls"] += 1
+    meta["input_tokens"] += len(state.ids)
+    meta["cached_tokens"] += out.cached_tokens
+    meta["finish_reasons"].append(out.finish_reason)
+    meta["generated_tokens"] += len(out.output_ids)
+    if out.engine_id is not None:
+        meta["engine_id"] = out.engine_id
+    if len(out.output_ids) != len(out.output_logprobs):
+        raise ValueError(f"engine returned {len(out.output_ids)} ids but "
+                         f"{len(out.output_logprobs)} logprobs")
+    if out.routed_experts is not None:
+        state.routed_experts = out.routed_experts
+    state.append(list(out.output_ids), model=True, logprobs=[float(x) for x in out.output_logprobs],
+                 version=_version(ctx, out))
+    return out
+
+
+async def _run_tools(ctx: AgentContext, state: TrajectoryState, calls: list) -> list[int]:
+    """Run the turn's tool calls concurrently; the ids to append (observations + template)."""
+    start = time.monotonic()
+    results = await run_tool_calls(calls, ctx.tools, timeout_s=ctx.tool_timeout_s,
+                                   max_output_chars=ctx.max_tool_output_chars)
+    meta = state.metadata
+    meta["tool_time_s"] += time.monotonic() - start
+    meta["tool_calls"] += len(results)
+    meta["tool_errors"] += sum(r.is_error for r in results)
+    return ctx.template.observation_ids([r.text for r in results], state.turn_ended_with_eos)
+
+
+async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
+    """Multi-turn tool-calling loop; advances ``state`` until it has a status.
+
+    Resumable at any point: a cancelled or aborted run continues from the state (an unfinished
+    model turn is continued; a finished turn whose tools had not run gets them run).
+    """
+    while True:
+        if state.pending_tools:
+            calls = ctx.parser.parse(state.metadata[FINAL_TEXT_KEY]) if ctx.parser else []
+            if not calls:
+                state.status = RolloutStatus.COMPLETED
+                return
+            if state.num_turns >= ctx.max_turns:  # calls left unanswered: no turn to read them
+                state.status = RolloutStatus.TRUNCATED
+                return
+            suffix = await _run_tools(ctx, state, calls)
+            if (state.response_len + len(suffix) >= ctx.max_response_tokens
+                    or len(state.ids) + len(suffix) >= ctx.max_context_tokens):
+                state.status = RolloutStatus.TRUNCATED  # no room for another model turn after it
+                return
+            state.append(suffix, model=False, version=state.versions[-1])
+            state.turn_start = state.response_len
+            state.pending_tools = False
+        if ctx.stop_requested:
+            state.status = RolloutStatus.ABORTED
+            return
+        resuming = state.response_len > state.turn_start
+        if not resuming and state.num_turns >= ctx.max_turns:
+            state.status = RolloutStatus.TRUNCATED
+            return
+        budget = _turn_budget(ctx, state)
+        if budget <= 0:
+            state.status = RolloutStatus.TRUNCATED
+            return
+        state.num_turns += 0 if resuming else 1
+        out = await _generate_turn(ctx, state, budget)
+        if out.finish_reason == "abort":
+            state.status = RolloutStatus.ABORTED
+            return
+        turn = state.ids[state.prompt_len + state.turn_start:]
+        state.metadata[FINAL_TEXT_KEY] = ctx.template.decode(turn)
+        if out.finish_reason == "length":  # no EOS: the turn is cut, nothing may follow it
+            state.status = RolloutStatus.TRUNCATED
+            return
+        state.turn_ended_with_eos = bool(turn) and turn[-1] in ctx.template.eos_token_ids
+        state.pending_tools = True
+
+
+async def single_turn(ctx: AgentContext, state: TrajectoryState) -> None:
+    """One generate call (resumed after an abort), no tools."""
+    if ctx.stop_requested:
+        state.status = RolloutStatus.ABORTED
+        return
+    budget = _turn_budget(ctx, state)
+    if budget <= 0:
+        state.status = RolloutStatus.TRUNCATED
+        return
+    if state.num_turns == 0:
+        state.num_turns = 1
+    out = await _generate_turn(ctx, state, budget)
+    state.metadata[FINAL_TEXT_KEY] = ctx.template.decode(state.ids[state.prompt_len:])
+    state.status = {"abort": RolloutStatus.ABORTED, "length": RolloutStatus.TRUNCATED}.get(
+        out.finish_reason, RolloutStatus.COMPLETED)
+
+
+AgentLoop = Callable[[AgentContext, TrajectoryState], Awaitable[None]]
+AGENT_REGISTRY: dict[str, AgentLoop] = {"tool_agent": tool_agent, "single_turn": single_turn}
+"""``rollout.agent.name`` -> agent loop coroutine function."""
+
+
+def get_agent_loop(name: str) -> AgentLoop:
+    """The agent loop registered as ``name``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in AGENT_REGISTRY:
+        raise ValueError(f"rollout.agent.name: unknown agent loop {name!r} "
+                         f"(known: {sorted(AGENT_REGISTRY)})")
+    return AGENT_REGISTRY[name]
+
+
+async def run_agent(loop: AgentLoop, ctx: AgentContext, state: TrajectoryState) -> Trajectory:
+    """Run (or resume) ``state`` to a status and return its trajectory; engine errors -> ERROR.
+
+    A state that already finished (completed, truncated, error) is returned as it is.
+    """
+    if state.status not in (None, RolloutStatus.ABORTED):
+        return state.to_trajectory()
+    state.status = None
+    meta = state.metadata
+    start, waited = time.monotonic(), meta["generate_time_s"] + meta["tool_time_s"]
+    try:
+        await loop(ctx, state)
+    except Exception as e:  # noqa: BLE001 - one failed trajectory must not sink the batch
+        logger.warning("trajectory %s failed: %s: %s", state.session_id, type(e).__name__, e)
+        state.status = RolloutStatus.ERROR
+        meta["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        # Agent-loop time outside the engine and the tools: decoding, parsing, suffix tokenisation.
+        meta["orchestration_s"] += (time.monotonic() - start
+                                    - (meta["generate_time_s"] + meta["tool_time_s"] - waited))
+    return state.to_trajectory()

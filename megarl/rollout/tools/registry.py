@@ -1,0 +1,55 @@
+"""Tool registry: YAML ``rollout.tools`` maps registry names to constructor settings.
+
+    rollout:
+      tools:
+        python: {timeout_s: 5, memory_mb: 512}
+        calculator: {}
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from megarl.rollout.types import Tool
+
+TOOL_REGISTRY: dict[str, Callable[..., Tool]] = {}
+"""Registry name -> tool class (or factory) taking the YAML settings as keyword arguments."""
+
+
+def register_tool(name: str) -> Callable[[Callable[..., Tool]], Callable[..., Tool]]:
+    """Class decorator adding a tool factory to :data:`TOOL_REGISTRY` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    def decorator(factory: Callable[..., Tool]) -> Callable[..., Tool]:
+        if name in TOOL_REGISTRY and TOOL_REGISTRY[name] is not factory:
+            raise ValueError(f"tool {name!r} is already registered")
+        TOOL_REGISTRY[name] = factory
+        return factory
+    return decorator
+
+
+def build_tools(settings: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Tool]:
+    """Instantiate the tools named in ``rollout.tools``.
+
+    Args:
+        settings: registry name -> keyword arguments (None or {} for defaults).
+
+    Returns:
+        Tool name (as the model calls it) -> tool instance, in the order given.
+
+    Raises:
+        ValueError: an unknown tool name, or settings the tool rejects (the message names the key).
+    """
+    tools: dict[str, Tool] = {}
+    for name, kwargs in settings.items():
+        if name not in TOOL_REGISTRY:
+            raise ValueError(f"rollout.tools.{name}: unknown tool (known: {sorted(TOOL_REGISTRY)})")
+        try:
+            tool = TOOL_REGISTRY[name](**dict(kwargs or {}))
+        except TypeError as e:
+            raise ValueError(f"rollout.tools.{name}: {e}") from e
+        if not isinstance(tool, Tool):
+            raise ValueError(f"rollout.tools.{name}: {type(tool).__name__} is not a Tool")
+        tools[tool.name] = tool
+    return tools

@@ -1,0 +1,77 @@
+"""A scripted engine for the agent-loop unit tests (imported by their conftest and tests).
+
+``ScriptedEngine`` is a test double of the ``RolloutEngine`` Protocol for the agent logic only (the
+real SGLang server is exercised by tests/integration/rollout): each trajectory (session) replays a
+list of scripted turns, returned as the tokenizer's canonical ids of the text plus EOS, with
+made-up logprobs. Integration tests check the same loop against a real server.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+from megarl.rollout.types import GenerateOutput
+
+
+@dataclass
+class Reply:
+    """One scripted turn: text, how it ends, optional delay (seconds) and engine weight version."""
+
+    text: str
+    finish: str = "stop"
+    eos: bool = True
+    delay_s: float = 0.0
+    weight_version: str | None = None
+
+
+class ScriptedEngine:
+    """Replays ``script(sample_index, turn_index) -> Reply`` per session; records every call."""
+
+    def __init__(self, tokenizer, script: Callable[[list[int], int], Reply]):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.calls: list[dict] = []
+        self.turns: dict[str, int] = {}
+        self._abort = asyncio.Event()
+        self.paused_modes: list[str] = []
+
+    def logprob(self, position: int) -> float:
+        return -0.01 * (position % 97) - 0.001
+
+    async def generate(self, input_ids, sampling_params, *, return_routed_experts=False,
+                       session_id=None):
+        turn = self.turns.get(session_id, 0)
+        self.turns[session_id] = turn + 1
+        self.calls.append({"input_ids": list(input_ids), "params": dict(sampling_params),
+                           "session_id": session_id})
+        reply = self.script(list(input_ids), turn)
+        ids = self.tokenizer.encode(reply.text, add_special_tokens=False)
+        if reply.eos:
+            ids.append(self.tokenizer.eos_token_id)
+        finish = reply.finish
+        if reply.delay_s:
+            try:
+                await asyncio.wait_for(self._abort.wait(), reply.delay_s)
+                ids, finish = ids[:len(ids) // 2], "abort"  # aborted mid-turn: a partial turn
+            except asyncio.TimeoutError:
+                pass
+        limit = sampling_params["max_new_tokens"]
+        if len(ids) > limit:
+            ids, finish = ids[:limit], "length"
+        start = len(input_ids)
+        return GenerateOutput(output_ids=ids, output_logprobs=[self.logprob(start + k) for k in range(len(ids))],
+                              finish_reason=finish, cached_tokens=max(0, start - 8),
+                              weight_version=reply.weight_version, engine_id="scripted")
+
+    async def pause(self, mode="retract"):
+        self.paused_modes.append(mode)
+        if mode == "abort":
+            self._abort.set()
+            await asyncio.sleep(0)
+
+    async def resume(self):
+        self._abort = asyncio.Event()
+
+    async def flush_cache(self):
+        pass

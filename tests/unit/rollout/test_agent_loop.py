@@ -1,0 +1,229 @@
+"""Agent loop: incremental tokenisation equals the full rendering, masks, stops, malformed calls."""
+import json
+
+import pytest
+import torch
+
+from megarl.rollout.agent import (AgentContext, ChatTemplate, get_agent_loop, new_state, run_agent,
+                                  single_turn, tool_agent)
+from megarl.rollout.tools import build_tools
+from megarl.rollout.tools.calls import ToolCallParser
+from megarl.rollout.types import RolloutStatus
+
+from rollout_scripted import Reply
+
+QUESTION = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many?"}]
+
+
+def call(name, **arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def make_ctx(tokenizer, engine, tool_names=("calculator",), **limits):
+    tools = build_tools({n: {} for n in tool_names})
+    template = ChatTemplate(tokenizer, [t.schema for t in tools.values()])
+    limits = {"max_turns": 4, "max_response_tokens": 1024, "max_context_tokens": 4096, **limits}
+    return AgentContext(engine=engine, template=template, tools=tools,
+                        parser=ToolCallParser(tools) if tools else None,
+                        sampling_params={"temperature": 1.0, "max_new_tokens": 200}, **limits)
+
+
+async def run(ctx, loop=tool_agent, messages=QUESTION):
+    state = new_state(ctx, ctx.template.prompt_ids(messages), {}, group_id=0)
+    return await run_agent(loop, ctx, state)
+
+
+def reference_ids(tokenizer, tools, messages):
+    """Independent reference: render the whole conversation with the HF template, then tokenise."""
+    text = tokenizer.apply_chat_template(messages, tools=[t.schema for t in tools.values()] or None,
+                                         tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def assert_matches_full_rendering(tokenizer, ctx, traj, messages):
+    ids = traj.prompt_ids.tolist() + traj.response_ids.tolist()
+    ref = reference_ids(tokenizer, ctx.tools, messages)
+    assert ref[:len(ids)] == ids
+    # What the full rendering has beyond the trajectory: only the template's newline after the
+    # final end-of-turn token.
+    assert tokenizer.decode(ref[len(ids):]) == "\n"
+
+
+def model_token_positions(tokenizer, traj, turn_texts):
+    """Expected loss_mask from the scripted turns: each turn's canonical ids + EOS, in order."""
+    response = traj.response_ids.tolist()
+    mask = [0] * len(response)
+    pos = 0
+    for text in turn_texts:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        while response[pos:pos + len(ids)] != ids:
+            pos += 1
+            assert pos < len(response), f"turn {text!r} not found in the response"
+        mask[pos:pos + len(ids)] = [1] * len(ids)
+        pos += len(ids)
+    return mask
+
+
+@pytest.mark.timeout(60)
+async def test_multi_turn_ids_equal_full_rendering_and_masks(tokenizer, scripted_engine):
+    turns = [call("calculator", expression="48 / 2"),
+             "Now both months. " + call("calculator", expression="48 + 24") + "\n" + call("calculator", expression="2 ** 3"),
+             "The answer is \\boxed{72}."]
+    engine = scripted_engine(lambda ids, k: Reply(turns[k]))
+    ctx = make_ctx(tokenizer, engine)
+    traj = await run(ctx)
+    assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 3
+    messages = QUESTION + [
+        {"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "24"},
+        {"role": "assistant", "content": turns[1]}, {"role": "tool", "content": str(48 + 24)},
+        {"role": "tool", "content": str(2 ** 3)}, {"role": "assistant", "content": turns[2]}]
+    assert_matches_full_rendering(tokenizer, ctx, traj, messages)
+    assert traj.loss_mask.tolist() == model_token_positions(tokenizer, traj, turns)
+    # Engine logprobs on model tokens, exactly 0.0 elsewhere.
+    prompt_len = traj.prompt_ids.numel()
+    for r, (m, lp) in enumerate(zip(traj.loss_mask.tolist(), traj.rollout_logprobs.tolist())):
+        assert lp == pytest.approx(engine.logprob(prompt_len + r) if m else 0.0)
+    assert traj.metadata["tool_calls"] == 3 and traj.metadata["tool_errors"] == 0
+    # Every turn went to one session, each input the previous input + output + appended suffix.
+    assert len({c["session_id"] for c in engine.calls}) == 1
+    full = prompt_len + traj.num_response_tokens
+    assert [len(c["input_ids"]) for c in engine.calls][0] == prompt_len
+    assert engine.calls[-1]["input_ids"] == (traj.prompt_ids.tolist() + traj.response_ids.tolist())[
+        :len(engine.calls[-1]["input_ids"])] and len(engine.calls[-1]["input_ids"]) < full
+
+
+@pytest.mark.timeout(60)
+async def test_malformed_tool_calls_become_observations(tokenizer, scripted_engine):
+    bad = ["<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \n</tool_call>",  # bad JSON
+           call("search", query="x"),                                   # unknown tool
+           call("calculator", expression=7),                            # wrong argument type
+           call("calculator", expression="import os"),                  # the tool's own error
+           "<tool_call>\n{\"name\": \"calculator\""]                     # never closed
+    turns = ["\n".join(bad), "I give up: \\boxed{0}"]
+    engine = scripted_engine(lambda ids, k: Reply(turns[k]))
+    ctx = make_ctx(tokenizer, engine)
+    traj = await run(ctx)
+    assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 2
+    assert traj.metadata["tool_calls"] == 5 and traj.metadata["tool_errors"] == 5
+    observation = tokenizer.decode(traj.response_ids[traj.loss_mask == 0].tolist())
+    for needle in ("not valid JSON", "unknown tool 'search'", "7 is not of type 'string'",
+                   "invalid expression", "unterminated tool call"):
+        assert needle in observation
+    assert observation.count("<tool_response>") == 5
+
+
+@pytest.mark.timeout(60)
+async def test_stop_without_eos_appends_end_of_turn_as_agent_token(tokenizer, scripted_engine):
+    # A turn ended by a stop string (no EOS): the template's end-of-turn marker is appended with
+    # loss_mask 0, and the ids still equal the full rendering.
+    turns = [Reply(call("calculator", expression="1 + 1"), eos=False), Reply("\\boxed{2}")]
+    engine = scripted_engine(lambda ids, k: turns[k])
+    ctx = make_ctx(tokenizer, engine)
+    traj = await run(ctx)
+    messages = QUESTION + [{"role": "assistant", "content": turns[0].text}, {"role": "tool", "content": "2"},
+                           {"role": "assistant", "content": turns[1].text}]
+    assert traj.status == RolloutStatus.COMPLETED
+    assert_matches_full_rendering(tokenizer, ctx, traj, messages)
+    eos_positions = (traj.response_ids == tokenizer.eos_token_id).nonzero().flatten().tolist()
+    # End of the model's first turn (appended), end of the tool turn (template), the final EOS (model).
+    assert [traj.loss_mask[p].item() for p in eos_positions] == [0, 0, 1]
+
+
+@pytest.mark.timeout(60)
+async def test_max_turns_truncates(tokenizer, scripted_engine):
+    engine = scripted_engine(lambda ids, k: Reply(call("calculator", expression=f"{k} + 1")))
+    traj = await run(make_ctx(tokenizer, engine, max_turns=3))
+    assert traj.status == RolloutStatus.TRUNCATED and traj.num_turns == 3 and len(engine.calls) == 3
+    # The last turn's call is not run: nothing follows the last model turn.
+    assert traj.loss_mask[-1] == 1 and traj.metadata["tool_calls"] == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("limit", ["max_response_tokens", "max_context_tokens"])
+async def test_token_limits_truncate_and_cap_each_turn(tokenizer, scripted_engine, limit):
+    engine = scripted_engine(lambda ids, k: Reply(call("calculator", expression="12345 * 6789 + 1")))
+    probe = make_ctx(tokenizer, engine)
+    prompt_len = len(probe.template.prompt_ids(QUESTION))
+    budget = 70 if limit == "max_response_tokens" else prompt_len + 70
+    ctx = make_ctx(tokenizer, engine, max_turns=50, **{limit: budget})
+    traj = await run(ctx)
+    assert traj.status == RolloutStatus.TRUNCATED
+    assert traj.num_response_tokens <= 70
+    for c in engine.calls:  # every turn's max_new_tokens respects what is left
+        assert len(c["input_ids"]) - prompt_len + c["params"]["max_new_tokens"] <= 70
+
+
+@pytest.mark.timeout(60)
+async def test_length_finish_ends_without_appending(tokenizer, scripted_engine):
+    engine = scripted_engine(lambda ids, k: Reply(call("calculator", expression="1+1") * 20))
+    ctx = make_ctx(tokenizer, engine)
+    ctx.sampling_params["max_new_tokens"] = 10
+    traj = await run(ctx)
+    assert traj.status == RolloutStatus.TRUNCATED and traj.num_response_tokens == 10
+    assert traj.loss_mask.tolist() == [1] * 10 and traj.metadata["tool_calls"] == 0
+    assert traj.metadata["finish_reasons"] == ["length"]
+
+
+@pytest.mark.timeout(60)
+async def test_abort_then_resume_keeps_tokens_and_versions(tokenizer, scripted_engine):
+    turns = [Reply(call("calculator", expression="3*4") + " and more words to cut", delay_s=30,
+                   weight_version="0"),
+             Reply(" rest of the turn", weight_version="1"),
+             Reply("\\boxed{12}", weight_version="1")]
+    engine = scripted_engine(lambda ids, k: turns[k])
+    ctx = make_ctx(tokenizer, engine)
+    state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, 0)
+    import asyncio
+    task = asyncio.ensure_future(run_agent(tool_agent, ctx, state))
+    await asyncio.sleep(0.05)
+    await engine.pause("abort")
+    first = await task
+    assert first.status == RolloutStatus.ABORTED and first.num_turns == 1
+    partial = first.num_response_tokens
+    assert 0 < partial and first.loss_mask.all()
+    await engine.resume()
+    traj = await run_agent(tool_agent, ctx, state)
+    assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 2
+    assert traj.response_ids[:partial].tolist() == first.response_ids.tolist()
+    # The resumed call continued the same turn: its input is prompt + the partial tokens.
+    assert engine.calls[1]["input_ids"] == first.prompt_ids.tolist() + first.response_ids.tolist()
+    versions = traj.token_policy_versions
+    assert versions is not None and versions[:partial].eq(0).all() and versions[partial:].eq(1).all()
+    assert traj.policy_version == 0
+
+
+@pytest.mark.timeout(60)
+async def test_engine_error_marks_trajectory(tokenizer, scripted_engine):
+    def script(ids, k):
+        raise ConnectionError("engine died")
+    traj = await run(make_ctx(tokenizer, scripted_engine(script)))
+    assert traj.status == RolloutStatus.ERROR and "engine died" in traj.metadata["error"]
+
+
+@pytest.mark.timeout(60)
+async def test_single_turn(tokenizer, scripted_engine):
+    engine = scripted_engine(lambda ids, k: Reply(call("calculator", expression="1") + " \\boxed{1}"))
+    ctx = make_ctx(tokenizer, engine, tool_names=())
+    assert get_agent_loop("single_turn") is single_turn
+    traj = await run(ctx, loop=single_turn)
+    assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 1 and len(engine.calls) == 1
+    assert traj.loss_mask.all() and traj.metadata["final_text"].endswith("\\boxed{1}")
+    assert_matches_full_rendering(tokenizer, ctx, traj, QUESTION + [
+        {"role": "assistant", "content": traj.metadata["final_text"]}])
+    with pytest.raises(ValueError, match="rollout.agent.name"):
+        get_agent_loop("nope")
+
+
+@pytest.mark.timeout(60)
+async def test_routed_experts_rows_follow_positions(tokenizer, scripted_engine):
+    engine = scripted_engine(lambda ids, k: Reply("\\boxed{1}"))
+    ctx = make_ctx(tokenizer, engine, tool_names=())
+    state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, 0)
+    rows = state.prompt_len + 3  # pretend the engine recorded positions [0, P + 3)
+    state.routed_experts = torch.arange(rows * 2 * 2, dtype=torch.int32).reshape(rows, 2, 2)
+    state.append([5, 6, 7, 8, 9], model=True, logprobs=[0.0] * 5, version=0)
+    state.status = RolloutStatus.COMPLETED
+    routes = state.to_trajectory().routed_experts
+    assert routes.shape == (5, 2, 2)
+    assert torch.equal(routes[:3], state.routed_experts[state.prompt_len:])
+    assert routes[3:].eq(-1).all()
