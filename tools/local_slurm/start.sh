@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# Start a throw-away, real Slurm cluster on this one machine, for CI and laptops (run as root).
+#
+#   tools/local_slurm/start.sh            # then: source "$LOCAL_SLURM_DIR/env.sh"; sbatch ...
+#   tools/local_slurm/stop.sh             # stops exactly what this script started
+#   tools/local_slurm/run.sh CMD [ARGS]   # start, run CMD with the wrappers on PATH, stop (trap)
+#
+# What runs, all recorded by PID under $LOCAL_SLURM_DIR/run (nothing is ever stopped by name):
+#   - a private munged (own key, socket, pid and log files under $LOCAL_SLURM_DIR/munge), so a
+#     munged that the machine already runs is neither used nor disturbed;
+#   - slurmctld and $LOCAL_SLURM_NODES slurmd daemons (Debian's Slurm is built with
+#     multiple-slurmd support: node1..nodeN all live on 127.0.0.1, one port each), started with
+#     `nsenter --net` inside a network namespace that has only loopback. Slurm 22.05 binds
+#     0.0.0.0 and has no option to change that; the namespace keeps the cluster off every real
+#     interface. (`ip netns exec` is not used: it remounts /sys and slurmd then fails on cgroups.)
+#   - PATH wrappers $LOCAL_SLURM_DIR/bin/{sbatch,srun,salloc,squeue,scancel,sinfo,scontrol,sacct}
+#     that enter the namespace, so scripts run unchanged: `source $LOCAL_SLURM_DIR/env.sh`.
+# If Slurm or munge is missing it runs `apt-get update` and installs Debian's slurmctld, slurmd,
+# slurm-client and munge (about 15 s). On any failure the trap stops what was started so far.
+#
+# Environment (defaults in brackets):
+#   LOCAL_SLURM_DIR      state, config, logs, pid files, wrappers [/tmp/megarl-local-slurm]
+#   LOCAL_SLURM_NETNS    network namespace name [megarl-slurm]
+#   LOCAL_SLURM_NODES    emulated nodes, named node1..nodeN [2]
+#   LOCAL_SLURM_CPUS     CPUs declared per node (may exceed the real cores) [4]
+#   LOCAL_SLURM_MEM_MB   RealMemory declared per node [8192]
+#   LOCAL_SLURM_GPUS     fake GPUs per node (GRES gpu:N backed by placeholder files, so jobs
+#                        may request --gpus-per-node; no CUDA device exists) [0]
+#   LOCAL_SLURM_INSTALL  1 = apt-get install the packages when missing [1]
+#   LOCAL_SLURM_READY_TIMEOUT_S  seconds to wait for every node to be idle [60]
+set -euo pipefail
+
+D=${LOCAL_SLURM_DIR:-/tmp/megarl-local-slurm}
+NETNS=${LOCAL_SLURM_NETNS:-megarl-slurm}
+NODES=${LOCAL_SLURM_NODES:-2}
+CPUS=${LOCAL_SLURM_CPUS:-4}
+MEM_MB=${LOCAL_SLURM_MEM_MB:-8192}
+GPUS=${LOCAL_SLURM_GPUS:-0}
+INSTALL=${LOCAL_SLURM_INSTALL:-1}
+READY_TIMEOUT_S=${LOCAL_SLURM_READY_TIMEOUT_S:-60}
+CTLD_PORT=6817
+SLURMD_BASE_PORT=17000
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CONF=$D/etc/slurm.conf
+NS=(nsenter "--net=/run/netns/$NETNS")
+T0=$SECONDS
+
+log() { echo "[local_slurm start +$((SECONDS - T0))s] $*"; }
+die() { echo "[local_slurm start] ERROR: $*" >&2; exit 1; }
+alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+install_packages() {
+  command -v slurmctld >/dev/null && command -v slurmd >/dev/null &&
+    command -v sbatch >/dev/null && command -v munged >/dev/null && return 0
+  [[ $INSTALL == 1 ]] || die "Slurm/munge not installed and LOCAL_SLURM_INSTALL=$INSTALL"
+  log "installing slurmctld slurmd slurm-client munge (apt-get)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+}
+
+setup_netns() {
+  if ! ip netns list | awk '{print $1}' | grep -qx "$NETNS"; then
+    ip netns add "$NETNS"
+    echo "$NETNS" >"$D/run/netns.created"
+    log "created network namespace $NETNS (loopback only)"
+  fi
+  "${NS[@]}" ip link set lo up
+  # glibc's getaddrinfo(AI_PASSIVE|AI_ADDRCONFIG), which Slurm uses to bind, fails when the
+  # only IPv4 address is 127.0.0.1; a second loopback address makes it succeed.
+  "${NS[@]}" ip -4 addr show dev lo | grep -q '127\.0\.0\.2/' ||
+    "${NS[@]}" ip addr add 127.0.0.2/32 dev lo
+}
+
+start_munged() {
+  local m=$D/munge
+  install -d -o munge -g munge -m 0700 "$m"
+  if [[ ! -s $m/munge.key ]]; then
+    dd if=/dev/urandom of="$m/munge.key" bs=1024 count=1 status=none
+    chown munge:munge "$m/munge.key"
+    chmod 0400 "$m/munge.key"
+  fi
+  runuser -u munge -- /usr/sbin/munged --force --socket="$m/munge.sock" --key-file="$m/munge.key" \
+    --pid-file="$m/munged.pid" --log-file="$m/munged.log" --seed-file="$m/munged.seed"
+  for _ in $(seq 50); do [[ -s $m/munged.pid ]] && break; sleep 0.1; done
+  cp "$m/munged.pid" "$D/run/munged.pid"
+  munge -S "$m/munge.sock" -n | unmunge -S "$m/munge.sock" >/dev/null ||
+    die "munged does not answer on $m/munge.sock (see $m/munged.log)"
+  log "munged up (pid $(cat "$D/run/munged.pid"))"
+}
+
+write_conf() {
+  local gres_line="" node_gres=""
+  if ((GPUS > 0)); then
+    # Count-only GPU GRES makes slurmd 22.05 report 0 GPUs (node INVAL): point File= at
+    # placeholder files that nothing ever opens.
+    mkdir -p "$D/dev"
+    for ((g = 0; g < GPUS; g++)); do : >"$D/dev/fakegpu$g"; done
+    printf 'AutoDetect=off\nNodeName=node[1-%d] Name=gpu File=%s/dev/fakegpu[0-%d]\n' \
+      "$NODES" "$D" "$((GPUS - 1))" >"$D/etc/gres.conf"
+    gres_line="GresTypes=gpu"
+    node_gres=" Gres=gpu:$GPUS"
+  else
+    : >"$D/etc/gres.conf"
+  fi
+  cat >"$CONF" <<CONF_EOF
+# Generated by tools/local_slurm/start.sh: ${NODES} emulated nodes on one machine.
+ClusterName=megarlci
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=${CTLD_PORT}
+SlurmdPort=$((SLURMD_BASE_PORT + 1))
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=${D}/munge/munge.sock
+StateSaveLocation=${D}/state
+SlurmdSpoolDir=${D}/spool/%n
+SlurmctldPidFile=${D}/run/slurmctld.pid
+SlurmdPidFile=${D}/run/slurmd-%n.pid
+SlurmctldLogFile=${D}/log/slurmctld.log
+SlurmdLogFile=${D}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No cgroups, no accounting database.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+MailProg=/bin/true
+# Nodes report the configured CPUs/memory/GPUs, not what the machine has.
+SlurmdParameters=config_overrides
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=5
+# sbatch --wait polls every 2 s only while MinJobAge <= 4 (otherwise 2, 8, then 32 s).
+MinJobAge=4
+MessageTimeout=10
+${gres_line}
+NodeName=node[1-${NODES}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$((SLURMD_BASE_PORT + 1))-$((SLURMD_BASE_PORT + NODES))] CPUs=${CPUS} RealMemory=${MEM_MB}${node_gres} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF_EOF
+}
+
+write_wrappers() {
+  local c
+  for c in sbatch srun salloc squeue scancel sinfo scontrol sacct; do
+    printf '#!/bin/sh\n# %s of the local Slurm in network namespace %s\nexport SLURM_CONF=%s\nexec nsenter --net=/run/netns/%s /usr/bin/%s "$@"\n' \
+      "$c" "$NETNS" "$CONF" "$NETNS" "$c" >"$D/bin/$c"
+    chmod 0755 "$D/bin/$c"
+  done
+  # shellcheck disable=SC2016  # $PATH is expanded when env.sh is sourced
+  printf 'export SLURM_CONF=%s\nexport PATH=%s/bin:$PATH\n' "$CONF" "$D" >"$D/env.sh"
+}
+
+wait_idle() {
+  local deadline=$((SECONDS + READY_TIMEOUT_S)) nidle=0
+  while ((SECONDS < deadline)); do
+    # `sinfo -t idle` also matches INVALID nodes: compare the state name exactly.
+    nidle=$("$D/bin/sinfo" -h -N -o '%N %T' 2>/dev/null | awk '$2 == "idle"' | sort -u | wc -l) || nidle=0
+    ((nidle >= NODES)) && return 0
+    sleep 0.5
+  done
+  "$D/bin/sinfo" -N -l >&2 || true
+  tail -n 20 "$D"/log/*.log >&2 || true
+  die "only $nidle of $NODES nodes became idle within ${READY_TIMEOUT_S}s (logs: $D/log)"
+}
+
+main() {
+  ((EUID == 0)) || die "must run as root (network namespace, Slurm daemons)"
+  if alive "$D/run/slurmctld.pid"; then
+    die "a local Slurm already runs from $D (slurmctld pid $(cat "$D/run/slurmctld.pid")); run stop.sh first"
+  fi
+  install_packages
+  mkdir -p "$D"/{etc,log,run,state,spool,bin}
+  trap 'echo "[local_slurm start] failed; stopping what was started" >&2; LOCAL_SLURM_DIR=$D "$HERE/stop.sh" >&2 || true' EXIT
+  setup_netns
+  start_munged
+  write_conf
+  write_wrappers
+  "${NS[@]}" /usr/sbin/slurmctld -c -i -f "$CONF"
+  local i
+  for ((i = 1; i <= NODES; i++)); do
+    mkdir -p "$D/spool/node$i"
+    "${NS[@]}" /usr/sbin/slurmd -f "$CONF" -N "node$i"
+  done
+  wait_idle
+  trap - EXIT
+  log "ready: $NODES nodes x $CPUS CPUs (${GPUS} fake GPUs); use: source $D/env.sh"
+}
+
+main "$@"
