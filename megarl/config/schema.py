@@ -247,6 +247,9 @@ class RolloutConfig:
     """Async mode: the most policy versions a trained trajectory may lag behind."""
     partial_rollouts: bool = False
     """Resume aborted trajectories after a weight update instead of discarding them."""
+    deterministic_sampling: bool = False
+    """Seed every generate call from ``(train.seed, step, request token ids)`` and launch the engines
+    with ``--enable-deterministic-inference``, so a resumed run samples what an uninterrupted one would."""
 
 
 @dataclass
@@ -355,6 +358,26 @@ class LoggingConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised cold start before RL (as in ReTool): masked NLL on tool-use demonstrations, same trainer."""
+
+    num_steps: int = 0
+    """Optimizer steps of SFT before the first RL step (0 = no cold start). Skipped when resuming."""
+    demonstrations: str = "gsm8k_python"
+    """A builder by registry name (``gsm8k_python``: python-tool demonstrations from the rows of
+    ``data.train_path``; ``arithmetic_calculator``: calculator demonstrations of generated arithmetic
+    rows) or a jsonl/parquet file whose rows hold chat ``messages``."""
+    batch_size: int = 16
+    """Demonstrations per SFT optimizer step."""
+    lr: float = 1.0e-3
+    """Learning rate of the SFT steps (RL then continues with ``train.lr``)."""
+    tool_fraction: float = 1.0
+    """Builders only: fraction of demonstrations that call the tool; the rest answer directly."""
+    max_demonstrations: int = 4096
+    """Use at most this many demonstrations."""
+
+
+@dataclass
 class MegarlConfig:
     """The whole run. Sections as in DESIGN.md §4."""
 
@@ -368,3 +391,4 @@ class MegarlConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
