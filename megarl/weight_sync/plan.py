@@ -1,0 +1,335 @@
+"""The weight-sync plan: pure data saying who gathers, converts, buckets and receives what.
+
+``build_plan(trainer_layout, engine_layout, param_specs)`` needs only names, shapes, dtypes and
+layouts. For every Megatron parameter it records the pipeline stage and model chunk that hold it
+(virtual-pipeline offsets), the trainer ranks holding each of its TP / ETP shards (expert index
+offsets over EP), the stage's *sender* that gathers the shards and converts them to HF tensors, and
+the bucket the HF tensors travel in (``weight_sync.bucket_size_mb``). For every engine rank it
+gives the slice of each HF tensor that rank holds (``engine_slice``), so bytes per engine rank are
+an output of the plan for every transport.
+
+Gathering: only the data-parallel, context-parallel and expert-data-parallel replica 0 of each
+stage contributes; each source rank sends, per bucket, one flat buffer of its shards to the sender.
+Buckets are ordered stage by stage; inside a bucket the HF tensors are ordered by decreasing element
+size so that SGLang's flattened bucket never holds a misaligned tensor.
+"""
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
+from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecError
+
+MIB = 1 << 20
+SGLANG_VOCAB_PADDING = 64
+"""SGLang 0.5.23 ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``)."""
+TRANSPORTS = ("distributed", "shard", "tensor", "disk")
+
+
+class PlanError(ValueError):
+    """The parameters cannot be synced with these layouts (names the parameter or tensor)."""
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Shard ``shard_index`` (along the parameter's ``tp_axis``) held by ``trainer_rank``."""
+
+    trainer_rank: int
+    shard_index: int
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ParamTransfer:
+    """One Megatron parameter: where its shards are and where it converts."""
+
+    param: ParamSpec
+    pp_rank: int
+    vp_rank: int
+    """Model chunk (virtual pipeline stage) on ``pp_rank``."""
+    sources: tuple[ShardSource, ...]
+    """Ordered by shard index; concatenating along ``tp_axis`` (per half when gated) gives the tensor."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What one sender gathers, converts and sends in one go."""
+
+    index: int
+    """Position in the plan (stage-major order)."""
+    pp_rank: int
+    sender_rank: int
+    params: tuple[ParamTransfer, ...]
+    hf_tensors: tuple[HFTensorSpec, ...]
+    """Wire order (decreasing element size)."""
+
+    @property
+    def nbytes(self) -> int:
+        """HF bytes in the bucket."""
+        return sum(t.nbytes for t in self.hf_tensors)
+
+    def gather_bytes(self) -> dict[int, int]:
+        """Bytes each non-sender source rank sends to the sender for this bucket."""
+        out: dict[int, int] = defaultdict(int)
+        for p in self.params:
+            for s in p.sources:
+                if s.trainer_rank != self.sender_rank:
+                    out[s.trainer_rank] += s.nbytes
+        return dict(out)
+
+    def contributions(self, trainer_rank: int) -> list[tuple[ParamTransfer, ShardSource]]:
+        """The shards ``trainer_rank`` contributes to this bucket, in wire order."""
+        return [(p, s) for p in self.params for s in p.sources if s.trainer_rank == trainer_rank]
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Rows/columns ``[start, stop)`` along ``axis`` of an HF tensor (``axis`` None = whole tensor)."""
+
+    axis: Optional[int]
+    start: int = 0
+    stop: int = 0
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.axis is None:
+            return full
+        return full[:self.axis] + (self.stop - self.start,) + full[self.axis + 1:]
+
+
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    """A complete, executable description of one weight sync (see module docstring)."""
+
+    trainer_layout: TrainerLayout
+    engine_layout: EngineLayout
+    buckets: tuple[Bucket, ...]
+    num_experts: int
+    bucket_size_bytes: int
+
+    def stage_buckets(self, pp_rank: int) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets if b.pp_rank == pp_rank)
+
+    def hf_tensors(self) -> Iterator[HFTensorSpec]:
+        for b in self.buckets:
+            yield from b.hf_tensors
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def involves(self, trainer_rank: int) -> bool:
+        """True when ``trainer_rank`` sends or gathers anything."""
+        return any(b.sender_rank == trainer_rank or b.contributions(trainer_rank) for b in self.buckets)
+
+    def engine_slice(self, tensor: HFTensorSpec, tp_rank: int) -> Optional[TensorSlice]:
+        """The part of ``tensor`` that engine rank ``tp_rank`` holds; None = none (a remote expert).
+
+        Raises:
+            PlanError: SGLang cannot load this tensor pre-sharded at this engine layout.
+        """
+        return engine_slices(tensor, self.engine_layout, self.num_experts).get(tp_rank)
+
+    def engine_shard_bytes(self) -> list[int]:
+        """Bytes of HF tensor data each engine rank (of one engine) holds: its shard size."""
+        return list(self._engine_shard_bytes)
+
+    @functools.cached_property
+    def _engine_shard_bytes(self) -> tuple[int, ...]:
+        sizes = [0] * self.engine_layout.tp_size
+        for t in self.hf_tensors():
+            for rank, sl in engine_slices(t, self.engine_layout, self.num_experts).items():
+                sizes[rank] += _numel(sl.shape(t.shape)) * t.itemsize
+        return tuple(sizes)
+
+    def engine_rank_bytes(self, transport: str) -> list[int]:
+        """Bytes each engine rank (of one engine) receives per sync with ``transport``.
+
+        ``distributed`` broadcasts and ``tensor``/``disk`` hand over whole tensors, so every rank
+        receives everything; ``shard`` delivers exactly each rank's slices.
+        """
+        if transport not in TRANSPORTS:
+            raise PlanError(f"unknown transport {transport!r} (known: {', '.join(TRANSPORTS)})")
+        if transport == "shard":
+            return self.engine_shard_bytes()
+        return [self.total_bytes] * self.engine_layout.tp_size
+
+    def summary(self, transport: str) -> dict[str, float]:
+        """Plan-level metrics (``weight_sync/*``): buckets, bytes, bytes per engine rank / shard."""
+        received = self.engine_rank_bytes(transport)
+        shard = self.engine_shard_bytes()
+        ratios = [r / s for r, s in zip(received, shard) if s]
+        return {
+            "weight_sync/buckets": float(len(self.buckets)),
+            "weight_sync/hf_bytes": float(self.total_bytes),
+            "weight_sync/engine_rank_bytes_max": float(max(received)),
+            "weight_sync/engine_shard_bytes_max": float(max(shard)),
+            "weight_sync/engine_bytes_over_shard_max": max(ratios) if ratios else 0.0,
+        }
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _locate(param: ParamSpec, layout: TrainerLayout, num_layers: int) -> tuple[int, int]:
+    if param.layer is not None:
+        pp_rank, vp_rank, _ = layout.layer_location(param.layer, num_layers)
+        return pp_rank, vp_rank
+    if param.first_stage:
+        return 0, 0
+    return layout.pp_size - 1, layout.vpp_size - 1
+
+
+def _sources(param: ParamSpec, layout: TrainerLayout, pp_rank: int, num_experts: int) -> tuple[ShardSource, ...]:
+    if param.expert is not None:
+        ep_rank, _ = layout.expert_location(param.expert, num_experts)
+        num_shards = layout.etp_size if param.tp_axis is not None else 1
+        ranks = [layout.expert_rank(etp_rank=k, ep_rank=ep_rank, pp_rank=pp_rank) for k in range(num_shards)]
+    else:
+        num_shards = layout.tp_size if param.tp_axis is not None else 1
+        ranks = [layout.rank(tp_rank=k, pp_rank=pp_rank) for k in range(num_shards)]
+    shape = param.shard_shape(num_shards)
+    nbytes = param.nbytes // num_shards
+    return tuple(ShardSource(r, k, shape, nbytes) for k, r in enumerate(ranks))
+
+
+def _check_unique(params: Sequence[ParamSpec]) -> None:
+    seen: set[str] = set()
+    hf_seen: set[str] = set()
+    for p in params:
+        if p.name in seen:
+            raise PlanError(f"duplicate Megatron parameter {p.name!r}")
+        seen.add(p.name)
+        for t in p.hf:
+            if t.name in hf_seen:
+                raise PlanError(f"HF tensor {t.name!r} produced twice (second time by {p.name!r})")
+            hf_seen.add(t.name)
+
+
+def _wire_order(params: Sequence[ParamTransfer]) -> tuple[HFTensorSpec, ...]:
+    tensors = [t for p in params for t in p.param.hf]
+    return tuple(sorted(tensors, key=lambda t: -t.itemsize))  # stable: model order within a size
+
+
+def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param_specs: Sequence[ParamSpec],
+               *, bucket_size_mb: float = 512) -> WeightSyncPlan:
+    """Plan one weight sync from metadata alone.
+
+    Args:
+        trainer_layout: Megatron parallel sizes of the trainer.
+        engine_layout: SGLang engine layout.
+        param_specs: every Megatron parameter of the model (global names), in model order.
+        bucket_size_mb: bucket size in MiB (HF bytes); a larger single parameter gets its own bucket.
+
+    Returns:
+        The plan.
+
+    Raises:
+        PlanError: duplicate parameter or HF names, no parameters, or a bad bucket size.
+        LayoutError: layers / experts that do not split over PP*VPP / EP.
+        SpecError: a shape that does not split over TP / ETP.
+    """
+    if not param_specs:
+        raise PlanError("param_specs is empty")
+    if bucket_size_mb <= 0:
+        raise PlanError(f"weight_sync.bucket_size_mb must be > 0, got {bucket_size_mb}")
+    _check_unique(param_specs)
+    layers = [p.layer for p in param_specs if p.layer is not None]
+    num_layers = max(layers) + 1 if layers else 0
+    experts = [p.expert for p in param_specs if p.expert is not None]
+    num_experts = max(experts) + 1 if experts else 0
+    if num_experts and num_experts % engine_layout.ep_size:
+        raise LayoutError(f"num_experts {num_experts} is not divisible by the engine's expert_parallel_size "
+                          f"{engine_layout.ep_size}")
+    per_stage: dict[int, list[ParamTransfer]] = defaultdict(list)
+    for p in param_specs:
+        if not p.hf:  # not exported (a tied output layer): never gathered
+            continue
+        pp_rank, vp_rank = _locate(p, trainer_layout, num_layers)
+        per_stage[pp_rank].append(ParamTransfer(p, pp_rank, vp_rank, _sources(p, trainer_layout, pp_rank, num_experts)))
+    limit = int(bucket_size_mb * MIB)
+    buckets: list[Bucket] = []
+    for pp_rank in sorted(per_stage):
+        current: list[ParamTransfer] = []
+        current_bytes = 0
+        for t in per_stage[pp_rank]:
+            size = sum(h.nbytes for h in t.param.hf)
+            if current and current_bytes + size > limit:
+                buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank),
+                                      tuple(current), _wire_order(current)))
+                current, current_bytes = [], 0
+            current.append(t)
+            current_bytes += size
+        if current:
+            buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank),
+                                  tuple(current), _wire_order(current)))
+    return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit)
+
+
+def sglang_padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """SGLang 0.5.23's padded vocabulary (``VocabParallelEmbedding.__init__``)."""
+    padding = SGLANG_VOCAB_PADDING
+    padded = -(-vocab_size // padding) * padding
+    if padded % tp_size:
+        padding *= tp_size
+        padded = -(-vocab_size // padding) * padding
+    return padded
+
+
+def _chunk(tensor: HFTensorSpec, axis: int, size: int, rank: int) -> TensorSlice:
+    if tensor.shape[axis] % size:
+        raise PlanError(f"{tensor.name}: dimension {axis} of {tensor.shape} does not split over {size} engine ranks")
+    step = tensor.shape[axis] // size
+    return TensorSlice(axis, rank * step, (rank + 1) * step)
+
+
+def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) -> dict[int, TensorSlice]:
+    """What each SGLang engine rank holds of ``tensor``: ``{tp_rank: slice}``, receivers only.
+
+    Dense tensors are split over the engine's TP ranks; a routed expert lives on the ``moe_tp``
+    ranks of its expert-parallel rank and is split over those.
+
+    Raises:
+        PlanError: a dimension that does not split, or a vocabulary SGLang would pad (its pre-sharded
+            vocab loader accepts only ``vocab_size / T`` rows per rank).
+    """
+    if tensor.expert is not None:
+        moe_tp = layout.moe_tp_size
+        ep_rank = tensor.expert // (num_experts // layout.ep_size)
+        return {ep_rank * moe_tp + k: _split(tensor, moe_tp, k) for k in range(moe_tp)}
+    return {r: _split(tensor, layout.tp_size, r) for r in range(layout.tp_size)}
+
+
+def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
+    split = tensor.engine_split
+    if split is EngineSplit.REPLICATED or size == 1:
+        return TensorSlice(None)
+    if split is EngineSplit.ROWS:
+        return _chunk(tensor, 0, size, rank)
+    if split is EngineSplit.COLS:
+        return _chunk(tensor, 1, size, rank)
+    if split is EngineSplit.VOCAB:
+        vocab = tensor.shape[0]
+        if sglang_padded_vocab(vocab, size) != vocab:
+            raise PlanError(f"{tensor.name}: vocabulary {vocab} is padded by SGLang at TP {size}; pre-sharded "
+                            f"delivery needs vocab_size divisible by {SGLANG_VOCAB_PADDING} and by TP")
+        return _chunk(tensor, 0, size, rank)
+    if split is EngineSplit.KV_HEADS:
+        num_kv_heads = tensor.shape[0] // tensor.head_dim
+        if num_kv_heads >= size:
+            if num_kv_heads % size:
+                raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads do not split over {size} engine ranks")
+            per_rank = num_kv_heads // size
+            return TensorSlice(0, rank * per_rank * tensor.head_dim, (rank + 1) * per_rank * tensor.head_dim)
+        if size % num_kv_heads:
+            raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads cannot be replicated over {size} ranks")
+        head = rank * num_kv_heads // size
+        return TensorSlice(0, head * tensor.head_dim, (head + 1) * tensor.head_dim)
+    raise SpecError(f"{tensor.name}: unknown engine split {split!r}")

@@ -1,0 +1,132 @@
+"""Parameter metadata for weight sync: Megatron parameters and the HF tensors they become.
+
+A :class:`ParamSpec` describes one Megatron parameter in its global, unsharded form (global layer
+and expert ids in the name) and the checkpoint-style Hugging Face tensors it converts to
+(:class:`HFTensorSpec`), each with the way SGLang shards it over engine ranks
+(:class:`EngineSplit`). Specs carry names, shapes and dtypes only: a plan for a trillion-parameter
+model is built from them without allocating a byte (see :mod:`megarl.weight_sync.model_specs`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "int64": 8,
+               "int32": 4, "uint8": 1}
+"""Bytes per element of the dtypes weight sync moves (torch dtype names without ``torch.``)."""
+
+
+class SpecError(ValueError):
+    """Parameter metadata that is inconsistent (unknown dtype, shape that does not split)."""
+
+
+class EngineSplit(str, Enum):
+    """How an SGLang engine of TP size ``T`` shards an HF tensor over its ranks (0.5.23 layers).
+
+    Expert tensors use the engine's MoE TP size (``T / ep``) and only the ranks of the expert's
+    EP rank receive them.
+    """
+
+    REPLICATED = "replicated"
+    """Every rank holds the whole tensor (norms, router, MLA down-projections)."""
+    ROWS = "rows"
+    """Column-parallel linear: rank ``r`` holds rows ``chunk(T, 0)[r]`` (q heads, gate/up, MLA up-projections)."""
+    COLS = "cols"
+    """Row-parallel linear: rank ``r`` holds columns ``chunk(T, 1)[r]`` (o_proj, down_proj)."""
+    KV_HEADS = "kv_heads"
+    """k/v projections: kv-head block ``r`` if ``num_kv_heads >= T``, else head ``r * nkv // T`` (replicated)."""
+    VOCAB = "vocab"
+    """Vocab-parallel embedding / LM head: rows of the (64-padded) vocabulary, ``chunk(T, 0)[r]``."""
+
+
+@dataclass(frozen=True)
+class HFTensorSpec:
+    """One checkpoint-style Hugging Face tensor (as in ``model.safetensors``)."""
+
+    name: str
+    """HF name, e.g. ``model.layers.3.mlp.experts.17.gate_proj.weight``."""
+    shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name without ``torch.`` (``bfloat16``, ``float32``)."""
+    engine_split: EngineSplit = EngineSplit.REPLICATED
+    expert: Optional[int] = None
+    """Global expert id for routed-expert tensors; None otherwise."""
+    head_dim: int = 0
+    """Rows per head (``EngineSplit.KV_HEADS`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise SpecError(f"{self.name}: unknown dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
+        if self.engine_split is EngineSplit.KV_HEADS and (self.head_dim <= 0 or self.shape[0] % self.head_dim):
+            raise SpecError(f"{self.name}: kv_heads split needs head_dim dividing {self.shape[0]}, got {self.head_dim}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One Megatron parameter, global view.
+
+    The name uses global layer and expert ids (``decoder.layers.{L}...local_experts.{E}...``) no
+    matter which rank holds it; the trainer reports its shards under the same global names.
+    """
+
+    name: str
+    """Global Megatron name."""
+    shape: tuple[int, ...]
+    """Full (unsharded) Megatron shape, vocabulary padding included."""
+    dtype: str
+    tp_axis: Optional[int]
+    """Axis split over TP (over ETP for expert parameters); None = replicated over TP."""
+    hf: tuple[HFTensorSpec, ...]
+    """The HF tensors this parameter converts to (empty: not exported, e.g. a tied output layer)."""
+    layer: Optional[int] = None
+    """Global decoder layer (0-based); None for embedding, final norm and output layer."""
+    expert: Optional[int] = None
+    """Global routed-expert id; None for dense parameters."""
+    first_stage: bool = False
+    """For ``layer is None``: lives on the first pipeline stage (embedding) instead of the last."""
+    gated: bool = False
+    """Megatron's gated ``linear_fc1``: each TP shard holds ``[gate_k; up_k]``, so the full tensor is
+    ``[cat_k gate_k; cat_k up_k]``, not the plain concatenation of the shards."""
+    tp_unit: int = 1
+    """Shards hold whole units of this many rows/columns along ``tp_axis`` (attention heads, query groups)."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Family-specific conversion arguments (heads, head dim, unpadded vocabulary size)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise SpecError(f"{self.name}: unknown dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
+        if self.tp_axis is not None and not 0 <= self.tp_axis < len(self.shape):
+            raise SpecError(f"{self.name}: tp_axis {self.tp_axis} out of range for shape {self.shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+    def shard_shape(self, num_shards: int) -> tuple[int, ...]:
+        """Shape of one of ``num_shards`` equal shards along ``tp_axis``.
+
+        Raises:
+            SpecError: the axis does not divide.
+        """
+        if self.tp_axis is None or num_shards == 1:
+            return self.shape
+        size = self.shape[self.tp_axis]
+        if size % (num_shards * self.tp_unit * (2 if self.gated else 1)):
+            unit = f" of whole {self.tp_unit}-row heads/groups" if self.tp_unit > 1 else ""
+            raise SpecError(f"{self.name}: axis {self.tp_axis} of {self.shape} does not split into "
+                            f"{num_shards} shards{unit} (Megatron needs heads / query groups divisible by TP)")
+        return self.shape[:self.tp_axis] + (size // num_shards,) + self.shape[self.tp_axis + 1:]
