@@ -117,6 +117,7 @@ class AgentContext:
         max_turns, max_response_tokens, max_context_tokens: stop limits (AgentConfig).
         tool_timeout_s: limit of one tool call; max_tool_output_chars: observation cut.
         return_routed_experts: ask the engine for routed experts (R3).
+        turn_sampling_params: extra sampling parameters per turn (see the field).
         policy_version: the current policy version (set by the manager after weight updates);
             used when the engine reports no integer ``weight_version``.
         stop_requested: end every trajectory before its next generate call (status ABORTED).
@@ -134,6 +135,11 @@ class AgentContext:
     max_tool_output_chars: int = 2048
     return_routed_experts: bool = False
     policy_version: int = 0
+    turn_sampling_params: Callable[[int], dict[str, Any]] | None = None
+    """Extra sampling parameters for turn ``t`` (1-based), merged over ``sampling_params``; e.g. a
+    ``regex`` that forces a tool call on turn 1 (warm starts, tests). Note: SGLang masks the logits
+    of constrained turns before computing logprobs, so their ``rollout_logprobs`` are those of the
+    constrained sampler, not of the unconstrained policy."""
     stop_requested: bool = False
     """Set by the manager to end every trajectory at its next turn boundary (status ABORTED)."""
 
@@ -218,17 +224,25 @@ def _version(ctx: AgentContext, out: GenerateOutput) -> int:
         return ctx.policy_version
 
 
-def _turn_budget(ctx: AgentContext, state: TrajectoryState) -> int:
+def _turn_params(ctx: AgentContext, turn: int) -> dict[str, Any]:
+    """Sampling parameters of turn ``turn`` (1-based)."""
+    if ctx.turn_sampling_params is None:
+        return ctx.sampling_params
+    return {**ctx.sampling_params, **ctx.turn_sampling_params(turn)}
+
+
+def _turn_budget(ctx: AgentContext, state: TrajectoryState, params: dict[str, Any]) -> int:
     """Tokens the next generate call may produce: per-turn, response and context limits."""
     already = state.response_len - state.turn_start  # tokens of an aborted turn being resumed
-    per_turn = int(ctx.sampling_params.get("max_new_tokens", 512)) - already
+    per_turn = int(params.get("max_new_tokens", 512)) - already
     return min(per_turn, ctx.max_response_tokens - state.response_len,
                ctx.max_context_tokens - len(state.ids))
 
 
-async def _generate_turn(ctx: AgentContext, state: TrajectoryState, budget: int) -> GenerateOutput:
+async def _generate_turn(ctx: AgentContext, state: TrajectoryState, params: dict[str, Any],
+                         budget: int) -> GenerateOutput:
     """One generate call; its model tokens are appended to the state."""
-    params = {**ctx.sampling_params, "max_new_tokens": budget}
+    params = {**params, "max_new_tokens": budget}
     start = time.monotonic()
     kwargs = {"return_routed_experts": True} if ctx.return_routed_experts else {}
     out = await ctx.engine.generate(state.ids, params, session_id=state.session_id, **kwargs)
@@ -293,12 +307,13 @@ async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
         if not resuming and state.num_turns >= ctx.max_turns:
             state.status = RolloutStatus.TRUNCATED
             return
-        budget = _turn_budget(ctx, state)
+        params = _turn_params(ctx, state.num_turns if resuming else state.num_turns + 1)
+        budget = _turn_budget(ctx, state, params)
         if budget <= 0:
             state.status = RolloutStatus.TRUNCATED
             return
         state.num_turns += 0 if resuming else 1
-        out = await _generate_turn(ctx, state, budget)
+        out = await _generate_turn(ctx, state, params, budget)
         if out.finish_reason == "abort":
             state.status = RolloutStatus.ABORTED
             return
@@ -316,13 +331,13 @@ async def single_turn(ctx: AgentContext, state: TrajectoryState) -> None:
     if ctx.stop_requested:
         state.status = RolloutStatus.ABORTED
         return
-    budget = _turn_budget(ctx, state)
+    params = _turn_params(ctx, 1)
+    budget = _turn_budget(ctx, state, params)
     if budget <= 0:
         state.status = RolloutStatus.TRUNCATED
         return
-    if state.num_turns == 0:
-        state.num_turns = 1
-    out = await _generate_turn(ctx, state, budget)
+    state.num_turns = 1
+    out = await _generate_turn(ctx, state, params, budget)
     state.metadata[FINAL_TEXT_KEY] = ctx.template.decode(state.ids[state.prompt_len:])
     state.status = {"abort": RolloutStatus.ABORTED, "length": RolloutStatus.TRUNCATED}.get(
         out.finish_reason, RolloutStatus.COMPLETED)
@@ -362,6 +377,9 @@ async def run_agent(loop: AgentLoop, ctx: AgentContext, state: TrajectoryState) 
         state.status = RolloutStatus.ERROR
         meta["error"] = f"{type(e).__name__}: {e}"
     finally:
+        end_session = getattr(ctx.engine, "end_session", None)  # router affinity bookkeeping
+        if end_session is not None and state.status is not RolloutStatus.ABORTED:
+            end_session(state.session_id)
         # Agent-loop time outside the engine and the tools: decoding, parsing, suffix tokenisation.
         meta["orchestration_s"] += (time.monotonic() - start
                                     - (meta["generate_time_s"] + meta["tool_time_s"] - waited))
