@@ -3,10 +3,13 @@
 ``param_specs_from_hf_config(config)`` lists every Megatron-Core parameter of the model (local
 transformer-layer spec, ``SequentialMLP`` experts: the names the CPU trainer has) with its full
 shape, TP split axis and the checkpoint-style HF tensors it converts to, without allocating.
-Families: ``qwen3`` (dense), ``qwen3_moe`` and ``deepseek_v3`` (MLA + shared experts + dense first
-layers, bf16 metadata).
 
-The DeepSeek-V3 naming lives here because no DeepSeek family exists in ``megarl.checkpoint`` yet:
+Families registered in ``megarl.checkpoint.families`` (``qwen3``, ``qwen3_moe``) come from their
+mapping tables: names and shapes from ``Family.megatron_shapes``, TP split from the table, HF names
+and shapes by running the family's own ``megatron_to_hf`` on ``meta`` tensors (no memory).
+
+``deepseek_v3`` (MLA + shared experts + dense first layers, bf16) is metadata defined here because
+no DeepSeek family exists in ``megarl.checkpoint`` yet:
 MLA projections keep their HF layout in Megatron (``linear_q_up_proj`` = ``q_b_proj``,
 ``linear_kv_up_proj`` = ``kv_b_proj``, ``linear_q/kv_down_proj`` = ``q_a_proj`` /
 ``kv_a_proj_with_mqa``), the router's ``expert_bias`` is ``e_score_correction_bias``. It is
@@ -103,22 +106,6 @@ class _Builder:
         self.add(f"{d}.pre_mlp_layernorm.weight", (h,), None,
                  [(f"{m}.post_attention_layernorm.weight", (h,))], layer=layer)
 
-    def gqa_attention(self, layer: int) -> None:
-        cfg, h = self.cfg, self.hidden
-        nh = _get(cfg, "num_attention_heads")
-        nkv = _get(cfg, "num_key_value_heads", default=nh)
-        hd = _get(cfg, "head_dim", default=h // nh)
-        d, m = f"decoder.layers.{layer}.self_attention", f"model.layers.{layer}.self_attn"
-        self.add(f"{d}.linear_qkv.weight", ((nh + 2 * nkv) * hd, h), 0,
-                 [(f"{m}.q_proj.weight", (nh * hd, h)), (f"{m}.k_proj.weight", (nkv * hd, h)),
-                  (f"{m}.v_proj.weight", (nkv * hd, h))],
-                 layer=layer, head_dim=hd, tp_unit=(nh // nkv + 2) * hd,
-                 extra={"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd})
-        self.add(f"{d}.q_layernorm.weight", (hd,), None, [(f"{m}.q_norm.weight", (hd,))], layer=layer)
-        self.add(f"{d}.k_layernorm.weight", (hd,), None, [(f"{m}.k_norm.weight", (hd,))], layer=layer)
-        self.add(f"{d}.linear_proj.weight", (h, nh * hd), 1, [(f"{m}.o_proj.weight", (h, nh * hd))],
-                 layer=layer, tp_unit=hd)
-
     def mla_attention(self, layer: int) -> None:
         cfg, h = self.cfg, self.hidden
         nh, q_rank, kv_rank = _get(cfg, "num_attention_heads"), _get(cfg, "q_lora_rank"), _get(cfg, "kv_lora_rank")
@@ -155,23 +142,6 @@ class _Builder:
             self.gated_mlp(f"{d}.experts.local_experts.{e}", f"{m}.experts.{e}", inter, layer, expert=e)
 
 
-def _qwen3(b: _Builder, moe: bool) -> None:
-    cfg = b.cfg
-    num_layers = _get(cfg, "num_hidden_layers")
-    num_experts = _get(cfg, "num_experts", "num_local_experts", default=0) if moe else 0
-    sparse_step = cfg.get("decoder_sparse_step") or 1
-    dense_layers = set(cfg.get("mlp_only_layers") or [])
-    b.embedding_and_head(num_layers)
-    for layer in range(num_layers):
-        b.norms(layer)
-        b.gqa_attention(layer)
-        if moe and layer not in dense_layers and (layer + 1) % sparse_step == 0:
-            b.moe(layer, num_experts, _get(cfg, "moe_intermediate_size"), router_bias=False)
-        else:
-            b.gated_mlp(f"decoder.layers.{layer}.mlp", f"model.layers.{layer}.mlp",
-                        _get(cfg, "intermediate_size"), layer)
-
-
 def _deepseek_v3(b: _Builder) -> None:
     cfg = b.cfg
     num_layers = _get(cfg, "num_hidden_layers")
@@ -192,12 +162,48 @@ def _deepseek_v3(b: _Builder) -> None:
             b.gated_mlp(f"{d}.shared_experts", f"{m}.shared_experts", shared, layer)
 
 
-FAMILIES: dict[str, Callable[[_Builder], None]] = {
-    "qwen3": lambda b: _qwen3(b, moe=False),
-    "qwen3_moe": lambda b: _qwen3(b, moe=True),
-    "deepseek_v3": _deepseek_v3,
-}
-"""Metadata builders by HF ``model_type``."""
+LOCAL_FAMILIES: dict[str, Callable[[_Builder], None]] = {"deepseek_v3": _deepseek_v3}
+"""Metadata builders for HF ``model_type`` values that ``megarl.checkpoint.families`` lacks."""
+
+_TP_AXIS = {"none": None, "column": 0, "glu": 0, "row": 1}
+
+
+def _hf_config_object(cfg: dict):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**cfg)
+
+
+def _tp_unit(name: str, entry, layout) -> int:
+    """Rows/columns per attention query group / head: Megatron splits attention by whole groups/heads."""
+    if entry.transform.value == "qkv":
+        return (layout.num_attention_heads // layout.num_query_groups + 2) * layout.head_dim
+    if name.endswith("self_attention.linear_proj.weight"):
+        return layout.head_dim
+    return 1
+
+
+def _specs_from_family(family, cfg: dict, dtype: str, tp_size: int, divisible_by: int) -> list[ParamSpec]:
+    import torch
+
+    from megarl.checkpoint.mapping import Transform, lookup, megatron_to_hf, template_of
+
+    hf_config = _hf_config_object(cfg)
+    layout = family.layout(hf_config, make_vocab_size_divisible_by=divisible_by, tp_size=tp_size)
+    specs = []
+    for name, shape in family.megatron_shapes(family.architecture(hf_config)).items():
+        entry, _ = lookup(family.table, name)
+        _, index = template_of(name)
+        if entry.transform is Transform.VOCAB:
+            shape = (layout.padded_vocab_size,) + tuple(shape[1:])
+        outputs = megatron_to_hf([(name, torch.empty(shape, device="meta"))], layout, family.table)
+        head_dim = layout.head_dim if entry.transform is Transform.QKV else 0
+        hf = tuple(hf_tensor(n, tuple(t.shape), dtype, head_dim=head_dim) for n, t in outputs)
+        specs.append(ParamSpec(
+            name, tuple(shape), dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
+            expert=index.get("E") if entry.expert else None, first_stage=name.startswith("embedding."),
+            gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, entry, layout)))
+    return specs
 
 
 def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int = 1,
@@ -219,12 +225,21 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
     Raises:
         SpecError: unknown ``model_type`` or a missing field (named).
     """
+    from megarl.checkpoint.families import get_family
+
     cfg = _as_dict(config)
-    family = cfg.get("model_type")
-    if family not in FAMILIES:
-        raise SpecError(f"config.json: model_type {family!r} has no weight-sync metadata "
-                        f"(known: {', '.join(sorted(FAMILIES))})")
+    model_type = cfg.get("model_type")
     dtype = dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
-    builder = _Builder(cfg, dtype, tensor_model_parallel_size, make_vocab_size_divisible_by)
-    FAMILIES[family](builder)
-    return builder.specs
+    if model_type in LOCAL_FAMILIES:
+        builder = _Builder(cfg, dtype, tensor_model_parallel_size, make_vocab_size_divisible_by)
+        LOCAL_FAMILIES[model_type](builder)
+        return builder.specs
+    try:
+        family = get_family(model_type)
+    except ValueError as err:
+        raise SpecError(f"config.json: model_type {model_type!r} has no weight-sync metadata: {err} "
+                        f"(plus local metadata for {', '.join(sorted(LOCAL_FAMILIES))})") from None
+    try:
+        return _specs_from_family(family, cfg, dtype, tensor_model_parallel_size, make_vocab_size_divisible_by)
+    except (KeyError, AttributeError, TypeError) as err:
+        raise SpecError(f"config.json ({model_type}): {err}") from err
