@@ -240,12 +240,15 @@ def _check_cluster(c: _Checker) -> None:
                     f"more devices per node than the allocation's {alloc_gpus} (MEGARL_ALLOC_GPUS_PER_NODE)")
 
 
-def _supported_architectures() -> set[str]:
+def _family_error(hf_config) -> str | None:
+    """Why the model family registry (megarl.checkpoint.families) cannot handle this config, or None."""
+    from megarl.checkpoint.families import get_family
+
     try:
-        families = importlib.import_module("megarl.checkpoint.families")
-        return set(families.supported_architectures())
-    except (ImportError, AttributeError):
-        return {"Qwen3MoeForCausalLM", "Qwen3ForCausalLM"}
+        get_family(hf_config)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def read_hf_config(hf_path: str):
@@ -279,10 +282,8 @@ def _check_model(c: _Checker) -> None:
     except Exception as e:  # noqa: BLE001 - any failure to parse is reported with the key
         c.check(False, "model.hf_path", f"config.json could not be read: {e}")
         return
-    arch = (getattr(hf, "architectures", None) or ["?"])[0]
-    supported = _supported_architectures()
-    c.check(arch in supported, "model.hf_path",
-            f"architecture {arch} in config.json is not supported (supported: {', '.join(sorted(supported))})")
+    family_error = _family_error(hf)
+    c.check(family_error is None, "model.hf_path", f"config.json: {family_error}")
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     heads, groups = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)

@@ -133,3 +133,17 @@ def test_tiny_uri_errors_name_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="model.hf_path.*hidden_sise"):
         prepare_config(str(REPO / "configs" / "base.yaml"), ["model.hf_path=tiny:qwen3_moe?hidden_sise=8"])
+
+
+def test_unsupported_model_type(tmp_path, good_overrides, tiny_dense_dir):
+    import json
+    import shutil
+
+    other = tmp_path / "llama"
+    shutil.copytree(tiny_dense_dir, other)
+    cfg_json = json.loads((other / "config.json").read_text())
+    cfg_json.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (other / "config.json").write_text(json.dumps(cfg_json))
+    with pytest.raises(ConfigError, match="model.hf_path.*'llama' is not supported"):
+        validate(load_config(REPO / "configs" / "base.yaml",
+                             good_overrides + [f"model.hf_path={other}", "parallel.expert_model_parallel_size=1"]))
