@@ -134,6 +134,8 @@ MailProg=/bin/true
 # Nodes report the configured CPUs/memory/GPUs, not what the machine has.
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
+# Heterogeneous jobs are started by the backfill scheduler only: run it every second, not every 30.
+SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -181,6 +183,7 @@ main() {
   fi
   install_packages
   mkdir -p "$D"/{etc,log,run,state,spool,bin}
+  chmod go+rx "$D"  # munged runs as user munge and must reach $D/munge (mktemp dirs are 0700)
   trap 'echo "[local_slurm start] failed; stopping what was started" >&2; LOCAL_SLURM_DIR=$D "$HERE/stop.sh" >&2 || true' EXIT
   setup_netns
   start_munged

@@ -1,0 +1,159 @@
+"""Fixtures for tests/slurm: one real local Slurm per session (tools/local_slurm) and job helpers.
+
+The cluster: 2 emulated nodes (node1, node2) x 4 CPUs, 2 fake GPUs each (GRES backed by placeholder
+files: Slurm accounts for them, nothing can use them), inside a private loopback-only network
+namespace, with a private munged. Started by ``tools/local_slurm/start.sh`` (which installs Debian's
+Slurm when missing) and stopped by ``stop.sh`` at the end of the session. When the tests run under
+``tools/local_slurm/run.sh`` (``LOCAL_SLURM_RUNNING=1``) that cluster is reused instead.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_SLURM = ROOT / "tools" / "local_slurm"
+NUM_GPUS = 2
+
+
+@dataclass
+class LocalSlurm:
+    """A running local Slurm: its state directory and an environment that reaches it."""
+
+    dir: Path
+    env: dict
+
+
+@dataclass
+class JobResult:
+    """A finished ``sbatch --wait`` job."""
+
+    job_id: str
+    rc: int
+    output: str
+    """The job's stdout+stderr file (``--output``)."""
+    job_dir: Path
+    """megarl's per-job log directory (MEGARL_LOG_ROOT/<job name>-<job id>)."""
+    elapsed_s: float
+
+
+def _start_env(d: str) -> dict:
+    return {**os.environ, "LOCAL_SLURM_DIR": d, "LOCAL_SLURM_NETNS": f"megarl-t{os.getpid()}",
+            "LOCAL_SLURM_NODES": "2", "LOCAL_SLURM_CPUS": "4", "LOCAL_SLURM_GPUS": str(NUM_GPUS)}
+
+
+@pytest.fixture(scope="session")
+def local_slurm():
+    """Start (or reuse) the local Slurm for the session; stop it by PID afterwards."""
+    if os.environ.get("LOCAL_SLURM_RUNNING") == "1" and os.environ.get("LOCAL_SLURM_DIR"):
+        d = Path(os.environ["LOCAL_SLURM_DIR"])
+        yield LocalSlurm(d, {**os.environ, "PATH": f"{d}/bin:{os.environ['PATH']}",
+                             "SLURM_CONF": str(d / "etc" / "slurm.conf")})
+        return
+    if os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("ip"):
+        pytest.skip("the local Slurm needs root, nsenter and ip (network namespace, Slurm daemons)")
+    d = tempfile.mkdtemp(prefix="mrslurm-", dir="/tmp")
+    env = _start_env(d)
+    try:
+        proc = subprocess.run(["bash", str(LOCAL_SLURM / "start.sh")], env=env, capture_output=True,
+                              text=True, timeout=240)
+        if proc.returncode != 0:
+            pytest.fail(f"tools/local_slurm/start.sh failed:\n{proc.stdout}\n{proc.stderr}")
+        yield LocalSlurm(Path(d), {**os.environ, "PATH": f"{d}/bin:{os.environ['PATH']}",
+                                   "SLURM_CONF": f"{d}/etc/slurm.conf"})
+    finally:
+        subprocess.run(["bash", str(LOCAL_SLURM / "stop.sh")], env={**env, "LOCAL_SLURM_PURGE": "1"},
+                       capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def probe_config(tiny_moe_dir, tmp_path_factory) -> Path:
+    """A valid CPU config (tiny MoE, 3 GSM8K prompts): 1 trainer node x 2 ranks + 1 rollout node."""
+    d = tmp_path_factory.mktemp("slurmcfg")
+    rows = (ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
+    lines = rows.read_text().splitlines()[:3] if rows.is_file() else [
+        '{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\\n#### 5"}'] * 3
+    (d / "train.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = d / "probe.yaml"
+    cfg.write_text(f"""extends: {ROOT}/configs/base.yaml
+model: {{hf_path: {tiny_moe_dir}}}
+data: {{train_path: {d}/train.jsonl, eval_path: null}}
+train: {{precision: fp32, global_batch_size: 8}}
+rollout: {{num_prompts_per_step: 2, group_size: 4}}
+cluster: {{device: cpu, trainer_nodes: 1, trainer_devices_per_node: 2, rollout_nodes: 1,
+          rollout_devices_per_node: 1}}
+""")
+    return cfg
+
+
+@pytest.fixture
+def job_env(local_slurm, tmp_path) -> dict:
+    """Environment for one sbatch call: wrappers on PATH, the venv, short Ray temp dir, logs in tmp."""
+    ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # unix socket paths must stay < 108 chars
+    env = {**local_slurm.env, "MEGARL_VENV": sys.prefix, "MEGARL_NODE_IP": "127.0.0.1",
+           "MEGARL_LOG_ROOT": str(tmp_path / "runs"), "MEGARL_RAY_TMPDIR": ray_tmp,
+           "MEGARL_DRIVER": f"python {ROOT}/tests/slurm/ray_probe_driver.py",
+           "RAY_prestart_worker_first_driver": "0", "OMP_NUM_THREADS": "1"}
+    yield env
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def job_processes(job_id: str) -> list[int]:
+    """PIDs of live processes started by Slurm job ``job_id`` (found by SLURM_JOB_ID in /proc/*/environ)."""
+    needle = f"SLURM_JOB_ID={job_id}\0".encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if needle in (p / "environ").read_bytes():
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
+def submit(env: dict, script: str, args: list[str], *, sbatch_opts: tuple[str, ...] = (),
+           timeout_s: float = 240, on_running=None) -> JobResult:
+    """``sbatch --wait`` a script from the repository root and collect what the job left.
+
+    Args:
+        on_running: called with the job id once the job is submitted (e.g. to kill a node).
+    """
+    out_dir = Path(env["MEGARL_LOG_ROOT"]).parent / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={out_dir}/%x-%j.out", *sbatch_opts, script, *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_id = proc.stdout.readline().strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not print a job id: {job_id!r} {proc.stderr.read()}"
+    try:
+        if on_running is not None:
+            on_running(job_id)
+        proc.wait(timeout=timeout_s)
+    except BaseException:
+        subprocess.run(["scancel", job_id], env=env, timeout=30)
+        proc.kill()
+        raise
+    elapsed = time.monotonic() - t0
+    outs = list(out_dir.glob(f"*-{job_id}.out"))
+    output = outs[0].read_text() if outs else ""
+    runs = list(Path(env["MEGARL_LOG_ROOT"]).glob(f"*-{job_id}"))
+    job_dir = runs[0] if runs else Path(env["MEGARL_LOG_ROOT"]) / f"missing-{job_id}"
+    return JobResult(job_id, proc.returncode, output, job_dir, elapsed)
+
+
+def wait_no_job_processes(job_id: str, timeout_s: float = 30) -> list[int]:
+    """Wait until no process of the job is left; return the ones still alive at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
