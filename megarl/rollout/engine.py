@@ -252,23 +252,28 @@ class EngineProcess:
         raise EngineStartupError(f"{self.engine_id} did not answer /health within {timeout_s:.0f} s; "
                                  f"log {self.log_path}:\n{self.log_tail()}")
 
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        """Stop the server's whole process group: SIGTERM, then SIGKILL after ``grace_s``.
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """Stop the server: SIGTERM to its main process (SGLang drains running requests and stops
+        its children), then SIGKILL to the whole process group after ``grace_s`` seconds.
+
+        Args:
+            grace_s: seconds for the graceful part; 0 kills the process group at once.
 
         Returns:
             The main process's exit code, or None if it was not started.
         """
         proc, self._proc = self._proc, None
         if proc is not None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s ignored SIGTERM for %.0f s; killing its process group",
-                            self.engine_id, grace_s)
+            if grace_s > 0 and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s still running %.0f s after SIGTERM; killing its process group",
+                                self.engine_id, grace_s)
             # Children (scheduler, detokenizer) may outlive the main process: always sweep the group.
             _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=grace_s)
+            proc.wait(timeout=30)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -287,7 +292,7 @@ class EngineProcess:
         The restarted engine serves the weights at ``model_path``; a caller that has pushed newer
         weights must push them again before routing traffic to it.
         """
-        self.stop()
+        self.stop(grace_s=0)
         _wait_port_free(self.host, self.port, timeout_s=30.0)
         return self.start().wait_healthy(timeout_s)
 
@@ -333,7 +338,7 @@ def _wait_port_free(host: str, port: int | None, timeout_s: float) -> None:
 def _stop_leftover_engines() -> None:
     # A crashed driver must not leave servers running on the node.
     for engine in list(_LIVE_ENGINES):
-        engine.stop(grace_s=5.0)
+        engine.stop(grace_s=0)
 
 
 def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
