@@ -97,18 +97,27 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | os.Pa
     reader = HFCheckpointReader(hf_dir)
     count = 0
     for info, param in iter_global_params(model_chunks, parallel_state, layout):
-        rank, size = ((parallel_state.etp_rank, parallel_state.etp_size) if info.expert
-                      else (parallel_state.tp_rank, parallel_state.tp_size))
-        names = hf_names_for(info.global_name, layout) or ["model.embed_tokens.weight"]  # tied output
-        tensors = [reader.get(n) for n in names]
-        param_layout = layout
-        if info.entry.transform.value == "vocab":
-            param_layout = dataclasses.replace(layout, padded_vocab_size=param.shape[0] * size)
-        local = split_tp(to_megatron(info.entry, tensors, param_layout), info.tp_split, rank, size)
-        if tuple(local.shape) != tuple(param.shape):
-            raise ValueError(f"{info.global_name}: shape {tuple(local.shape)} from HF {names} in {hf_dir} "
-                             f"does not match the model's {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(local)
+        load_param(info, param, reader, layout, parallel_state)
         count += 1
     return count
+
+
+def load_param(info: ParamInfo, param: torch.Tensor, reader: HFCheckpointReader, layout: ModelLayout,
+               parallel_state) -> None:
+    """Copy one parameter's TP/ETP shard from the HF checkpoint (see :func:`load_hf_weights`).
+
+    Raises:
+        KeyError: a tensor absent from the checkpoint. ValueError: shape mismatch (names both).
+    """
+    rank, size = ((parallel_state.etp_rank, parallel_state.etp_size) if info.expert
+                  else (parallel_state.tp_rank, parallel_state.tp_size))
+    names = hf_names_for(info.global_name, layout) or ["model.embed_tokens.weight"]  # tied output
+    tensors = [reader.get(n) for n in names]
+    if info.entry.transform.value == "vocab":
+        layout = dataclasses.replace(layout, padded_vocab_size=param.shape[0] * size)
+    local = split_tp(to_megatron(info.entry, tensors, layout), info.tp_split, rank, size)
+    if tuple(local.shape) != tuple(param.shape):
+        raise ValueError(f"{info.global_name}: shape {tuple(local.shape)} from HF {names} in "
+                         f"{reader.hf_dir} does not match the model's {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(local)

@@ -12,6 +12,10 @@ Guarantees: every child is killed when the call returns or raises (a rank that d
 never leaves its peers hanging in a collective); ``OMP_NUM_THREADS=1`` in the children unless
 given; the rendezvous is a file store in a private temporary directory (no port races with other
 test runs on the same machine).
+
+Start method: ``forkserver`` by default, with torch, Megatron-Core and transformers preloaded in
+the server (imported once per calling process, ~10 s on 2 busy cores, instead of once per rank
+and call); ``spawn`` is available for code that must not share the server's imports.
 """
 from __future__ import annotations
 
@@ -37,12 +41,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "megatron.core",
+           "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "transformers")
+"""Modules imported once by the forkserver (a module that fails to import is skipped)."""
+
+
+def _context(start_method: str):
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def _child(fn, rank: int, world_size: int, args: tuple, store_path: str, backend: str | None,
            env: dict, results) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
+        import torch
         import torch.distributed as dist
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
         if backend is not None:
             dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
@@ -58,7 +77,7 @@ def _child(fn, rank: int, world_size: int, args: tuple, store_path: str, backend
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
               timeout_s: float = 120.0, backend: str | None = "gloo",
-              env: dict[str, str] | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
     Args:
@@ -69,6 +88,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
         backend: ``torch.distributed`` backend initialised before ``fn`` runs (None = none).
         env: extra environment variables for the children (``OMP_NUM_THREADS`` defaults to 1;
             ``MASTER_ADDR``/``MASTER_PORT`` are set to a free local port).
+        start_method: ``forkserver`` (default; see the module docstring) or ``spawn``.
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -77,7 +97,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
         RankError: a rank raised or exited without a result (message: its traceback or exit
             code), or the run exceeded ``timeout_s`` (message: the unfinished ranks).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     child_env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     child_env.update(env or {})
     results = ctx.Queue()

@@ -31,6 +31,8 @@ class Family:
     """Architecture dict -> ``TransformerConfig`` keyword arguments (architecture only)."""
     gpt_model_kwargs: Callable[[dict], dict]
     """Architecture dict -> extra ``GPTModel`` keyword arguments (rope, tied embeddings)."""
+    megatron_shapes: Callable[[dict], dict]
+    """Architecture dict -> {global Megatron name (local spec): full unpadded shape}."""
 
     def layout(self, hf_config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> ModelLayout:
         """The :class:`ModelLayout` of an HF config for a given TP size."""

@@ -149,5 +149,34 @@ def gpt_model_kwargs(arch: dict) -> dict:
                 max_sequence_length=arch["max_position_embeddings"])
 
 
+def megatron_shapes(arch: dict) -> dict[str, tuple[int, ...]]:
+    """Full Megatron shapes (global local-spec names, unpadded vocabulary) of every parameter."""
+    h, hd = arch["hidden_size"], arch["head_dim"]
+    qkv_rows = (arch["num_attention_heads"] + 2 * arch["num_key_value_heads"]) * hd
+    out = {"embedding.word_embeddings.weight": (arch["vocab_size"], h),
+           "decoder.final_layernorm.weight": (h,), "output_layer.weight": (arch["vocab_size"], h)}
+    for i, is_moe in enumerate(arch["moe_layers"]):
+        p = f"decoder.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
+                    p + "self_attention.linear_qkv.weight": (qkv_rows, h),
+                    p + "self_attention.q_layernorm.weight": (hd,),
+                    p + "self_attention.k_layernorm.weight": (hd,),
+                    p + "self_attention.linear_proj.weight": (h, arch["num_attention_heads"] * hd)})
+        if is_moe:
+            f = arch["moe_intermediate_size"]
+            out[p + "mlp.router.weight"] = (arch["num_experts"], h)
+            for e in range(arch["num_experts"]):
+                out[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+                out[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+        else:
+            f = arch["intermediate_size"]
+            out[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+            out[p + "mlp.linear_fc2.weight"] = (h, f)
+    if arch["tie_word_embeddings"]:
+        out.pop("output_layer.weight")
+    return out
+
+
 FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), table=TABLE, architecture=architecture,
-                transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs)
+                transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
+                megatron_shapes=megatron_shapes)

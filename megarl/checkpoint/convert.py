@@ -1,0 +1,180 @@
+"""Directory converters: HF -> Megatron dist checkpoint (multi-process) and back (streaming).
+
+``hf_to_megatron`` spawns one gloo process per rank of the requested layout; each builds its model
+chunks on the meta device and, one group at a time (the embedding, each layer, the output layer),
+materialises the group, fills it from the HF safetensors and saves it
+(:class:`~megarl.checkpoint.dist_ckpt.StreamingCheckpointWriter`). ``megatron_to_hf_dir`` loads a
+dist checkpoint (any layout it was saved at) group by group into a TP=1 meta model and streams the
+HF tensors into pre-planned safetensors shards. Peak memory: a couple of layers, not the model.
+
+Both write into a temporary sibling of the destination and rename it at the end: on any error
+nothing is left at the destination. The checkpoint keeps the HF config, generation config and
+tokenizer under ``hf_config/`` so that it can be exported without the original directory.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from megarl.config.schema import ModelConfig, ParallelConfig
+
+HF_CONFIG_SUBDIR = "hf_config"
+MARKER_FILE = "megarl_checkpoint.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def copy_hf_metadata(src: Path, dst: Path) -> None:
+    """Copy every non-weight file of an HF directory (config, generation config, tokenizer, template)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in sorted(Path(src).iterdir()):
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(item, dst / item.name)
+
+
+def _atomic_dir(out_dir: Path, overwrite: bool) -> Path:
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True / --overwrite)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+
+
+def _publish(tmp: Path, out_dir: Path) -> Path:
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _hf_precision(hf_config) -> str:
+    dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
+    return _PRECISIONS.get(dtype.replace("torch.", ""), "fp32")
+
+
+def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                   tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                   expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
+                   virtual_pipeline_model_parallel_size: Optional[int] = None,
+                   make_vocab_size_divisible_by: int = 128, precision: Optional[str] = None,
+                   overwrite: bool = False, timeout_s: float = 3600.0) -> Path:
+    """Convert an HF directory into a Megatron ``dist_checkpointing`` checkpoint at a layout.
+
+    Args:
+        hf_dir: HF model directory. out_dir: destination (must not exist unless ``overwrite``).
+        tensor_model_parallel_size ... virtual_pipeline_model_parallel_size: the saving layout
+            (Megatron's names; ETP None = TP). One process per rank of the smallest world that
+            realises it is spawned.
+        make_vocab_size_divisible_by: vocabulary padding unit (times TP).
+        precision: ``fp32`` / ``bf16`` / ``fp16``; default: the HF config's dtype.
+        timeout_s: limit for the whole conversion.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ConfigMismatchError: config.json disagrees with the weights (names field, values, file).
+        CheckpointFileError: a missing or truncated shard. FileExistsError: destination not empty.
+        megarl.testing.multiproc.RankError: a rank failed (its traceback is in the message).
+    """
+    from megarl.checkpoint.config_check import check_weights_match_config
+    from megarl.testing.multiproc import run_ranks
+    from megarl.training.model import load_hf_config
+
+    hf_dir = Path(hf_dir).resolve()
+    hf_config = load_hf_config(hf_dir)
+    check_weights_match_config(hf_dir, hf_config)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        sequence_parallel=tensor_model_parallel_size > 1, use_distributed_optimizer=False)
+    etp = expert_tensor_parallel_size or tensor_model_parallel_size
+    world = math.lcm(tensor_model_parallel_size * pipeline_model_parallel_size,
+                     etp * expert_model_parallel_size * pipeline_model_parallel_size)
+    precision = precision or _hf_precision(hf_config)
+    tmp = _atomic_dir(Path(out_dir), overwrite)
+    try:
+        run_ranks(_import_worker, world, timeout_s=timeout_s,
+                  args=(str(hf_dir), str(tmp), asdict(parallel), make_vocab_size_divisible_by, precision))
+        copy_hf_metadata(hf_dir, tmp / HF_CONFIG_SUBDIR)
+        (tmp / MARKER_FILE).write_text(json.dumps({
+            "format": "megatron-core dist_checkpointing (torch_dist), model weights only",
+            "family": hf_config.model_type, "source": str(hf_dir), "precision": precision,
+            "parallel": asdict(parallel), "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+            "hf_config": HF_CONFIG_SUBDIR}, indent=2) + "\n")
+        return _publish(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                       hf_config_dir: str | os.PathLike | None = None, dtype: Optional[str] = None,
+                       max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
+                       timeout_s: float = 3600.0) -> Path:
+    """Export a Megatron dist checkpoint (model weights, any saving layout) to an HF directory.
+
+    Writes safetensors shards (+ ``model.safetensors.index.json`` when more than one), and copies
+    config.json, generation_config.json, tokenizer and chat-template files from the config source.
+
+    Args:
+        ckpt_dir: a dist checkpoint (from :func:`hf_to_megatron` or a trainer checkpoint's model).
+        out_dir: destination HF directory.
+        hf_config_dir: HF directory with config and tokenizer; default ``ckpt_dir/hf_config``.
+            When both exist they must agree (architecture fields).
+        dtype: output dtype (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's.
+        max_shard_bytes: safetensors shard size limit.
+
+    Raises:
+        ConfigMismatchError: the configs disagree with each other or with the checkpoint's shapes.
+        FileNotFoundError: not a dist checkpoint / no HF config. FileExistsError: destination not empty.
+        megarl.testing.multiproc.RankError: the export process failed (traceback in the message).
+    """
+    from megarl.checkpoint.config_check import check_checkpoint_matches_config, compare_configs
+    from megarl.checkpoint.dist_ckpt import model_prefix, tensor_shapes
+    from megarl.testing.multiproc import run_ranks
+    from megarl.training.model import load_hf_config
+
+    ckpt_dir = Path(ckpt_dir).resolve()
+    stored = ckpt_dir / HF_CONFIG_SUBDIR
+    config_dir = Path(hf_config_dir).resolve() if hf_config_dir else stored
+    if not (config_dir / "config.json").exists():
+        raise FileNotFoundError(f"no HF config: {config_dir / 'config.json'} is missing (pass --hf-config)")
+    if hf_config_dir and (stored / "config.json").exists():
+        compare_configs(load_hf_config(stored), load_hf_config(config_dir),
+                        expected_file=stored / "config.json", actual_file=config_dir / "config.json")
+    shapes = tensor_shapes(ckpt_dir)
+    check_checkpoint_matches_config(shapes, model_prefix(shapes), load_hf_config(config_dir),
+                                    config_dir / "config.json", ckpt_dir)
+    tmp = _atomic_dir(Path(out_dir), overwrite)
+    try:
+        run_ranks(_export_worker, 1, timeout_s=timeout_s,
+                  args=(str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes))
+        copy_hf_metadata(config_dir, tmp)
+        return _publish(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _import_worker(rank, world_size, hf_dir, out_dir, parallel_dict, divisible_by, precision):
+    from megarl.checkpoint import groups
+
+    groups.import_rank(hf_dir, out_dir, ParallelConfig(**parallel_dict),
+                       ModelConfig(hf_path=hf_dir, make_vocab_size_divisible_by=divisible_by), precision)
+
+
+def _export_worker(rank, world_size, ckpt_dir, out_dir, config_dir, dtype, max_shard_bytes):
+    from megarl.checkpoint import groups
+
+    groups.export_rank(ckpt_dir, out_dir, config_dir, dtype, max_shard_bytes)

@@ -1,0 +1,165 @@
+"""Write a Megatron ``dist_checkpointing`` (torch_dist) checkpoint in steps, a few layers at a time.
+
+``dist_checkpointing.save`` writes a whole sharded state dict in one collective call, so the model
+must be in memory. :class:`StreamingCheckpointWriter` instead saves one group of parameters per
+step (each step a torch.distributed.checkpoint save of Megatron's translated state dict, with
+Megatron's own key translation and planner, files prefixed by the step) and, at the end, merges the
+steps' metadata into the single ``.metadata`` a normal save writes, plus ``common.pt`` and
+``metadata.json``. The result is an ordinary Megatron checkpoint: ``dist_checkpointing.load``
+reads it at any parallel layout.
+
+Uses Megatron-Core 0.16.1 internals (``mcore_to_pyt_state_dict``, ``MCoreSavePlanner``), guarded by
+:func:`megarl.training.cpu_compat.check_megatron_version`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+
+class _StepWriter(FileSystemWriter):
+    """A FileSystemWriter whose data files carry a step prefix and which leaves ``.metadata`` alone."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        self.step = step
+
+    def prepare_global_plan(self, plans):
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_s{self.step:05d}_"))
+                for i, plan in enumerate(plans)]
+
+    def finish(self, metadata: Metadata, results) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+
+
+def _merge(into: Metadata | None, step: Metadata) -> Metadata:
+    if into is None:
+        return step
+    for key, meta in step.state_dict_metadata.items():
+        if key not in into.state_dict_metadata:
+            into.state_dict_metadata[key] = meta
+        elif isinstance(meta, TensorStorageMetadata):
+            have = into.state_dict_metadata[key]
+            if tuple(have.size) != tuple(meta.size):
+                raise ValueError(f"{key}: global shape {tuple(meta.size)} differs from {tuple(have.size)}")
+            have.chunks.extend(meta.chunks)
+    into.storage_data.update(step.storage_data)
+    if isinstance(into.planner_data, dict) and isinstance(step.planner_data, dict):
+        into.planner_data.update(step.planner_data)
+    for attr in ("mcore_data",):
+        if isinstance(getattr(step, attr, None), dict):
+            merged = dict(getattr(into, attr, None) or {})
+            merged.update(getattr(step, attr))
+            setattr(into, attr, merged)
+    return into
+
+
+class StreamingCheckpointWriter:
+    """Collective, step-wise writer of one Megatron dist checkpoint.
+
+    Every rank calls :meth:`save_step` the same number of times (with an empty dict when it has
+    nothing for that step), then :meth:`finalize`. Collectives run on the default process group.
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike):
+        from megarl.training.cpu_compat import check_megatron_version
+
+        check_megatron_version()
+        self.dir = Path(checkpoint_dir)
+        self.step = 0
+        self.metadata: Metadata | None = None
+        self.common: dict = {}
+
+    def save_step(self, sharded_state_dict: dict) -> None:
+        """Save one group of Megatron ``ShardedTensor``\\s (e.g. one layer's ``sharded_state_dict``
+        entries). Access integrity is validated once over all steps' chunks in :meth:`finalize`."""
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+        from torch.distributed.checkpoint import save as dcp_save
+
+        sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+        self.common.update(common)
+        grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
+        pyt_state_dict = mcore_to_pyt_state_dict(grouped, False)
+        step_metadata = dcp_save(
+            pyt_state_dict, storage_writer=_StepWriter(str(self.dir), self.step),
+            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                     can_run_decentralized_global_plan=False))
+        self.metadata = _merge(self.metadata, step_metadata)
+        self.step += 1
+
+    def finalize(self) -> None:
+        """Write the merged ``.metadata``, ``common.pt`` and ``metadata.json`` (rank 0), then barrier.
+
+        Raises:
+            ValueError: some tensor's chunks do not cover it exactly once.
+        """
+        from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+        if dist.get_rank() == 0:
+            metadata = self.metadata or Metadata(state_dict_metadata={}, storage_data={})
+            check_coverage(metadata)
+            metadata.version = CURRENT_DCP_VERSION
+            tmp = self.dir / ".metadata.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(metadata, f)
+            tmp.rename(self.dir / ".metadata")
+            TorchCommonSaveStrategy("torch", 1).save_common(self.common, self.dir)
+            save_config(CheckpointingConfig("torch_dist", 1), str(self.dir))
+        dist.barrier()
+
+
+def check_coverage(metadata: Metadata) -> None:
+    """Every tensor's chunks must tile its global shape exactly (no gap, no overlap).
+
+    Raises:
+        ValueError: names the first tensor with a gap or an overlap.
+    """
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        total = torch.Size(meta.size).numel()
+        covered = sum(torch.Size(c.sizes).numel() for c in meta.chunks)
+        offsets = {tuple(c.offsets) for c in meta.chunks}
+        if covered != total or len(offsets) != len(meta.chunks):
+            raise ValueError(f"checkpoint tensor {key}: chunks cover {covered} of {total} elements "
+                             f"({len(meta.chunks)} chunks, {len(offsets)} distinct offsets)")
+
+
+def tensor_shapes(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor in a torch_dist checkpoint (reads ``.metadata`` only).
+
+    Raises:
+        FileNotFoundError: not a Megatron dist checkpoint (names the missing file).
+    """
+    path = Path(checkpoint_dir)
+    for name in ("metadata.json", ".metadata"):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"{path / name} not found: {path} is not a Megatron dist checkpoint")
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def model_prefix(shapes: dict) -> str:
+    """The key prefix under which a checkpoint stores the model (``""``, or e.g. ``"model."``).
+
+    Raises:
+        ValueError: no (or more than one) embedding key.
+    """
+    suffix = "embedding.word_embeddings.weight"
+    found = [k[: -len(suffix)] for k in shapes if k.endswith(suffix)]
+    if len(found) != 1:
+        raise ValueError(f"cannot locate the model in the checkpoint: {len(found)} keys end with {suffix}")
+    return found[0]

@@ -1,0 +1,167 @@
+"""Per-rank work of the directory converters: meta-device model chunks processed group by group.
+
+A *group* is the embedding, one transformer layer, or the final norm + output layer of one model
+chunk. Only the current group's parameters are materialised on CPU (Parameter objects keep their
+identity and Megatron's attributes), filled, saved or exported, and returned to the meta device.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def module_groups(chunks) -> list[tuple[int, list[torch.nn.Module]]]:
+    """``(chunk index, modules)`` per group, in model order."""
+    groups = []
+    for index, chunk in enumerate(chunks):
+        if getattr(chunk, "pre_process", False):
+            groups.append((index, [chunk.embedding]))
+        groups.extend((index, [layer]) for layer in chunk.decoder.layers)
+        post = [m for m in (getattr(chunk.decoder, "final_layernorm", None),
+                            getattr(chunk, "output_layer", None) if chunk.post_process else None)
+                if m is not None and any(True for _ in m.parameters())]
+        if post:
+            groups.append((index, post))
+    covered = sum(sum(p.numel() for m in mods for p in m.parameters()) for _, mods in groups)
+    total = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    if covered != total:
+        raise RuntimeError(f"module groups cover {covered} of {total} parameter elements")
+    return groups
+
+
+def _swap_device(param: torch.nn.Parameter, device: str) -> None:
+    attrs = dict(param.__dict__)
+    new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                             requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, new)
+    param.__dict__.update(attrs)
+
+
+@contextlib.contextmanager
+def materialized(modules):
+    """Give the modules' meta parameters CPU storage (uninitialised) for the duration."""
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    for p in params:
+        _swap_device(p, "cpu")
+    yield params  # on an exception the parameters stay materialised (the process is failing)
+    for p in params:
+        _swap_device(p, "meta")
+
+
+def materialized_sharded_state_dict(chunk, prefix: str = "") -> dict:
+    """The entries of ``chunk.sharded_state_dict()`` whose data is not on the meta device."""
+    def keep(value):
+        data = getattr(value, "data", None)
+        return not (torch.is_tensor(data) and data.is_meta)
+    return {k: v for k, v in chunk.sharded_state_dict(prefix=prefix).items() if keep(v)}
+
+
+def _local_infos(chunks, parallel_state, layout):
+    """{(chunk index, local name): ParamInfo}."""
+    from megarl.checkpoint.loader import iter_global_params
+
+    infos = {}
+    for index, chunk in enumerate(chunks):
+        names = [n for n, _ in chunk.named_parameters()]
+        for name, (info, _) in zip(names, iter_global_params([chunk], parallel_state, layout)):
+            infos[(index, name)] = info
+    return infos
+
+
+def _group_params(chunk, params):
+    ids = {id(p) for p in params}
+    return [(n, p) for n, p in chunk.named_parameters() if id(p) in ids]
+
+
+def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: str) -> None:
+    """One rank of ``hf_to_megatron``: fill and save this rank's groups step by step."""
+    from megarl.checkpoint.dist_ckpt import StreamingCheckpointWriter
+    from megarl.checkpoint.families import get_family
+    from megarl.checkpoint.hf_io import HFCheckpointReader
+    from megarl.checkpoint.loader import load_param
+    from megarl.training.model import build_model, load_hf_config
+    from megarl.training.parallel_state import destroy_parallel, initialize_parallel
+
+    ps = initialize_parallel(parallel_cfg, backend="gloo")
+    hf_config = load_hf_config(hf_dir)
+    chunks = build_model(hf_config, parallel_cfg, model_cfg, precision=precision, device="meta", spec="local")
+    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+                                          tp_size=ps.tp_size)
+    infos = _local_infos(chunks, ps, layout)
+    reader = HFCheckpointReader(hf_dir)
+    groups = module_groups(chunks)
+    num_steps = torch.tensor([len(groups)])
+    dist.all_reduce(num_steps, op=dist.ReduceOp.MAX)
+    writer = StreamingCheckpointWriter(out_dir)
+    for step in range(int(num_steps)):
+        if step >= len(groups):
+            writer.save_step({})
+            continue
+        index, modules = groups[step]
+        with materialized(modules) as params:
+            for name, param in _group_params(chunks[index], params):
+                load_param(infos[(index, name)], param, reader, layout, ps)
+            writer.save_step(materialized_sharded_state_dict(chunks[index]))
+    writer.finalize()
+    destroy_parallel()
+
+
+def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_bytes: int) -> None:
+    """The (single) process of ``megatron_to_hf_dir``."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.checkpoint import hf_io
+    from megarl.checkpoint.dist_ckpt import model_prefix, tensor_shapes
+    from megarl.checkpoint.families import get_family
+    from megarl.checkpoint.mapping import megatron_to_hf
+    from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.training.model import build_model, load_hf_config
+    from megarl.training.parallel_state import destroy_parallel, initialize_parallel
+
+    shapes = tensor_shapes(ckpt_dir)
+    prefix = model_prefix(shapes)
+    hf_config = load_hf_config(config_dir)
+    (padded_vocab, _), ckpt_dtype = shapes[prefix + "embedding.word_embeddings.weight"]
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[ckpt_dtype]
+    out_dtype = getattr(torch, dtype) if dtype else ckpt_dtype
+    ps = initialize_parallel(ParallelConfig(), backend="gloo")
+    chunks = build_model(hf_config, ParallelConfig(), ModelConfig(make_vocab_size_divisible_by=padded_vocab),
+                         precision=precision, device="meta", spec="local")
+    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=padded_vocab)
+    infos = _local_infos(chunks, ps, layout)
+    groups = module_groups(chunks)
+
+    def hf_tensors(index, named):
+        pairs = [(infos[(index, n)].global_name, p) for n, p in named]
+        return megatron_to_hf(pairs, layout)
+
+    planned = [(name, out_dtype, tuple(t.shape)) for index, modules in groups
+               for name, t in hf_tensors(index, _group_params(chunks[index], [p for m in modules for p in m.parameters()]))]
+    shards = hf_io.plan_shards(planned, max_shard_bytes)
+    files = hf_io.shard_file_names(len(shards))
+    writers = iter([(f, s) for f, s in zip(files, shards)])
+    current, remaining = None, 0
+    for index, modules in groups:
+        with materialized(modules) as params:
+            wanted = materialized_sharded_state_dict(chunks[index], prefix=prefix)
+            loaded = dist_checkpointing.load(wanted, ckpt_dir)
+            loaded = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded.items()}
+            result = chunks[index].load_state_dict(loaded, strict=False)
+            if result.unexpected_keys:
+                raise RuntimeError(f"unexpected keys loading {ckpt_dir}: {result.unexpected_keys[:5]}")
+            for name, tensor in hf_tensors(index, _group_params(chunks[index], params)):
+                if remaining == 0:
+                    if current is not None:
+                        current.close()
+                    file, shard = next(writers)
+                    current, remaining = hf_io.SafetensorsStreamWriter(Path(out_dir) / file, shard), len(shard)
+                current.write(name, tensor.to(out_dtype))
+                remaining -= 1
+            del wanted, loaded, result, tensor  # references to the parameters' storage
+    if current is not None:
+        current.close()
+    hf_io.write_index(Path(out_dir), shards, files)
+    destroy_parallel()
