@@ -192,6 +192,7 @@ class RolloutManager:
         num_new = max(0, target + self.over_sample_prompts - len(carried))
         groups = carried + [self._new_group(s) for s in itertools.islice(iter(prompts), num_new)]
         tasks = {asyncio.ensure_future(self._run_group(g)): g for g in groups}
+        order = {task: i for i, task in enumerate(tasks)}  # carried-over groups first
         accepted: list[TrajectoryGroup] = []
         counts = {"groups_dropped_error": 0, "groups_dropped_zero_variance": 0,
                   "groups_carried_over": 0, "groups_resumed": len(carried)}
@@ -199,7 +200,7 @@ class RolloutManager:
         try:
             while pending and len(accepted) < target:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
+                for task in sorted(done, key=order.__getitem__):
                     group, trajectories = tasks[task], task.result()
                     if any(t.status == RolloutStatus.ABORTED for t in trajectories):
                         self._park(group, counts)  # aborted by the engine (e.g. a weight sync)

@@ -5,7 +5,7 @@ clean environment and writes one JSON object on its stdin::
 
     {"code": str, "cpu_s": int, "memory_bytes": int, "max_processes": int, "max_file_bytes": int,
      "tmpfs_bytes": int, "uid": int, "isolate": bool, "fallback_workdir": str,
-     "hide_paths": [str], "expose_paths": [str]}
+     "hide_paths": [str], "expose_paths": [str], "interpreter_world_readable": bool}
 
 Process tree (each arrow is a fork)::
 
@@ -206,7 +206,8 @@ def main() -> None:
         globals()["WORKDIR"] = cfg_workdir
         child = os.fork()
         if child == 0:
-            _run_user_code(cfg, drop_to_uid=as_root)
+            # Without a mount namespace the interpreter must be readable by the sandbox uid.
+            _run_user_code(cfg, drop_to_uid=as_root and cfg["interpreter_world_readable"])
         os._exit(_wait_status(child))
     child = os.fork()  # the first child of unshare(CLONE_NEWPID) is PID 1 of the new namespace
     if child == 0:

@@ -16,9 +16,12 @@ namespaces) with:
 - its own uid (when megarl runs as root), so it cannot signal or write anything of the host;
 - stdout and stderr captured together and truncated to ``max_output_chars``.
 
-Isolation needs root or unprivileged user namespaces. Elsewhere the sandbox degrades to rlimits,
-own session, clean environment and a temporary directory (no network or filesystem isolation) and
-logs a warning once; ``PythonSandboxTool.isolation`` tells which mode ran.
+Isolation needs root or unprivileged user namespaces. Elsewhere (e.g. a container without
+CAP_SYS_ADMIN whose seccomp profile refuses ``unshare``) the sandbox degrades to rlimits, own
+session, clean environment and a temporary directory, with no network or filesystem isolation, and
+logs a warning once; ``PythonSandboxTool.isolation`` tells which mode ran. In that mode a root
+parent still drops the code to its own uid when the interpreter is reachable by other users
+(RLIMIT_NPROC and signal protection only hold for non-root uids).
 """
 from __future__ import annotations
 
@@ -81,6 +84,19 @@ def _interpreter_dirs() -> list[str]:
     dirs = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     dirs.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
     return sorted(dirs)
+
+
+def _world_traversable(path: str) -> bool:
+    """Every directory from / down to ``path`` is world-executable (another uid can reach it)."""
+    parts = os.path.realpath(path).split(os.sep)
+    for i in range(1, len(parts) + 1):
+        directory = os.sep.join(parts[:i]) or os.sep
+        try:
+            if not os.stat(directory).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap_bytes: int) -> tuple[bytes, bool]:
@@ -182,7 +198,8 @@ class PythonSandboxTool:
                "max_processes": self.max_processes, "max_file_bytes": self.tmpfs_bytes,
                "tmpfs_bytes": self.tmpfs_bytes, "isolate": self.isolate,
                "uid": _UID_BASE + next(_uid_counter) % 100_000, "fallback_workdir": workdir,
-               "hide_paths": _hidden_dirs(), "expose_paths": _interpreter_dirs()}
+               "hide_paths": _hidden_dirs(), "expose_paths": _interpreter_dirs(),
+               "interpreter_world_readable": all(map(_world_traversable, _interpreter_dirs()))}
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", str(_CHILD), stdin=asyncio.subprocess.PIPE,
