@@ -85,3 +85,58 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
         rollout_logprobs=torch.zeros(len(response), dtype=torch.float32),
         status=RolloutStatus.COMPLETED, num_turns=roles.count("assistant"), group_id=group_id,
         metadata={"sft": True})
+
+
+def _gsm8k_python(rows: Sequence[dict], *, system_prompt: str | None, tool_fraction: float,
+                  seed: int) -> list[list[dict[str, Any]]]:
+    from megarl.data.gsm8k import python_demonstration
+
+    demos = [python_demonstration(r, system_prompt=system_prompt) for r in rows]
+    return [d for d in demos if d is not None]
+
+
+def _arithmetic_calculator(rows: Sequence[dict], *, system_prompt: str | None, tool_fraction: float,
+                           seed: int) -> list[list[dict[str, Any]]]:
+    from megarl.data.arithmetic import demonstrations
+
+    return demonstrations(list(rows), tool_fraction=tool_fraction, seed=seed, system_prompt=system_prompt)
+
+
+DEMONSTRATION_BUILDERS = {"gsm8k_python": _gsm8k_python, "arithmetic_calculator": _arithmetic_calculator}
+"""``sft.demonstrations`` registry: name -> builder(rows, system_prompt=, tool_fraction=, seed=)."""
+
+
+def load_demonstrations(source: str, rows: Sequence[dict], *, system_prompt: str | None,
+                        tool_fraction: float, seed: int, limit: int) -> list[list[dict[str, Any]]]:
+    """Demonstrations (lists of chat messages) from a builder name or a file of ``messages`` rows.
+
+    Args:
+        source: a key of :data:`DEMONSTRATION_BUILDERS`, or a jsonl/parquet path.
+        rows: the training prompt rows (builders turn them into demonstrations).
+        system_prompt: prepended by builders (a file's messages are used as they are).
+        tool_fraction, seed: builder settings.
+        limit: keep at most this many.
+
+    Raises:
+        ValueError: neither a builder nor a readable file, a file row without ``messages``, or no
+            demonstration at all (names ``sft.demonstrations``).
+    """
+    from pathlib import Path
+
+    from megarl.data.datasets import read_rows
+
+    if source in DEMONSTRATION_BUILDERS:
+        demos = DEMONSTRATION_BUILDERS[source](rows[:limit * 2], system_prompt=system_prompt,
+                                               tool_fraction=tool_fraction, seed=seed)
+    elif Path(source).is_file():
+        file_rows = read_rows(source)
+        for i, row in enumerate(file_rows):
+            if not isinstance(row.get("messages"), list):
+                raise ValueError(f"sft.demonstrations: {source} row {i} has no 'messages' list")
+        demos = [row["messages"] for row in file_rows]
+    else:
+        raise ValueError(f"sft.demonstrations: {source!r} is neither a builder "
+                         f"({sorted(DEMONSTRATION_BUILDERS)}) nor an existing file")
+    if not demos:
+        raise ValueError(f"sft.demonstrations: {source!r} produced no demonstration")
+    return demos[:limit]

@@ -274,6 +274,64 @@ def cmd_wait_nodes(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
+def cmd_serve_engines(args: argparse.Namespace) -> int:
+    """Run ``--num-engines`` SGLang engines of CONFIG on this node for another job (external engines).
+
+    Each engine is megarl's own launcher (:class:`megarl.rollout.engine.EngineProcess`, the settings
+    :func:`megarl.launch.engines.engine_kwargs` derives from the config, CPU shims on CPU) bound to
+    ``--host``. Once healthy, ``{registry}/{name}-{k}.url`` holds its URL (written atomically).
+    Then it supervises: an engine that exits ends this process with status 1, naming it; SIGTERM
+    stops every engine and exits 0.
+    """
+    import signal
+
+    from megarl.cli import prepare_config
+    from megarl.launch.cluster import use_cuda
+    from megarl.launch.engines import engine_kwargs
+    from megarl.rollout.engine import EngineProcess, find_free_port
+
+    cfg = prepare_config(args.config, args.overrides)
+    cuda = use_cuda(cfg.cluster.device)
+    loaders = []
+    if cfg.weight_sync.transport == "shard":  # the shard transport needs its loader in the server
+        from megarl.weight_sync.transports import LOADER
+        loaders.append(LOADER)
+    registry = Path(args.registry)
+    registry.mkdir(parents=True, exist_ok=True)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if cuda else []
+    per_engine = len(visible) // args.num_engines if visible else 0
+    engines = []
+    for k in range(args.num_engines):
+        name = f"{args.name}-{k}"
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[k * per_engine:(k + 1) * per_engine])} if per_engine else {}
+        kwargs = engine_kwargs(cfg, device="cuda" if cuda else "cpu", log_path=str(registry / f"{name}.log"),
+                               engine_id=name, custom_weight_loaders=loaders, env=env)
+        kwargs["host"] = args.host
+        port = find_free_port(args.host, cfg.rollout.engine.base_port + 10 * k)
+        engines.append(EngineProcess(cfg.model.hf_path, port=port, **kwargs))
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy(cfg.rollout.engine.startup_timeout_s)
+            tmp = registry / f".{engine.engine_id}.url.tmp"
+            tmp.write_text(engine.url + "\n")
+            tmp.replace(registry / f"{engine.engine_id}.url")
+            print(f"megarl engines: {engine.engine_id} ready at {engine.url}", flush=True)
+        while not stop["requested"]:
+            dead = [e.engine_id for e in engines if not e.is_alive()]
+            if dead:
+                print(f"megarl engines: {', '.join(dead)} exited on {args.host}", file=sys.stderr)
+                return 1
+            time.sleep(1.0)
+        return 0
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megarl.launch.slurm_env", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -287,8 +345,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     wait.add_argument("--address", required=True)
     wait.add_argument("--plan", required=True)
     wait.add_argument("--timeout-s", type=float, default=300.0)
+    serve = sub.add_parser("serve-engines", help="run SGLang engines of CONFIG here for another job")
+    serve.add_argument("--host", required=True, help="address to bind, reachable from the trainer")
+    serve.add_argument("--registry", required=True, help="directory for the {name}-{k}.url files")
+    serve.add_argument("--name", required=True, help="engine name prefix (e.g. the node name)")
+    serve.add_argument("--num-engines", type=int, default=1)
+    serve.add_argument("config")
+    serve.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    return cmd_check(args) if args.command == "check" else cmd_wait_nodes(args)
+    commands = {"check": cmd_check, "wait-nodes": cmd_wait_nodes, "serve-engines": cmd_serve_engines}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -48,17 +48,61 @@ class TrainerWorker:
                            "LOCAL_RANK": str(local_rank)})
         from omegaconf import OmegaConf
 
-        from megarl.training.trainer import Trainer
+        from megarl.training.trainer import build_trainer
 
-        cfg = OmegaConf.create(cfg_yaml)
-        # TODO(trainer): confirm the constructor; the trainer reads RANK/WORLD_SIZE/MASTER_* from
-        # the environment and initialises torch.distributed (gloo on CPU, nccl on CUDA).
-        self.trainer = Trainer(cfg)
+        # build_trainer initialises torch.distributed from RANK / WORLD_SIZE / MASTER_* (gloo on
+        # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
+        self.trainer = build_trainer(OmegaConf.create(cfg_yaml))
         return self.rank
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.trainer.<method>(*args, **kwargs)`` and return its result."""
         return getattr(self.trainer, method)(*args, **kwargs)
+
+    def sft_step(self, batch: Any, lr: float) -> dict[str, float]:
+        """One SFT (masked NLL) step on this rank's trainer (:func:`megarl.launch.sft.sft_step`)."""
+        from megarl.launch.sft import sft_step
+
+        return sft_step(self.trainer, batch, lr=lr)
+
+    def connect_weight_sync(self, engine_urls: list[str], directory: str) -> None:
+        """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
+        from megarl.config.validate import resolved_precision
+        from megarl.weight_sync.sync import build_weight_sync
+
+        cfg = self.trainer.cfg
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
+        self.syncer = build_weight_sync(
+            cfg.model.hf_path, self.trainer.parallel, engine_urls, cfg.weight_sync,
+            engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
+            engine_ep_size=int(cfg.rollout.engine.expert_parallel_size), dtype=dtype,
+            make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by), parallel_cfg=cfg.parallel,
+            directory=directory, master_address=ray.util.get_node_ip_address())
+
+    def close_weight_sync(self) -> None:
+        """Tear the synchronizer down (an engine was restarted: its groups must be rebuilt)."""
+        syncer, self.syncer = getattr(self, "syncer", None), None
+        if syncer is not None:
+            try:
+                syncer.close()
+            except Exception as e:  # noqa: BLE001 - the restarted engine no longer knows the old group
+                logger.warning("closing the weight-sync groups: %s", e)
+
+    def sync_weights(self, policy_version: int) -> dict[str, float]:
+        """Push this rank's shards to the engines (pause -> push -> flush -> version -> continue)."""
+        return self.syncer.sync(dict(self.trainer.named_parameters_for_sync()), policy_version)
+
+    def verify_weights(self, probes: Any, tolerance: float) -> dict[str, float]:
+        """Trainer logprobs of ``probes`` (a TrainBatch; collective) vs every engine's (rank 0 asks them)."""
+        from megarl.weight_sync.verify import verify_engine_logprobs
+
+        logprobs = self.trainer.compute_logprobs(probes)
+        if self.syncer.engines is None or not self.syncer.is_coordinator:
+            return {}
+        cu = probes.cu_seqlens.tolist()
+        per_probe = [logprobs[a + 1:b].double() for a, b in zip(cu[:-1], cu[1:])]
+        ids = [probes.input_ids[a:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
+        return verify_engine_logprobs(self.syncer.engines, ids, per_probe, tolerance=tolerance)
 
     def pid(self) -> int:
         """The process id (for fault-injection tests)."""
@@ -123,6 +167,11 @@ class TrainerGroup:
         args = tuple(ray.put(a) if _is_large(a) else a for a in args)
         refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]
         return self._gather(refs, timeout_s or self.timeout_s)
+
+    def sft_step(self, batch: Any, *, lr: float) -> dict[str, float]:
+        """One SFT step on every rank; the (identical) metrics of rank 0."""
+        ref = ray.put(batch)
+        return self._gather([w.sft_step.remote(ref, lr) for w in self.workers], self.timeout_s)[0]
 
     def pids(self) -> list[int]:
         """Process ids of the ranks."""

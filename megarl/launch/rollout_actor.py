@@ -1,0 +1,156 @@
+"""The RolloutManager as a Ray actor: engines' router, training rollouts, greedy evaluation.
+
+Running the manager in its own (async) actor lets the driver start the rollout of step k+1 and
+train step k at the same time (async mode): a remote call returns at once with a reference. The
+actor also answers the driver's engine-control calls (pause / resume / flush around a weight sync,
+health checks, putting a restarted engine back into service) between or during rollouts.
+
+Determinism (``rollout.deterministic_sampling``): every generate call gets a ``sampling_seed``
+derived from ``(train.seed, step, token ids of the request, occurrence)``, so a resumed run samples
+exactly what an uninterrupted one would, independent of which engine or in which order requests are
+served. The engines then run with ``--enable-deterministic-inference`` (see ``engines.py``).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+class SeededEngine:
+    """Wraps a :class:`~megarl.rollout.types.RolloutEngine`; adds a deterministic ``sampling_seed``.
+
+    The seed of a call is a hash of the run seed, the step, the request's token ids and how many
+    identical requests came before it in this step (the G members of a group send the same first
+    turn; the n-th one gets occurrence n). Other calls are delegated unchanged.
+    """
+
+    def __init__(self, engine: Any, seed: int) -> None:
+        self.engine = engine
+        self.seed = int(seed)
+        self.step = 0
+        self._seen: collections.Counter[bytes] = collections.Counter()
+
+    def start_step(self, step: int) -> None:
+        """Seeds of the following calls depend on ``step``; occurrence counts restart."""
+        self.step = int(step)
+        self._seen.clear()
+
+    def seed_for(self, input_ids: Sequence[int]) -> int:
+        """The next seed for a request with these token ids (counts the occurrence)."""
+        digest = hashlib.blake2b(np.asarray(input_ids, dtype=np.int64).tobytes(), digest_size=16,
+                                 key=f"{self.seed}:{self.step}".encode()).digest()
+        occurrence = self._seen[digest]
+        self._seen[digest] += 1
+        mixed = hashlib.blake2b(digest + occurrence.to_bytes(8, "little"), digest_size=8).digest()
+        return int.from_bytes(mixed, "little") & (2**63 - 1)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        params = {**sampling_params, "sampling_seed": self.seed_for(input_ids)}
+        return await self.engine.generate(input_ids, params, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def _eval_rollout_config(rollout: Any) -> Any:
+    """The rollout section for evaluation: one greedy trajectory per prompt, no over-sampling."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(rollout, {"group_size": 1, "over_sample_prompts": 0, "partial_rollouts": False,
+                                     "sampling": {"temperature": 0.0}})
+
+
+@ray.remote
+class RolloutWorker:
+    """Owns the router over the engines and the RolloutManagers (training and evaluation).
+
+    Args:
+        cfg_yaml: the resolved run config as YAML.
+        engine_urls: one URL per engine; engine_ids: their names (``engine0``, ...).
+    """
+
+    def __init__(self, cfg_yaml: str, engine_urls: list[str], engine_ids: list[str]) -> None:
+        from omegaconf import OmegaConf
+        from transformers import AutoTokenizer
+
+        from megarl.rollout.client import SGLangClient
+        from megarl.rollout.manager import RolloutManager
+        from megarl.rollout.router import Router
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        cfg = OmegaConf.create(cfg_yaml)
+        self.cfg = cfg
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+        timeout = float(cfg.rollout.engine.request_timeout_s)
+        self.router = Router([SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
+                              for url, eid in zip(engine_urls, engine_ids)])
+        self.seeded = SeededEngine(self.router, cfg.train.seed) if cfg.rollout.get("deterministic_sampling") else None
+        engine = self.seeded or self.router
+        self.manager = RolloutManager(engine, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
+                                      filter_zero_variance=cfg.algorithm.filter_zero_variance_groups)
+        self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout),
+                                           prompt_key=cfg.data.prompt_key, filter_zero_variance=False,
+                                           tools=self.manager.ctx.tools, reward_fn=self.manager.reward_fn)
+
+    async def generate(self, rows: list[dict], step: int, policy_version: int) -> Any:
+        """One step's rollouts: a :class:`~megarl.rollout.manager.RolloutBatch` (groups, metrics)."""
+        if self.seeded is not None:
+            self.seeded.start_step(step)
+        self.manager.policy_version = policy_version
+        batch = await self.manager.generate_groups(rows)
+        batch.metrics.update(self.router.metrics())
+        return batch
+
+    async def evaluate(self, rows: list[dict], policy_version: int) -> dict[str, float]:
+        """Greedy single-trajectory evaluation: ``eval/accuracy`` (reward >= 1), ``eval/reward_mean``.
+
+        Trajectories that failed count as wrong (reward 0).
+        """
+        self.eval_manager.policy_version = policy_version
+        batch = await self.eval_manager.generate_groups(rows, num_groups=len(rows))
+        rewards = [t.reward for g in batch.groups for t in g.trajectories]
+        rewards += [0.0] * (len(rows) - len(rewards))
+        return {"eval/accuracy": float(np.mean([r >= 1.0 - 1e-6 for r in rewards])),
+                "eval/reward_mean": float(np.mean(rewards)), "eval/num_samples": float(len(rows)),
+                "eval/tool_calls_mean": float(np.mean(
+                    [t.metadata.get("tool_calls", 0) for g in batch.groups for t in g.trajectories] or [0.0]))}
+
+    async def pause(self, mode: str = "retract") -> None:
+        """Pause generation on every live engine."""
+        await self.router.pause(mode)
+
+    async def resume(self) -> None:
+        """Continue generation on every live engine."""
+        await self.router.resume()
+
+    async def flush_cache(self) -> None:
+        """Flush every live engine's prefix cache."""
+        await self.router.flush_cache()
+
+    async def engine_health(self) -> dict[str, bool]:
+        """``{engine_id: healthy}``; an engine that does not answer is taken out of service."""
+        out = {}
+        for client in self.router.clients:
+            out[client.engine_id] = await client.health()
+            if not out[client.engine_id]:
+                self.router.mark_dead(client.engine_id, "health check failed")
+        return out
+
+    def set_alive(self, engine_id: str) -> None:
+        """Put a restarted, re-synced engine back into service."""
+        self.router.mark_alive(engine_id)
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        """``{engine_id: weight_version}`` of the live engines."""
+        return {c.engine_id: await c.get_weight_version() for c in self.router.alive_clients()}
+
+    async def close(self) -> None:
+        """Close the HTTP sessions."""
+        await self.router.close()

@@ -1,0 +1,229 @@
+"""Everything one training run holds, built in order, and the operations the driver loop calls.
+
+Build order (:meth:`Run.build`): run directory and resolved config -> data (bad data fails here,
+before Ray) -> Ray and placement groups -> engines start (in the background) -> trainer ranks ->
+engines ready -> rollout actor -> resume from the newest checkpoint, or SFT cold start -> weights
+pushed to the engines when they differ from the launch weights -> evaluation before training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import OmegaConf
+
+from megarl.data.datasets import PromptDataset
+from megarl.data.sampler import ResumableSampler
+from megarl.launch import run_state as rs
+from megarl.launch.cluster import build_placement, init_ray
+from megarl.launch.engines import EngineGroup
+from megarl.launch.metrics import MetricsLogger
+from megarl.launch.rollout_actor import RolloutWorker
+from megarl.launch.trainer_group import TrainerGroup
+
+logger = logging.getLogger("megarl.train")
+
+
+def prepare_run_dir(cfg: Any) -> Path:
+    """Create ``logging.run_dir``; a fresh (non-resume) run never appends to an old run's files:
+    a non-empty directory is renamed to ``<run_dir>.<timestamp>`` first (nothing is deleted)."""
+    run_dir = Path(cfg.logging.run_dir)
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not cfg.checkpoint.resume:
+        moved = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(moved)
+        logger.warning("%s held an earlier run; moved it to %s (use checkpoint.resume=true to continue it)",
+                       run_dir, moved)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    return run_dir
+
+
+def load_datasets(cfg: Any) -> tuple[PromptDataset, list[dict] | None]:
+    """Training prompts and (when ``data.eval_path`` is set) the held-out evaluation rows.
+
+    Raises:
+        megarl.data.datasets.DatasetError: unreadable file or missing fields (names the file/row).
+    """
+    data = cfg.data
+    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    eval_rows = None
+    if data.eval_path:
+        held = PromptDataset.from_file(data.eval_path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                                       max_rows=data.max_eval_samples)
+        eval_rows = held.rows
+    return train, eval_rows
+
+
+def save_dir_of(cfg: Any, run_dir: Path) -> Path:
+    """``checkpoint.save_dir`` or ``{run_dir}/checkpoints``."""
+    return Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else run_dir / "checkpoints"
+
+
+@dataclasses.dataclass
+class Run:
+    """The live parts of a run (see the module docstring). Build with :meth:`build`."""
+
+    cfg: Any
+    run_dir: Path
+    dataset: PromptDataset
+    eval_rows: list[dict] | None
+    sampler: ResumableSampler
+    state: rs.RunState
+    started_ray: bool = False
+    placement: Any = None
+    trainer: TrainerGroup | None = None
+    engines: EngineGroup | None = None
+    rollout: Any = None
+    metrics: MetricsLogger | None = None
+    engine_urls: list[str] = dataclasses.field(default_factory=list)
+    trained_before_rl: bool = False
+    """SFT ran: the trainer's weights differ from the engines' launch weights."""
+    sync_connected: bool = False
+    synced_once: bool = False
+    probes: Any = None
+    """Weight-sync verification sequences (built on first use)."""
+
+    @classmethod
+    def build(cls, cfg: Any) -> "Run":
+        """Build every part; on failure, everything started so far is shut down and the error raised."""
+        run_dir = prepare_run_dir(cfg)
+        dataset, eval_rows = load_datasets(cfg)
+        sampler = ResumableSampler(len(dataset), seed=int(cfg.train.seed), shuffle=bool(cfg.data.shuffle))
+        latest = rs.find_latest(save_dir_of(cfg, run_dir)) if cfg.checkpoint.resume else None
+        run = cls(cfg, run_dir, dataset, eval_rows, sampler, rs.RunState())
+        try:
+            run._start_processes()
+            if latest is not None:
+                run.restore(latest)
+            else:
+                from megarl.launch.sft import run_cold_start
+
+                run.trained_before_rl = run_cold_start(run)
+            wandb_id = run.state.wandb_id
+            run.metrics = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
+                                        wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
+                                        config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id)
+            run.state.wandb_id = run.metrics.wandb_id
+            # Engines serve the launch weights: push the trainer's (also when they are the same, so
+            # the first sync is verified before any rollout).
+            run.sync_weights(run.state.policy_version)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    def _start_processes(self) -> None:
+        cfg = self.cfg
+        self.started_ray = init_ray(cfg)
+        self.placement = build_placement(cfg)
+        # Engines boot (tens of seconds) while the trainer ranks build their models.
+        self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir)
+        self.trainer = TrainerGroup(cfg, self.placement)
+        self.engine_urls = self.engines.wait_ready()
+        self.rollout = RolloutWorker.options(num_cpus=0).remote(
+            OmegaConf.to_yaml(cfg, resolve=True), self.engine_urls, self.engines.ids)
+
+    def restore(self, ckpt: Path) -> None:
+        """Load the trainer and driver state of checkpoint ``ckpt``."""
+        logger.info("resuming from %s", ckpt)
+        self.trainer.run("load_checkpoint", str(ckpt / rs.TRAINER_DIR))
+        self.state = rs.load_driver_state(ckpt)
+        self.sampler.load_state_dict(self.state.sampler)
+        rs.restore_rng(self.state.rng)
+        logger.info("resumed at step %d, policy version %d", self.state.step, self.state.policy_version)
+
+    # ------------------------------------------------------------------ per-step operations
+    def next_prompts(self) -> list[dict]:
+        """The rows of the next step (``num_prompts_per_step + over_sample_prompts``)."""
+        ro = self.cfg.rollout
+        return [self.dataset[i] for i in self.sampler.next_indices(ro.num_prompts_per_step + ro.over_sample_prompts)]
+
+    def start_rollout(self, step: int) -> Any:
+        """Start step ``step``'s rollout on the rollout actor; returns a Ray reference."""
+        return self.rollout.generate.remote(self.next_prompts(), step, self.state.policy_version)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the trainer's weights to every engine: pause -> push -> flush -> weight_version -> continue.
+
+        Returns:
+            ``weight_sync/*`` metrics and ``engine/weight_version``.
+        """
+        from megarl.launch.weight_sync_step import sync_engines
+
+        return sync_engines(self, version)
+
+    def heal_engines(self) -> list[str]:
+        """Restart engines that stopped answering, re-sync them, put them back in service.
+
+        Returns:
+            The ids of the engines restarted (logged as a warning each).
+        """
+        from megarl.launch import weight_sync_step
+
+        health = ray.get(self.rollout.engine_health.remote(), timeout=120)
+        dead = [eid for eid, ok in health.items() if not ok]
+        if not dead:
+            return []
+        for eid in dead:
+            logger.warning("%s stopped answering; its requests were re-routed to the live engines. "
+                           "Restarting it", eid)
+            self.engines.restart(self.engines.ids.index(eid))
+        weight_sync_step.connect(self)  # the old update groups included the dead engines
+        self.sync_weights(self.state.policy_version)
+        for eid in dead:
+            ray.get(self.rollout.set_alive.remote(eid), timeout=60)
+            logger.warning("%s restarted and re-synced to policy version %d; back in service",
+                           eid, self.state.policy_version)
+        return dead
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out rows (empty when there are none)."""
+        if not self.eval_rows:
+            return {}
+        return ray.get(self.rollout.evaluate.remote(self.eval_rows, self.state.policy_version))
+
+    def save_checkpoint(self, pending: Any = None) -> Path:
+        """Save trainer (every rank) and driver state as ``step_{state.step}``; then mark it complete."""
+        save_dir = save_dir_of(self.cfg, self.run_dir)
+        ckpt = rs.step_dir(save_dir, self.state.step)
+        start = time.perf_counter()
+        self.trainer.run("save_checkpoint", str(ckpt / rs.TRAINER_DIR))
+        self.state.sampler = self.sampler.state_dict()
+        self.state.rng = rs.capture_rng()
+        self.state.pending_groups = list(pending.groups) if pending is not None else []
+        rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))
+        rs.commit_checkpoint(save_dir, ckpt, int(self.cfg.checkpoint.keep_last))
+        logger.info("checkpoint %s saved in %.1fs", ckpt, time.perf_counter() - start)
+        return ckpt
+
+    def close(self) -> None:
+        """Stop everything this run started (idempotent, best effort)."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.rollout is not None:
+            try:
+                ray.get(self.rollout.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - teardown
+                pass
+            ray.kill(self.rollout, no_restart=True)
+            self.rollout = None
+        if self.trainer is not None:
+            self.trainer.shutdown()
+            self.trainer = None
+        if self.engines is not None:
+            self.engines.shutdown()
+            self.engines = None
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False

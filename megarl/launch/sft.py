@@ -1,0 +1,146 @@
+"""SFT cold start: masked negative log-likelihood on tool-use demonstrations, with the RL trainer.
+
+As in ReTool (Feng et al. 2025, arXiv:2504.11536), a small policy first imitates demonstrations that
+use the tool, so that RL starts from a policy that emits well-formed tool calls. The step runs on
+the same Megatron model chunks, optimizer and micro-batch planner as the GSPO step; only the loss
+differs:
+
+    loss = - sum_t m_t * log p(x_t | x_<t) / sum_t m_t
+
+over every trained token of the whole batch (all micro batches and data-parallel ranks: a token
+mean), where ``m_t`` is the demonstration's ``loss_mask`` (1 on assistant tokens, 0 on the prompt,
+tool observations and template tokens). Logits are not divided by the sampling temperature.
+Deviation from ReTool: no separate SFT run or model; the optimizer's Adam state carries over into RL.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from megarl.algorithms.metrics import Metric, reduce_metrics, sum_metric
+from megarl.training import forward as fwd
+from megarl.training.batch import TrainBatch
+
+
+@contextlib.contextmanager
+def _learning_rate(optimizer: Any, lr: float) -> Iterator[None]:
+    """Run with every param group at ``lr``; the scheduler's values are restored afterwards."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    try:
+        yield
+    finally:
+        for group, value in zip(optimizer.param_groups, saved):
+            group["lr"] = value
+
+
+def sft_step(trainer: Any, batch: TrainBatch, *, lr: float) -> dict[str, float]:
+    """One optimizer step of masked NLL (module docstring) on a rank's :class:`Trainer`.
+
+    Every rank calls it with the same ``batch`` (``advantages`` are ignored); the trainer takes its
+    data-parallel share.
+
+    Args:
+        trainer: this rank's :class:`megarl.training.trainer.Trainer`.
+        batch: packed demonstrations, ``loss_mask`` ``[T_total]`` on assistant tokens.
+        lr: learning rate of this step.
+
+    Returns:
+        ``sft/nll`` (token mean over the batch), ``sft/num_tokens``, ``sft/grad_norm``, identical
+        on every rank.
+    """
+    # TODO(trainer): this uses the trainer's micro-batch planner and schedule runner
+    # (_micro_batches, _run, _tp_group, _reports); a public `Trainer.run_loss(batch, loss_func)`
+    # hook would make this independent of those private names.
+    mbs, _ = trainer._micro_batches(batch)
+    total_tokens = batch.loss_mask.sum().clamp(min=1).float()
+    scale = len(mbs) * trainer.parallel.dp_size  # Megatron divides by micro batches, DDP by DP size
+    sink: list[dict[str, Metric]] = []
+
+    def step_func(data_iterator, model):
+        mb = next(data_iterator)
+        output = fwd.run_model(model, mb, parallel=trainer.parallel)
+
+        def loss_func(output_tensor):
+            logprobs, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=trainer.vocab_size,
+                                                   tp_group=trainer._tp_group, temperature=1.0, entropy="none")
+            if not mb.spec.seq_indices:  # padding-only micro batch
+                return logprobs.sum() * 0.0, {}
+            mask = batch.loss_mask[mb.token_index].float()
+            nll = -(logprobs * mask).sum() / total_tokens
+            sink.append({"sft/nll": sum_metric(nll), "sft/num_tokens": sum_metric(mask.sum())})
+            return nll * scale, {}
+        return output, loss_func
+
+    with _learning_rate(trainer.optimizer, lr):
+        for chunk in trainer.model_chunks:
+            chunk.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        trainer._run(step_func, mbs, forward_only=False)
+        _, grad_norm, _ = trainer.optimizer.step()
+    metrics = fwd.all_reduce_metrics(reduce_metrics(sink), contribute=trainer._reports)
+    metrics["sft/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    return metrics
+
+
+def demonstration_batches(trajectories: list, *, batch_size: int, num_steps: int, seed: int) -> Iterator[TrainBatch]:
+    """``num_steps`` packed batches of ``batch_size`` demonstrations, in a seeded order."""
+    from megarl.data.sampler import ResumableSampler
+
+    sampler = ResumableSampler(len(trajectories), seed=seed)
+    for _ in range(num_steps):
+        chosen = [trajectories[i] for i in sampler.next_indices(batch_size)]
+        yield TrainBatch.from_trajectories(chosen, torch.zeros(len(chosen)))
+
+
+def run_cold_start(run: Any) -> bool:
+    """Run ``sft.num_steps`` SFT steps on the run's trainer before RL (no-op when 0).
+
+    Demonstrations are tokenised exactly as the agent loop lays out rollouts (same chat template,
+    system prompt and tool schemas; see :mod:`megarl.data.sft`). Progress goes to the log and to
+    ``{run_dir}/sft_metrics.jsonl``.
+
+    Returns:
+        True when SFT ran (the trainer's weights then differ from the engines' launch weights).
+
+    Raises:
+        ValueError: no usable demonstrations (names ``sft.demonstrations``).
+    """
+    import logging
+    import time
+
+    from transformers import AutoTokenizer
+
+    from megarl.data.sft import demonstration_to_trajectory, load_demonstrations
+    from megarl.launch.metrics import JsonlSink
+    from megarl.rollout.tools import build_tools
+
+    cfg, sft = run.cfg, run.cfg.sft
+    if sft.num_steps <= 0:
+        return False
+    log = logging.getLogger("megarl.train")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    schemas = [t.schema for t in build_tools(dict(cfg.rollout.tools)).values()] \
+        if cfg.rollout.agent.name != "single_turn" else []
+    demos = load_demonstrations(sft.demonstrations, run.dataset.rows, system_prompt=cfg.rollout.agent.system_prompt,
+                                tool_fraction=float(sft.tool_fraction), seed=int(cfg.train.seed),
+                                limit=int(sft.max_demonstrations))
+    trajectories = [demonstration_to_trajectory(tokenizer, m, tools=schemas) for m in demos]
+    log.info("SFT cold start: %d steps x %d of %d demonstrations (%s), lr %g", sft.num_steps, sft.batch_size,
+             len(trajectories), sft.demonstrations, sft.lr)
+    sink, start = JsonlSink(run.run_dir / "sft_metrics.jsonl"), time.perf_counter()
+    try:
+        batches = demonstration_batches(trajectories, batch_size=int(sft.batch_size),
+                                        num_steps=int(sft.num_steps), seed=int(cfg.train.seed))
+        for i, batch in enumerate(batches):
+            metrics = run.trainer.sft_step(batch, lr=float(sft.lr))
+            sink.log(i, metrics)
+            if i % 20 == 0 or i == sft.num_steps - 1:
+                log.info("SFT step %d/%d: nll %.4f, grad norm %.3f (%.0fs)", i + 1, sft.num_steps,
+                         metrics["sft/nll"], metrics["sft/grad_norm"], time.perf_counter() - start)
+    finally:
+        sink.close()
+    return True

@@ -1,0 +1,80 @@
+"""The driver's weight-sync stage: every trainer rank runs :class:`megarl.weight_sync.sync.WeightSynchronizer`.
+
+Ordering (done by the synchronizer's coordinator, trainer rank 0): pause generation on every
+engine -> push the resharded buckets -> flush the prefix caches -> set the engines'
+``weight_version`` to the new policy version -> continue generation. Then, per
+``weight_sync.verify`` (``first`` / ``always``), the engines' teacher-forced logprobs on a few probe
+sequences are compared with the trainer's (SGLang reports success even for tensors it ignored, so
+the only proof of a sync is the engines' output), and the engines' ``weight_version`` is read
+back so the log shows it advancing.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import torch
+
+from megarl.training.batch import TrainBatch
+
+logger = logging.getLogger("megarl.train")
+
+NUM_PROBES = 2
+PROBE_TOKENS = 48
+
+
+def probe_batch(run: Any) -> TrainBatch:
+    """A few training prompts (raw text tokens, at most ``PROBE_TOKENS`` each) as a batch."""
+    from transformers import AutoTokenizer
+
+    cfg = run.cfg
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    seqs = [tokenizer.encode(run.dataset.prompt(i), add_special_tokens=False)[:PROBE_TOKENS]
+            for i in range(min(NUM_PROBES, len(run.dataset)))]
+    seqs = [s for s in seqs if len(s) >= 2] or [[0, 1]]
+    lens = torch.tensor([len(s) for s in seqs])
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    total = int(cu[-1])
+    return TrainBatch(input_ids=torch.tensor([t for s in seqs for t in s], dtype=torch.int64), cu_seqlens=cu,
+                      loss_mask=torch.zeros(total, dtype=torch.bool), advantages=torch.zeros(len(seqs)),
+                      rollout_logprobs=torch.zeros(total))
+
+
+def connect(run: Any) -> None:
+    """Build the synchronizers on every trainer rank (after the engines are up, or restarted)."""
+    directory = str(run.run_dir / "weight_sync")
+    run.trainer.run("close_weight_sync")
+    run.trainer.run("connect_weight_sync", run.engine_urls, directory)
+    run.synced_once = False
+
+
+def sync_engines(run: Any, version: int) -> dict[str, float]:
+    """One weight sync to every engine at policy ``version`` (module docstring); its metrics."""
+    cfg = run.cfg
+    if not getattr(run, "sync_connected", False):
+        connect(run)
+        run.sync_connected = True
+    metrics = dict(run.trainer.run("sync_weights", version)[0])
+    verify = cfg.weight_sync.verify
+    if verify == "always" or (verify == "first" and not run.synced_once):
+        if cfg.train.routing_replay == "r3":
+            logger.info("weight-sync verification skipped: the probes carry no engine routes (R3)")
+        else:
+            if getattr(run, "probes", None) is None:
+                run.probes = probe_batch(run)
+            results = run.trainer.run("verify_weights", run.probes, float(cfg.weight_sync.verify_tolerance))
+            metrics.update(next((r for r in results if r), {}))
+    run.synced_once = True
+    versions = ray.get(run.rollout.weight_versions.remote(), timeout=120)
+    numeric = [int(v) for v in versions.values() if v is not None and str(v).isdigit()]
+    if numeric:
+        metrics["engine/weight_version"] = float(min(numeric))
+    if any(str(v) != str(version) for v in versions.values()):
+        logger.warning("engines report weight versions %s after syncing version %d", versions, version)
+    diff = metrics.get("weight_sync/verify_logprob_diff_mean")
+    logger.info("weight sync -> policy version %d: engines %s, %.2fs%s", version,
+                ", ".join(f"{k}@{v}" for k, v in versions.items()), metrics.get("timing/weight_sync_s", float("nan")),
+                f", logprob mismatch after sync {diff:.2e}" if diff is not None else "")
+    return metrics
