@@ -1,0 +1,78 @@
+"""EngineProcess command line and environment, without starting a server (those are integration)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from megarl.config.schema import RolloutConfig
+from megarl.rollout import cpu_shims
+from megarl.rollout.engine import EngineProcess, cpu_threads_bind, launch_engines, resolve_device
+from megarl.rollout.engine_actor import EngineActor
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _flag(cmd: list[str], name: str):
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_cpu_command_and_environment_apply_shims_only_to_the_server():
+    engine = EngineProcess("/models/m", port=31000, device="cpu", dtype="float32", tp_size=2,
+                           max_total_tokens=4096, mem_fraction_static=0.05,
+                           enable_return_routed_experts=True,
+                           custom_weight_loaders=["pkg.mod.load"], extra_args=["--foo", "1"],
+                           env={"OMP_NUM_THREADS": "1"})
+    cmd = engine.command()
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert (_flag(cmd, "--device"), _flag(cmd, "--attention-backend"),
+            _flag(cmd, "--sampling-backend"), _flag(cmd, "--dtype"), _flag(cmd, "--tp")) == (
+        "cpu", "torch_native", "pytorch", "float32", "2")
+    assert _flag(cmd, "--custom-weight-loader") == "pkg.mod.load"
+    assert "--enable-return-routed-experts" in cmd and cmd[-2:] == ["--foo", "1"]
+    assert _flag(cmd, "--host") == "127.0.0.1"
+
+    base = {"PYTHONPATH": "/a", "PATH": "/bin"}
+    env = engine.environment(base)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(cpu_shims.shim_dir()), "/a"]
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2
+    assert base == {"PYTHONPATH": "/a", "PATH": "/bin"}  # not mutated
+    assert "sgl_kernel" not in sys.modules  # the shims never enter this process
+
+
+def test_cuda_command_has_no_cpu_shims():
+    engine = EngineProcess("/models/m", port=31000, device="cuda")
+    cmd, env = engine.command(), engine.environment({"PYTHONPATH": "/a"})
+    assert _flag(cmd, "--device") == "cuda" and "--attention-backend" not in cmd
+    assert env == {"PYTHONPATH": "/a"}
+
+
+def test_cpu_threads_bind_splits_cores_evenly():
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    with pytest.raises(ValueError, match="at least 3 CPUs"):
+        cpu_threads_bind(3, [0, 1])
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="device"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="tp_size"):
+        EngineProcess("/m", tp_size=0, device="cpu")
+    with pytest.raises(RuntimeError, match="after start"):
+        EngineProcess("/m", device="cpu").url
+
+
+def test_external_engines_launch_nothing():
+    cfg = RolloutConfig(external_engine_urls=["http://10.0.0.1:30000"])
+    assert launch_engines(cfg, "/m", device="cpu") == []
+
+
+def test_engine_actor_advertises_node_address_for_wildcard_bind(monkeypatch):
+    import ray.util
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    assert EngineActor("/m", device="cpu", host="0.0.0.0", port=31001).url() == "http://10.1.2.3:31001"
+    assert EngineActor("/m", device="cpu", port=31002).url() == "http://127.0.0.1:31002"
