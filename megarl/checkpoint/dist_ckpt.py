@@ -40,6 +40,21 @@ class _StepWriter(FileSystemWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
 
 
+def _partial_planner():
+    """Megatron's save planner without torch's per-save "tensor fully covered" validation: a step
+    holds only some layers of a stacked ``decoder.layers.*`` tensor. Coverage is checked on the
+    merged metadata in :meth:`StreamingCheckpointWriter.finalize` instead."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    class _PartialSavePlanner(MCoreSavePlanner):
+        def _create_global_plan(self, all_plans):
+            return create_default_global_save_plan(self._dedup_save_plans(all_plans))
+
+    return _PartialSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                               can_run_decentralized_global_plan=False)
+
+
 def _merge(into: Metadata | None, step: Metadata) -> Metadata:
     if into is None:
         return step
@@ -83,7 +98,7 @@ class StreamingCheckpointWriter:
         entries). Access integrity is validated once over all steps' chunks in :meth:`finalize`."""
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.core.dist_checkpointing.strategies.torch import (
-            MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+            _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
         from torch.distributed.checkpoint import save as dcp_save
 
         sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
@@ -91,9 +106,7 @@ class StreamingCheckpointWriter:
         grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
         pyt_state_dict = mcore_to_pyt_state_dict(grouped, False)
         step_metadata = dcp_save(
-            pyt_state_dict, storage_writer=_StepWriter(str(self.dir), self.step),
-            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
-                                     can_run_decentralized_global_plan=False))
+            pyt_state_dict, storage_writer=_StepWriter(str(self.dir), self.step), planner=_partial_planner())
         self.metadata = _merge(self.metadata, step_metadata)
         self.step += 1
 
@@ -126,6 +139,11 @@ def check_coverage(metadata: Metadata) -> None:
     Raises:
         ValueError: names the first tensor with a gap or an overlap.
     """
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+
+    errors = _validate_global_plan([], metadata)  # torch's own check: bounds and overlaps
+    if errors:
+        raise ValueError(f"merged checkpoint metadata is invalid: {'; '.join(errors)[:1000]}")
     for key, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata):
             continue
@@ -163,3 +181,79 @@ def model_prefix(shapes: dict) -> str:
     if len(found) != 1:
         raise ValueError(f"cannot locate the model in the checkpoint: {len(found)} keys end with {suffix}")
     return found[0]
+
+
+class CheckpointReader:
+    """Read arbitrary regions of tensors from a torch_dist checkpoint, chunk by chunk.
+
+    Loads only the saved chunks that overlap the requested region (whatever layout saved them), so
+    memory is bounded by the region plus one saved chunk. Used by the export instead of
+    ``dist_checkpointing.load``, which cannot load part of a stacked ``decoder.layers.*`` tensor.
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike):
+        self.dir = Path(checkpoint_dir)
+        self.metadata = FileSystemReader(str(self.dir)).read_metadata()
+
+    def _chunk(self, key: str, chunk) -> torch.Tensor:
+        import io
+
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(chunk.offsets))]
+        if info.transform_descriptors:
+            raise NotImplementedError(f"{key}: transformed (e.g. compressed) checkpoint chunks are not supported")
+        with open(self.dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        if len(raw) != info.length:
+            raise ValueError(f"truncated checkpoint file {self.dir / info.relative_path} (chunk of {key})")
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+
+    def read_region(self, key: str, offsets, sizes) -> torch.Tensor:
+        """The ``sizes`` region at ``offsets`` of global tensor ``key``.
+
+        Raises:
+            KeyError: unknown key. ValueError: the saved chunks do not cover the region.
+        """
+        meta = self.metadata.state_dict_metadata[key]
+        out = torch.empty(tuple(sizes), dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+            hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            src, dst = self._chunk(key, chunk), out
+            for dim, (l, h) in enumerate(zip(lo, hi)):
+                src = src.narrow(dim, l - chunk.offsets[dim], h - l)
+                dst = dst.narrow(dim, l - offsets[dim], h - l)
+            dst.copy_(src)
+            covered += src.numel()
+        if covered != out.numel():
+            raise ValueError(f"{key}: checkpoint chunks cover {covered} of {out.numel()} elements of "
+                             f"region offsets={tuple(offsets)} sizes={tuple(sizes)}")
+        return out
+
+    def load(self, sharded_state_dict: dict) -> dict:
+        """Fill a Megatron sharded state dict (flat dict of ShardedTensor / factories) from the
+        checkpoint; returns ``{key: tensor}`` like ``dist_checkpointing.load``."""
+        from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+        from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
+                                                              apply_factories, apply_factory_merges)
+
+        factories, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory))
+        apply_factories(sharded_state_dict)
+
+        def fill(value):
+            if isinstance(value, dict):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [fill(v) for v in value]
+            if isinstance(value, ShardedTensor):
+                sizes = (1,) * value.prepend_axis_num + tuple(value.local_shape)
+                region = self.read_region(value.key, value.global_offset, sizes)
+                return region.reshape(value.local_shape).to(value.dtype)
+            return value
+
+        return apply_factory_merges(fill(sharded_state_dict), factories)

@@ -111,10 +111,8 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
 
 def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_bytes: int) -> None:
     """The (single) process of ``megatron_to_hf_dir``."""
-    from megatron.core import dist_checkpointing
-
     from megarl.checkpoint import hf_io
-    from megarl.checkpoint.dist_ckpt import model_prefix, tensor_shapes
+    from megarl.checkpoint.dist_ckpt import CheckpointReader, model_prefix, tensor_shapes
     from megarl.checkpoint.families import get_family
     from megarl.checkpoint.mapping import megatron_to_hf
     from megarl.config.schema import ModelConfig, ParallelConfig
@@ -133,6 +131,7 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=padded_vocab)
     infos = _local_infos(chunks, ps, layout)
     groups = module_groups(chunks)
+    reader = CheckpointReader(ckpt_dir)
 
     def hf_tensors(index, named):
         pairs = [(infos[(index, n)].global_name, p) for n, p in named]
@@ -147,7 +146,7 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     for index, modules in groups:
         with materialized(modules) as params:
             wanted = materialized_sharded_state_dict(chunks[index], prefix=prefix)
-            loaded = dist_checkpointing.load(wanted, ckpt_dir)
+            loaded = reader.load(wanted)
             loaded = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded.items()}
             result = chunks[index].load_state_dict(loaded, strict=False)
             if result.unexpected_keys:

@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping
 
 from megarl.checkpoint.mapping import Entry, ModelLayout
 
-_MODULES = ("megarl.checkpoint.families.qwen3_moe", "megarl.checkpoint.families.qwen3")
+_MODULES = ("megarl.checkpoint.families.qwen3_moe", "megarl.checkpoint.families.qwen3",
+            "megarl.checkpoint.families.deepseek_v3", "megarl.checkpoint.families.glm4_moe")
 
 
 @dataclass(frozen=True)
