@@ -67,7 +67,9 @@ class TinyModelSpec:
     """Sizes of a tiny model. Defaults: a 2-layer Qwen3-MoE with 8 experts, top-2."""
 
     family: str = "qwen3_moe"
-    """``qwen3_moe`` (Qwen3MoeForCausalLM) or ``qwen3`` (dense Qwen3ForCausalLM)."""
+    """``qwen3_moe`` (Qwen3MoeForCausalLM), ``qwen3`` (dense Qwen3ForCausalLM), ``deepseek_v3``
+    (DeepseekV3ForCausalLM: MLA, YaRN, grouped sigmoid router) or ``glm4_moe``
+    (Glm4MoeForCausalLM: GQA with partial rotary, q/k norm, qkv bias, sigmoid router)."""
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -79,6 +81,10 @@ class TinyModelSpec:
     """Per-expert MLP width (MoE family)."""
     num_experts: int = 8
     num_experts_per_tok: int = 2
+    first_k_dense_replace: int = 1
+    """Leading dense layers before the MoE layers (``deepseek_v3``, ``glm4_moe``)."""
+    n_shared_experts: int = 1
+    """Shared experts per MoE layer (``deepseek_v3``, ``glm4_moe``)."""
     vocab_size: int = 2048
     """Target BPE vocabulary size including special tokens; config.vocab_size = len(tokenizer)."""
     tie_word_embeddings: bool = False
@@ -168,7 +174,65 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int):
     if spec.family == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
         return Qwen3Config(intermediate_size=spec.intermediate_size, **common), Qwen3ForCausalLM
-    raise ValueError(f"family: unknown tiny-model family {spec.family!r} (known: qwen3_moe, qwen3)")
+    if spec.family in ("deepseek_v3", "glm4_moe"):
+        return _sigmoid_moe_config(spec, common)
+    raise ValueError(f"family: unknown tiny-model family {spec.family!r} (known: {', '.join(FAMILIES)})")
+
+
+FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe")
+
+
+def _sigmoid_moe_config(spec: TinyModelSpec, common: dict):
+    """DeepSeek-V3 / GLM-4.5 configs shaped like the released models, scaled down.
+
+    DeepSeek-V3: MLA with q/kv LoRA ranks hidden/2, rope head dim head_dim/2, YaRN (factor 4,
+    mscale_all_dim 1), interleaved rope, and group-limited routing (4 groups, top-k/2 groups) when
+    top-k is even. GLM-4.5: partial rotary 0.5, q/k norm, q/k/v bias. Both: sigmoid router with
+    ``e_score_correction_bias``, routed scaling 2.5, ``n_shared_experts`` shared experts, no MTP layer.
+    """
+    moe = dict(
+        intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        n_shared_experts=spec.n_shared_experts, first_k_dense_replace=spec.first_k_dense_replace,
+        routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0)
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "head_dim")}
+    if spec.family == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.5}
+        return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,
+                             attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    k = spec.num_experts_per_tok
+    grouped = k % 2 == 0 and spec.num_experts % 4 == 0 and spec.num_experts >= 8
+    rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": 4.0,
+            "original_max_position_embeddings": spec.max_position_embeddings // 4,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    common["num_key_value_heads"] = spec.num_attention_heads  # MLA: every head has its own key and value
+    cfg = DeepseekV3Config(
+        q_lora_rank=spec.hidden_size // 2, kv_lora_rank=spec.hidden_size // 2,
+        qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.head_dim // 2, v_head_dim=spec.head_dim,
+        n_group=4 if grouped else 1, topk_group=k // 2 if grouped else 1, rope_interleave=True,
+        rope_parameters=rope, **moe, **common)
+    return cfg, DeepseekV3ForCausalLM
+
+
+def _randomize_constant_tensors(model, seed: int) -> None:
+    """Replace HF's constant initial values (RMSNorm weights 1, ``e_score_correction_bias`` 0) by
+    seeded random ones, as in trained checkpoints, so a conversion that swaps two same-shaped
+    norms (q/kv latent norms, q/k norms) or drops the router bias changes the logits. The bias
+    is kept in float32, as HF keeps it."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                module.e_score_correction_bias = torch.nn.Buffer(
+                    0.05 * torch.randn(bias.shape, generator=gen, dtype=torch.float32))
+            if type(module).__name__.endswith("RMSNorm"):
+                noise = torch.randn(module.weight.shape, generator=gen)
+                module.weight.copy_(1.0 + 0.1 * noise.to(module.weight.dtype))
 
 
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
@@ -202,6 +266,8 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
     torch.manual_seed(spec.seed)
     model = model_cls(cfg).to(dtype)
+    if spec.family in ("deepseek_v3", "glm4_moe"):
+        _randomize_constant_tensors(model, spec.seed)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,8 +321,8 @@ def parse_tiny_uri(uri: str) -> TinyModelSpec:
             kwargs[key] = kind(raw)
         except ValueError as e:
             raise ValueError(f"model.hf_path: tiny-model field {key}={raw!r}: {e}") from e
-    if kwargs["family"] not in ("qwen3_moe", "qwen3"):
-        raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} (known: qwen3_moe, qwen3)")
+    if kwargs["family"] not in FAMILIES:
+        raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} (known: {', '.join(FAMILIES)})")
     return TinyModelSpec(**kwargs)
 
 

@@ -66,7 +66,7 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
         ValueError: unknown precision, layers not divisible over pipeline stages, MoE with TP > 1
             without sequence parallelism, or an unsupported HF architecture (names the field).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from megarl.checkpoint.families import get_family
 
@@ -112,7 +112,9 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
             moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type, moe_grouped_gemm=grouped,
             moe_permute_fusion=False)
     kwargs.update(extra_config or {})
-    return TransformerConfig(**kwargs)
+    # Multi-latent attention (DeepSeek-V3) needs Megatron's MLA config class (q/kv LoRA ranks, YaRN).
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    return config_class(**kwargs)
 
 
 def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,
@@ -163,6 +165,10 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     for vp_stage in (range(vpp) if vpp else [None]):
         block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                 normalization="RMSNorm", vp_stage=vp_stage)
+        if config.multi_latent_attention and not use_te:
+            from megarl.training.local_mla import use_local_mla_attention
+
+            use_local_mla_attention(block_spec)  # Megatron-Core 0.16.1's local MLA spec cannot build
         ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
         with ctx:
             model = GPTModel(
@@ -172,9 +178,33 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
                 vp_stage=vp_stage, **gpt_kwargs)
         if device == "cuda":
             model.cuda(torch.cuda.current_device())
+        _mapped_buffers_to_parameters(model, family.table)
         if model_cfg.moe_router_freeze:
             for name, param in model.named_parameters():
                 if name.endswith("mlp.router.weight"):
                     param.requires_grad_(False)
         chunks.append(model)
     return chunks
+
+
+def _mapped_buffers_to_parameters(model: torch.nn.Module, table) -> None:
+    """Re-register the persistent buffers that the family maps to HF tensors as frozen parameters.
+
+    Megatron's ``TopKRouter`` keeps ``expert_bias`` (HF ``e_score_correction_bias``) in a buffer,
+    while megarl's loader, converters and weight sync enumerate parameters. As a parameter with
+    ``requires_grad=False`` it keeps its state-dict key, dtype (fp32) and role: Megatron only reads
+    it in routing and updates it in place when ``moe_router_bias_update_rate > 0``; it gets no
+    gradient and no optimizer state. It moves to the device of its module's parameters (``meta``
+    for the converters' shape-only models).
+    """
+    from megarl.checkpoint.mapping import template_of
+
+    for prefix, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            if template_of(f"{prefix}.{name}" if prefix else name)[0] not in table:
+                continue
+            device = next(module.parameters(recurse=False), buffer).device
+            del module._buffers[name]
+            module.register_parameter(name, torch.nn.Parameter(buffer.to(device), requires_grad=False))
