@@ -113,6 +113,10 @@ class EngineProcess:
         log_path: file receiving the server's stdout and stderr; default a new file under the
             system temp directory.
         engine_id: a name for logs and metrics; default ``engine@host:port``.
+        die_with_parent: (Linux) the kernel SIGKILLs the server's main process when the process
+            that started it dies, even by SIGKILL or ``os._exit`` (a timed-out pytest), which skips
+            ``atexit``. Applied only when :meth:`start` runs on the main thread, because the kernel
+            ties this to the starting *thread*.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, port: int | None = None,
@@ -121,7 +125,7 @@ class EngineProcess:
                  grammar_backend: str = "xgrammar", enable_return_routed_experts: bool = False,
                  custom_weight_loaders: Sequence[str] = (), extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                 engine_id: str | None = None) -> None:
+                 engine_id: str | None = None, die_with_parent: bool = True) -> None:
         if tp_size < 1:
             raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
         self.model_path = str(model_path)
@@ -139,6 +143,7 @@ class EngineProcess:
         self.extra_env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
         self._engine_id = engine_id
+        self.die_with_parent = die_with_parent
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 
@@ -210,9 +215,12 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
         log.info("starting %s: %s (log %s)", self.engine_id, " ".join(self.command()), self.log_path)
+        on_main_thread = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen(self.command(), env=self.environment(), stdin=subprocess.DEVNULL,
                                       stdout=self._log_file, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      preexec_fn=_kill_with_parent if self.die_with_parent
+                                      and on_main_thread and sys.platform == "linux" else None)
         _LIVE_ENGINES.add(self)
         return self
 
@@ -313,6 +321,15 @@ class EngineProcess:
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else "stopped"
         return f"EngineProcess({self.engine_id}, device={self.device}, tp={self.tp_size}, {state})"
+
+
+def _kill_with_parent() -> None:
+    # Runs in the child between fork and exec: ask for SIGKILL when the parent dies. SGLang's own
+    # children watch their parent (the main server process) and exit with it.
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
