@@ -290,6 +290,8 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
     from megarl.launch.engines import engine_kwargs
     from megarl.rollout.engine import EngineProcess, find_free_port
 
+    for key in [k for k in os.environ if k.startswith("MEGARL_ALLOC_")]:
+        del os.environ[key]  # this job's allocation holds engines only, not the run's trainer nodes
     cfg = prepare_config(args.config, args.overrides)
     cuda = use_cuda(cfg.cluster.device)
     loaders = []

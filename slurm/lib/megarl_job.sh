@@ -16,6 +16,7 @@ megarl_fail() {  # RC MESSAGE: log to stderr and the job dir, tear down, exit RC
   shift
   megarl_log "ERROR: $*" >&2
   echo "megarl slurm: ERROR: $*" >>"$JOB_DIR/error.txt"
+  if [[ -n ${MEGARL_FAIL_MARKER:-} ]]; then echo "job $SLURM_JOB_ID: $*" >>"$MEGARL_FAIL_MARKER"; fi
   megarl_teardown
   exit "$rc"
 }
@@ -68,6 +69,16 @@ megarl_node_srun() {  # INDEX CMD...: run CMD as a one-task step on plan node IN
   srun "${args[@]}" "$@"
 }
 
+megarl_expand_counts() {  # Slurm's per-node counts "4(x2),8" -> "4 4 8"
+  local part n k j out=() parts=()
+  IFS=, read -ra parts <<<"$1"
+  for part in "${parts[@]}"; do
+    if [[ $part =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then n=${BASH_REMATCH[1]} k=${BASH_REMATCH[2]}; else n=$part k=1; fi
+    for ((j = 0; j < k; j++)); do out+=("$n"); done
+  done
+  echo "${out[*]}"
+}
+
 megarl_probe_nodes() {  # fill HOSTS, NODE_IP, NODE_GPUS, and the MEGARL_ALLOC_* variables
   local groups=(-) g nodelist_var cpus_var hosts_g n_g out host ip gpus i max_gpus=0
   local cpu_lists=() het=() override_ips=()
@@ -93,7 +104,7 @@ megarl_probe_nodes() {  # fill HOSTS, NODE_IP, NODE_GPUS, and the MEGARL_ALLOC_*
       PROBE_GPUS[$host]=$gpus
     done <<<"$out"
   done
-  NODE_IP=() NODE_GPUS=()
+  NODE_IP=() NODE_GPUS=() NODE_CPUS=()
   local ips=${MEGARL_NODE_IPS:-}
   read -ra override_ips <<<"${ips//,/ }"
   for i in "${!HOSTS[@]}"; do
@@ -105,6 +116,8 @@ megarl_probe_nodes() {  # fill HOSTS, NODE_IP, NODE_GPUS, and the MEGARL_ALLOC_*
   done
   export MEGARL_ALLOC_NODES=${#HOSTS[@]} MEGARL_ALLOC_HOSTS="${HOSTS[*]}"
   MEGARL_ALLOC_NODE_CPUS=$(IFS=,; echo "${cpu_lists[*]}")
+  # shellcheck disable=SC2034  # NODE_CPUS is read by slurm/engines.sbatch
+  read -ra NODE_CPUS <<<"$(megarl_expand_counts "$MEGARL_ALLOC_NODE_CPUS")"
   MEGARL_ALLOC_NODE_GPUS=$(IFS=,; echo "${NODE_GPUS[*]}")
   MEGARL_ALLOC_HET_GROUPS="${het[*]}"
   export MEGARL_ALLOC_NODE_CPUS MEGARL_ALLOC_NODE_GPUS MEGARL_ALLOC_HET_GROUPS
@@ -166,8 +179,8 @@ megarl_node_gone() {  # RC INDEX WHEN: fail naming the node whose step ended
   local rc=$1 i=$2 when=$3 status=0
   wait "${RAY_PIDS[i]}" || status=$?
   unset "RAY_PIDS[$i]"
-  tail -n 15 "$JOB_DIR/ray-$i-${PLAN_HOST[i]}.log" >&2 || true
-  megarl_fail "$rc" "node ${PLAN_HOST[i]} (index $i, ${PLAN_ROLE[i]}, ${NODE_IP[i]}): its Ray step (ray start --block) exited with status $status $when; log: $JOB_DIR/ray-$i-${PLAN_HOST[i]}.log"
+  tail -n 15 "${MEGARL_STEP_LOG:-$JOB_DIR/ray}-$i-${PLAN_HOST[i]}.log" >&2 || true
+  megarl_fail "$rc" "node ${PLAN_HOST[i]} (index $i, ${PLAN_ROLE[i]}, ${NODE_IP[i]}): its ${MEGARL_STEP_WHAT:-Ray step (ray start --block)} exited with status $status $when; log: ${MEGARL_STEP_LOG:-$JOB_DIR/ray}-$i-${PLAN_HOST[i]}.log"
 }
 
 megarl_start_ray() {  # head on plan node 0, workers on every other used node, wait until joined
@@ -253,7 +266,19 @@ megarl_teardown() {  # stop the driver, then every Ray step, by the PIDs this sc
     megarl_stop_pids "${MEGARL_RAY_STOP_TIMEOUT_S:-30}" "${RAY_PIDS[@]}"
   fi
   wait 2>/dev/null
+  if [[ -n ${MEGARL_EXTERNAL_ENGINES:-} ]]; then touch "$MEGARL_EXTERNAL_ENGINES/done"; fi
   return 0
+}
+
+megarl_external_engines() {  # print the override naming the URLs the engines job registered
+  local reg=$MEGARL_EXTERNAL_ENGINES deadline=$((SECONDS + ${MEGARL_ENGINES_WAIT_S:-600}))
+  megarl_log "waiting for external engines: $reg/urls.txt (slurm/engines.sbatch)" >&2
+  until [[ -s $reg/urls.txt ]]; do
+    if [[ -s $reg/failed ]]; then megarl_fail "$MEGARL_EXIT_RAY_START" "the engines job failed: $(tail -n 1 "$reg/failed")"; fi
+    ((SECONDS < deadline)) || megarl_fail "$MEGARL_EXIT_RAY_START" "no $reg/urls.txt after ${MEGARL_ENGINES_WAIT_S:-600}s: is the engines job running?"
+    sleep 1
+  done
+  echo "rollout.external_engine_urls=[$(paste -sd, "$reg/urls.txt")]"
 }
 
 megarl_main() {  # CONFIG OVERRIDES...: the whole job; exits with the driver's status
@@ -264,6 +289,7 @@ megarl_main() {  # CONFIG OVERRIDES...: the whole job; exits with the driver's s
   megarl_probe_nodes
   # logging.run_dir first, so a user override still wins; cluster.ray_address last.
   local overrides=("logging.run_dir=$JOB_DIR" "$@")
+  if [[ -n ${MEGARL_EXTERNAL_ENGINES:-} ]]; then overrides+=("$(megarl_external_engines)"); fi
   megarl_check_config "$config" "${overrides[@]}"
   megarl_start_ray
   megarl_run_driver "$config" "${overrides[@]}" "cluster.ray_address=$MEGARL_RAY_HEAD" || rc=$?

@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import ray
@@ -30,6 +31,15 @@ class Probe:
                 "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
 
 
+def _generate(url: str) -> dict:
+    """Two greedy tokens from an external engine (SGLang's native /generate)."""
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    req = urllib.request.Request(f"{url}/generate", data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out = json.loads(resp.read())
+    return {"url": url, "output_ids": out.get("output_ids"), "finish_reason": out["meta_info"]["finish_reason"]}
+
+
 def main(argv: list[str]) -> int:
     config, overrides = argv[0], argv[1:]
     address = next(o.split("=", 1)[1] for o in overrides if o.startswith("cluster.ray_address="))
@@ -39,12 +49,13 @@ def main(argv: list[str]) -> int:
     trainers = [Probe.options(resources={"megarl_trainer": 1}).remote()
                 for _ in range(cl.trainer_nodes * cl.trainer_devices_per_node)]
     engines = [Probe.options(resources={"megarl_rollout": cl.rollout_devices_per_node}).remote()
-               for _ in range(cl.rollout_nodes)]
+               for _ in range(0 if cfg.rollout.external_engine_urls else cl.rollout_nodes)]
     result = {
         "trainer": ray.get([a.where.remote() for a in trainers], timeout=60),
         "engine": ray.get([a.where.remote() for a in engines], timeout=60),
         "nodes": [{"alive": n["Alive"], "resources": n["Resources"]} for n in ray.nodes()],
         "driver_slurmd_nodename": os.environ.get("SLURMD_NODENAME"),
+        "external_engines": [_generate(url) for url in cfg.rollout.external_engine_urls],
     }
     run_dir = Path(cfg.logging.run_dir)
     (run_dir / "probe.json").write_text(json.dumps(result, indent=1))
