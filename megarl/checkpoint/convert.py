@@ -85,12 +85,16 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         megarl.testing.multiproc.RankError: a rank failed (its traceback is in the message).
     """
     from megarl.checkpoint.config_check import check_weights_match_config
+    from megarl.checkpoint.families import get_family
     from megarl.testing.multiproc import run_ranks
     from megarl.training.model import load_hf_config
 
     hf_dir = Path(hf_dir).resolve()
     hf_config = load_hf_config(hf_dir)
     check_weights_match_config(hf_dir, hf_config)
+    if expert_model_parallel_size > 1 and not any(get_family(hf_config).architecture(hf_config)["moe_layers"]):
+        raise ValueError(f"expert_model_parallel_size={expert_model_parallel_size} needs an MoE model; "
+                         f"{hf_dir} ({hf_config.model_type}) has no experts")
     parallel = ParallelConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,

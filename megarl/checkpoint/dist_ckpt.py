@@ -55,6 +55,27 @@ def _partial_planner():
                                can_run_decentralized_global_plan=False)
 
 
+def _without_prepended_axes(value):
+    """Express stacked-layer ShardedTensors (``prepend_axis_num > 0``) with explicit unit axes.
+
+    Megatron translates prepended-axis tensors through torch's legacy ShardedTensor, which needs
+    every grid fragment a rank owns in one save; a step holds only some layers. The same global
+    region, written as a plain ShardedTensor, goes through DCP's chunk-based path; the files and
+    metadata describe the same global tensor and chunks.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(value, dict):
+        return {k: _without_prepended_axes(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_prepended_axes(v) for v in value]
+    if isinstance(value, ShardedTensor) and value.prepend_axis_num:
+        shape = (1,) * value.prepend_axis_num + tuple(value.local_shape)
+        return dataclasses.replace(value, data=value.data.reshape(shape), local_shape=shape,
+                                   prepend_axis_num=0)
+    return value
+
+
 def _merge(into: Metadata | None, step: Metadata) -> Metadata:
     if into is None:
         return step
@@ -102,6 +123,7 @@ class StreamingCheckpointWriter:
         from torch.distributed.checkpoint import save as dcp_save
 
         sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+        sharded = _without_prepended_axes(sharded)
         self.common.update(common)
         grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
         pyt_state_dict = mcore_to_pyt_state_dict(grouped, False)

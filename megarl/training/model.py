@@ -81,6 +81,9 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
         raise ValueError(f"num_hidden_layers={arch['num_hidden_layers']} (HF config) is not divisible by "
                          f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {stages}")
     is_moe = any(arch["moe_layers"])
+    if not is_moe and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or 1) > 1):
+        raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size > 1 need an MoE "
+                         f"model; {hf_config.model_type} has no experts")
     if is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
         raise ValueError("MoE with parallel.tensor_model_parallel_size > 1 needs parallel.sequence_parallel=True")
     dtype = _DTYPES[precision]
