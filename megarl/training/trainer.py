@@ -1,0 +1,327 @@
+"""The Megatron-Core policy trainer: one object per trainer rank, inside an initialised process group.
+
+Built by `build_trainer(cfg)` from small ``build_*`` functions (parallel state, model, HF weights,
+DDP, optimizer, LR schedule); the driver then calls, per RL step::
+
+    batch = trainer.prepare_batch(batch)   # old logprobs (+ R2 routes), reference logprobs if KL
+    metrics = trainer.train_step(batch)    # one optimizer step over the whole batch
+
+Every rank receives the **whole** `TrainBatch` and takes its data-parallel share itself
+(`megarl.training.batching`); every rank returns the same metrics. ``compute_logprobs`` and
+``train_step`` plan micro batches the same way, so for the same batch and weights the old-logprob
+pass and the training forward see identical micro batches (on-policy ratios are exactly 1).
+
+Step anatomy (``train_step``): routes validated (routing replay) -> rollout correction on the whole
+batch (detached weights, possibly a smaller loss mask) -> global loss denominators counted from that
+mask -> Megatron ``get_forward_backward_func`` over this rank's micro batches and the pipeline
+stages (loss scaling in `megarl.training.forward`) -> DDP gradient reduction in
+``finalize_model_grads`` -> optimizer step with gradient clipping -> LR schedule step -> metrics
+reduced over micro batches and ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.algorithms import ROLLOUT_CORRECTIONS, LossNormalizer, reduce_metrics
+from megarl.config.schema import MegarlConfig
+from megarl.training import forward as fwd
+from megarl.training.batch import TrainBatch, packed_to_padded
+from megarl.training.batching import PackedMicroBatch, pack_micro_batch, plan_micro_batches
+from megarl.training.parallel_state import ParallelState
+from megarl.training.routing_replay import RoutingReplay, validate_routed_experts
+from megarl.training.sync_names import named_parameters_for_sync
+
+
+class Trainer:
+    """Policy trainer on one rank. Prefer `build_trainer`; the constructor takes built parts.
+
+    Args:
+        cfg: the run config.
+        parallel: this rank's `ParallelState`.
+        model_chunks: DDP-wrapped ``GPTModel`` chunks of this rank (one per virtual stage).
+        optimizer: the Megatron optimizer over ``model_chunks``.
+        scheduler: Megatron ``OptimizerParamScheduler``.
+        vocab_size: the real (unpadded) vocabulary size.
+        num_layers: transformer layers of the whole model (the ``L`` axis of routed experts).
+    """
+
+    def __init__(self, cfg: MegarlConfig, *, parallel: ParallelState, model_chunks: list, optimizer, scheduler,
+                 vocab_size: int, num_layers: int) -> None:
+        self.cfg, self.parallel = cfg, parallel
+        self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
+        self.vocab_size, self.num_layers = vocab_size, num_layers
+        self.config = model_chunks[0].config
+        self.step = 0
+        """Optimizer steps taken (restored by checkpoint load)."""
+        self.replay = RoutingReplay(model_chunks) if cfg.train.routing_replay != "none" else None
+        if self.replay is not None and self.config.recompute_granularity is not None:
+            raise ValueError("train.routing_replay with model.recompute_granularity is not supported "
+                             "(the recomputed router forward would need the routes again)")
+        self.ref_weights = _snapshot(model_chunks) if cfg.algorithm.kl_coef > 0 else None
+        self._tp_group = fwd.tp_group_of(parallel)
+        dispatcher = getattr(self.config, "moe_token_dispatcher_type", "alltoall")
+        moe = getattr(self.config, "num_moe_experts", None)
+        self._length_policy = "across_dp" if moe and dispatcher == "allgather" and parallel.ep_size > 1 else "each"
+        if parallel.pp_size > 1:
+            if moe and dispatcher == "allgather":
+                self._length_policy = "uniform"  # Megatron refuses variable_seq_lengths with allgather
+            else:
+                for chunk in model_chunks:
+                    chunk.config.variable_seq_lengths = True  # p2p exchanges each micro batch's shape
+        if parallel.cp_size > 1:
+            raise NotImplementedError("parallel.context_parallel_size > 1 is not supported by the trainer yet")
+
+    # ------------------------------------------------------------------ planning
+    def _micro_batches(self, batch: TrainBatch) -> tuple[list[PackedMicroBatch], float]:
+        """This rank's packed micro batches and the plan's padding fraction."""
+        p, train = self.parallel, self.cfg.train
+        plan = plan_micro_batches(batch.seq_lens.tolist(), dp_size=p.dp_size,
+                                  max_tokens_per_microbatch=train.max_tokens_per_microbatch,
+                                  micro_batch_size=train.micro_batch_size,
+                                  pad_multiple=p.tp_size if p.sequence_parallel else 1,
+                                  length_policy=self._length_policy)
+        use_thd = torch.cuda.is_available() and self.config.transformer_impl == "transformer_engine"
+        mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=use_thd) for spec in plan.micro_batches[p.dp_rank]]
+        return mbs, plan.padding_fraction
+
+    def _run(self, step_func, mbs: list[PackedMicroBatch], *, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iters = [iter(mbs) for _ in self.model_chunks]
+        return get_forward_backward_func()(
+            forward_step_func=step_func, data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.model_chunks, num_microbatches=len(mbs),
+            seq_length=max(mb.spec.padded_length for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+
+    @property
+    def _reports(self) -> bool:
+        """Whether this rank holds results others do not (last stage, first TP rank)."""
+        return self.parallel.is_last_stage and self.parallel.tp_rank == 0
+
+    # ------------------------------------------------------------------ logprobs
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> Tensor:
+        """Per-token logprobs of the batch under the current (or reference) policy.
+
+        Args:
+            batch: the batch (every rank passes the same one).
+            reference: use the reference weights (``algorithm.kl_coef > 0``; swapped in from CPU).
+
+        Returns:
+            ``[T_total]`` float32 logprobs (0 at sequence starts), identical on every rank.
+
+        Raises:
+            ValueError: ``reference=True`` without reference weights.
+        """
+        return self._forward_only(batch, reference=reference, record_routes=False)[0]
+
+    def prepare_batch(self, batch: TrainBatch) -> TrainBatch:
+        """Fill ``old_logprobs`` (and R2 ``routed_experts``) and, with a KL penalty, ``ref_logprobs``.
+
+        Fields already set are kept. Returns a new batch; the input is unchanged.
+        """
+        changes = {}
+        if batch.old_logprobs is None:
+            record = self.cfg.train.routing_replay == "r2" and batch.routed_experts is None
+            with torch.no_grad():
+                old, routes = self._forward_only(batch, reference=False, record_routes=record)
+            changes["old_logprobs"] = old
+            if record:
+                changes["routed_experts"] = routes
+        if self.cfg.algorithm.kl_coef > 0 and batch.ref_logprobs is None:
+            changes["ref_logprobs"] = self.compute_logprobs(batch, reference=True)
+        return batch.replace(**changes) if changes else batch
+
+    def _forward_only(self, batch: TrainBatch, *, reference: bool, record_routes: bool) -> tuple[Tensor, Tensor | None]:
+        if reference and self.ref_weights is None:
+            raise ValueError("reference logprobs need algorithm.kl_coef > 0 (no reference weights kept)")
+        routes = None
+        if not reference and not record_routes:  # R3 replays the engine's routes in the old pass too
+            routes = self._replay_routes(batch, required=self.cfg.train.routing_replay == "r3")
+        mbs, _ = self._micro_batches(batch)
+        logprobs = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        recorded = torch.zeros(batch.num_tokens, self.num_layers, self.config.moe_router_topk or 1,
+                               dtype=torch.int32) if record_routes else None
+
+        def step_func(data_iterator, model):
+            mb = next(data_iterator)
+            if record_routes:
+                self.replay.record()
+            output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
+            if record_routes:
+                self._store_routes(recorded, mb, self.replay.take_recorded())
+
+            def loss_func(output_tensor):
+                lp, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
+                                                 temperature=self.cfg.rollout.sampling.temperature, entropy="none")
+                if self._reports:
+                    logprobs[mb.token_index] = lp.float()
+                return output_tensor.new_zeros(()), {}
+            return output, loss_func
+
+        with self._weights(reference):
+            self._run(step_func, mbs, forward_only=True)
+        if self.replay is not None:
+            self.replay.off()
+        dist.all_reduce(logprobs)
+        if recorded is not None:
+            dist.all_reduce(recorded)
+            recorded -= 1
+        return logprobs, recorded
+
+    def _store_routes(self, buffer: Tensor, mb: PackedMicroBatch, taken: dict[int, Tensor]) -> None:
+        """Write one stage's recorded ``{layer: [N, K]}`` into ``buffer`` as ids + 1 (0 = none)."""
+        p = self.parallel
+        split = p.sequence_parallel and p.tp_size > 1
+        if not split and p.tp_rank != 0:
+            return  # every TP rank saw all tokens; one of them reports
+        for layer, ids in taken.items():
+            offset = p.tp_rank * ids.shape[0] if split else 0
+            rows = torch.arange(offset, offset + ids.shape[0])
+            keep = rows < mb.token_index.numel()
+            buffer[mb.token_index[rows[keep]], layer] = ids[keep].to(torch.int32) + 1
+
+    def _replay_routes(self, batch: TrainBatch, *, required: bool = True) -> Tensor | None:
+        """The batch's validated routes when replay is on, else None (also when not ``required``
+        and the batch has none: R2's recording pass routes freely)."""
+        if self.replay is None or (not required and batch.routed_experts is None):
+            return None
+        validate_routed_experts(batch.routed_experts, num_layers=self.num_layers,
+                                num_experts=self.config.num_moe_experts, topk=self.config.moe_router_topk,
+                                cu_seqlens=batch.cu_seqlens)
+        return batch.routed_experts
+
+    @contextlib.contextmanager
+    def _weights(self, reference: bool):
+        """Run with the reference weights copied in (policy weights restored afterwards)."""
+        if not reference:
+            yield
+            return
+        policy = _snapshot(self.model_chunks)
+        _restore(self.model_chunks, self.ref_weights)
+        try:
+            yield
+        finally:
+            _restore(self.model_chunks, policy)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the whole batch (see the module docstring).
+
+        Args:
+            batch: every rank passes the same batch; missing ``old_logprobs`` (and R2 routes,
+                reference logprobs) are computed first with `prepare_batch`.
+
+        Returns:
+            ``{name: value}`` metrics, the same on every rank: ``loss/*`` and ``mismatch/*`` (the
+            algorithm library's, reduced over micro batches and data-parallel ranks),
+            ``optim/grad_norm`` (before clipping), ``optim/lr``, ``optim/update_successful``,
+            ``batch/padding_fraction``, ``batch/num_microbatches``, ``batch/num_tokens``,
+            ``perf/tokens_per_s`` (all ranks' real tokens / step time), ``timing/*_s``.
+        """
+        start = time.perf_counter()
+        batch = self.prepare_batch(batch)
+        prepared = time.perf_counter()
+        routes = self._replay_routes(batch)
+        mbs, padding_fraction = self._micro_batches(batch)
+        inputs = self._loss_inputs(batch, num_microbatches=len(mbs))
+        per_mb_metrics = []
+
+        def step_func(data_iterator, model):
+            mb = next(data_iterator)
+            output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
+            return output, functools.partial(self._loss_func, mb, inputs, per_mb_metrics)
+
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(step_func, mbs, forward_only=False)
+        if self.replay is not None:
+            self.replay.off()
+        backward_done = time.perf_counter()
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+        done = time.perf_counter()
+        metrics = fwd.all_reduce_metrics(reduce_metrics(per_mb_metrics), contribute=self._reports)
+        step_s = done - prepared
+        metrics.update({
+            "optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "optim/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "optim/update_successful": float(bool(update_successful)),
+            "optim/step": float(self.step),
+            "batch/padding_fraction": padding_fraction, "batch/num_microbatches": float(len(mbs)),
+            "batch/num_tokens": float(batch.num_tokens), "batch/num_sequences": float(batch.num_sequences),
+            "perf/tokens_per_s": batch.num_tokens / step_s,
+            "timing/prepare_batch_s": prepared - start, "timing/forward_backward_s": backward_done - prepared,
+            "timing/optimizer_s": done - backward_done, "timing/train_step_s": step_s,
+        })
+        return metrics
+
+    def _loss_func(self, mb: PackedMicroBatch, inputs: fwd.LossInputs, sink: list, output_tensor: Tensor):
+        algo = self.cfg.algorithm
+        entropy = "grad" if algo.entropy_coef > 0 else "metric"
+        lp, ent = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
+                                           temperature=self.cfg.rollout.sampling.temperature, entropy=entropy)
+        loss, metrics = fwd.rl_loss(lp, ent, mb, inputs, algo)
+        sink.append(metrics)
+        return loss, {}
+
+    def _loss_inputs(self, batch: TrainBatch, *, num_microbatches: int) -> fwd.LossInputs:
+        """Rollout correction over the whole batch and the step's global loss denominators."""
+        algo = self.cfg.algorithm
+        loss_mask, is_weights = batch.loss_mask, None
+        if algo.rollout_correction != "none":
+            if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
+                raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}")
+            correct = ROLLOUT_CORRECTIONS[algo.rollout_correction]
+            kwargs = {"upper": algo.rollout_correction_clip}
+            if algo.rollout_correction != "icepop":
+                kwargs["level"] = algo.rollout_correction_level
+            if algo.rollout_correction != "tis":
+                kwargs["lower"] = algo.rollout_correction_low
+            pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
+            result = correct(pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(batch.loss_mask, pad_value=False),
+                             **kwargs)
+            keep = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)
+            loss_mask, is_weights = result.loss_mask[keep], result.weights[keep].float()
+        max_response = self.cfg.rollout.agent.max_response_tokens
+        normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
+                                                   max_response_tokens=float(max_response))
+        return fwd.LossInputs(batch=batch, loss_mask=loss_mask, is_weights=is_weights, normalizer=normalizer,
+                              num_microbatches=num_microbatches, dp_size=self.parallel.dp_size)
+
+    # ------------------------------------------------------------------ weight sync, checkpoints
+    def named_parameters_for_sync(self):
+        """``(name, tensor)`` of this rank's local Megatron shards (see `megarl.training.sync_names`)."""
+        return named_parameters_for_sync(self.model_chunks, self.parallel)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Save model, optimizer, scheduler, RNG and step with ``dist_checkpointing`` (all ranks call)."""
+        from megarl.training.checkpointing import save_trainer_state
+
+        save_trainer_state(directory, self)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load a checkpoint saved by `save_checkpoint`, possibly at another parallel layout."""
+        from megarl.training.checkpointing import load_trainer_state
+
+        load_trainer_state(directory, self)
+
+
+def _snapshot(model_chunks: list) -> list[Tensor]:
+    """Detached host copies of every parameter of the chunks, in ``parameters()`` order."""
+    return [param.detach().to("cpu", copy=True) for chunk in model_chunks for param in chunk.parameters()]
+
+
+@torch.no_grad()
+def _restore(model_chunks: list, weights: list[Tensor]) -> None:
+    params = [param for chunk in model_chunks for param in chunk.parameters()]
+    for param, value in zip(params, weights, strict=True):
+        param.copy_(value, non_blocking=True)
