@@ -33,9 +33,9 @@ from megarl.config.schema import MegarlConfig
 from megarl.training import forward as fwd
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.batching import PackedMicroBatch, pack_micro_batch, plan_micro_batches
+from megarl.training.fp8 import fp8_token_multiple
 from megarl.training.parallel_state import ParallelState
 from megarl.training.routing_replay import RoutingReplay, validate_routed_experts
-from megarl.training.sync_names import named_parameters_for_sync
 
 
 class Trainer:
@@ -47,15 +47,17 @@ class Trainer:
         model_chunks: DDP-wrapped ``GPTModel`` chunks of this rank (one per virtual stage).
         optimizer: the Megatron optimizer over ``model_chunks``.
         scheduler: Megatron ``OptimizerParamScheduler``.
-        vocab_size: the real (unpadded) vocabulary size.
-        num_layers: transformer layers of the whole model (the ``L`` axis of routed experts).
+        hf_config: the model's Hugging Face config (real vocabulary size, number of layers).
     """
 
     def __init__(self, cfg: MegarlConfig, *, parallel: ParallelState, model_chunks: list, optimizer, scheduler,
-                 vocab_size: int, num_layers: int) -> None:
-        self.cfg, self.parallel = cfg, parallel
+                 hf_config) -> None:
+        self.cfg, self.parallel, self.hf_config = cfg, parallel, hf_config
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
-        self.vocab_size, self.num_layers = vocab_size, num_layers
+        self.vocab_size = hf_config.vocab_size
+        """Real (unpadded) vocabulary size; Megatron's padding ids are excluded from the softmax."""
+        self.num_layers = hf_config.num_hidden_layers
+        """Transformer layers of the whole model (the ``L`` axis of routed experts)."""
         self.config = model_chunks[0].config
         self.step = 0
         """Optimizer steps taken (restored by checkpoint load)."""
@@ -84,7 +86,7 @@ class Trainer:
         plan = plan_micro_batches(batch.seq_lens.tolist(), dp_size=p.dp_size,
                                   max_tokens_per_microbatch=train.max_tokens_per_microbatch,
                                   micro_batch_size=train.micro_batch_size,
-                                  pad_multiple=p.tp_size if p.sequence_parallel else 1,
+                                  pad_multiple=(p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train),
                                   length_policy=self._length_policy)
         use_thd = torch.cuda.is_available() and self.config.transformer_impl == "transformer_engine"
         mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=use_thd) for spec in plan.micro_batches[p.dp_rank]]
@@ -299,8 +301,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ weight sync, checkpoints
     def named_parameters_for_sync(self):
-        """``(name, tensor)`` of this rank's local Megatron shards (see `megarl.training.sync_names`)."""
-        return named_parameters_for_sync(self.model_chunks, self.parallel)
+        """This rank's Megatron parameters under model-global names, for weight sync.
+
+        Yields:
+            ``(global_name, parameter)``: checkpoint-style Megatron names with global layer and
+            expert indices (`megarl.checkpoint.global_name`); the parameter itself, i.e. this
+            rank's TP / ETP shard of the current weights (no copy). The sharding of each name is
+            given by `megarl.checkpoint.iter_global_params` with `layout`.
+        """
+        from megarl.checkpoint import iter_global_params
+
+        for info, param in iter_global_params(self.model_chunks, self.parallel, self.layout):
+            yield info.global_name, param
+
+    @functools.cached_property
+    def layout(self):
+        """The model's `megarl.checkpoint.ModelLayout` (HF <-> Megatron mapping) at this TP size."""
+        from megarl.checkpoint import get_family
+
+        return get_family(self.hf_config).layout(self.hf_config, tp_size=self.parallel.tp_size)
 
     def save_checkpoint(self, directory: str) -> None:
         """Save model, optimizer, scheduler, RNG and step with ``dist_checkpointing`` (all ranks call)."""
