@@ -35,3 +35,21 @@ def tiny_dense_dir(tmp_path_factory):
     from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_dense", TinyModelSpec(family="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 HF directory (2 layers: dense then MoE; MLA, YaRN, 8 experts in 4 groups,
+    top-2, a shared expert, random router bias and norms; fp32), built once per session."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_deepseek_v3", TinyModelSpec(family="deepseek_v3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory):
+    """A tiny GLM-4.5 HF directory (2 layers: dense then MoE; partial rotary, q/k norm, qkv bias,
+    8 experts, top-2, a shared expert, random router bias and norms; fp32), built once per session."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_glm4_moe", TinyModelSpec(family="glm4_moe"))

@@ -71,6 +71,8 @@ def check_weights_match_config(hf_dir: str | os.PathLike, hf_config=None,
     arch = family.architecture(hf_config)
     keys = reader.keys()
     layers = {int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")}
+    # Multi-token-prediction layers (DeepSeek-V3, GLM-4.5) follow the decoder layers; not imported.
+    layers -= set(range(arch["num_hidden_layers"], arch["num_hidden_layers"] + arch.get("num_mtp_layers", 0)))
     if len(layers) != arch["num_hidden_layers"]:
         raise _mismatch("num_hidden_layers", arch["num_hidden_layers"], len(layers), config_file, "layers")
     vocab, hidden = reader.shape("model.embed_tokens.weight")

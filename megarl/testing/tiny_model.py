@@ -12,6 +12,7 @@ checkpoints contain and what SGLang's loader accepts.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -139,7 +140,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     every string.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -149,12 +149,27 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
+    return _wrap_tokenizer(tok)
+
+
+def _wrap_tokenizer(tok):
+    """A ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with megarl's special tokens and template."""
+    from transformers import PreTrainedTokenizerFast
+
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         bos_token=None, unk_token=None, additional_special_tokens=SPECIAL_TOKENS[3:],
         clean_up_tokenization_spaces=False)
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
+
+
+@functools.lru_cache(maxsize=4)
+def _gsm8k_tokenizer_json(vocab_size: int, gsm8k_dir: str | None) -> str:
+    """The GSM8K-trained tokenizer as ``tokenizers`` JSON, cached per process: training takes
+    seconds and gives the same tokenizer for the same corpus and size."""
+    texts = list(gsm8k_texts(gsm8k_dir)) + _EXTRA_CORPUS * 20
+    return train_tokenizer(texts, vocab_size).backend_tokenizer.to_str()
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int):
@@ -212,7 +227,9 @@ def _sigmoid_moe_config(spec: TinyModelSpec, common: dict):
         q_lora_rank=spec.hidden_size // 2, kv_lora_rank=spec.hidden_size // 2,
         qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.head_dim // 2, v_head_dim=spec.head_dim,
         n_group=4 if grouped else 1, topk_group=k // 2 if grouped else 1, rope_interleave=True,
-        rope_parameters=rope, **moe, **common)
+        rope_parameters=rope, **moe, **common,
+        # Fields of the released config.json that transformers ignores and SGLang reads.
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
     return cfg, DeepseekV3ForCausalLM
 
 
@@ -260,7 +277,10 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
-    tok = train_tokenizer(list(gsm8k_texts(gsm8k_dir)) + _EXTRA_CORPUS * 20, spec.vocab_size)
+    from tokenizers import Tokenizer
+
+    tok = _wrap_tokenizer(Tokenizer.from_str(
+        _gsm8k_tokenizer_json(spec.vocab_size, str(gsm8k_dir) if gsm8k_dir else None)))
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     cfg, model_cls = _hf_config(spec, len(tok), eos_id, tok.pad_token_id)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]

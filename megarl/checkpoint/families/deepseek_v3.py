@@ -108,6 +108,8 @@ def router_architecture(hf_config, num_layers: int) -> dict:
     if shared < 1:
         _reject(hf_config, "n_shared_experts", shared, "at least one shared expert is expected")
     first_dense = getattr(hf_config, "first_k_dense_replace", None) or 0
+    if (getattr(hf_config, "moe_layer_freq", None) or 1) != 1:  # transformers ignores it, SGLang does not
+        _reject(hf_config, "moe_layer_freq", hf_config.moe_layer_freq, "every layer after the dense ones is MoE")
     return dict(
         num_experts=num_experts, num_experts_per_tok=topk, moe_intermediate_size=hf_config.moe_intermediate_size,
         norm_topk_prob=True, n_shared_experts=shared, routed_scaling_factor=float(hf_config.routed_scaling_factor),
