@@ -51,7 +51,7 @@ def validate_routed_experts(routed_experts: Tensor | None, *, num_layers: int, n
     """
     if routed_experts is None:
         raise RoutingReplayError("routing replay is on but the batch has no routed_experts "
-                                 "(R3: the engine must return routed experts; R2: run compute_logprobs first)")
+                                 "(R3: the engine must return routed experts; R2: let Trainer.prepare_batch record them)")
     if routed_experts.dim() != 3 or tuple(routed_experts.shape[1:]) != (num_layers, topk):
         raise RoutingReplayError(f"routed_experts must be [T, L={num_layers}, K={topk}], got {tuple(routed_experts.shape)}")
     if routed_experts.is_floating_point():

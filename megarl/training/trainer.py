@@ -76,20 +76,24 @@ class Trainer:
             else:
                 for chunk in model_chunks:
                     chunk.config.variable_seq_lengths = True  # p2p exchanges each micro batch's shape
+        # Transformer Engine attention takes THD packed sequences; the local spec's takes a mask.
+        self._te_attention = any(type(m).__name__ == "TEDotProductAttention"
+                                 for chunk in model_chunks for m in chunk.modules())
         if parallel.cp_size > 1:
             raise NotImplementedError("parallel.context_parallel_size > 1 is not supported by the trainer yet")
 
     # ------------------------------------------------------------------ planning
-    def _micro_batches(self, batch: TrainBatch) -> tuple[list[PackedMicroBatch], float]:
-        """This rank's packed micro batches and the plan's padding fraction."""
+    def micro_batches(self, batch: TrainBatch) -> tuple[list[PackedMicroBatch], float]:
+        """This rank's packed micro batches of ``batch`` (the same for `compute_logprobs` and
+        `train_step`) and the padding fraction of the whole plan (all ranks)."""
         p, train = self.parallel, self.cfg.train
         plan = plan_micro_batches(batch.seq_lens.tolist(), dp_size=p.dp_size,
                                   max_tokens_per_microbatch=train.max_tokens_per_microbatch,
                                   micro_batch_size=train.micro_batch_size,
                                   pad_multiple=(p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train),
                                   length_policy=self._length_policy)
-        use_thd = torch.cuda.is_available() and self.config.transformer_impl == "transformer_engine"
-        mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=use_thd) for spec in plan.micro_batches[p.dp_rank]]
+        mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=self._te_attention)
+               for spec in plan.micro_batches[p.dp_rank]]
         return mbs, plan.padding_fraction
 
     def _run(self, step_func, mbs: list[PackedMicroBatch], *, forward_only: bool) -> list:
@@ -146,7 +150,7 @@ class Trainer:
         routes = None
         if not reference and not record_routes:  # R3 replays the engine's routes in the old pass too
             routes = self._replay_routes(batch, required=self.cfg.train.routing_replay == "r3")
-        mbs, _ = self._micro_batches(batch)
+        mbs, _ = self.micro_batches(batch)
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float32)
         recorded = torch.zeros(batch.num_tokens, self.num_layers, self.config.moe_router_topk or 1,
                                dtype=torch.int32) if record_routes else None
@@ -231,7 +235,7 @@ class Trainer:
         batch = self.prepare_batch(batch)
         prepared = time.perf_counter()
         routes = self._replay_routes(batch)
-        mbs, padding_fraction = self._micro_batches(batch)
+        mbs, padding_fraction = self.micro_batches(batch)
         inputs = self._loss_inputs(batch, num_microbatches=len(mbs))
         per_mb_metrics = []
 
