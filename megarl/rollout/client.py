@@ -6,8 +6,8 @@ protocol facts in ../shared/notes/sglang_cpu.md and sglang_sync_r3.md).
 
 Failure policy:
 
-- A connection that cannot be opened (refused, unreachable, DNS) is retried with exponential
-  backoff: the request never reached the server, so a retry cannot duplicate it.
+- A connection that cannot be opened (refused, unreachable, DNS, connect timeout) is retried with
+  exponential backoff: the request never reached the server, so a retry cannot duplicate it.
 - A request that reached the server is never re-sent by the client. If the connection drops
   mid-request the client raises :class:`EngineConnectionLost`; the router decides what to do.
 - An HTTP error status raises :class:`EngineRequestError` (not retried).
@@ -141,7 +141,9 @@ class SGLangClient:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # A session is bound to its event loop; tests (and Ray actors) may use several loops.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections, force_close=False),
+                # Idle connections are dropped before uvicorn's 5 s keep-alive closes them, so a
+                # request is never written into a connection the server is closing.
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=4.0),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s))
             self._session_loop = loop
         return self._session
@@ -181,7 +183,8 @@ class SGLangClient:
                     if not expect_json:
                         return body.decode("utf-8", "replace")
                     return json.loads(body) if body else None
-            except aiohttp.ClientConnectorError as exc:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                # Not connected, so nothing was sent: safe to retry.
                 if attempt == self.max_connect_retries:
                     raise EngineUnavailableError(f"{self.engine_id}: cannot connect to {self.url} "
                                                  f"after {attempt + 1} attempts: {exc}") from exc
@@ -416,6 +419,24 @@ class SGLangClient:
         if load_format is not None:
             payload["load_format"] = load_format
         return await self._post_checked("/update_weights_from_disk", payload)
+
+    async def update_weight_version(self, version: str) -> dict:
+        """Set the engine's ``weight_version`` (reported in every response's ``meta_info``) without
+        aborting running requests."""
+        return await self._post_checked("/update_weight_version",
+                                        {"new_version": str(version), "abort_all_requests": False})
+
+    async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float]:
+        """Teacher-forced logprobs of ``input_ids[1:]`` under the engine's current weights.
+
+        Returns:
+            ``[P - 1]`` floats: ``log p(input_ids[t] | input_ids[:t])`` for ``t = 1 .. P-1``.
+        """
+        result = await self._post("/generate", {
+            "input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        entries = result["meta_info"]["input_token_logprobs"]
+        return [float(e[0]) for e in entries[1:]]
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.engine_id})"
