@@ -71,7 +71,13 @@ def test_each_shim_is_needed_and_capture_buffer_works_with_all(tmp_path):
     procs = {missing: _run(code, _shim_dir_without(tmp_path, missing))
              for missing, (code, _) in CASES.items()}
     procs["all shims"] = _run(ALLOC_CAPTURE_BUFFER, cpu_shims.shim_dir())
-    outputs = {name: p.communicate(timeout=540)[0] for name, p in procs.items()}
+    try:
+        outputs = {name: p.communicate(timeout=540)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for missing, (_, reason) in CASES.items():
         assert procs[missing].returncode != 0, f"SGLang worked without the {missing} shim: remove it"
         assert reason in outputs[missing], outputs[missing][-3000:]
@@ -84,7 +90,11 @@ def test_shimmed_calls_fail_loudly(tmp_path):
             "for f in (sgl_kernel.fused_add_rmsnorm, T.Compose):\n"
             "    try:\n        f([])\n    except NotImplementedError as e:\n        print('RAISED', e)\n")
     proc = _run(code, cpu_shims.shim_dir())
-    out = proc.communicate(timeout=60)[0]
+    try:
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, out
     assert out.count("RAISED") == 2 and "megarl" in out
 
