@@ -133,6 +133,10 @@ class WeightSyncPlan:
         """
         return engine_slices(tensor, self.engine_layout, self.num_experts).get(tp_rank)
 
+    def engine_slices_of(self, tensor: HFTensorSpec) -> dict[int, TensorSlice]:
+        """``{engine tp_rank: slice}`` for the ranks of one engine that hold part of ``tensor``."""
+        return engine_slices(tensor, self.engine_layout, self.num_experts)
+
     def engine_shard_bytes(self) -> list[int]:
         """Bytes of HF tensor data each engine rank (of one engine) holds: its shard size."""
         return list(self._engine_shard_bytes)

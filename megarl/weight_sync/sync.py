@@ -1,0 +1,243 @@
+"""One weight sync, trainer -> SGLang engines: the ordering, the roles of the ranks, the metrics.
+
+Every trainer rank calls :meth:`WeightSynchronizer.sync` (a collective over the trainer group).
+Roles come from the plan: the *coordinator* (global rank 0, the sender of stage 0) drives the
+engines; each stage's *sender* gathers, converts and sends its stage's buckets; the other ranks
+holding shards of a stage send them to their sender; data-parallel replicas only join barriers.
+
+Ordering of one sync (the steps of :meth:`WeightSynchronizer.sync`, in this order):
+
+1. **pause** generation on every engine (``weight_sync.pause_mode``: retract | abort | in_place);
+2. **push** every bucket (``/begin_weight_update`` ... ``/end_weight_update`` around it for the
+   transports that need a session); with the ``distributed`` transport the stages push one after
+   another (a token passed from sender to sender) because they share the engines' collectives;
+3. **flush** the engines' prefix cache (cached KV was computed with the old weights);
+4. set the engines' **weight_version** to the policy version;
+5. **continue** generation.
+
+Group creation (:meth:`connect`) is deadlock-free for PP > 1 and many engines: the stages' groups
+are created one at a time in stage order (a trainer barrier between two), and every engine joins
+each group in the same order.
+"""
+from __future__ import annotations
+
+import time
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.weight_sync.engines import EngineGroup
+from megarl.weight_sync.gather import StageGatherer
+from megarl.weight_sync.plan import WeightSyncPlan
+from megarl.weight_sync.transports import Transport, make_transport
+from megarl.weight_sync.validate import check_local_params, check_plan_against_manifest
+
+
+class WeightSynchronizer:
+    """Executes a :class:`WeightSyncPlan` with one transport; one instance per trainer rank.
+
+    Args:
+        plan: the plan (identical on every rank).
+        transport: ``distributed``, ``shard``, ``tensor`` or ``disk``.
+        engine_urls: every engine that must receive the weights.
+        rank: this rank in ``group`` (the trainer's process group).
+        converter: ``(transfer, shards) -> [(hf_name, tensor)]`` (:class:`~megarl.weight_sync.gather.HFConverter`).
+        manifest: the engines' checkpoint tensors (:func:`~megarl.weight_sync.validate.read_manifest`);
+            None skips that check (engines on another host).
+        pause_mode: ``retract``, ``abort`` or ``in_place``.
+        group: the trainer's process group (default group if None).
+        transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s`` (see ``make_transport``).
+    """
+
+    def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, converter,
+                 manifest: Optional[Mapping] = None, pause_mode: str = "retract",
+                 group: Optional[dist.ProcessGroup] = None, **transport_kwargs) -> None:
+        if pause_mode not in ("retract", "abort", "in_place"):
+            raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
+        if manifest is not None:
+            check_plan_against_manifest(plan, manifest)
+        self.plan, self.rank, self.group, self.pause_mode = plan, rank, group, pause_mode
+        self.converter = converter
+        self.stage = next((b.pp_rank for b in plan.buckets if b.sender_rank == rank or b.contributions(rank)), None)
+        self.is_sender = any(b.sender_rank == rank for b in plan.buckets)
+        self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
+        self.engines = EngineGroup(engine_urls) if (self.is_sender or self.is_coordinator) else None
+        self.transport: Optional[Transport] = None
+        if self.engines is not None:
+            self.transport = make_transport(transport, plan, self.engines, **transport_kwargs)
+        self.transport_name = transport
+        self._connected = False
+
+    # ------------------------------------------------------------------ helpers
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def _senders(self) -> list[int]:
+        return sorted({b.sender_rank for b in self.plan.buckets},
+                      key=lambda r: next(b.pp_rank for b in self.plan.buckets if b.sender_rank == r))
+
+    def _token(self, send: bool, peer: int) -> None:
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        token = torch.zeros(1, device=device)
+        (dist.send if send else dist.recv)(token, peer, group=self.group)
+
+    def connect(self) -> None:
+        """Create the transport's groups with the engines, stage by stage (collective)."""
+        for pp_rank, sender in enumerate(self._senders()):
+            if self.rank == sender:
+                self.transport.connect(pp_rank)
+            self._barrier()
+        self._connected = True
+
+    # ------------------------------------------------------------------ the sync
+    def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int) -> dict[str, float]:
+        """Push ``local_params`` (this rank's shards, global names) to every engine (collective).
+
+        See the module docstring for the ordering. Returns the metrics (identical on every rank).
+
+        Raises:
+            WeightSyncError: a planned shard is missing or malformed, conversion did not produce the
+                planned tensors, or an engine refused an update.
+        """
+        check_local_params(self.plan, self.rank, local_params)
+        if not self._connected:
+            self.connect()
+        start = time.perf_counter()
+        version = str(policy_version)
+        if self.is_coordinator:  # 1. pause
+            self.engines.call_all("pause", self.pause_mode)
+            if self.transport.needs_session:
+                self.engines.call_all("begin_weight_update")
+        self._barrier()
+        gatherer = StageGatherer(self.plan, self.rank, local_params, self.converter, group=self.group)
+        stats = self._push(gatherer, version)  # 2. push
+        self._barrier()
+        if self.is_coordinator:
+            self.transport.finish(version)
+            if self.transport.needs_session:
+                self.engines.call_all("end_weight_update")
+            self.engines.call_all("flush_cache")  # 3. flush
+            self.engines.call_all("update_weight_version", version)  # 4. weight_version
+            self.engines.call_all("resume")  # 5. continue
+            stats["engine_load_s"] = self.transport.stats.engine_load_s  # includes the disk reload
+        stats["weight_sync_s"] = time.perf_counter() - start
+        return self._reduce(stats)
+
+    def _push(self, gatherer: StageGatherer, version: str) -> dict[str, float]:
+        stats = {"gather_s": 0.0, "convert_s": 0.0, "transfer_s": 0.0, "engine_load_s": 0.0,
+                 "bytes_sent": 0.0, "gather_bytes": 0.0}
+        if not self.is_sender:
+            stats["gather_bytes"] = float(gatherer.send_contributions())
+            return stats
+        transport = self.transport
+        transport.start_sync()
+        senders = self._senders()
+        index = senders.index(self.rank)
+        ordered = transport.ordered_stages and len(senders) > 1
+        # Contributions of this stage are gathered while we may still wait for our turn.
+        buckets = gatherer.iter_hf_buckets()
+        first = next(buckets, None)
+        if ordered and index > 0:
+            self._token(False, senders[index - 1])
+        if first is not None:
+            transport.send(*first, version)
+            for bucket, tensors in buckets:
+                transport.send(bucket, tensors, version)
+        transport.drain()
+        if ordered and index + 1 < len(senders):
+            self._token(True, senders[index + 1])
+        stats.update(gather_s=gatherer.timings.gather_s, convert_s=gatherer.timings.convert_s,
+                     transfer_s=transport.stats.transfer_s, engine_load_s=transport.stats.engine_load_s,
+                     bytes_sent=float(transport.stats.bytes_sent))
+        self._rank_bytes = list(transport.stats.engine_rank_bytes)
+        return stats
+
+    def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
+        """Max of the times and sum of the bytes over trainer ranks; plan-level byte ratios."""
+        times = ("weight_sync_s", "gather_s", "convert_s", "transfer_s", "engine_load_s")
+        sums = ("bytes_sent", "gather_bytes")
+        tp = self.plan.engine_layout.tp_size
+        rank_bytes = getattr(self, "_rank_bytes", [0] * tp) if self.is_sender else [0] * tp
+        t = torch.tensor([stats.get(k, 0.0) for k in times], dtype=torch.float64)
+        s = torch.tensor([stats.get(k, 0.0) for k in sums] + list(rank_bytes), dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
+        received = s[len(sums):].tolist()
+        shard = self.plan.engine_shard_bytes()
+        out = {("timing/weight_sync_s" if k == "weight_sync_s" else f"weight_sync/{k}"): v
+               for k, v in zip(times, t.tolist())}
+        out.update({f"weight_sync/{k}": v for k, v in zip(sums, s[:len(sums)].tolist())})
+        out.update({"weight_sync/buckets": float(len(self.plan.buckets)),
+                    "weight_sync/hf_bytes": float(self.plan.total_bytes),
+                    "weight_sync/engine_rank_bytes_max": max(received),
+                    "weight_sync/engine_shard_bytes_max": float(max(shard)),
+                    "weight_sync/engine_bytes_over_shard_max": max(r / s for r, s in zip(received, shard) if s)})
+        for r, (got, own) in enumerate(zip(received, shard)):
+            out[f"weight_sync/engine_rank{r}_bytes_over_shard"] = got / own if own else 0.0
+        return out
+
+    def close(self) -> None:
+        """Destroy the transport's groups and the HTTP sessions."""
+        if self.transport is not None:
+            self.transport.close()
+        if self.engines is not None:
+            self.engines.close()
+
+
+def trainer_layout_of(parallel, parallel_cfg=None):
+    """The :class:`TrainerLayout` of a trainer's ``ParallelState`` (uneven stages from ``parallel_cfg``)."""
+    from megarl.weight_sync.layout import TrainerLayout
+
+    return TrainerLayout(
+        tensor_model_parallel_size=parallel.tp_size, pipeline_model_parallel_size=parallel.pp_size,
+        expert_model_parallel_size=parallel.ep_size, expert_tensor_parallel_size=parallel.etp_size,
+        virtual_pipeline_model_parallel_size=parallel.vpp_size, context_parallel_size=parallel.cp_size,
+        data_parallel_size=parallel.dp_size,
+        num_layers_in_first_pipeline_stage=getattr(parallel_cfg, "num_layers_in_first_pipeline_stage", None),
+        num_layers_in_last_pipeline_stage=getattr(parallel_cfg, "num_layers_in_last_pipeline_stage", None))
+
+
+def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int = 1, engine_ep_size: int = 1,
+                      dtype: str = "bfloat16", make_vocab_size_divisible_by: int = 128, parallel_cfg=None,
+                      check_manifest: bool = True, directory=None, master_address: str = "127.0.0.1",
+                      group=None) -> WeightSynchronizer:
+    """A :class:`WeightSynchronizer` for a trainer rank (call on every rank, same arguments).
+
+    Args:
+        hf_dir: the policy's HF directory (architecture; the engines' checkpoint for the manifest check).
+        parallel: this rank's ``megarl.training.parallel_state.ParallelState``.
+        engine_urls: every engine to update.
+        cfg: the ``weight_sync`` config section (transport, bucket size, backend, pause mode, timeout).
+        engine_tp_size / engine_ep_size: every engine's ``--tp`` / ``--ep-size``.
+        dtype: the trainer's parameter dtype (``float32`` on CPU tests).
+        make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
+        parallel_cfg: the ``parallel`` section (uneven pipeline stages), optional.
+        check_manifest: check the plan against ``hf_dir``'s safetensors headers (same host).
+        directory: where the ``disk`` transport writes.
+        master_address: address of this host as the engines reach it (``distributed``).
+
+    Raises:
+        WeightSyncError / PlanError / LayoutError / SpecError: see the checks they name.
+    """
+    from megarl.checkpoint.families import get_family
+    from megarl.training.model import load_hf_config
+    from megarl.weight_sync.gather import HFConverter
+    from megarl.weight_sync.layout import EngineLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
+    from megarl.weight_sync.plan import build_plan
+    from megarl.weight_sync.validate import read_manifest
+
+    hf_config = load_hf_config(str(hf_dir))
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=parallel.tp_size,
+                                       make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype)
+    engine_layout = EngineLayout(tensor_parallel_size=engine_tp_size, expert_parallel_size=engine_ep_size,
+                                 num_engines=len(engine_urls))
+    plan = build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
+                      bucket_size_mb=cfg.bucket_size_mb)
+    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                          tp_size=parallel.tp_size)
+    return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, converter=HFConverter(layout),
+                              manifest=read_manifest(hf_dir) if check_manifest else None,
+                              pause_mode=cfg.pause_mode, group=group, backend=cfg.backend,
+                              master_address=master_address, directory=directory, timeout_s=cfg.timeout_s)

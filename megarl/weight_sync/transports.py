@@ -1,0 +1,305 @@
+"""Transports: how a stage sender hands converted buckets to the SGLang engines.
+
+- ``distributed``: a process group between this sender (group rank 0) and every engine rank,
+  created through ``/init_weights_update_group`` (NCCL on GPU, gloo on CPU: same code); per bucket
+  one ``/update_weights_from_distributed`` request with ``load_format="flattened_bucket"`` per
+  engine and one broadcast of the flat bucket. Every engine rank receives every tensor in full.
+- ``shard``: per-rank payloads through ``/update_weights_from_tensor``: engine rank ``r`` receives
+  exactly its slices (``plan.engine_slice``), loaded pre-sharded by the custom loader
+  :func:`megarl.weight_sync.sglang_loader.load_presharded` (same host: tensors travel as shared
+  memory). Across nodes this needs a loader that receives from a per-rank process group, which
+  SGLang 0.5.23 does not have; ``shard`` is therefore same-host only.
+- ``tensor``: colocated whole tensors through ``/update_weights_from_tensor`` (CUDA IPC on GPU,
+  shared memory on CPU); SGLang slices them.
+- ``disk``: safetensors files + ``/update_weights_from_disk``: the fallback and the reference.
+
+A transport never reuses a buffer the engines may still read: every ``send`` first waits for the
+previous bucket's requests and collective to complete (at most one bucket in flight, so gathering
+and converting bucket ``b + 1`` overlaps the transfer and engine load of ``b``), and keeps the
+bucket's tensors referenced until then.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.weight_sync.engines import EngineGroup, wait_all
+from megarl.weight_sync.gather import as_bytes
+from megarl.weight_sync.plan import Bucket, WeightSyncPlan
+from megarl.weight_sync.validate import WeightSyncError
+
+LOADER = "megarl.weight_sync.sglang_loader.load_presharded"
+"""``--custom-weight-loader`` import path of the shard transport's loader."""
+
+
+@dataclass
+class TransferStats:
+    """What one sender's transport did in one sync."""
+
+    transfer_s: float = 0.0
+    """Moving bytes (broadcast, serialisation into shared memory, file writes)."""
+    engine_load_s: float = 0.0
+    """Waiting for the engines to load after the bytes moved."""
+    bytes_sent: int = 0
+    """Bytes handed to the engines (summed over engine ranks that receive them separately)."""
+    engine_rank_bytes: list = field(default_factory=list)
+    """Bytes received by each rank of one engine."""
+
+
+class Transport:
+    """Base class; one instance per stage sender (the coordinator also drives ``finish``)."""
+
+    name = "base"
+    needs_session = True
+    """Wrap the push in ``/begin_weight_update`` ... ``/end_weight_update``."""
+    ordered_stages = False
+    """Stage senders must push one after another (they share collectives with the engines)."""
+
+    def __init__(self, plan: WeightSyncPlan, engines: EngineGroup, *, timeout_s: float = 600.0) -> None:
+        self.plan, self.engines, self.timeout_s = plan, engines, timeout_s
+        self.stats = TransferStats(engine_rank_bytes=[0] * plan.engine_layout.tp_size)
+        self._in_flight: Optional[tuple] = None
+
+    def connect(self, pp_rank: int) -> None:
+        """One-time setup for the sender of stage ``pp_rank`` (called in stage order)."""
+
+    def start_sync(self) -> None:
+        self.stats = TransferStats(engine_rank_bytes=[0] * self.plan.engine_layout.tp_size)
+
+    def send(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+        raise NotImplementedError
+
+    def drain(self) -> None:
+        """Wait until the engines finished with every bucket sent so far."""
+        if self._in_flight is None:
+            return
+        futures, refs, started, moved = self._in_flight
+        moved_at = moved() if callable(moved) else moved
+        wait_all(futures, self.timeout_s)
+        done = time.perf_counter()
+        self.stats.transfer_s += moved_at - started
+        self.stats.engine_load_s += done - moved_at
+        self._in_flight = None
+        del refs  # the engines are done: the bucket's buffers may go
+
+    def finish(self, weight_version: str) -> None:
+        """Coordinator only, after every sender drained (the disk transport reloads here)."""
+
+    def close(self) -> None:
+        """Release transport resources (process groups)."""
+
+    def _count(self, per_rank_bytes: Sequence[int]) -> None:
+        for r, n in enumerate(per_rank_bytes):
+            self.stats.engine_rank_bytes[r] += n
+        self.stats.bytes_sent += sum(per_rank_bytes) * len(self.engines)
+
+
+class DistributedTransport(Transport):
+    """Broadcast flat buckets over a group with all engine ranks (see module docstring)."""
+
+    name = "distributed"
+    ordered_stages = True
+
+    def __init__(self, plan, engines, *, backend: str = "auto", master_address: str = "127.0.0.1",
+                 timeout_s: float = 600.0) -> None:
+        super().__init__(plan, engines, timeout_s=timeout_s)
+        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+        self.master_address = master_address
+        self.group = None
+        self.group_name = None
+        self._ring: list[Optional[torch.Tensor]] = [None, None]
+        self._slot = 0
+
+    def connect(self, pp_rank: int) -> None:
+        """Create this stage's group: this sender is rank 0, engine ``i`` rank ``r`` is ``1 + i*T + r``."""
+        from megarl.rollout.engine import find_free_port
+        from megarl.weight_sync.sglang_compat import init_custom_process_group
+
+        tp = self.plan.engine_layout.tp_size
+        world = 1 + len(self.engines) * tp
+        port = find_free_port(self.master_address)
+        self.group_name = f"megarl-wsync-pp{pp_rank}-{uuid.uuid4().hex[:8]}"
+        futures = [self.engines.submit(i, "init_weights_update_group", master_address=self.master_address,
+                                       master_port=port, rank_offset=1 + i * tp, world_size=world,
+                                       group_name=self.group_name, backend=self.backend)
+                   for i in range(len(self.engines))]
+        self.group = init_custom_process_group(
+            backend=self.backend, init_method=f"tcp://{self.master_address}:{port}", world_size=world, rank=0,
+            group_name=self.group_name, timeout=timedelta(seconds=self.timeout_s))
+        wait_all(futures, self.timeout_s)
+
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        # Two slots used alternately; a slot is reused two buckets later, after drain() proved the
+        # engines finished reading the bucket that used it.
+        slot = self._ring[self._slot]
+        if slot is None or slot.numel() < nbytes or slot.device != device:
+            slot = torch.empty(max(nbytes, self.plan.bucket_size_bytes), dtype=torch.uint8, device=device)
+            self._ring[self._slot] = slot
+        self._slot ^= 1
+        return slot[:nbytes]
+
+    def send(self, bucket, tensors, weight_version) -> None:
+        if self.group is None:
+            raise WeightSyncError("distributed transport used before connect()")
+        device = tensors[0][1].device
+        flat = self._buffer(bucket.nbytes, device)
+        self.drain()  # the previous bucket is loaded: its slot (the other one) is free again
+        offset = 0
+        for _, t in tensors:
+            raw = as_bytes(t)
+            flat[offset:offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+        names = [n for n, _ in tensors]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        started = time.perf_counter()
+        futures = self.engines.submit_all("update_weights_from_distributed", names, dtypes, shapes,
+                                          group_name=self.group_name, flush_cache=False,
+                                          load_format="flattened_bucket")
+        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+        self._in_flight = (futures, (flat, tensors), started, lambda: self._wait_collective(work, futures))
+        self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)
+
+    def _wait_collective(self, work, futures) -> float:
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:  # the engine refused the bucket and will never join this broadcast
+                raise WeightSyncError(f"engine rejected a weight bucket: {failed[0].exception()}; "
+                                      f"the update group {self.group_name} is now unusable")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"broadcast not finished within {self.timeout_s} s")
+            time.sleep(0.0005)
+        work.wait()
+        return time.perf_counter()
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self.engines.call_all("destroy_weights_update_group", group_name=self.group_name, timeout_s=60)
+            finally:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
+
+class _TensorPayloadTransport(Transport):
+    """Shared code of ``shard`` and ``tensor``: one ``/update_weights_from_tensor`` per engine."""
+
+    load_format: Optional[str] = None
+
+    def _payloads(self, bucket: Bucket, tensors) -> tuple[list[list[tuple[str, torch.Tensor]]], list[int]]:
+        raise NotImplementedError
+
+    def send(self, bucket, tensors, weight_version) -> None:
+        from megarl.rollout.client import serialize_named_tensors
+
+        self.drain()
+        started = time.perf_counter()
+        per_rank, nbytes = self._payloads(bucket, tensors)
+        serialized = [serialize_named_tensors(p) for p in per_rank]  # moves CPU tensors to shared memory
+        moved = time.perf_counter()
+        futures = self.engines.submit_all("update_weights_from_tensor", serialized, load_format=self.load_format,
+                                          flush_cache=False)
+        self._in_flight = (futures, (per_rank, serialized), started, moved)
+        self._count(nbytes)
+
+
+class ShardTransport(_TensorPayloadTransport):
+    """Each engine rank receives exactly its slices (see module docstring)."""
+
+    name = "shard"
+    load_format = LOADER
+
+    def _payloads(self, bucket, tensors):
+        layout = self.plan.engine_layout
+        per_rank: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(layout.tp_size)]
+        nbytes = [0] * layout.tp_size
+        for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
+            parts: dict = {}  # one copy per distinct slice (replicated slices are shared by ranks)
+            for rank, sl in sorted(self.plan.engine_slices_of(spec).items()):
+                key = (sl.axis, sl.start, sl.stop)
+                if key not in parts:
+                    view = tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)
+                    # A copy of exactly the slice: a view would share (and ship) the whole storage.
+                    parts[key] = view.clone(memory_format=torch.contiguous_format)
+                per_rank[rank].append((name, parts[key]))
+                nbytes[rank] += parts[key].numel() * parts[key].element_size()
+        return per_rank, nbytes
+
+
+class TensorTransport(_TensorPayloadTransport):
+    """Colocated engines: whole tensors to every rank; SGLang slices them."""
+
+    name = "tensor"
+
+    def _payloads(self, bucket, tensors):
+        whole = [(n, t.contiguous()) for n, t in tensors]
+        size = sum(t.numel() * t.element_size() for _, t in whole)
+        return [whole] * self.plan.engine_layout.tp_size, [size] * self.plan.engine_layout.tp_size
+
+
+class DiskTransport(Transport):
+    """Write buckets as safetensors; the coordinator then has every engine reload the directory."""
+
+    name = "disk"
+    needs_session = False
+
+    def __init__(self, plan, engines, *, directory: str | os.PathLike, timeout_s: float = 600.0) -> None:
+        super().__init__(plan, engines, timeout_s=timeout_s)
+        self.directory = Path(directory)
+
+    def start_sync(self) -> None:
+        super().start_sync()
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def send(self, bucket, tensors, weight_version) -> None:
+        from safetensors.torch import save_file
+
+        started = time.perf_counter()
+        # save_file refuses tensors sharing storage (q/k/v views of one fused tensor): copy.
+        save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in tensors},
+                  str(self.directory / f"bucket-{bucket.index:05d}.safetensors"))
+        self.stats.transfer_s += time.perf_counter() - started
+        self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)
+
+    def finish(self, weight_version: str) -> None:
+        started = time.perf_counter()
+        expected = {f"bucket-{b.index:05d}.safetensors" for b in self.plan.buckets}
+        for stale in self.directory.glob("*.safetensors"):
+            if stale.name not in expected:
+                stale.unlink()
+        self.engines.call_all("update_weights_from_disk", str(self.directory), flush_cache=False,
+                              weight_version=weight_version, timeout_s=self.timeout_s)
+        self.stats.engine_load_s += time.perf_counter() - started
+
+
+def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "auto",
+                   master_address: str = "127.0.0.1", directory: str | os.PathLike | None = None,
+                   timeout_s: float = 600.0) -> Transport:
+    """The transport called ``name`` (``weight_sync.transport``).
+
+    Raises:
+        ValueError: unknown name, or ``disk`` without a directory.
+    """
+    if name == "distributed":
+        return DistributedTransport(plan, engines, backend=backend, master_address=master_address,
+                                    timeout_s=timeout_s)
+    if name == "shard":
+        return ShardTransport(plan, engines, timeout_s=timeout_s)
+    if name == "tensor":
+        return TensorTransport(plan, engines, timeout_s=timeout_s)
+    if name == "disk":
+        if directory is None:
+            raise ValueError("weight_sync.transport=disk needs a directory for the safetensors files")
+        return DiskTransport(plan, engines, directory=directory, timeout_s=timeout_s)
+    raise ValueError(f"weight_sync.transport: unknown {name!r} (distributed, shard, tensor, disk)")
+
+
