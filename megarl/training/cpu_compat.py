@@ -12,7 +12,7 @@ name                   what breaks without it
 rng                    the tensor-parallel RNG tracker calls ``torch.cuda.get_rng_state``
 current_device         ``torch.cuda.current_device()`` (rotary embedding, DDP buffers, p2p)
 moe_te_gemm            0.16.1 bug: ``NameError: te_general_gemm`` in the router without TE
-cuda_device_mode       hard-coded ``device="cuda"`` / ``.cuda()`` (schedules, optimizer, clip)
+cuda_device_args       hard-coded ``device="cuda"`` / ``.cuda()`` (schedules, causal mask, optimizer)
 tensor_type_names      optimizer checks ``param.type() == 'torch.cuda.FloatTensor'``
 cuda_sync              pipeline p2p calls ``torch.cuda.synchronize()``
 cuda_stream            the alltoall token dispatcher creates ``torch.cuda.Stream()``
@@ -20,9 +20,9 @@ moe_splits_numpy       alltoall split sizes stay tensors on CPU; ``all_to_all_si
 torchnorm_sp           the local spec's torch norm refuses ``sequence_parallel`` (needed by MoE+TP)
 =====================  ======================================================================
 
-Scope: the patches are process-global, except ``cuda_device_mode`` (a ``TorchFunctionMode``),
-which is per thread: call ``apply_cpu_patches()`` in every thread that runs Megatron code (it is
-idempotent and cheap).
+Scope: the patches are process-global (``cuda_device_args`` replaces what
+notes/megatron_cpu.md calls ``cuda_device_mode``, a per-thread ``TorchFunctionMode`` that costs a
+Python call on every torch operation).
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ SUPPORTED_MCORE_VERSION = "0.16.1"
 
 _APPLIED: set[str] = set()
 _LOCK = threading.Lock()
-_THREAD = threading.local()
 
 
 def patch_rng() -> None:
@@ -78,30 +77,52 @@ def _cpu_device(device):
     return device
 
 
-class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
-    """Rewrites ``device="cuda..."`` arguments to CPU and makes ``Tensor.cuda()`` the identity."""
+_DEVICE_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "eye",
+                     "rand", "randn", "randint", "randperm", "empty_like", "zeros_like", "ones_like",
+                     "full_like", "rand_like", "randn_like", "empty_strided")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
+
+def _wrap_factory(fn):
+    def factory(*args, **kwargs):
         if "device" in kwargs:
-            kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
-        if func is torch.Tensor.to and len(args) > 1:
-            args = (args[0], _cpu_device(args[1])) + tuple(args[2:])
-        return func(*args, **kwargs)
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    factory.__wrapped__, factory.__name__, factory.__doc__ = fn, getattr(fn, "__name__", "factory"), fn.__doc__
+    factory._megarl_cpu_patch = True
+    return factory
 
 
-def patch_cuda_device_mode() -> None:
-    """Enter a per-thread ``TorchFunctionMode`` that maps CUDA device arguments to CPU.
+def patch_cuda_device_args() -> None:
+    """Map CUDA ``device=`` arguments of torch's tensor factories, ``Tensor.to`` and ``Tensor.cuda``
+    to the CPU.
 
-    Megatron hard-codes ``device="cuda"`` in the schedules (token counters), the optimizer
-    (scales, overflow buffers), gradient clipping and DDP buffers. Entered once per thread.
+    Megatron hard-codes ``device="cuda"`` in the schedules (token counters), the default causal
+    mask, the optimizer (scales, overflow buffers), gradient clipping and DDP buffers. Wrapping the
+    factories costs one Python call per factory call (a ``TorchFunctionMode`` would intercept every
+    torch operation).
     """
-    if getattr(_THREAD, "mode", None) is None:
-        mode = _CudaToCpuMode()
-        mode.__enter__()
-        _THREAD.mode = mode
+    for name in _DEVICE_FACTORIES:
+        fn = getattr(torch, name)
+        if not getattr(fn, "_megarl_cpu_patch", False):
+            setattr(torch, name, _wrap_factory(fn))
+    original_to = torch.Tensor.to
+    if getattr(original_to, "_megarl_cpu_patch", False):
+        return
+
+    def to(self, *args, **kwargs):
+        if args:
+            args = (_cpu_device(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return original_to(self, *args, **kwargs)
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+    to._megarl_cpu_patch = True
+    torch.Tensor.to = to
+    torch.Tensor.cuda = cuda
 
 
 def patch_tensor_type_names() -> None:
@@ -225,7 +246,7 @@ PATCHES: dict[str, Callable[[], None]] = {
     "rng": patch_rng,
     "current_device": patch_current_device,
     "moe_te_gemm": patch_moe_te_gemm,
-    "cuda_device_mode": patch_cuda_device_mode,
+    "cuda_device_args": patch_cuda_device_args,
     "tensor_type_names": patch_tensor_type_names,
     "cuda_sync": patch_cuda_sync,
     "cuda_stream": patch_cuda_stream,
@@ -255,8 +276,7 @@ def check_megatron_version() -> str:
 def apply_cpu_patches(names: Iterable[str] | None = None, *, force: bool = False) -> tuple[str, ...]:
     """Apply the CPU patches (all, or the named ones) when CUDA is absent.
 
-    Idempotent: a patch already applied is skipped (``cuda_device_mode`` is entered once per
-    thread).
+    Idempotent: a patch already applied is skipped.
 
     Args:
         names: patch names from :data:`PATCHES`; None = all of them.
@@ -280,7 +300,7 @@ def apply_cpu_patches(names: Iterable[str] | None = None, *, force: bool = False
         for name in PATCHES:
             if name not in wanted:
                 continue
-            if name == "cuda_device_mode" or name not in _APPLIED:
+            if name not in _APPLIED:
                 PATCHES[name]()
                 _APPLIED.add(name)
     return tuple(n for n in PATCHES if n in _APPLIED)

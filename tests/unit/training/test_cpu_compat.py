@@ -21,7 +21,7 @@ EXPECTED = {
     "rng": ("AssertionError", "not compiled with CUDA"),
     "current_device": ("AssertionError", "not compiled with CUDA"),
     "moe_te_gemm": ("NameError", "te_general_gemm"),
-    "cuda_device_mode": ("AssertionError", "not compiled with CUDA"),
+    "cuda_device_args": ("AssertionError", "not compiled with CUDA"),
     "tensor_type_names": ("TypeError", "Wrapped parameters must be one of"),
     "cuda_sync": ("AssertionError", "not compiled with CUDA"),
     "cuda_stream": ("RuntimeError", "torch.cuda.Stream requires CUDA"),
@@ -59,7 +59,7 @@ def _probe(name: str) -> None:
     elif name == "moe_te_gemm":
         from megatron.core.transformer.moe.moe_utils import router_gating_linear
         router_gating_linear(torch.ones(3, 4), torch.ones(2, 4), None, torch.float32)
-    elif name == "cuda_device_mode":
+    elif name == "cuda_device_args":
         from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
         get_grad_norm_fp32([torch.ones(3)], grad_stats_parallel_group=dist.group.WORLD)
     elif name == "tensor_type_names":
