@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 
-from megarl.rollout.rewards.gsm8k import FINAL_TEXT_KEY
+from megarl.rollout.rewards import FINAL_TEXT_KEY
 from megarl.rollout.tools.calls import ToolCallParser, run_tool_calls
 from megarl.rollout.types import GenerateOutput, RolloutEngine, RolloutStatus, Tool, Trajectory
 

@@ -243,6 +243,14 @@ class RolloutManager:
         for task in pending:
             self._park(tasks[task], counts)
 
+    async def close(self) -> None:
+        """Release what the reward function holds (e.g. its worker processes)."""
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
+
     def drop_carried(self) -> int:
         """Forget carried-over groups (e.g. when they became too stale); returns how many."""
         n, self._carry = len(self._carry), []

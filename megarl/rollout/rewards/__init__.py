@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from megarl.rollout.types import RewardFn, Trajectory
 
+FINAL_TEXT_KEY = "final_text"
+"""``Trajectory.metadata`` key holding the decoded text of the last model turn (set by the agent
+loops; what text-based rewards score)."""
+
 REWARD_REGISTRY: dict[str, Callable[..., "RewardFn"]] = {}
 """Registry name -> reward class (or factory) taking ``rollout.reward_kwargs`` as keyword arguments."""
 
@@ -53,4 +57,4 @@ async def compute_reward(fn: "RewardFn", trajectory: "Trajectory", sample: dict[
 
 from megarl.rollout.rewards import gsm8k  # noqa: E402,F401  (registers "gsm8k")  isort: skip
 
-__all__ = ["REWARD_REGISTRY", "build_reward", "compute_reward", "register_reward"]
+__all__ = ["FINAL_TEXT_KEY", "REWARD_REGISTRY", "build_reward", "compute_reward", "register_reward"]

@@ -18,14 +18,10 @@ import multiprocessing
 import threading
 from typing import TYPE_CHECKING, Any
 
-from megarl.rollout.rewards import register_reward
+from megarl.rollout.rewards import FINAL_TEXT_KEY, register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory
-
-FINAL_TEXT_KEY = "final_text"
-"""``Trajectory.metadata`` key holding the decoded text of the last model turn (set by the agent)."""
-
 
 def gsm8k_reference(answer: str) -> str:
     """The reference number of a GSM8K ``answer`` field (``"... #### 1,200"`` -> ``"1200"``)."""

@@ -62,7 +62,7 @@ async def test_forced_tool_call_trajectory_matches_template_and_transformers(sgl
         engine=engine, template=ChatTemplate(tokenizer, [t.schema for t in tools.values()]),
         tools=tools, parser=ToolCallParser(tools),
         sampling_params={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 24},
-        max_turns=2, max_response_tokens=600, max_context_tokens=4096,
+        max_turns=2, max_response_tokens=600, max_context_tokens=4096, return_routed_experts=True,
         turn_sampling_params=lambda turn: {"regex": FORCED_CALL, "max_new_tokens": 200} if turn == 1 else {})
     state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, group_id=0)
     try:
@@ -121,7 +121,8 @@ async def test_forced_tool_call_trajectory_matches_template_and_transformers(sgl
     # forced turn) within 5e-3.
     full = traj.prompt_ids.tolist() + response
     with torch.no_grad():
-        logits = model(torch.tensor([full])).logits[0].float()
+        hf = model(torch.tensor([full]), output_router_logits=True)
+    logits = hf.logits[0].float()
     positions = [prompt_len + r for r, m in enumerate(expected_mask) if m]
     first_positions = positions[:len(first_out.output_ids)]
     forced_ref = constrained_logprobs(logits[[p - 1 for p in first_positions]],
@@ -134,3 +135,14 @@ async def test_forced_tool_call_trajectory_matches_template_and_transformers(sgl
     diffs = [abs(x - y) for x, y in zip(engine_lp, forced_ref + free_ref)]
     print(f"max |engine - transformers| logprob: forced turn {max(diffs[:len(forced_ref)]):.2e}, free turn {max(diffs[len(forced_ref):], default=0):.2e}; raw ids canonical: {canonical == traj.prompt_ids.tolist() + response}")
     assert len(diffs) == len(positions) and max(diffs) < TOLERANCE, max(diffs)
+
+    # Routed experts: row r is the routing of response position r (as the trainer's input token);
+    # the last token was never fed to the engine (-1). Compare with transformers' router top-k.
+    routes = traj.routed_experts
+    k = model.config.num_experts_per_tok
+    assert routes.shape == (len(response), model.config.num_hidden_layers, k)
+    assert routes[-1].eq(-1).all() and routes[:-1].ge(0).all()
+    hf_topk = torch.stack([layer.float().topk(k, -1).indices for layer in hf.router_logits], 1)
+    hf_routes = hf_topk[prompt_len:prompt_len + len(response) - 1].sort(-1).values
+    agree = (routes[:-1].sort(-1).values == hf_routes).all(-1).float().mean().item()
+    assert agree > 0.99, agree
