@@ -185,6 +185,9 @@ class AgentConfig:
     """SGLang FunctionCallParser name (``qwen25`` covers Qwen2.5 and Qwen3)."""
     max_tool_output_chars: int = 2048
     """Tool observations longer than this are truncated."""
+    tool_timeout_s: float = 60.0
+    """Wall-clock limit of one tool call in the agent loop (a tool may enforce a shorter one, e.g.
+    ``rollout.tools.python.timeout_s``); a timeout becomes an error observation."""
 
 
 @dataclass

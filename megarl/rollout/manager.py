@@ -76,12 +76,14 @@ class RolloutManager:
         reward_fn: reward to use instead of building ``rollout.reward``.
         eos_token_ids: ids ending a model turn (default: the tokenizer's EOS).
         abort_timeout_s: how long stopping the excess may take before its tasks are cancelled.
+        return_routed_experts: record the engine's routed experts (``train.routing_replay: r3``).
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer: Any, rollout: Any, *,
                  prompt_key: str = "question", filter_zero_variance: bool = True,
                  tools: Mapping[str, Tool] | None = None, reward_fn: RewardFn | None = None,
-                 eos_token_ids: set[int] | None = None, abort_timeout_s: float = 60.0) -> None:
+                 eos_token_ids: set[int] | None = None, abort_timeout_s: float = 60.0,
+                 return_routed_experts: bool = False) -> None:
         agent = rollout.agent
         self.loop = get_agent_loop(agent.name)
         if agent.name == "single_turn":
@@ -105,7 +107,9 @@ class RolloutManager:
             sampling_params=sampling_params_from_config(rollout.sampling),
             max_turns=int(agent.max_turns), max_response_tokens=int(agent.max_response_tokens),
             max_context_tokens=int(agent.max_context_tokens),
-            max_tool_output_chars=int(agent.max_tool_output_chars))
+            max_tool_output_chars=int(agent.max_tool_output_chars),
+            tool_timeout_s=float(getattr(agent, "tool_timeout_s", 60.0)),
+            return_routed_experts=return_routed_experts)
         self._group_ids = itertools.count()
         self._carry: list[_Group] = []
         self._generated_tokens = 0
