@@ -307,13 +307,14 @@ async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
         if not resuming and state.num_turns >= ctx.max_turns:
             state.status = RolloutStatus.TRUNCATED
             return
-        params = _turn_params(ctx, state.num_turns if resuming else state.num_turns + 1)
+        turn = state.num_turns if resuming else state.num_turns + 1
+        params = _turn_params(ctx, turn)
         budget = _turn_budget(ctx, state, params)
         if budget <= 0:
             state.status = RolloutStatus.TRUNCATED
             return
-        state.num_turns += 0 if resuming else 1
         out = await _generate_turn(ctx, state, params, budget)
+        state.num_turns = turn  # after the call: a cancelled call leaves the state as it was
         if out.finish_reason == "abort":
             state.status = RolloutStatus.ABORTED
             return

@@ -235,12 +235,14 @@ class RolloutManager:
                            counts: dict[str, int]) -> None:
         """End the over-sampled groups: turn-boundary stop, engine abort, then cancellation."""
         self.ctx.stop_requested = True
+        grace_s = self.abort_timeout_s
         try:
             await self.engine.pause("abort")
             await self.engine.resume()
         except Exception as e:  # noqa: BLE001 - cancellation below still ends them
-            logger.warning("engine abort of the over-sampled requests failed: %s", e)
-        _, still = await asyncio.wait(pending, timeout=self.abort_timeout_s)
+            logger.warning("engine abort of the over-sampled requests failed (%s); cancelling", e)
+            grace_s = 0.0  # cancelled requests are aborted by the client; their turn restarts
+        _, still = await asyncio.wait(pending, timeout=grace_s) if grace_s else (set(), pending)
         for task in still:
             task.cancel()
         await asyncio.gather(*still, return_exceptions=True)

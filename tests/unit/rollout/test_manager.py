@@ -138,3 +138,28 @@ def test_bad_config_names_the_field(tokenizer, scripted_engine):
     manager = RolloutManager(engine, tokenizer, config())
     with pytest.raises(KeyError, match="'question'"):
         manager.messages_for({"prompt": "x"})
+
+
+@pytest.mark.timeout(60)
+async def test_engine_without_abort_falls_back_to_cancellation(tokenizer, scripted_engine):
+    def script(ids, turn):
+        if "slow" in tokenizer.decode(ids) and turn == 0:
+            return Reply("a long answer \\boxed{7}", delay_s=60)
+        return Reply("\\boxed{7}")
+
+    engine = scripted_engine(script)
+
+    async def refuse(mode="retract"):
+        raise RuntimeError("pause not supported")
+    engine.pause = refuse
+    manager = RolloutManager(engine, tokenizer, config(over_sample_prompts=1, partial_rollouts=True,
+                                                       group_size=2), filter_zero_variance=False)
+    start = time.monotonic()
+    batch = await manager.generate_groups(iter(prompts("fast 1?", "fast 2?", "slow 3?")))
+    assert time.monotonic() - start < 10 and len(batch.groups) == 2
+    nxt = await manager.generate_groups(iter(prompts("fast 4?")), num_groups=1)
+    (group,) = nxt.groups
+    assert group.group_id == 2
+    for traj in group.trajectories:  # the cancelled turn was redone from its start, counted once
+        assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 1
+        assert traj.metadata["final_text"] == "\\boxed{7}" and traj.metadata["num_generate_calls"] == 1
