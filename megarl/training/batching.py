@@ -5,30 +5,33 @@ Plan (`plan_micro_batches`), for one optimizer step's sequences:
 1. Balance the sequences over the ``dp_size`` data-parallel ranks by token count with the
    Karmarkar-Karp largest-differencing method (`karmarkar_karp`), so no rank waits on a longer one.
 2. On each rank, split its sequences into micro batches of at most ``max_tokens_per_microbatch``
-   tokens (again balanced with Karmarkar-Karp). Every rank runs the **same number** of micro
-   batches ``M`` (the maximum over ranks): expert-parallel all-to-alls and pipeline stages pair
-   micro batches across ranks. A rank with fewer sequences than ``M`` runs padding-only micro
-   batches (loss mask 0). A sequence is never split (GSPO's ratio and the loss denominators are
-   per sequence); one longer than the budget gets a micro batch of its own.
-3. Each micro batch becomes one packed row ``[1, T_mb]`` (`pack_micro_batch`): its sequences end to
-   end, padded to a multiple of ``pad_multiple`` (the TP size under sequence parallelism) or to a
-   common length (``length_policy``). Attention stays within each sequence: the local (CPU) layer
-   spec gets a block-diagonal causal ``attention_mask``; the Transformer Engine spec gets THD
-   ``PackedSeqParams``. RoPE needs no per-sequence reset: it depends only on relative positions
-   within a sequence, and the mask confines attention to those.
+   real tokens and pack each into ``R`` rows of ``S`` tokens (`MicroBatchSpec.rows`), several
+   sequences end to end per row, each row padded to ``S`` (a multiple of ``pad_multiple``: the TP
+   size under sequence parallelism). A sequence is never split (GSPO's ratio and the loss
+   denominators are per sequence); one longer than the budget gets a micro batch of its own.
 
-``padding_fraction`` = padding tokens / all tokens run, over every micro batch of every rank.
+   - ``pack_rows=True`` (the local layer spec, CPU): its attention is dense (``[R, heads, S, S]``
+     scores under a block-diagonal causal mask), so rows are as short as the longest sequence
+     they must hold; of two plans (similar-length runs, or first-fit-decreasing rows as long as
+     the rank's longest sequence) the one running fewer tokens is kept (`_rank_micro_batches`).
+   - ``pack_rows=False`` (Transformer Engine, THD): one row per micro batch, Karmarkar-Karp
+     balanced; TE's varlen attention never computes across ``cu_seqlens`` boundaries.
+
+3. Every rank runs the **same number** of micro batches ``M`` (expert-parallel all-to-alls and
+   pipeline stages pair micro batches across ranks): the biggest micro batches are split, and a
+   rank with fewer sequences than ``M`` runs padding-only micro batches (loss mask 0).
+   ``length_policy`` can force one shape on every rank (``across_dp``: the allgather MoE
+   dispatcher needs equal token counts over EP ranks) or on every micro batch (``uniform``:
+   pipeline parallelism without ``variable_seq_lengths``) by raising ``S`` and adding empty rows.
+
+``padding_fraction`` = padding tokens / all tokens run (``sum R S``), over every rank.
+`megarl.training.micro_batch` turns a spec into tensors.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
 from collections.abc import Sequence
-
-import torch
-from torch import Tensor
-
-from megarl.training.batch import TrainBatch
 
 LENGTH_POLICIES = ("each", "across_dp", "uniform")
 
@@ -70,17 +73,28 @@ def karmarkar_karp(weights: Sequence[int], num_parts: int) -> list[list[int]]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MicroBatchSpec:
-    """One micro batch of one data-parallel rank.
+    """One micro batch of one data-parallel rank, packed into ``R`` rows of ``S`` tokens.
 
     Attributes:
-        seq_indices: indices into the `TrainBatch` of its sequences (may be empty: padding only).
+        rows: ``R`` tuples of sequence indices (into the `TrainBatch`) packed end to end per row;
+            a row may be empty (padding only), and so may every row (a padding-only micro batch).
+        row_length: ``S``, tokens per row after padding.
         num_tokens: real tokens (sum of the sequences' lengths).
-        padded_length: length of the packed row after padding, ``>= max(num_tokens, 1)``.
     """
 
-    seq_indices: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]
+    row_length: int
     num_tokens: int
-    padded_length: int
+
+    @property
+    def seq_indices(self) -> tuple[int, ...]:
+        """The sequences in packed (row-major) order."""
+        return tuple(i for row in self.rows for i in row)
+
+    @property
+    def padded_tokens(self) -> int:
+        """``R * S``, the tokens the model runs."""
+        return len(self.rows) * self.row_length
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,25 +129,117 @@ def _split_rank(lengths: dict[int, int], max_tokens: int, min_parts: int) -> lis
         parts += 1
 
 
+def _sorted_runs(lengths: dict[int, int], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of the length-sorted (longest first) sequences, each within ``max_tokens``."""
+    parts: list[list[int]] = []
+    tokens = 0
+    for i in sorted(lengths, key=lambda i: (-lengths[i], i)):
+        if not parts or tokens + lengths[i] > max_tokens:
+            parts.append([])
+            tokens = 0
+        parts[-1].append(i)
+        tokens += lengths[i]
+    return parts
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _pack_rows(seqs: list[int], lengths: dict[int, int], capacity: int) -> list[tuple[int, ...]]:
+    """First-fit-decreasing bin packing of sequences into rows of ``capacity`` tokens."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(seqs, key=lambda i: (-lengths[i], i)):
+        slot = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if slot is None:
+            rows.append([])
+            free.append(capacity)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        free[slot] -= lengths[i]
+    return [tuple(row) for row in rows] or [()]
+
+
+Shape = tuple[list[tuple[int, ...]], int]
+"""A micro batch as ``(rows, row_length)``."""
+
+
+def _fit(rows: list[tuple[int, ...]], lengths: dict[int, int], multiple: int) -> Shape:
+    """Rows with the shortest valid row length (the fullest row, rounded up)."""
+    fill = max((sum(lengths[i] for i in row) for row in rows), default=0)
+    return list(rows), _round_up(max(fill, 1), multiple)
+
+
+def _rank_micro_batches(lengths: dict[int, int], *, max_tokens: int | None, micro_batch_size: int,
+                        pack_rows: bool, multiple: int) -> list[Shape]:
+    """One rank's micro batches before the counts are equalised over ranks.
+
+    With row packing two plans are built and the one running fewer tokens (then: less attention
+    work, ``sum R S^2``) is kept: (a) runs of similar lengths, rows as long as each run's
+    longest sequence; (b) every sequence first-fit-decreasing into rows as long as the rank's
+    longest, the rows then grouped into micro batches under the budget. (a) wins when lengths vary
+    little within runs; (b) when long and short sequences can share rows.
+    """
+    if not lengths:
+        return []
+    if max_tokens is None:
+        bins = _chunks(sorted(lengths, key=lambda i: (-lengths[i], i)), micro_batch_size)
+        return [_fit(_pack_rows(b, lengths, _round_up(max(lengths[i] for i in b), multiple)) if pack_rows
+                     else [tuple(b)], lengths, multiple) for b in bins]
+    if not pack_rows:
+        return [_fit([tuple(sorted(b))], lengths, multiple) for b in _split_rank(lengths, max_tokens, 1)]
+    runs = [_fit(_pack_rows(b, lengths, _round_up(max(lengths[i] for i in b), multiple)), lengths, multiple)
+            for b in _sorted_runs(lengths, max_tokens)]
+    rows = _pack_rows(list(lengths), lengths, _round_up(max(lengths.values()), multiple))
+    grouped: list[list[tuple[int, ...]]] = []
+    tokens = 0
+    for row in sorted(rows, key=lambda r: -sum(lengths[i] for i in r)):
+        fill = sum(lengths[i] for i in row)
+        if not grouped or tokens + fill > max_tokens:
+            grouped.append([])
+            tokens = 0
+        grouped[-1].append(row)
+        tokens += fill
+    global_rows = [_fit(g, lengths, multiple) for g in grouped]
+    cost = lambda plan: (sum(len(r) * s for r, s in plan), sum(len(r) * s * s for r, s in plan))  # noqa: E731
+    return min((runs, global_rows), key=cost)
+
+
+def _equalize(plan: list[Shape], count: int, lengths: dict[int, int], multiple: int) -> list[Shape]:
+    """Split the biggest micro batches (then add padding-only ones) until there are ``count``."""
+    plan = list(plan)
+    while len(plan) < count:
+        tokens = [sum(lengths[i] for row in rows for i in row) for rows, _ in plan]
+        j = max(range(len(plan)), key=lambda k: (len(plan[k][0]), tokens[k])) if plan else None
+        if j is not None and len(plan[j][0]) > 1:
+            rows = plan[j][0]
+            halves = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+        elif j is not None and len(plan[j][0][0]) > 1:
+            seqs = plan[j][0][0]
+            halves = [[seqs[:len(seqs) // 2]], [seqs[len(seqs) // 2:]]]
+        else:
+            plan.append(([()], multiple))
+            continue
+        plan[j:j + 1] = [_fit(h, lengths, multiple) for h in halves]
+    return plan
+
+
 def plan_micro_batches(seq_lens: Sequence[int], *, dp_size: int, max_tokens_per_microbatch: int | None,
-                       micro_batch_size: int = 1, pad_multiple: int = 1, length_policy: str = "each") -> BatchPlan:
-    """Assign sequences to data-parallel ranks and micro batches (see the module docstring).
+                       micro_batch_size: int = 1, pad_multiple: int = 1, length_policy: str = "each",
+                       pack_rows: bool = True) -> BatchPlan:
+    """Assign sequences to data-parallel ranks, micro batches and packed rows (module docstring).
 
     Args:
         seq_lens: ``[B]`` token counts of the step's sequences (prompt + response).
         dp_size: data-parallel size.
         max_tokens_per_microbatch: token budget per micro batch; None = ``micro_batch_size``
-            sequences per micro batch (rank-balanced, in length order).
+            sequences per micro batch (in length order).
         micro_batch_size: sequences per micro batch when there is no token budget.
-        pad_multiple: each packed row's length is rounded up to a multiple of this.
-        length_policy: ``each`` (own length), ``across_dp`` (micro batch ``j`` has one length on
-            every rank: the allgather MoE dispatcher needs equal token counts over EP ranks) or
-            ``uniform`` (one length for every micro batch: pipeline parallelism without
-            ``variable_seq_lengths``).
+        pad_multiple: the row length is a multiple of this.
+        length_policy: ``each``, ``across_dp`` (micro batch ``j`` has one shape on every rank)
+            or ``uniform`` (one shape for every micro batch of every rank).
+        pack_rows: several rows per micro batch (local spec) instead of a single row (THD).
 
     Returns:
         The `BatchPlan`.
@@ -147,29 +253,27 @@ def plan_micro_batches(seq_lens: Sequence[int], *, dp_size: int, max_tokens_per_
         raise ValueError(f"{len(seq_lens)} sequences cannot be split over {dp_size} data-parallel ranks")
     if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
         raise ValueError(f"train.max_tokens_per_microbatch must be >= 1 or None, got {max_tokens_per_microbatch}")
+    if micro_batch_size < 1:
+        raise ValueError(f"train.micro_batch_size must be >= 1, got {micro_batch_size}")
     lengths = {i: int(n) for i, n in enumerate(seq_lens)}
-    ranks = karmarkar_karp(list(lengths.values()), dp_size)
-    if max_tokens_per_microbatch is None:
-        per_rank = [_chunks(sorted(r, key=lambda i: (-lengths[i], i)), micro_batch_size) for r in ranks]
-    else:
-        per_rank = [_split_rank({i: lengths[i] for i in r}, max_tokens_per_microbatch, 1) for r in ranks]
-        num_mb = max(len(bins) for bins in per_rank)
-        per_rank = [_split_rank({i: lengths[i] for i in r}, max_tokens_per_microbatch, num_mb)
-                    if len(bins) < num_mb else bins for r, bins in zip(ranks, per_rank)]
-    num_mb = max(len(bins) for bins in per_rank)
-    per_rank = [bins + [[] for _ in range(num_mb - len(bins))] for bins in per_rank]
-    tokens = [[sum(lengths[i] for i in b) for b in bins] for bins in per_rank]
-    padded = [[_round_up(max(t, 1), pad_multiple) for t in row] for row in tokens]
+    ranks = [{i: lengths[i] for i in r} for r in karmarkar_karp(list(lengths.values()), dp_size)]
+    shapes = [_rank_micro_batches(r, max_tokens=max_tokens_per_microbatch, micro_batch_size=micro_batch_size,
+                                  pack_rows=pack_rows, multiple=pad_multiple) for r in ranks]
+    num_mb = max(len(plan) for plan in shapes)
+    shapes = [_equalize(plan, num_mb, r, pad_multiple) for plan, r in zip(shapes, ranks)]
     if length_policy == "across_dp":
-        common = [max(row[j] for row in padded) for j in range(num_mb)]
-        padded = [list(common) for _ in padded]
+        for j in range(num_mb):
+            num_rows, row_length = max(len(p[j][0]) for p in shapes), max(p[j][1] for p in shapes)
+            for plan in shapes:
+                plan[j] = (plan[j][0] + [()] * (num_rows - len(plan[j][0])), row_length)
     elif length_policy == "uniform":
-        longest = max(max(row) for row in padded)
-        padded = [[longest] * num_mb for _ in padded]
-    micro_batches = [[MicroBatchSpec(seq_indices=tuple(b), num_tokens=t, padded_length=p)
-                      for b, t, p in zip(bins, trow, prow)]
-                     for bins, trow, prow in zip(per_rank, tokens, padded)]
-    total_run = sum(sum(row) for row in padded)
+        num_rows = max(len(rows) for plan in shapes for rows, _ in plan)
+        row_length = max(s for plan in shapes for _, s in plan)
+        shapes = [[(rows + [()] * (num_rows - len(rows)), row_length) for rows, _ in plan] for plan in shapes]
+    micro_batches = [[MicroBatchSpec(rows=tuple(rows), row_length=row_length,
+                                     num_tokens=sum(lengths[i] for row in rows for i in row))
+                      for rows, row_length in plan] for plan in shapes]
+    total_run = sum(mb.padded_tokens for rank in micro_batches for mb in rank)
     return BatchPlan(micro_batches=micro_batches, padding_fraction=1.0 - sum(lengths.values()) / total_run)
 
 
@@ -177,76 +281,3 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
     if size < 1:
         raise ValueError(f"train.micro_batch_size must be >= 1, got {size}")
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-@dataclasses.dataclass(kw_only=True)
-class PackedMicroBatch:
-    """The tensors of one packed micro batch (one row of ``T`` = ``padded_length`` tokens).
-
-    Attributes:
-        spec: the plan entry it was built from.
-        input_ids: ``[1, T]`` int64; padding ids are 0.
-        position_ids: ``[1, T]`` int64 position within each sequence (padding continues counting).
-        attention_mask: ``[1, 1, T, T]`` bool, True = masked (block-diagonal causal), or None when
-            ``packed_seq_params`` is used.
-        packed_seq_params: Megatron ``PackedSeqParams`` (THD) for the Transformer Engine spec, or None.
-        cu_seqlens: ``[S + 1]`` int64 boundaries of the real sequences in the row.
-        token_index: ``[T_real]`` int64 positions of the row's real tokens in the `TrainBatch`'s
-            packed fields (the row holds them at ``0 .. T_real - 1``).
-        loss_mask: ``[T]`` bool, the batch's loss mask, False on padding.
-    """
-
-    spec: MicroBatchSpec
-    input_ids: Tensor
-    position_ids: Tensor
-    attention_mask: Tensor | None
-    packed_seq_params: object | None
-    cu_seqlens: Tensor
-    token_index: Tensor
-    loss_mask: Tensor
-
-    def gather(self, values: Tensor, pad_value: float = 0) -> Tensor:
-        """``[T, ...]`` row view of a `TrainBatch` per-token field ``values [T_total, ...]``."""
-        row = values[self.token_index]
-        pad = self.spec.padded_length - row.shape[0]
-        return torch.cat([row, torch.full((pad, *row.shape[1:]), pad_value, dtype=row.dtype)]) if pad else row
-
-
-def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_params: bool = False) -> PackedMicroBatch:
-    """Build the packed row of one micro batch (see `PackedMicroBatch`).
-
-    Args:
-        batch: the step's `TrainBatch`.
-        spec: which sequences, and the padded length.
-        use_packed_seq_params: build THD ``PackedSeqParams`` (Transformer Engine attention) instead
-            of a dense block-diagonal mask (the local spec's attention only takes a mask).
-    """
-    token_index = batch.token_index(spec.seq_indices)
-    lens = batch.seq_lens[list(spec.seq_indices)] if spec.seq_indices else torch.zeros(0, dtype=torch.int64)
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(lens, 0)
-    length, real = spec.padded_length, int(cu[-1])
-    input_ids = torch.zeros(length, dtype=torch.int64)
-    input_ids[:real] = batch.input_ids[token_index]
-    loss_mask = torch.zeros(length, dtype=torch.bool)
-    loss_mask[:real] = batch.loss_mask[token_index]
-    # sequence id per position; padding is one extra "sequence" attending only to itself
-    seq_id = torch.repeat_interleave(torch.arange(lens.numel() + 1), torch.cat([lens, torch.tensor([length - real])]))
-    starts = torch.cat([cu[:-1], cu[-1:]])
-    position_ids = torch.arange(length) - starts[seq_id]
-    attention_mask, packed = None, None
-    if use_packed_seq_params:
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        bounds = torch.cat([cu, torch.tensor([length])]) if length > real else cu
-        bounds = bounds.to(torch.int32)
-        max_len = int((bounds[1:] - bounds[:-1]).max())
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
-    else:
-        same = seq_id[:, None] == seq_id[None, :]
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        attention_mask = ~(same & causal)[None, None]
-    return PackedMicroBatch(spec=spec, input_ids=input_ids[None], position_ids=position_ids[None],
-                            attention_mask=attention_mask, packed_seq_params=packed, cu_seqlens=cu,
-                            token_index=token_index, loss_mask=loss_mask)

@@ -2,7 +2,7 @@
 
 These functions are called from the ``forward_step_func`` closures that `megarl.training.trainer`
 hands to Megatron's ``get_forward_backward_func``; they see one packed micro batch
-(`megarl.training.batching.PackedMicroBatch`) and one pipeline stage's model chunk.
+(`megarl.training.micro_batch.PackedMicroBatch`) and one pipeline stage's model chunk.
 
 Loss scaling (the contract of `megarl.algorithms.aggregation`): the loss of a micro batch is its
 share of the global-batch loss (divided by the global denominators of the optimizer step), so the
@@ -22,7 +22,7 @@ from torch import Tensor
 from megarl.algorithms import LossNormalizer, Metric, compute_policy_loss, entropy_bonus_loss, kl_penalty_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
-from megarl.training.batching import PackedMicroBatch
+from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.logprobs import next_token_logprobs, vocab_parallel_entropy
 from megarl.training.parallel_state import ParallelState
 from megarl.training.routing_replay import RoutingReplay
@@ -55,19 +55,18 @@ def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: Paralle
 
     Args:
         model: a (DDP-wrapped) ``GPTModel`` chunk of this pipeline stage.
-        mb: the packed micro batch (row ``[1, T]``).
+        mb: the packed micro batch (rows ``[R, S]``).
         parallel: this rank's parallel state (selects the sequence-parallel slice of ``routes``).
         replay: the model's `RoutingReplay`, or None.
         routes: ``[T_total, L, K]`` routes of the whole batch to replay, or None (route freely).
 
     Returns:
-        Last stage: ``[1, T, V/tp]`` logits; other stages: the hidden states to send on.
+        Last stage: ``[R, S, V/tp]`` logits; other stages: the hidden states to send on.
     """
     if replay is not None and routes is not None:
-        row = mb.gather(routes, pad_value=-1)  # [T, L, K], padding routes freely
-        if parallel.sequence_parallel and parallel.tp_size > 1:
-            row = row.chunk(parallel.tp_size)[parallel.tp_rank]
-        replay.replay(row)
+        positions = mb.router_positions(tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
+                                        sequence_parallel=parallel.sequence_parallel)
+        replay.replay(mb.gather(routes, pad_value=-1)[positions])  # padding routes freely
     return model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
 
 
@@ -76,7 +75,7 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
     """Logprobs (and entropy) of the row's real tokens from its vocabulary-sharded logits.
 
     Args:
-        logits: ``[1, T, V/tp]`` model output.
+        logits: ``[R, S, V/tp]`` model output.
         mb: the micro batch.
         vocab_size: real vocabulary size (Megatron's padding ids are excluded).
         tp_group: the tensor-parallel process group.
@@ -87,18 +86,19 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
         ``(logprobs, entropy)``: ``[T_real]`` float32 each (entropy None for ``"none"``); entry
         ``t`` belongs to the batch token ``mb.token_index[t]`` (0 at sequence starts).
     """
-    real = mb.token_index.numel()
     temperature = temperature if temperature > 0 else 1.0
-    logprobs, ent = next_token_logprobs(logits[0], mb.input_ids[0], vocab_size=vocab_size, tp_group=tp_group,
+    logprobs, ent = next_token_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
                                         temperature=temperature, with_entropy=entropy == "grad")
     if entropy == "metric":
         with torch.no_grad():
-            scaled = logits[0, :-1].detach() / temperature
-            ent = torch.cat([scaled.new_zeros(1), vocab_parallel_entropy(scaled, vocab_size=vocab_size, tp_group=tp_group)])
+            scaled = logits[:, :-1].detach() / temperature
+            ent = vocab_parallel_entropy(scaled.reshape(-1, scaled.shape[-1]), vocab_size=vocab_size, tp_group=tp_group)
+            ent = torch.cat([ent.new_zeros(scaled.shape[0], 1), ent.view(scaled.shape[:2])], dim=1)
     starts = mb.cu_seqlens[:-1]
-    logprobs = logprobs[:real].index_fill(0, starts, 0.0)  # a start is predicted from the previous sequence
+    # real tokens only; a sequence start is "predicted" from the previous sequence of its row
+    logprobs = logprobs.reshape(-1)[mb.flat_index].index_fill(0, starts, 0.0)
     if ent is not None:
-        ent = ent[:real].index_fill(0, starts, 0.0)
+        ent = ent.reshape(-1)[mb.flat_index].index_fill(0, starts, 0.0)
     return logprobs, ent
 
 

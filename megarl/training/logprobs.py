@@ -148,27 +148,34 @@ def vocab_parallel_entropy(logits: Tensor, *, vocab_size: int | None = None,
 def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | None = None,
                         tp_group: dist.ProcessGroup | None = None, temperature: float = 1.0,
                         with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Logprob of every token given the ones before it, from the logits of one packed row.
+    """Logprob of every token given the ones before it in its row.
 
     Args:
-        logits: ``[T, V/tp]`` logits; row ``t`` predicts token ``t + 1``.
-        input_ids: ``[T]`` int64 token ids of the same row.
+        logits: ``[..., S, V/tp]`` logits of rows of ``S`` tokens; ``logits[..., s, :]`` predicts
+            token ``s + 1`` of the same row.
+        input_ids: ``[..., S]`` int64 token ids of the same rows.
         vocab_size, tp_group: as in `vocab_parallel_logprobs`.
         temperature: logits are divided by it first (the rollout's sampling temperature, so the
             trainer scores tokens under the distribution the engine sampled from).
         with_entropy: also return the entropy of each position's next-token distribution.
 
     Returns:
-        ``(logprobs, entropy)``: ``[T]`` float32 with ``logprobs[t] = log p(input_ids[t] | ...)``
-        and ``logprobs[0] = 0`` (no context); ``entropy[t]`` is that of the distribution token
-        ``t`` was drawn from (``entropy[0] = 0``), or None. Positions at the start of a packed
+        ``(logprobs, entropy)``: ``[..., S]`` float32 with ``logprobs[..., s] = log p(input_ids[..., s] | ...)``
+        and 0 in column 0 (no context); ``entropy[..., s]`` is that of the distribution token
+        ``s`` was drawn from (0 in column 0), or None. Positions at the start of a packed
         sequence hold values conditioned on the previous sequence: mask them (``loss_mask`` is 0 there).
     """
     if temperature != 1.0:
         logits = logits / temperature
-    scores = vocab_parallel_logprobs(logits[:-1], input_ids[1:], vocab_size=vocab_size, tp_group=tp_group)
-    zero = scores.new_zeros(1)
+    lead, length, local_vocab = input_ids.shape[:-1], input_ids.shape[-1], logits.shape[-1]
+    flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
+    scores = vocab_parallel_logprobs(flat_logits, input_ids[..., 1:].reshape(-1), vocab_size=vocab_size, tp_group=tp_group)
+
+    def shifted(values: Tensor) -> Tensor:
+        values = values.view(*lead, length - 1)
+        return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
+
     entropy = None
     if with_entropy:
-        entropy = torch.cat([zero, vocab_parallel_entropy(logits[:-1], vocab_size=vocab_size, tp_group=tp_group)])
-    return torch.cat([zero, scores]), entropy
+        entropy = shifted(vocab_parallel_entropy(flat_logits, vocab_size=vocab_size, tp_group=tp_group))
+    return shifted(scores), entropy

@@ -32,8 +32,9 @@ from megarl.algorithms import ROLLOUT_CORRECTIONS, LossNormalizer, reduce_metric
 from megarl.config.schema import MegarlConfig
 from megarl.training import forward as fwd
 from megarl.training.batch import TrainBatch, packed_to_padded
-from megarl.training.batching import PackedMicroBatch, pack_micro_batch, plan_micro_batches
+from megarl.training.batching import plan_micro_batches
 from megarl.training.fp8 import fp8_token_multiple
+from megarl.training.micro_batch import PackedMicroBatch, pack_micro_batch
 from megarl.training.parallel_state import ParallelState
 from megarl.training.routing_replay import RoutingReplay, validate_routed_experts
 
@@ -91,7 +92,7 @@ class Trainer:
                                   max_tokens_per_microbatch=train.max_tokens_per_microbatch,
                                   micro_batch_size=train.micro_batch_size,
                                   pad_multiple=(p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train),
-                                  length_policy=self._length_policy)
+                                  length_policy=self._length_policy, pack_rows=not self._te_attention)
         mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=self._te_attention)
                for spec in plan.micro_batches[p.dp_rank]]
         return mbs, plan.padding_fraction
@@ -100,10 +101,11 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iters = [iter(mbs) for _ in self.model_chunks]
+        num_rows, row_length = mbs[0].shape  # p2p shape; all micro batches share it unless variable_seq_lengths
         return get_forward_backward_func()(
             forward_step_func=step_func, data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.model_chunks, num_microbatches=len(mbs),
-            seq_length=max(mb.spec.padded_length for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+            seq_length=row_length, micro_batch_size=num_rows, forward_only=forward_only)
 
     @property
     def _reports(self) -> bool:
@@ -184,14 +186,15 @@ class Trainer:
     def _store_routes(self, buffer: Tensor, mb: PackedMicroBatch, taken: dict[int, Tensor]) -> None:
         """Write one stage's recorded ``{layer: [N, K]}`` into ``buffer`` as ids + 1 (0 = none)."""
         p = self.parallel
-        split = p.sequence_parallel and p.tp_size > 1
-        if not split and p.tp_rank != 0:
+        if not (p.sequence_parallel and p.tp_size > 1) and p.tp_rank != 0:
             return  # every TP rank saw all tokens; one of them reports
+        flat_to_token = torch.full((mb.input_ids.numel(),), -1, dtype=torch.int64)
+        flat_to_token[mb.flat_index] = mb.token_index
+        tokens = flat_to_token[mb.router_positions(tp_rank=p.tp_rank, tp_size=p.tp_size,
+                                                   sequence_parallel=p.sequence_parallel)]
+        keep = tokens >= 0  # padding positions are not recorded
         for layer, ids in taken.items():
-            offset = p.tp_rank * ids.shape[0] if split else 0
-            rows = torch.arange(offset, offset + ids.shape[0])
-            keep = rows < mb.token_index.numel()
-            buffer[mb.token_index[rows[keep]], layer] = ids[keep].to(torch.int32) + 1
+            buffer[tokens[keep], layer] = ids[keep].to(torch.int32) + 1
 
     def _replay_routes(self, batch: TrainBatch, *, required: bool = True) -> Tensor | None:
         """The batch's validated routes when replay is on, else None (also when not ``required``

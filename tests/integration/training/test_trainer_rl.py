@@ -42,9 +42,9 @@ def _check_replayed(trainer, batch, routes, calls):
     assert len(calls) == len(mbs) * layers, (len(calls), len(mbs))
     checked = 0
     for index, (layer, routing_map) in enumerate(calls):
-        rows = mbs[index // layers].gather(routes, pad_value=-1)
-        if p.sequence_parallel:
-            rows = rows.chunk(p.tp_size)[p.tp_rank]
+        mb = mbs[index // layers]
+        rows = mb.gather(routes, pad_value=-1)[mb.router_positions(
+            tp_rank=p.tp_rank, tp_size=p.tp_size, sequence_parallel=p.sequence_parallel)]
         ids = rows[:, layer, :].long()
         recorded = (ids >= 0).all(-1)
         expected = torch.zeros_like(routing_map)

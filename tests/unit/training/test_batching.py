@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megarl.training.batch import TrainBatch
-from megarl.training.batching import karmarkar_karp, pack_micro_batch, plan_micro_batches
+from megarl.training.batching import karmarkar_karp, plan_micro_batches
+from megarl.training.micro_batch import pack_micro_batch
 
 
 def _best_spread(weights, k):
@@ -36,10 +37,11 @@ def test_karmarkar_karp_is_a_partition_and_near_optimal():
 
 
 @pytest.mark.timeout(60)
-def test_plan_respects_budget_and_equal_microbatch_counts():
+@pytest.mark.parametrize("pack_rows", [True, False])
+def test_plan_respects_budget_and_equal_microbatch_counts(pack_rows):
     rng = random.Random(1)
     lens = [rng.randint(20, 300) for _ in range(37)]
-    plan = plan_micro_batches(lens, dp_size=2, max_tokens_per_microbatch=600, pad_multiple=4)
+    plan = plan_micro_batches(lens, dp_size=2, max_tokens_per_microbatch=600, pad_multiple=4, pack_rows=pack_rows)
     seen = [i for rank in plan.micro_batches for mb in rank for i in mb.seq_indices]
     assert sorted(seen) == list(range(37))
     assert len({len(rank) for rank in plan.micro_batches}) == 1
@@ -47,12 +49,18 @@ def test_plan_respects_budget_and_equal_microbatch_counts():
         for mb in rank:
             assert mb.num_tokens == sum(lens[i] for i in mb.seq_indices)
             assert mb.num_tokens <= 600 or len(mb.seq_indices) == 1
-            assert mb.padded_length % 4 == 0 and mb.padded_length >= mb.num_tokens
+            assert mb.row_length % 4 == 0
+            for row in mb.rows:
+                assert sum(lens[i] for i in row) <= mb.row_length
+            fullest = max(sum(lens[i] for i in row) for row in mb.rows)
+            assert mb.row_length == -(-fullest // 4) * 4, "rows are no longer than their fullest one"
+            if not pack_rows:
+                assert len(mb.rows) == 1
     rank_tokens = [sum(mb.num_tokens for mb in rank) for rank in plan.micro_batches]
     assert abs(rank_tokens[0] - rank_tokens[1]) <= max(lens)
-    run = sum(mb.padded_length for rank in plan.micro_batches for mb in rank)
+    run = sum(len(mb.rows) * mb.row_length for rank in plan.micro_batches for mb in rank)
     assert plan.padding_fraction == pytest.approx((run - sum(lens)) / run)
-    assert plan.padding_fraction < 0.02
+    assert plan.padding_fraction < (0.1 if pack_rows else 0.02)
 
 
 @pytest.mark.timeout(60)
@@ -60,40 +68,12 @@ def test_plan_policies_and_padding_only_microbatches():
     lens = [500, 10, 10]  # rank 0 gets the long one (1 mb), rank 1 the two short ones
     plan = plan_micro_batches(lens, dp_size=2, max_tokens_per_microbatch=12, length_policy="across_dp")
     assert plan.num_microbatches == 2
-    lengths = [[mb.padded_length for mb in rank] for rank in plan.micro_batches]
-    assert lengths[0] == lengths[1]
+    shapes = [[(len(mb.rows), mb.row_length) for mb in rank] for rank in plan.micro_batches]
+    assert shapes[0] == shapes[1]
     assert any(not mb.seq_indices for rank in plan.micro_batches for mb in rank)  # padding only
-    uniform = plan_micro_batches(lens, dp_size=1, max_tokens_per_microbatch=100, length_policy="uniform")
-    assert len({mb.padded_length for mb in uniform.micro_batches[0]}) == 1
+    uniform = plan_micro_batches([50, 40, 9, 8, 7], dp_size=1, max_tokens_per_microbatch=60, length_policy="uniform")
+    assert len({(len(mb.rows), mb.row_length) for mb in uniform.micro_batches[0]}) == 1
     fixed = plan_micro_batches([3, 4, 5, 6, 7], dp_size=1, max_tokens_per_microbatch=None, micro_batch_size=2)
     assert [len(mb.seq_indices) for mb in fixed.micro_batches[0]] == [2, 2, 1]
     with pytest.raises(ValueError, match="data-parallel"):
         plan_micro_batches([3], dp_size=2, max_tokens_per_microbatch=10)
-
-
-@pytest.mark.timeout(60)
-def test_pack_micro_batch_mask_positions_and_gather():
-    batch = TrainBatch(input_ids=torch.arange(1, 10), cu_seqlens=torch.tensor([0, 4, 6, 9]),
-                       loss_mask=torch.tensor([0, 1, 1, 1, 0, 1, 0, 0, 1]), advantages=torch.zeros(3),
-                       rollout_logprobs=torch.zeros(9), old_logprobs=torch.arange(9.0))
-    plan = plan_micro_batches(batch.seq_lens.tolist(), dp_size=1, max_tokens_per_microbatch=None,
-                              micro_batch_size=2, pad_multiple=4)
-    mb = pack_micro_batch(batch, plan.micro_batches[0][0])
-    order = list(mb.spec.seq_indices)
-    expected_ids = torch.cat([batch.input_ids[batch.cu_seqlens[i]:batch.cu_seqlens[i + 1]] for i in order])
-    length = mb.spec.padded_length
-    assert mb.input_ids.shape == (1, length) and length % 4 == 0
-    assert torch.equal(mb.input_ids[0, :len(expected_ids)], expected_ids)
-    assert torch.equal(mb.gather(batch.old_logprobs)[:len(expected_ids)], expected_ids.float() - 1)
-    # reference mask: position q may attend k iff same sequence (padding is its own) and k <= q
-    seq_of = []
-    for s, i in enumerate(order):
-        seq_of += [s] * int(batch.seq_lens[i])
-    seq_of += [len(order)] * (length - len(seq_of))
-    for q in range(length):
-        for k in range(length):
-            allowed = seq_of[q] == seq_of[k] and k <= q
-            assert bool(mb.attention_mask[0, 0, q, k]) == (not allowed)
-    first = [seq_of.index(s) for s in range(len(order) + 1)]
-    assert mb.position_ids[0].tolist() == [q - first[seq_of[q]] for q in range(length)]
-    assert not mb.loss_mask[len(expected_ids):].any()
