@@ -109,3 +109,14 @@ async def test_observation_is_truncated(tools):
     result = await run_tool_call(ToolCall(name="calculator", arguments={"expression": "10 ** 99"}),
                                  tools, timeout_s=5, max_output_chars=20)
     assert result.text == "1" + "0" * 19 + "\n[truncated]"
+
+
+
+def test_sglang_parser_needs_no_server_shims(parser):
+    """Tool calls are parsed in the trainer-side process with SGLang's own code, without the CPU
+    kernel shim the server needs: ``sgl_kernel`` is not even importable here."""
+    import importlib.util
+    import sys
+
+    assert importlib.util.find_spec("sgl_kernel") is None and "sgl_kernel" not in sys.modules
+    assert type(parser._parser).__module__ == "sglang.srt.function_call.function_call_parser"
