@@ -7,6 +7,8 @@ engines have started::
     python -m megarl.launch.slurm_env check --plan PLAN --resolved CONFIG_OUT CONFIG [key=value ...]
     python -m megarl.launch.slurm_env wait-nodes --address HEAD:PORT --plan PLAN --timeout-s 300
 
+and ``slurm/engines.sbatch`` runs ``serve-engines`` on each of its nodes (external rollout engines).
+
 The allocation comes from environment variables that the sbatch script fills from Slurm's (a user
 can set them by hand to check a config for a future allocation, without Slurm):
 

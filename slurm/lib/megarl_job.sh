@@ -37,7 +37,7 @@ megarl_init() {  # environment, job directory, defaults; must run first
   # srun hands to every node through the environment.
   export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
   if [[ $RAY_AUTH_MODE == token && -z ${RAY_AUTH_TOKEN:-} ]]; then
-    RAY_AUTH_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(32))')
+    RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
     export RAY_AUTH_TOKEN
   fi
   # InfiniBand clusters: NCCL finds the HCAs itself; keep its bootstrap off loopback and docker
@@ -185,7 +185,7 @@ megarl_node_gone() {  # RC INDEX WHEN: fail naming the node whose step ended
 
 megarl_start_ray() {  # head on plan node 0, workers on every other used node, wait until joined
   local timeout=${MEGARL_RAY_JOIN_TIMEOUT_S:-300} deadline i lost
-  export MEGARL_RAY_PORT=${MEGARL_RAY_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
+  export MEGARL_RAY_PORT=${MEGARL_RAY_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
   export MEGARL_RAY_HEAD=${NODE_IP[0]}:$MEGARL_RAY_PORT
   printf 'index\thost\taddress\trole\tray_logs\tray_start_log\n' >"$JOB_DIR/nodes.tsv"
   megarl_log "starting the Ray head on ${PLAN_HOST[0]} ($MEGARL_RAY_HEAD)"

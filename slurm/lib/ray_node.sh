@@ -18,7 +18,7 @@
 set -euo pipefail
 
 free_port() {
-  python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+  python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
 node_ip() {

@@ -8,6 +8,9 @@ Slurm when missing) and stopped by ``stop.sh`` at the end of the session. When t
 """
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
 import os
 import shutil
 import subprocess
@@ -157,3 +160,49 @@ def wait_no_job_processes(job_id: str, timeout_s: float = 30) -> list[int]:
     while (left := job_processes(job_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
+
+
+@functools.lru_cache(maxsize=1)
+def megarl_train_ready() -> tuple[Path | None, str | None]:
+    """Cheap probe of whether `megarl train` can run: ``(cpu recipe, None)`` or ``(None, reason)``.
+
+    Ready = a CPU recipe ``configs/*cpu*.yaml``, an importable ``megarl.launch.driver.train``, and
+    every ``from megarl.x import y`` (also inside functions) of the training path resolving to an
+    existing module and name. A module failing on a third-party import (a GPU-only dependency) does
+    not count: that is not a missing piece of megarl.
+    """
+    recipes = sorted(ROOT.glob("configs/*cpu*.yaml"))
+    if not recipes:
+        return None, "`megarl train` not ready: no CPU recipe configs/*cpu*.yaml yet"
+    try:
+        driver = importlib.import_module("megarl.launch.driver")
+    except ImportError as e:
+        return None, f"`megarl train` not ready: megarl.launch.driver does not import ({e})"
+    if not callable(getattr(driver, "train", None)):
+        return None, "`megarl train` not ready: megarl.launch.driver.train is missing"
+    missing = set()
+    for package in ("launch", "training", "rollout", "weight_sync", "checkpoint"):
+        for path in sorted((ROOT / "megarl" / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megarl"):
+                    missing |= _unresolved(node.module, [a.name for a in node.names])
+    if missing:
+        return None, f"`megarl train` not ready: unresolved imports {', '.join(sorted(missing)[:5])}"
+    return recipes[0], None
+
+
+def _unresolved(module_name: str, names: list[str]) -> set[str]:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        return {module_name} if (e.name or "").startswith("megarl") else set()
+    except ImportError:
+        return set()
+    out = set()
+    for name in names:
+        if not hasattr(module, name):
+            try:
+                importlib.import_module(f"{module_name}.{name}")
+            except ImportError:
+                out.add(f"{module_name}.{name}")
+    return out
