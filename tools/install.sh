@@ -9,7 +9,9 @@
 #      sglang-kernel). Its CPU runtime dependencies are listed in tools/requirements-sglang-cpu.txt.
 #   3. triton with --no-deps: SGLang imports it at import time; it is never used on the CPU path.
 #      torchvision is deliberately NOT installed: the PyPI wheel is CUDA-linked and breaks
-#      `import transformers.image_utils` on CPU torch; SGLang needs it only for vision models.
+#      `import transformers.image_utils` on CPU torch. The SGLang server imports
+#      torchvision.transforms at start even for text models; megarl/rollout/cpu_shims gives the CPU
+#      server process (only) an import-only torchvision instead.
 #   4. megarl itself (editable) with its core dependencies and the test tools.
 # Idempotent: re-running skips what is already installed. Never downloads model weights.
 set -euo pipefail
