@@ -40,6 +40,16 @@ def _swap_device(param: torch.nn.Parameter, device: str) -> None:
     param.__dict__.update(attrs)
 
 
+def _release_memory() -> None:
+    """Return freed heap pages to the OS (glibc keeps them otherwise; peak RSS would creep up)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @contextlib.contextmanager
 def materialized(modules):
     """Give the modules' meta parameters CPU storage (uninitialised) for the duration."""
@@ -49,14 +59,22 @@ def materialized(modules):
     yield params  # on an exception the parameters stay materialised (the process is failing)
     for p in params:
         _swap_device(p, "meta")
+    del params, p
+    _release_memory()
 
 
-def materialized_sharded_state_dict(chunk, prefix: str = "") -> dict:
-    """The entries of ``chunk.sharded_state_dict()`` whose data is not on the meta device."""
-    def keep(value):
+def materialized_sharded_state_dict(chunk, modules, prefix: str = "") -> dict:
+    """The entries of ``chunk.sharded_state_dict()`` that belong to ``modules``: tensors that are
+    not on the meta device and other objects (``_extra_state``) under those modules' paths."""
+    paths = {id(m): name for name, m in chunk.named_modules()}
+    prefixes = tuple(prefix + paths[id(m)] + "." for m in modules)
+
+    def keep(key, value):
         data = getattr(value, "data", None)
-        return not (torch.is_tensor(data) and data.is_meta)
-    return {k: v for k, v in chunk.sharded_state_dict(prefix=prefix).items() if keep(v)}
+        if torch.is_tensor(data):
+            return not data.is_meta
+        return key.startswith(prefixes)
+    return {k: v for k, v in chunk.sharded_state_dict(prefix=prefix).items() if keep(k, v)}
 
 
 def _local_infos(chunks, parallel_state, layout):
@@ -104,7 +122,7 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
         with materialized(modules) as params:
             for name, param in _group_params(chunks[index], params):
                 load_param(infos[(index, name)], param, reader, layout, ps)
-            writer.save_step(materialized_sharded_state_dict(chunks[index]))
+            writer.save_step(materialized_sharded_state_dict(chunks[index], modules))
     writer.finalize()
     destroy_parallel()
 
@@ -145,7 +163,7 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     current, remaining = None, 0
     for index, modules in groups:
         with materialized(modules) as params:
-            wanted = materialized_sharded_state_dict(chunks[index], prefix=prefix)
+            wanted = materialized_sharded_state_dict(chunks[index], modules, prefix=prefix)
             loaded = reader.load(wanted)
             loaded = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded.items()}
             result = chunks[index].load_state_dict(loaded, strict=False)

@@ -101,7 +101,13 @@ def patch_cuda_device_args() -> None:
     mask, the optimizer (scales, overflow buffers), gradient clipping and DDP buffers. Wrapping the
     factories costs one Python call per factory call (a ``TorchFunctionMode`` would intercept every
     torch operation).
+
+    ``with torch.device(...)`` recognises constructors by identity through a cached set; that
+    cache is filled with the original functions before they are wrapped.
     """
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()  # cache the originals (see above)
     for name in _DEVICE_FACTORIES:
         fn = getattr(torch, name)
         if not getattr(fn, "_megarl_cpu_patch", False):
