@@ -215,11 +215,14 @@ class PythonSandboxTool:
             await asyncio.wait_for(proc.wait(), self.timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
+            _kill_group(proc.pid)  # not reaped yet, so the group id is still ours
         except BaseException:
             _kill_group(proc.pid)
             raise
-        finally:
-            _kill_group(proc.pid)  # the group: leftovers of a code that did not use the namespaces
+        if not timed_out and self.isolation != "namespaces":
+            # Descendants that outlived the code in rlimits-only mode keep the group id reserved,
+            # so it still names them (in namespace mode the PID namespace already ended them).
+            _kill_group(proc.pid)
         await proc.wait()
         try:
             data, truncated = await asyncio.wait_for(reader, 2.0)
