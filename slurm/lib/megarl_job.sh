@@ -62,7 +62,9 @@ megarl_init() {  # environment, job directory, defaults; must run first
 megarl_node_srun() {  # INDEX CMD...: run CMD as a one-task step on plan node INDEX
   local i=$1
   shift
-  local args=(--overlap --nodes=1 --ntasks=1 --nodelist="${PLAN_HOST[i]}")
+  # --overlap: shares the node with the batch step and other steps; --mem=0: all of the job's
+  # memory on the node (clusters that enforce memory otherwise give a step a per-CPU default).
+  local args=(--overlap --nodes=1 --ntasks=1 --mem=0 --nodelist="${PLAN_HOST[i]}")
   if [[ -n ${SLURM_HET_SIZE:-} ]]; then args+=(--het-group="${PLAN_GROUP[i]}"); fi
   if ((PLAN_CPUS[i] > 0)); then args+=(--cpus-per-task="${PLAN_CPUS[i]}"); fi
   if ((NODE_GPUS[i] > 0)); then args+=(--gres=gpu:"${NODE_GPUS[i]}"); fi
@@ -262,7 +264,7 @@ megarl_teardown() {  # stop the driver, then every Ray step, by the PIDs this sc
     megarl_stop_pids "${MEGARL_DRIVER_STOP_TIMEOUT_S:-15}" "$DRIVER_PID"
   fi
   if ((${#RAY_PIDS[@]} > 0)); then
-    megarl_log "stopping Ray: srun steps ${RAY_PIDS[*]}"
+    megarl_log "stopping the node steps (srun pids ${RAY_PIDS[*]})"
     megarl_stop_pids "${MEGARL_RAY_STOP_TIMEOUT_S:-30}" "${RAY_PIDS[@]}"
   fi
   wait 2>/dev/null

@@ -107,6 +107,5 @@ def test_config_bigger_than_allocation_fails_before_ray_starts(job_env, probe_co
     assert r.rc == 2, r.output
     assert "cluster.trainer_nodes=2" in r.output and "allocation has 2" in r.output, r.output
     assert "cluster.trainer_devices_per_node=4" in r.output, r.output
-    assert "Ray" not in r.output.split("does not fit")[0] or "starting the Ray head" not in r.output
     assert "starting the Ray head" not in r.output
     assert _ray_start_logs(r.job_dir) == [] and not (r.job_dir / "nodes.tsv").exists()
