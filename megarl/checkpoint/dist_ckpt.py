@@ -239,6 +239,9 @@ class CheckpointReader:
             KeyError: unknown key. ValueError: the saved chunks do not cover the region.
         """
         meta = self.metadata.state_dict_metadata[key]
+        for chunk in meta.chunks:  # fast path: the region is exactly one saved chunk
+            if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
+                return self._chunk(key, chunk)
         out = torch.empty(tuple(sizes), dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:

@@ -63,18 +63,37 @@ def materialized(modules):
     _release_memory()
 
 
-def materialized_sharded_state_dict(chunk, modules, prefix: str = "") -> dict:
-    """The entries of ``chunk.sharded_state_dict()`` that belong to ``modules``: tensors that are
-    not on the meta device and other objects (``_extra_state``) under those modules' paths."""
+@contextlib.contextmanager
+def _only_layers(chunk, modules):
+    """Let ``chunk.decoder.layers`` hold only the group's layer (or none) for the duration, so that
+    ``chunk.sharded_state_dict()`` costs O(group), not O(model). Keys are unchanged: Megatron
+    derives a layer's key from its ``layer_number``, not its list position."""
+    decoder = chunk.decoder
+    original = decoder.layers
+    decoder.layers = torch.nn.ModuleList([m for m in modules if any(m is layer for layer in original)])
+    try:
+        yield
+    finally:
+        decoder.layers = original
+
+
+def group_sharded_state_dict(chunk, modules, prefix: str = "", *, materialized_only: bool = True) -> dict:
+    """The entries of ``chunk.sharded_state_dict(prefix)`` that belong to ``modules``.
+
+    With ``materialized_only`` tensors on the meta device are dropped (the group's own tensors are
+    the materialised ones); otherwise tensor entries are kept by their module path, like the
+    non-tensor entries (``_extra_state``).
+    """
     paths = {id(m): name for name, m in chunk.named_modules()}
     prefixes = tuple(prefix + paths[id(m)] + "." for m in modules)
 
     def keep(key, value):
         data = getattr(value, "data", None)
-        if torch.is_tensor(data):
+        if torch.is_tensor(data) and materialized_only:
             return not data.is_meta
         return key.startswith(prefixes)
-    return {k: v for k, v in chunk.sharded_state_dict(prefix=prefix).items() if keep(k, v)}
+    with _only_layers(chunk, modules):
+        return {k: v for k, v in chunk.sharded_state_dict(prefix=prefix).items() if keep(k, v)}
 
 
 def _local_infos(chunks, parallel_state, layout):
@@ -108,6 +127,8 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     chunks = build_model(hf_config, parallel_cfg, model_cfg, precision=precision, device="meta", spec="local")
     layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
                                           tp_size=ps.tp_size)
+    if any(not p.is_meta for chunk in chunks for p in chunk.parameters()):
+        raise RuntimeError("the converter's model was not built on the meta device")
     infos = _local_infos(chunks, ps, layout)
     reader = HFCheckpointReader(hf_dir)
     groups = module_groups(chunks)
@@ -122,7 +143,7 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
         with materialized(modules) as params:
             for name, param in _group_params(chunks[index], params):
                 load_param(infos[(index, name)], param, reader, layout, ps)
-            writer.save_step(materialized_sharded_state_dict(chunks[index], modules))
+            writer.save_step(group_sharded_state_dict(chunks[index], modules))
     writer.finalize()
     destroy_parallel()
 
@@ -162,22 +183,20 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     writers = iter([(f, s) for f, s in zip(files, shards)])
     current, remaining = None, 0
     for index, modules in groups:
-        with materialized(modules) as params:
-            wanted = materialized_sharded_state_dict(chunks[index], modules, prefix=prefix)
-            loaded = reader.load(wanted)
-            loaded = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded.items()}
-            result = chunks[index].load_state_dict(loaded, strict=False)
-            if result.unexpected_keys:
-                raise RuntimeError(f"unexpected keys loading {ckpt_dir}: {result.unexpected_keys[:5]}")
-            for name, tensor in hf_tensors(index, _group_params(chunks[index], params)):
-                if remaining == 0:
-                    if current is not None:
-                        current.close()
-                    file, shard = next(writers)
-                    current, remaining = hf_io.SafetensorsStreamWriter(Path(out_dir) / file, shard), len(shard)
-                current.write(name, tensor.to(out_dtype))
-                remaining -= 1
-            del wanted, loaded, result, tensor  # references to the parameters' storage
+        # Shape-only (meta) ShardedTensors describe what to read; the reader allocates the data.
+        wanted = group_sharded_state_dict(chunks[index], modules, prefix=prefix, materialized_only=False)
+        loaded = {k[len(prefix):]: v for k, v in reader.load(wanted).items()}
+        named = _group_params(chunks[index], [p for m in modules for p in m.parameters()])
+        for name, tensor in hf_tensors(index, [(n, loaded[n]) for n, _ in named]):
+            if remaining == 0:
+                if current is not None:
+                    current.close()
+                file, shard = next(writers)
+                current, remaining = hf_io.SafetensorsStreamWriter(Path(out_dir) / file, shard), len(shard)
+            current.write(name, tensor.to(out_dtype))
+            remaining -= 1
+        del wanted, loaded, named
+        _release_memory()
     if current is not None:
         current.close()
     hf_io.write_index(Path(out_dir), shards, files)
