@@ -33,6 +33,8 @@ class LocalSlurm:
 
     dir: Path
     env: dict
+    gpus: int = NUM_GPUS
+    """Fake GPUs per node (GRES)."""
 
 
 @dataclass
@@ -59,12 +61,20 @@ def local_slurm():
     if os.environ.get("LOCAL_SLURM_RUNNING") == "1" and os.environ.get("LOCAL_SLURM_DIR"):
         d = Path(os.environ["LOCAL_SLURM_DIR"])
         yield LocalSlurm(d, {**os.environ, "PATH": f"{d}/bin:{os.environ['PATH']}",
-                             "SLURM_CONF": str(d / "etc" / "slurm.conf")})
+                             "SLURM_CONF": str(d / "etc" / "slurm.conf")},
+                         gpus=int(os.environ.get("LOCAL_SLURM_GPUS", "0")))
         return
     if os.geteuid() != 0 or not shutil.which("nsenter") or not shutil.which("ip"):
         pytest.skip("the local Slurm needs root, nsenter and ip (network namespace, Slurm daemons)")
     d = tempfile.mkdtemp(prefix="mrslurm-", dir="/tmp")
     env = _start_env(d)
+    stop_env = {**env, "LOCAL_SLURM_PURGE": "1"}
+    # A guardian stops the cluster (by its recorded PIDs) if pytest dies without running this
+    # fixture's teardown (pytest-timeout's thread method ends the process with os._exit).
+    guardian = subprocess.Popen(
+        ["bash", "-c", f'while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; exec bash "$0"',
+         str(LOCAL_SLURM / "stop.sh")], env=stop_env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         proc = subprocess.run(["bash", str(LOCAL_SLURM / "start.sh")], env=env, capture_output=True,
                               text=True, timeout=240)
@@ -73,8 +83,9 @@ def local_slurm():
         yield LocalSlurm(Path(d), {**os.environ, "PATH": f"{d}/bin:{os.environ['PATH']}",
                                    "SLURM_CONF": f"{d}/etc/slurm.conf"})
     finally:
-        subprocess.run(["bash", str(LOCAL_SLURM / "stop.sh")], env={**env, "LOCAL_SLURM_PURGE": "1"},
-                       capture_output=True, timeout=120)
+        subprocess.run(["bash", str(LOCAL_SLURM / "stop.sh")], env=stop_env, capture_output=True, timeout=120)
+        guardian.kill()
+        guardian.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")
@@ -206,3 +217,11 @@ def _unresolved(module_name: str, names: list[str]) -> set[str]:
             except ImportError:
                 out.add(f"{module_name}.{name}")
     return out
+
+
+@pytest.fixture
+def fake_gpus(local_slurm) -> int:
+    """Fake GPUs per node; skips when the (reused) cluster declares fewer than 2."""
+    if local_slurm.gpus < 2:
+        pytest.skip("the local Slurm in use declares no GPUs (start it with LOCAL_SLURM_GPUS=2)")
+    return local_slurm.gpus

@@ -21,7 +21,7 @@ def test_hetjob_places_trainer_and_rollout_on_their_components(job_env, probe_co
 
 
 @pytest.mark.timeout(200)
-def test_hetjob_rollout_component_with_too_few_gpus_fails_before_ray(job_env, probe_config):
+def test_hetjob_rollout_component_with_too_few_gpus_fails_before_ray(job_env, probe_config, fake_gpus):
     # Component 0: 2 GPUs per node, component 1: 1 GPU; the config wants 2 GPUs on rollout nodes.
     r = submit(job_env, "slurm/train_hetjob.sbatch",
                [str(probe_config), "cluster.device=cuda", "train.precision=bf16",

@@ -98,7 +98,7 @@ def test_node_that_never_joins_fails_the_job_bounded(job_env, probe_config):
 
 
 @pytest.mark.timeout(200)
-def test_config_bigger_than_allocation_fails_before_ray_starts(job_env, probe_config):
+def test_config_bigger_than_allocation_fails_before_ray_starts(job_env, probe_config, fake_gpus):
     # 2 nodes x 2 (fake) GPUs allocated; the config asks for 3 nodes and 4 GPUs per trainer node.
     r = submit(job_env, "slurm/train.sbatch",
                [str(probe_config), "cluster.device=cuda", "train.precision=bf16",
