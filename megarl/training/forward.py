@@ -23,7 +23,7 @@ from megarl.algorithms import LossNormalizer, Metric, compute_policy_loss, entro
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.micro_batch import PackedMicroBatch
-from megarl.training.logprobs import next_token_logprobs, vocab_parallel_entropy
+from megarl.training.logprobs import next_token_logprobs
 from megarl.training.parallel_state import ParallelState
 from megarl.training.routing_replay import RoutingReplay
 
@@ -88,12 +88,7 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
     """
     temperature = temperature if temperature > 0 else 1.0
     logprobs, ent = next_token_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
-                                        temperature=temperature, with_entropy=entropy == "grad")
-    if entropy == "metric":
-        with torch.no_grad():
-            scaled = logits[:, :-1].detach() / temperature
-            ent = vocab_parallel_entropy(scaled.reshape(-1, scaled.shape[-1]), vocab_size=vocab_size, tp_group=tp_group)
-            ent = torch.cat([ent.new_zeros(scaled.shape[0], 1), ent.view(scaled.shape[:2])], dim=1)
+                                        temperature=temperature, entropy=entropy)
     starts = mb.cu_seqlens[:-1]
     # real tokens only; a sequence start is "predicted" from the previous sequence of its row
     logprobs = logprobs.reshape(-1)[mb.flat_index].index_fill(0, starts, 0.0)

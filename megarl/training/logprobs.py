@@ -56,10 +56,11 @@ def _shifted_local_logits(logits: Tensor, vocab_size: int | None, group: dist.Pr
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
-    """``log p(targets)`` from ``[T, V/tp]`` logits; see the module docstring."""
+    """``log p(targets)`` (and, detached, the entropy) from ``[T, V/tp]`` logits; module docstring."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, vocab_size: int | None, group: dist.ProcessGroup | None) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, vocab_size: int | None, group: dist.ProcessGroup | None,
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
         z, vocab_start = _shifted_local_logits(logits, vocab_size, group)
         local_vocab = z.shape[-1]
         local_target = targets - vocab_start
@@ -67,21 +68,26 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
         target_z = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), torch.zeros_like(z[..., 0]))
         z.exp_()  # z now holds exp(z - max); reuse its memory for the softmax saved for backward
-        sum_exp = z.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-        _all_reduce(target_z, dist.ReduceOp.SUM, group)
+        sums = torch.stack([z.sum(dim=-1), target_z])  # one all-reduce for both
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
+        sum_exp, target_z = sums[0], sums[1]
         z.div_(sum_exp.unsqueeze(-1))
+        entropy = z.new_zeros(0)
+        if with_entropy:  # H = -sum_v p log p from the softmax already in hand (no second exp pass)
+            entropy = -torch.special.xlogy(z, z).sum(dim=-1)
+            _all_reduce(entropy, dist.ReduceOp.SUM, group)
+        ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(z, local_target, owned)
         ctx.input_dtype = logits.dtype
-        return target_z - sum_exp.log()
+        return target_z - sum_exp.log(), entropy
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):
+    def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor):
         softmax, local_target, owned = ctx.saved_tensors
         grad = softmax.mul_(-grad_output.unsqueeze(-1))  # -p_v * g; softmax is not needed afterwards
         rows = owned.nonzero().squeeze(-1)  # only the rank owning the target id adds the one-hot term
         grad[rows, local_target[rows]] += grad_output[rows]
-        return grad.to(ctx.input_dtype), None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -117,15 +123,30 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_size: int 
         targets: ``[T]`` int64 global vocabulary ids.
         vocab_size: the real vocabulary size; ids ``>= vocab_size`` (Megatron's padding) are left
             out of the softmax. None = no padding.
-        tp_group: the tensor-parallel group the vocabulary is split over (three all-reduces of
-            ``[T]`` run on it); None or size 1 = unsharded logits.
+        tp_group: the tensor-parallel group the vocabulary is split over (an all-reduce MAX and
+            one SUM of ``[2, T]`` run on it); None or size 1 = unsharded logits.
 
     Returns:
         ``[T]`` float32 ``log p(targets)``, differentiable w.r.t. ``logits``; identical on every TP rank.
     """
+    return vocab_parallel_logprobs_and_entropy(logits, targets, vocab_size=vocab_size, tp_group=tp_group,
+                                               with_entropy=False)[0]
+
+
+def vocab_parallel_logprobs_and_entropy(logits: Tensor, targets: Tensor, *, vocab_size: int | None = None,
+                                        tp_group: dist.ProcessGroup | None = None,
+                                        with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+    """`vocab_parallel_logprobs` plus the entropy (nats) of each row's softmax, detached.
+
+    The entropy reuses the softmax of the logprob pass (one more all-reduce SUM of ``[T]``),
+    for metrics; use `vocab_parallel_entropy` when the entropy itself needs a gradient.
+
+    Returns:
+        ``(logprobs [T], entropy [T])`` float32; ``entropy`` is empty (``[0]``) when not ``with_entropy``.
+    """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
-    return _VocabParallelLogprobs.apply(logits, targets, vocab_size, tp_group)
+    return _VocabParallelLogprobs.apply(logits, targets, vocab_size, tp_group, with_entropy)
 
 
 def vocab_parallel_entropy(logits: Tensor, *, vocab_size: int | None = None,
@@ -147,7 +168,7 @@ def vocab_parallel_entropy(logits: Tensor, *, vocab_size: int | None = None,
 
 def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | None = None,
                         tp_group: dist.ProcessGroup | None = None, temperature: float = 1.0,
-                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        entropy: str = "none") -> tuple[Tensor, Tensor | None]:
     """Logprob of every token given the ones before it in its row.
 
     Args:
@@ -157,25 +178,32 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | 
         vocab_size, tp_group: as in `vocab_parallel_logprobs`.
         temperature: logits are divided by it first (the rollout's sampling temperature, so the
             trainer scores tokens under the distribution the engine sampled from).
-        with_entropy: also return the entropy of each position's next-token distribution.
+        entropy: ``"none"``; ``"metric"`` (detached, from the same softmax); ``"grad"``
+            (differentiable, a second pass: for an entropy bonus).
 
     Returns:
         ``(logprobs, entropy)``: ``[..., S]`` float32 with ``logprobs[..., s] = log p(input_ids[..., s] | ...)``
         and 0 in column 0 (no context); ``entropy[..., s]`` is that of the distribution token
         ``s`` was drawn from (0 in column 0), or None. Positions at the start of a packed
         sequence hold values conditioned on the previous sequence: mask them (``loss_mask`` is 0 there).
+
+    Raises:
+        ValueError: on an unknown ``entropy`` mode.
     """
+    if entropy not in ("none", "metric", "grad"):
+        raise ValueError(f"entropy must be 'none', 'metric' or 'grad', got {entropy!r}")
     if temperature != 1.0:
         logits = logits / temperature
     lead, length, local_vocab = input_ids.shape[:-1], input_ids.shape[-1], logits.shape[-1]
     flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
-    scores = vocab_parallel_logprobs(flat_logits, input_ids[..., 1:].reshape(-1), vocab_size=vocab_size, tp_group=tp_group)
+    scores, ent = vocab_parallel_logprobs_and_entropy(flat_logits, input_ids[..., 1:].reshape(-1),
+                                                      vocab_size=vocab_size, tp_group=tp_group,
+                                                      with_entropy=entropy == "metric")
 
     def shifted(values: Tensor) -> Tensor:
         values = values.view(*lead, length - 1)
         return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
 
-    entropy = None
-    if with_entropy:
-        entropy = shifted(vocab_parallel_entropy(flat_logits, vocab_size=vocab_size, tp_group=tp_group))
-    return shifted(scores), entropy
+    if entropy == "grad":
+        ent = vocab_parallel_entropy(flat_logits, vocab_size=vocab_size, tp_group=tp_group)
+    return shifted(scores), shifted(ent) if entropy != "none" else None

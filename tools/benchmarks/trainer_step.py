@@ -11,7 +11,9 @@ question, response = reference answer, tokenised with the model's tokenizer):
   formula, ``backward``, ``torch.optim.AdamW`` step.
 
 tokens/s = real (unpadded) tokens of the batch / wall time of the step; median of ``--repeats``
-after one warm-up step each. Also reports the trainer's padding fraction on GSM8K-length batches
+steps after one warm-up step each, the two sides alternating step by step so that both see the
+same machine load. On a shared machine the ratio of CPU-time rates (``ratio_cpu_time``,
+``time.process_time``) is the steadier number; both are reported. Also reports the trainer's padding fraction on GSM8K-length batches
 of several sizes, data-parallel sizes and token budgets. Prints one JSON object.
 
 usage: python tools/benchmarks/trainer_step.py [--hf-dir DIR] [--num-seqs 32] [--max-tokens 4096]
@@ -65,7 +67,8 @@ def make_batch(sequences, seed: int):
                       advantages=torch.randn(len(lens), generator=gen), rollout_logprobs=torch.zeros(len(ids)))
 
 
-def time_megarl(hf_dir: str, batch, max_tokens: int, repeats: int) -> dict:
+def megarl_step(hf_dir: str, batch, max_tokens: int):
+    """``(step, info)``: ``step()`` runs one ``Trainer.train_step`` and returns its wall time."""
     from megarl.config.schema import MegarlConfig
     from megarl.training.build import build_trainer
 
@@ -75,15 +78,15 @@ def time_megarl(hf_dir: str, batch, max_tokens: int, repeats: int) -> dict:
     cfg.parallel.use_distributed_optimizer = False  # world size 1: nothing to shard
     trainer = build_trainer(cfg)
     prepared = trainer.prepare_batch(batch)
-    times, metrics = [], {}
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
+    info = {}
+
+    def step() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_step(prepared)
-        times.append(time.perf_counter() - start)
-    step_s = statistics.median(times[1:])
-    return {"step_s": step_s, "tokens_per_s": batch.num_tokens / step_s,
-            "padding_fraction": metrics["batch/padding_fraction"],
-            "num_microbatches": metrics["batch/num_microbatches"]}
+        info.update(padding_fraction=metrics["batch/padding_fraction"], num_microbatches=metrics["batch/num_microbatches"])
+        return time.perf_counter() - start, time.process_time() - cpu
+
+    return step, info
 
 
 def _hf_micro_batches(lens: list[int], max_tokens: int) -> list[list[int]]:
@@ -97,7 +100,8 @@ def _hf_micro_batches(lens: list[int], max_tokens: int) -> list[list[int]]:
     return batches + [current] if current else batches
 
 
-def time_transformers(hf_dir: str, batch, max_tokens: int, repeats: int) -> dict:
+def transformers_step(hf_dir: str, batch, max_tokens: int):
+    """``(step, info)`` for the plain transformers forward + backward + AdamW step."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
@@ -107,8 +111,8 @@ def time_transformers(hf_dir: str, batch, max_tokens: int, repeats: int) -> dict
     masks = [batch.loss_mask[batch.cu_seqlens[i]:batch.cu_seqlens[i + 1]] for i in range(len(lens))]
     micro = _hf_micro_batches(lens, max_tokens)
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         for group in micro:
             width = max(lens[i] for i in group)
@@ -126,13 +130,10 @@ def time_transformers(hf_dir: str, batch, max_tokens: int, repeats: int) -> dict
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
-    times = [step() for _ in range(repeats + 1)]
-    step_s = statistics.median(times[1:])
     padded = sum(max(lens[i] for i in g) * len(g) for g in micro)
-    return {"step_s": step_s, "tokens_per_s": batch.num_tokens / step_s,
-            "padding_fraction": 1 - batch.num_tokens / padded, "num_microbatches": len(micro)}
+    return step, {"padding_fraction": 1 - batch.num_tokens / padded, "num_microbatches": len(micro)}
 
 
 def padding_table(tokenizer, seed: int) -> list[dict]:
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", help="HF model directory (default: make the tiny Qwen3-MoE)")
     parser.add_argument("--num-seqs", type=int, default=32, help="sequences in the timed batch")
     parser.add_argument("--max-tokens", type=int, default=4096, help="max_tokens_per_microbatch (both sides)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -182,11 +183,25 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         batch = make_batch(gsm8k_sequences(tokenizer, args.num_seqs, args.seed), args.seed)
         _init_single_rank()
-        megarl = time_megarl(hf_dir, batch, args.max_tokens, args.repeats)
-        hf = time_transformers(hf_dir, batch, args.max_tokens, args.repeats)
+        steps = {"megarl": megarl_step(hf_dir, batch, args.max_tokens),
+                 "transformers": transformers_step(hf_dir, batch, args.max_tokens)}
+        times = {name: [] for name in steps}
+        for name, (step, _) in steps.items():
+            step()  # warm-up
+        for _ in range(args.repeats):  # alternate, so both see the same machine load
+            for name, (step, _) in steps.items():
+                times[name].append(step())
+        results = {}
+        for name in steps:
+            wall = statistics.median(t for t, _ in times[name])
+            cpu = statistics.median(c for _, c in times[name])
+            results[name] = {"step_s": wall, "step_cpu_s": cpu, "tokens_per_s": batch.num_tokens / wall,
+                             "tokens_per_cpu_s": batch.num_tokens / cpu, **steps[name][1]}
+        megarl, hf = results["megarl"], results["transformers"]
         report = {"num_seqs": args.num_seqs, "num_tokens": batch.num_tokens, "max_tokens": args.max_tokens,
                   "threads": torch.get_num_threads(), "megarl": megarl, "transformers": hf,
                   "ratio_megarl_over_transformers": megarl["tokens_per_s"] / hf["tokens_per_s"],
+                  "ratio_cpu_time": megarl["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"],
                   "padding_gsm8k": padding_table(tokenizer, args.seed)}
     print(json.dumps(report, indent=1))
 

@@ -8,7 +8,7 @@ from megarl.testing.multiproc import run_ranks
 def _worker(rank, world_size, vocab_size):
     import torch.distributed as dist
 
-    from megarl.training.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+    from megarl.training.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 
     torch.manual_seed(0)  # same full tensors on both ranks
     full = 4 * torch.randn(9, 64, dtype=torch.float64)
@@ -18,6 +18,9 @@ def _worker(rank, world_size, vocab_size):
     lp = vocab_parallel_logprobs(shard, targets, vocab_size=vocab_size, tp_group=dist.group.WORLD)
     h = vocab_parallel_entropy(shard, vocab_size=vocab_size, tp_group=dist.group.WORLD)
     ((lp * weights).sum() + (h * weights).sum()).backward()
+    _, h_fused = vocab_parallel_logprobs_and_entropy(shard.detach(), targets, vocab_size=vocab_size,
+                                                     tp_group=dist.group.WORLD)
+    torch.testing.assert_close(h_fused, h.detach())
     return lp.detach(), h.detach(), shard.grad, full, targets, weights
 
 

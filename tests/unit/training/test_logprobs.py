@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megarl.training.logprobs import next_token_logprobs, vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.training.logprobs import (next_token_logprobs, vocab_parallel_entropy, vocab_parallel_logprobs,
+                                     vocab_parallel_logprobs_and_entropy)
 
 
 def _reference(logits, targets, vocab_size):
@@ -24,6 +25,8 @@ def test_logprobs_entropy_and_grads_match_log_softmax(vocab_size):
 
     lp = vocab_parallel_logprobs(logits, targets, vocab_size=vocab_size)
     h = vocab_parallel_entropy(logits, vocab_size=vocab_size)
+    _, h_fused = vocab_parallel_logprobs_and_entropy(logits.detach(), targets, vocab_size=vocab_size)
+    torch.testing.assert_close(h_fused.double(), ref_h, rtol=1e-6, atol=1e-6)
     ((lp * weights).sum() + (h * weights).sum()).backward()
     torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(h.double(), ref_h, rtol=1e-6, atol=1e-6)
@@ -37,7 +40,9 @@ def test_next_token_logprobs_shift_and_temperature():
     torch.manual_seed(1)
     logits = torch.randn(5, 16)
     ids = torch.randint(0, 16, (5,))
-    lp, h = next_token_logprobs(logits, ids, temperature=0.5, with_entropy=True)
+    lp, h = next_token_logprobs(logits, ids, temperature=0.5, entropy="metric")
+    _, h_grad = next_token_logprobs(logits, ids, temperature=0.5, entropy="grad")
+    torch.testing.assert_close(h, h_grad)
     ref = torch.log_softmax(logits / 0.5, -1)
     assert lp[0] == 0 and h[0] == 0
     torch.testing.assert_close(lp[1:], ref[:-1].gather(-1, ids[1:, None]).squeeze(-1))
