@@ -6,7 +6,7 @@ expression exactly, copy the result into ``\\boxed{}``) that sampling can discov
 reinforce — the kind of task on which RL moves a tiny policy (see the DESIGN notes on the learning
 demonstration).
 
-Rows: ``{"question": "What is (4831 + 2976)?", "answer": "7807", "expression": "(4831 + 2976)"}``.
+Rows: ``{"question": 'What is "48 + 73"?', "answer": "121", "expression": "48 + 73"}``.
 Demonstrations (for the SFT cold start) are chat messages in the OpenAI format the chat template
 renders: either a calculator call then ``\\boxed{result}``, or a direct answer without the tool.
 """
@@ -46,11 +46,11 @@ def make_arithmetic_rows(num_rows: int, *, seed: int, min_digits: int = 3, max_d
         a, b = (rng.randint(10 ** (rng.randint(min_digits, max_digits) - 1),
                             10 ** max_digits - 1) for _ in range(2))
         op = rng.choice(operators)
-        # Parentheses make the first operand its own pre-token both in the question and after the
-        # JSON quote of the tool call, so copying it is copying the same token ids.
-        expression = f"({a} {op} {b})"
+        expression = f"{a} {op} {b}"
         result = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({"question": f"What is {expression}?", "answer": str(result), "expression": expression})
+        # The quotes make the expression follow the same token (` "`) in the question and in the
+        # tool call's JSON, so copying it is copying the same token ids (an induction pattern).
+        rows.append({"question": f'What is "{expression}"?', "answer": str(result), "expression": expression})
     return rows
 
 

@@ -81,6 +81,9 @@ def init_ray(cfg: Any) -> bool:
         ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance; see notes/local_slurm.md
+    # Ray's memory monitor kills the most recent worker when the *machine* is nearly full, whoever
+    # uses the memory; on a shared workstation that would take down an engine or trainer rank.
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     needed = trainer_world_size(cfg.cluster) + int(cfg.rollout.num_engines) + 2
     num_cpus = max(os.cpu_count() or 1, needed)
     logger.info("starting a local Ray instance (%d logical CPUs)", num_cpus)

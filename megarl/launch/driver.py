@@ -22,7 +22,7 @@ import ray
 
 from megarl.launch.metrics import StageTimer, save_plots
 from megarl.launch.run import Run
-from megarl.launch.steps import build_train_batch, logprob_mismatch, rollout_metrics
+from megarl.launch.steps import build_train_batch, logprob_mismatch, mean_metrics, rollout_metrics, split_batch
 
 logger = logging.getLogger("megarl.train")
 
@@ -70,7 +70,8 @@ def run_loop(run: Run) -> dict[str, float]:
                 batch = run.trainer.run("prepare_batch", built.batch)[0]
             metrics.update(logprob_mismatch(batch))
             with timer("train"):
-                metrics.update(run.trainer.run("train_step", batch)[0])
+                metrics.update(mean_metrics([run.trainer.run("train_step", mini)[0]
+                                             for mini in split_batch(batch, cfg.train.global_batch_size)]))
             state.policy_version += 1
             with timer("weight_sync"):
                 metrics.update(run.sync_weights(state.policy_version))
@@ -124,10 +125,12 @@ def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> d
     if cfg.checkpoint.save_interval > 0 and state.step % cfg.checkpoint.save_interval == 0:
         run.save_checkpoint(_materialise(pending))
     metrics["policy_version"] = float(state.policy_version)
+    metrics.setdefault("engine/weight_version", run.engine_weight_version)
     logged = run.metrics.log(state.step, metrics)
-    logger.info("step %d/%d | reward %.3f | engine weight_version %s | mismatch |dlogp| %s | %s%s",
-                state.step, cfg.train.num_steps, logged.get("rollout/reward_mean", float("nan")),
+    logger.info("step %d/%d | reward %.3f | engine weight_version %s | logprob mismatch: rollouts %s, "
+                "after sync %s | %s%s", state.step, cfg.train.num_steps, logged.get("rollout/reward_mean", float("nan")),
                 _version_text(logged), _num(logged.get("mismatch/log_ratio_abs_mean")),
+                _num(logged.get("weight_sync/verify_logprob_diff_mean")),
                 _fmt(logged, "timing/", ("rollout_s", "logprobs_s", "train_s", "weight_sync_s")),
                 (" | " + _fmt(logged, "eval/")) if "eval/accuracy" in logged else "")
     return logged
@@ -135,11 +138,11 @@ def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> d
 
 def _version_text(m: dict[str, float]) -> str:
     v = m.get("engine/weight_version")
-    return "?" if v is None else str(int(v))
+    return "?" if v is None or v != v else str(int(v))
 
 
 def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
+    return "n/a" if value is None else f"{value:.2e}"
 
 
 def _fmt(m: dict[str, float], prefix: str, keys: tuple[str, ...] | None = None) -> str:

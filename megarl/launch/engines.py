@@ -63,7 +63,8 @@ class EngineGroup:
         for i, engine_id in enumerate(self.ids):
             kwargs = engine_kwargs(cfg, device=device, log_path=str(log_dir / f"{engine_id}.log"),
                                    engine_id=engine_id, custom_weight_loaders=custom_weight_loaders, env=env)
-            actor = remote_cls.options(**placement.engine_options(i), max_concurrency=4).remote(model_path, **kwargs)
+            # One thread: the server's parent-death signal is tied to the thread that started it.
+            actor = remote_cls.options(**placement.engine_options(i)).remote(model_path, **kwargs)
             self.actors.append(actor)
             self._start_refs.append(actor.start.remote(timeout_s=self.startup_timeout_s))
 

@@ -93,8 +93,12 @@ class RolloutWorker:
                               for url, eid in zip(engine_urls, engine_ids)])
         self.seeded = SeededEngine(self.router, cfg.train.seed) if cfg.rollout.get("deterministic_sampling") else None
         engine = self.seeded or self.router
+        # Without over-sampling there is nothing to replace a filtered group with: the manager then
+        # returns every group, so the step's reward statistics cover all trajectories, and the
+        # driver's filter (megarl.launch.steps) drops the zero-variance groups and counts them.
+        dynamic = cfg.algorithm.filter_zero_variance_groups and cfg.rollout.over_sample_prompts > 0
         self.manager = RolloutManager(engine, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
-                                      filter_zero_variance=cfg.algorithm.filter_zero_variance_groups)
+                                      filter_zero_variance=dynamic)
         self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout),
                                            prompt_key=cfg.data.prompt_key, filter_zero_variance=False,
                                            tools=self.manager.ctx.tools, reward_fn=self.manager.reward_fn)
@@ -152,5 +156,6 @@ class RolloutWorker:
         return {c.engine_id: await c.get_weight_version() for c in self.router.alive_clients()}
 
     async def close(self) -> None:
-        """Close the HTTP sessions."""
+        """Close the HTTP sessions and the reward's worker processes."""
+        await self.manager.close()
         await self.router.close()

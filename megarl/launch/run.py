@@ -89,6 +89,8 @@ class Run:
     synced_once: bool = False
     probes: Any = None
     """Weight-sync verification sequences (built on first use)."""
+    engine_weight_version: float = float("nan")
+    """The engines' weight version after the last sync."""
 
     @classmethod
     def build(cls, cfg: Any) -> "Run":
@@ -216,6 +218,10 @@ class Run:
             ray.kill(self.rollout, no_restart=True)
             self.rollout = None
         if self.trainer is not None:
+            try:
+                self.trainer.run_worker("close_weight_sync", timeout_s=60)
+            except Exception:  # noqa: BLE001 - teardown; the group may already be dead
+                pass
             self.trainer.shutdown()
             self.trainer = None
         if self.engines is not None:

@@ -53,9 +53,9 @@ def sft_step(trainer: Any, batch: TrainBatch, *, lr: float) -> dict[str, float]:
         on every rank.
     """
     # TODO(trainer): this uses the trainer's micro-batch planner and schedule runner
-    # (_micro_batches, _run, _tp_group, _reports); a public `Trainer.run_loss(batch, loss_func)`
+    # (micro_batches, _run, _tp_group, _reports); a public `Trainer.run_loss(batch, loss_func)`
     # hook would make this independent of those private names.
-    mbs, _ = trainer._micro_batches(batch)
+    mbs, _ = trainer.micro_batches(batch)
     total_tokens = batch.loss_mask.sum().clamp(min=1).float()
     scale = len(mbs) * trainer.parallel.dp_size  # Megatron divides by micro batches, DDP by DP size
     sink: list[dict[str, Metric]] = []

@@ -22,36 +22,24 @@ UNTRAINABLE = (RolloutStatus.ABORTED, RolloutStatus.ERROR)
 """Trajectories that never reach the trainer: aborted (over-sampling excess) or failed engines."""
 
 
-def _mean(values: Sequence[float]) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")
-
-
 def rollout_metrics(groups: Sequence[TrajectoryGroup], policy_version: int) -> dict[str, float]:
-    """Statistics of one step's rollouts (all trajectories, before filtering).
+    """Step-level statistics the RolloutManager does not report (its ``rollout/*`` cover lengths,
+    turns, tool calls, statuses and throughput).
 
-    Keys: ``rollout/reward_{mean,std}``, ``rollout/response_tokens_{mean,max}`` (model + tool
-    tokens), ``rollout/model_tokens_mean``, ``rollout/turns_mean``, ``rollout/tool_calls_mean``,
-    ``rollout/{truncated,aborted,error}_frac``, ``rollout/staleness_max`` (policy versions the
-    oldest trajectory lags behind ``policy_version``), ``rollout/num_trajectories``.
+    Keys: ``rollout/num_trajectories``, ``rollout/reward_{mean,std}`` (all returned trajectories,
+    before the driver's filters), ``rollout/staleness_max`` (policy versions the oldest trajectory
+    lags behind ``policy_version``).
     """
     trajs = [t for g in groups for t in g.trajectories]
     if not trajs:
         return {"rollout/num_trajectories": 0.0}
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    out = {
+    return {
         "rollout/num_trajectories": float(len(trajs)),
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std(unbiased=False)),
-        "rollout/response_tokens_mean": _mean([t.num_response_tokens for t in trajs]),
-        "rollout/response_tokens_max": float(max(t.num_response_tokens for t in trajs)),
-        "rollout/model_tokens_mean": _mean([t.num_model_tokens for t in trajs]),
-        "rollout/turns_mean": _mean([t.num_turns for t in trajs]),
-        "rollout/tool_calls_mean": _mean([float(t.metadata.get("tool_calls", 0)) for t in trajs]),
         "rollout/staleness_max": float(max(policy_version - t.policy_version for t in trajs)),
     }
-    for status in (RolloutStatus.TRUNCATED, RolloutStatus.ABORTED, RolloutStatus.ERROR):
-        out[f"rollout/{status.value}_frac"] = _mean([float(t.status == status) for t in trajs])
-    return out
 
 
 @dataclasses.dataclass
@@ -118,3 +106,24 @@ def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
     padded = [padded_from_packed(x, batch.cu_seqlens) for x in
               (batch.old_logprobs.float(), batch.rollout_logprobs.float(), batch.loss_mask.float())]
     return {k: float(m.value) for k, m in mismatch_metrics(*padded).items()}
+
+
+def split_batch(batch: TrainBatch, global_batch_size: int) -> list[TrainBatch]:
+    """Consecutive slices of ``global_batch_size`` sequences: one optimizer step each.
+
+    The last slice may be smaller. Sequences keep their order (a group's trajectories are adjacent),
+    and every slice keeps the ``old_logprobs`` computed on the whole batch at the sampling weights.
+    """
+    n = batch.num_sequences
+    if global_batch_size >= n:
+        return [batch]
+    return [batch.select(range(i, min(i + global_batch_size, n))) for i in range(0, n, global_batch_size)]
+
+
+def mean_metrics(per_step: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Average the metrics of several optimizer steps (keys missing in some steps: over those present);
+    ``train/num_optimizer_steps`` counts them."""
+    keys = {k for m in per_step for k in m}
+    out = {k: float(sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step)) for k in keys}
+    out["train/num_optimizer_steps"] = float(len(per_step))
+    return out

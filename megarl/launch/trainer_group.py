@@ -33,6 +33,7 @@ class TrainerWorker:
         os.environ["WORLD_SIZE"] = str(world_size)
         self.rank = rank
         self.trainer: Any = None
+        self.syncer: Any = None
 
     def node_info(self, preferred_port: int = 0) -> tuple[str, str, int]:
         """(node id, node IP, ``preferred_port`` if free on this node, else a free TCP port)."""
@@ -48,7 +49,7 @@ class TrainerWorker:
                            "LOCAL_RANK": str(local_rank)})
         from omegaconf import OmegaConf
 
-        from megarl.training.trainer import build_trainer
+        from megarl.training.build import build_trainer
 
         # build_trainer initialises torch.distributed from RANK / WORLD_SIZE / MASTER_* (gloo on
         # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
@@ -81,7 +82,7 @@ class TrainerWorker:
 
     def close_weight_sync(self) -> None:
         """Tear the synchronizer down (an engine was restarted: its groups must be rebuilt)."""
-        syncer, self.syncer = getattr(self, "syncer", None), None
+        syncer, self.syncer = self.syncer, None
         if syncer is not None:
             try:
                 syncer.close()
@@ -168,10 +169,15 @@ class TrainerGroup:
         refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]
         return self._gather(refs, timeout_s or self.timeout_s)
 
+    def run_worker(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Call the :class:`TrainerWorker` method ``method`` (not the trainer's) on every rank."""
+        args = tuple(ray.put(a) if _is_large(a) else a for a in args)
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return self._gather(refs, timeout_s or self.timeout_s)
+
     def sft_step(self, batch: Any, *, lr: float) -> dict[str, float]:
         """One SFT step on every rank; the (identical) metrics of rank 0."""
-        ref = ray.put(batch)
-        return self._gather([w.sft_step.remote(ref, lr) for w in self.workers], self.timeout_s)[0]
+        return self.run_worker("sft_step", batch, lr)[0]
 
     def pids(self) -> list[int]:
         """Process ids of the ranks."""

@@ -45,8 +45,8 @@ def probe_batch(run: Any) -> TrainBatch:
 def connect(run: Any) -> None:
     """Build the synchronizers on every trainer rank (after the engines are up, or restarted)."""
     directory = str(run.run_dir / "weight_sync")
-    run.trainer.run("close_weight_sync")
-    run.trainer.run("connect_weight_sync", run.engine_urls, directory)
+    run.trainer.run_worker("close_weight_sync")
+    run.trainer.run_worker("connect_weight_sync", run.engine_urls, directory)
     run.synced_once = False
 
 
@@ -56,7 +56,7 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
     if not getattr(run, "sync_connected", False):
         connect(run)
         run.sync_connected = True
-    metrics = dict(run.trainer.run("sync_weights", version)[0])
+    metrics = dict(run.trainer.run_worker("sync_weights", version)[0])
     verify = cfg.weight_sync.verify
     if verify == "always" or (verify == "first" and not run.synced_once):
         if cfg.train.routing_replay == "r3":
@@ -64,13 +64,13 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
         else:
             if getattr(run, "probes", None) is None:
                 run.probes = probe_batch(run)
-            results = run.trainer.run("verify_weights", run.probes, float(cfg.weight_sync.verify_tolerance))
+            results = run.trainer.run_worker("verify_weights", run.probes, float(cfg.weight_sync.verify_tolerance))
             metrics.update(next((r for r in results if r), {}))
     run.synced_once = True
     versions = ray.get(run.rollout.weight_versions.remote(), timeout=120)
     numeric = [int(v) for v in versions.values() if v is not None and str(v).isdigit()]
     if numeric:
-        metrics["engine/weight_version"] = float(min(numeric))
+        metrics["engine/weight_version"] = run.engine_weight_version = float(min(numeric))
     if any(str(v) != str(version) for v in versions.values()):
         logger.warning("engines report weight versions %s after syncing version %d", versions, version)
     diff = metrics.get("weight_sync/verify_logprob_diff_mean")

@@ -15,10 +15,10 @@ def test_rows_are_correct_and_deterministic():
     rows = make_arithmetic_rows(200, seed=5, min_digits=2, max_digits=4, operators=("+", "-", "*"))
     assert rows == make_arithmetic_rows(200, seed=5, min_digits=2, max_digits=4, operators=("+", "-", "*"))
     for row in rows:
-        a, op, b = row["expression"].strip("()").split()
+        a, op, b = row["expression"].split()
         assert 2 <= len(a) <= 4 and 2 <= len(b) <= 4
         assert int(row["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
-        assert row["question"] == f"What is {row['expression']}?"
+        assert row["question"] == f'What is "{row["expression"]}"?'
     with pytest.raises(ValueError):
         make_arithmetic_rows(1, seed=0, operators=("/",))
 
