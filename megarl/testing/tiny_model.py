@@ -311,6 +311,37 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     return out
 
 
+def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True) -> Path:
+    """Add a multi-token-prediction layer to a tiny DeepSeek-V3 / GLM-4.5 directory, in place, as
+    the released checkpoints carry one: tensors ``model.layers.{num_hidden_layers}.*`` (a copy of
+    the last decoder layer plus ``eh_proj``, ``enorm``, ``hnorm``) in a second safetensors shard with
+    an index, and ``num_nextn_predict_layers = 1`` in config.json when ``declare``.
+
+    Returns:
+        The directory.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    num_layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    if declare:
+        cfg["num_nextn_predict_layers"] = 1
+        (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    base = load_file(hf_dir / "model.safetensors")
+    last, mtp_prefix = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    mtp = {k.replace(last, mtp_prefix): v.clone() for k, v in base.items() if k.startswith(last)}
+    mtp.update({mtp_prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
+                mtp_prefix + "enorm.weight": torch.ones(hidden), mtp_prefix + "hnorm.weight": torch.ones(hidden)})
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    (hf_dir / "model.safetensors").rename(hf_dir / shards[0])
+    save_file(mtp, hf_dir / shards[1], metadata={"format": "pt"})
+    weight_map = {**{k: shards[0] for k in base}, **{k: shards[1] for k in mtp}}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf_dir
+
+
 TINY_SCHEME = "tiny:"
 
 

@@ -10,12 +10,12 @@ import logging
 import shutil
 
 import pytest
-import torch
 
 from megarl.checkpoint.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
 from megarl.checkpoint.families import get_family
 from megarl.checkpoint.hf_io import HFCheckpointReader
 from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.testing.tiny_model import append_mtp_layer
 
 
 def _config(path):
@@ -93,39 +93,14 @@ def test_unsupported_settings_name_the_field(tiny_deepseek_v3_dir, field, value,
         get_family(cfg).architecture(cfg)
 
 
-def _with_mtp_layer(src, dst, *, declare: bool):
-    """A copy of ``src`` plus DeepSeek's MTP layer tensors (``model.layers.{L}``) in a second shard."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    num_layers = cfg["num_hidden_layers"]
-    if declare:
-        cfg["num_nextn_predict_layers"] = 1
-        (dst / "config.json").write_text(json.dumps(cfg))
-    base = load_file(dst / "model.safetensors")
-    last = f"model.layers.{num_layers - 1}."
-    mtp = {k.replace(last, f"model.layers.{num_layers}."): v.clone() for k, v in base.items() if k.startswith(last)}
-    hidden = cfg["hidden_size"]
-    mtp.update({f"model.layers.{num_layers}.eh_proj.weight": torch.randn(hidden, 2 * hidden),
-                f"model.layers.{num_layers}.enorm.weight": torch.ones(hidden),
-                f"model.layers.{num_layers}.hnorm.weight": torch.ones(hidden)})
-    (dst / "model.safetensors").rename(dst / "model-00001-of-00002.safetensors")
-    save_file(mtp, dst / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in base}
-    weight_map.update({k: "model-00002-of-00002.safetensors" for k in mtp})
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return dst
-
-
 @pytest.mark.timeout(60)
 def test_mtp_layers_are_dropped_with_a_note(tiny_deepseek_v3_dir, tmp_path, caplog):
-    with_mtp = _with_mtp_layer(tiny_deepseek_v3_dir, tmp_path / "mtp", declare=True)
+    with_mtp = append_mtp_layer(shutil.copytree(tiny_deepseek_v3_dir, tmp_path / "mtp"))
     with caplog.at_level(logging.WARNING, logger="megarl.checkpoint.families.deepseek_v3"):
         check_weights_match_config(with_mtp)
     assert "1 multi-token-prediction layer(s) (HF model.layers.2..2) are dropped" in caplog.text
     assert not any(k.startswith("model.layers.2.") for k in expected_hf_shapes(_config(with_mtp)))
-    undeclared = _with_mtp_layer(tiny_deepseek_v3_dir, tmp_path / "undeclared", declare=False)
+    undeclared = append_mtp_layer(shutil.copytree(tiny_deepseek_v3_dir, tmp_path / "undeclared"), declare=False)
     with pytest.raises(ConfigMismatchError, match="num_hidden_layers: 2 in .*config.json, but the weights .* have 3 layers"):
         check_weights_match_config(undeclared)
 
