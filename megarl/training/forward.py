@@ -9,7 +9,8 @@ share of the global-batch loss (divided by the global denominators of the optimi
 sum over micro batches and data-parallel ranks is the global loss and the summed gradient is its
 gradient. Megatron divides a ``(loss, metrics)`` result by the number of micro batches and DDP
 averages gradients over the data-parallel group (a ``1 / dp_size`` factor, for expert weights
-too), so `rl_loss` returns ``loss * num_microbatches * dp_size``.
+too), so `megarl.training.trainer.Trainer.forward_backward` multiplies each micro batch's loss
+by ``num_microbatches * dp_size``.
 """
 from __future__ import annotations
 
@@ -37,16 +38,12 @@ class LossInputs:
         loss_mask: ``[T_total]`` bool, the batch's loss mask after any rollout correction.
         is_weights: ``[T_total]`` float32 detached rollout-correction weights, or None.
         normalizer: the global loss denominators of the step (all micro batches, all DP ranks).
-        num_microbatches: micro batches per rank in this step.
-        dp_size: data-parallel size (the loss scaling of the module docstring).
     """
 
     batch: TrainBatch
     loss_mask: Tensor
     is_weights: Tensor | None
     normalizer: LossNormalizer
-    num_microbatches: int
-    dp_size: int
 
 
 def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: ParallelState,
@@ -97,9 +94,9 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
     return logprobs, ent
 
 
-def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, inputs: LossInputs,
+def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, inputs: LossInputs,
             algo: AlgorithmConfig) -> tuple[Tensor, dict[str, Metric]]:
-    """The RL loss of one micro batch, scaled for Megatron (see the module docstring).
+    """The RL loss of one micro batch: its share of the global-batch loss.
 
     Args:
         logprobs: ``[T_real]`` float32 current-policy logprobs of the row's tokens (with grad).
@@ -109,7 +106,8 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, inpu
         algo: the ``algorithm`` config section (loss name, clips, aggregation, KL, entropy).
 
     Returns:
-        ``(scaled_loss, metrics)``: 0-dim loss to backpropagate; metrics as ``Metric`` objects.
+        ``(loss, metrics)``: 0-dim loss (the caller applies Megatron's scaling, module
+        docstring); metrics as ``Metric`` objects.
     """
     batch, cu = inputs.batch, mb.cu_seqlens
     if not mb.spec.seq_indices:  # padding-only micro batch: keep the graph, contribute nothing
@@ -138,7 +136,7 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, inpu
                                                   loss_agg_mode=algo.loss_aggregation, normalizer=inputs.normalizer)
         loss, metrics = loss + bonus, metrics | bonus_metrics
     metrics["loss/total"] = Metric(loss.detach(), "sum", torch.ones((), dtype=loss.dtype))
-    return loss * (inputs.num_microbatches * inputs.dp_size), metrics
+    return loss, metrics
 
 
 def tp_group_of(parallel: ParallelState):

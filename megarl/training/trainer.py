@@ -220,52 +220,104 @@ class Trainer:
             _restore(self.model_chunks, policy)
 
     # ------------------------------------------------------------------ training
+    def forward_backward(self, batch: TrainBatch, loss_fn, *, entropy: str = "none", routes: Tensor | None = None,
+                         forward_only: bool = False) -> tuple[list[dict], dict[str, float]]:
+        """Run a loss over this rank's micro batches through Megatron's schedule (all ranks call).
+
+        Gradients are zeroed first and, after it returns, hold the gradient of the sum of the
+        losses over all micro batches and data-parallel ranks (Megatron's ``1 / num_microbatches``
+        and DDP's ``1 / dp_size`` are undone here). Step the optimizer with `optimizer_step`.
+
+        Args:
+            batch: the batch (every rank passes the same one).
+            loss_fn: ``loss_fn(logprobs [T_real], entropy [T_real] | None, mb) -> (loss, metrics)``,
+                ``loss`` being the micro batch's share of the global loss (divided by global
+                denominators); a padding-only micro batch (``mb.spec.seq_indices == ()``) must
+                still return a loss connected to ``logprobs`` (``logprobs.sum() * 0``).
+            entropy: ``none``, ``metric`` or ``grad`` (see `megarl.training.logprobs.next_token_logprobs`).
+            routes: ``[T_total, L, K]`` routes to replay, or None.
+            forward_only: no backward pass (and no gradient zeroing).
+
+        Returns:
+            ``(metrics, batch_metrics)``: the ``metrics`` dicts ``loss_fn`` returned on this rank
+            (reduce them with `reduce`), and ``batch/padding_fraction`` (of the whole plan) and
+            ``batch/num_microbatches`` (per rank).
+        """
+        mbs, padding_fraction = self.micro_batches(batch)
+        scale = len(mbs) * self.parallel.dp_size
+        sink: list[dict] = []
+
+        def step_func(data_iterator, model):
+            mb = next(data_iterator)
+            output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
+
+            def loss_func(output_tensor):
+                logprobs, ent = fwd.micro_batch_logprobs(
+                    output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
+                    temperature=self.cfg.rollout.sampling.temperature, entropy=entropy)
+                loss, metrics = loss_fn(logprobs, ent, mb)
+                sink.append(metrics)
+                return loss * scale, {}
+            return output, loss_func
+
+        if not forward_only:
+            for chunk in self.model_chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        try:
+            self._run(step_func, mbs, forward_only=forward_only)
+        finally:
+            if self.replay is not None:
+                self.replay.off()
+        return sink, {"batch/padding_fraction": padding_fraction, "batch/num_microbatches": float(len(mbs))}
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step the optimizer and the LR schedule; ``optim/*`` metrics (same on every rank)."""
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step += 1
+        return {"optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "optim/lr": float(self.optimizer.param_groups[0]["lr"]),
+                "optim/update_successful": float(bool(update_successful)), "optim/step": float(self.step)}
+
+    def reduce(self, metrics: list[dict]) -> dict[str, float]:
+        """Combine per-micro-batch ``Metric`` dicts over micro batches and ranks (all ranks call)."""
+        return fwd.all_reduce_metrics(reduce_metrics(metrics), contribute=self._reports)
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on the whole batch (see the module docstring).
+        """One optimizer step of the configured RL loss on the whole batch (module docstring).
 
         Args:
             batch: every rank passes the same batch; missing ``old_logprobs`` (and R2 routes,
                 reference logprobs) are computed first with `prepare_batch`.
 
         Returns:
-            ``{name: value}`` metrics, the same on every rank: ``loss/*`` and ``mismatch/*`` (the
-            algorithm library's, reduced over micro batches and data-parallel ranks),
-            ``optim/grad_norm`` (before clipping), ``optim/lr``, ``optim/update_successful``,
-            ``batch/padding_fraction``, ``batch/num_microbatches``, ``batch/num_tokens``,
-            ``perf/tokens_per_s`` (all ranks' real tokens / step time), ``timing/*_s``.
+            ``{name: value}`` metrics, the same on every rank: ``loss/*``, ``kl/*`` (the algorithm
+            library's, reduced over micro batches and data-parallel ranks), ``mismatch/*`` (with
+            a rollout correction), ``optim/grad_norm`` (before clipping), ``optim/lr``,
+            ``optim/update_successful``, ``batch/padding_fraction``, ``batch/num_microbatches``,
+            ``batch/num_tokens``, ``perf/tokens_per_s`` (all ranks' real tokens / step time),
+            ``timing/*_s``.
+
+        Raises:
+            RoutingReplayError: replay is on and the batch's routes are missing or invalid.
         """
         start = time.perf_counter()
         batch = self.prepare_batch(batch)
         prepared = time.perf_counter()
         routes = self._replay_routes(batch)
-        mbs, padding_fraction = self.micro_batches(batch)
-        inputs = self._loss_inputs(batch, num_microbatches=len(mbs))
-        per_mb_metrics = []
-
-        def step_func(data_iterator, model):
-            mb = next(data_iterator)
-            output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
-            return output, functools.partial(self._loss_func, mb, inputs, per_mb_metrics)
-
-        for chunk in self.model_chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self._run(step_func, mbs, forward_only=False)
-        if self.replay is not None:
-            self.replay.off()
+        inputs, correction_metrics = self._loss_inputs(batch)
+        algo = self.cfg.algorithm
+        loss_fn = functools.partial(fwd.rl_loss, inputs=inputs, algo=algo)
+        per_mb, batch_metrics = self.forward_backward(
+            batch, loss_fn, entropy="grad" if algo.entropy_coef > 0 else "metric", routes=routes)
         backward_done = time.perf_counter()
-        update_successful, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        self.step += 1
+        metrics = self.optimizer_step()
         done = time.perf_counter()
-        metrics = fwd.all_reduce_metrics(reduce_metrics(per_mb_metrics), contribute=self._reports)
+        metrics.update(self.reduce(per_mb))
+        metrics.update(correction_metrics | batch_metrics)
         step_s = done - prepared
         metrics.update({
-            "optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "optim/lr": float(self.optimizer.param_groups[0]["lr"]),
-            "optim/update_successful": float(bool(update_successful)),
-            "optim/step": float(self.step),
-            "batch/padding_fraction": padding_fraction, "batch/num_microbatches": float(len(mbs)),
             "batch/num_tokens": float(batch.num_tokens), "batch/num_sequences": float(batch.num_sequences),
             "perf/tokens_per_s": batch.num_tokens / step_s,
             "timing/prepare_batch_s": prepared - start, "timing/forward_backward_s": backward_done - prepared,
@@ -273,19 +325,11 @@ class Trainer:
         })
         return metrics
 
-    def _loss_func(self, mb: PackedMicroBatch, inputs: fwd.LossInputs, sink: list, output_tensor: Tensor):
+    def _loss_inputs(self, batch: TrainBatch) -> tuple[fwd.LossInputs, dict[str, float]]:
+        """Rollout correction over the whole batch (and its ``mismatch/*`` metrics) and the step's
+        global loss denominators."""
         algo = self.cfg.algorithm
-        entropy = "grad" if algo.entropy_coef > 0 else "metric"
-        lp, ent = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
-                                           temperature=self.cfg.rollout.sampling.temperature, entropy=entropy)
-        loss, metrics = fwd.rl_loss(lp, ent, mb, inputs, algo)
-        sink.append(metrics)
-        return loss, {}
-
-    def _loss_inputs(self, batch: TrainBatch, *, num_microbatches: int) -> fwd.LossInputs:
-        """Rollout correction over the whole batch and the step's global loss denominators."""
-        algo = self.cfg.algorithm
-        loss_mask, is_weights = batch.loss_mask, None
+        loss_mask, is_weights, correction_metrics = batch.loss_mask, None, {}
         if algo.rollout_correction != "none":
             if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
                 raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}")
@@ -300,11 +344,12 @@ class Trainer:
                              **kwargs)
             keep = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)
             loss_mask, is_weights = result.loss_mask[keep], result.weights[keep].float()
+            correction_metrics = {name: float(m.value) for name, m in result.metrics.items()}
         max_response = self.cfg.rollout.agent.max_response_tokens
         normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
                                                    max_response_tokens=float(max_response))
-        return fwd.LossInputs(batch=batch, loss_mask=loss_mask, is_weights=is_weights, normalizer=normalizer,
-                              num_microbatches=num_microbatches, dp_size=self.parallel.dp_size)
+        return fwd.LossInputs(batch=batch, loss_mask=loss_mask, is_weights=is_weights,
+                              normalizer=normalizer), correction_metrics
 
     # ------------------------------------------------------------------ weight sync, checkpoints
     def named_parameters_for_sync(self):

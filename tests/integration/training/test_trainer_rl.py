@@ -9,6 +9,8 @@ One spawned 2-rank gloo job (the stages share the expensive start-up):
 2. Engine-style (R3) routes that the router would not choose are replayed exactly (hook) and change
    the logprobs; corrupted or missing routes are rejected with a clear error.
 3. Checkpoint saved at TP2, loaded at TP1 (DP2): the next step's loss and grad norm are identical.
+   A KL penalty to the reference weights (host copies swapped in) runs throughout; an IcePop
+   rollout correction masks exactly the tokens whose trainer/engine ratio leaves its band.
 """
 import multiprocessing
 
@@ -19,7 +21,8 @@ from megarl.testing.multiproc import run_ranks
 from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 TP2 = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True}
-RL = {"train.routing_replay": "r2", "train.lr": 2e-4, "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.2}
+RL = {"train.routing_replay": "r2", "train.lr": 2e-4, "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.2,
+      "algorithm.kl_coef": 0.01}  # KL to the reference (the HF weights, kept on the host and swapped in)
 
 
 def _hook_routers(trainer):
@@ -67,7 +70,12 @@ def _stage_gspo_and_r2(trainer, batch):
     after = dict(trainer.named_parameters_for_sync())
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     ratios = [steps[0][f"loss/seq_importance_ratio_{k}"] for k in ("mean", "min", "max")]
+    policy = trainer.compute_logprobs(prepared)
+    reference = trainer.compute_logprobs(prepared, reference=True)
     return prepared, {"ratios": ratios, "losses": [m["loss/policy"] for m in steps],
+                      "kl": [m["kl/ref_k3"] for m in steps], "ref_equals_prepared": torch.equal(reference, prepared.ref_logprobs),
+                      "policy_restored": torch.equal(policy, trainer.compute_logprobs(prepared)),
+                      "policy_moved": float((policy - reference).abs().max()),
                       "router_changed": any(".router." in n for n in changed), "num_changed": len(changed),
                       "num_params": len(before)}
 
@@ -112,7 +120,15 @@ def _worker(rank, world_size, hf_dir, batch, ckpt_dir):
     trainer = build(make_cfg(hf_dir, RL))  # TP1: the two ranks are data parallel
     trainer.load_checkpoint(ckpt_dir)
     resumed = trainer.train_step(prepared)
-    out["resume"] = [(m["loss/policy"], m["optim/grad_norm"], m["optim/step"]) for m in (expected, resumed)]
+    out["resume"] = [(m["loss/total"], m["optim/grad_norm"], m["optim/step"]) for m in (expected, resumed)]
+    # IcePop drops tokens whose trainer/engine probability ratio leaves [0.5, 5]: engine logprobs equal
+    # to the trainer's for sequences 0-2 (ratio 1, kept) and 0 (probability 1, ratio << 0.5) for the rest
+    trainer.cfg.algorithm.rollout_correction = "icepop"
+    engine = prepared.old_logprobs.clone()
+    engine[int(prepared.cu_seqlens[3]):] = 0.0
+    out["icepop"] = trainer.train_step(prepared.replace(rollout_logprobs=engine))["mismatch/is_masked_frac"]
+    mask = prepared.loss_mask
+    out["icepop_expected"] = float(mask[int(prepared.cu_seqlens[3]):].sum() / mask.sum())
     teardown(trainer)
     return out
 
@@ -127,6 +143,9 @@ def test_gspo_replay_and_resume(tiny_moe_dir, tmp_path):
     losses = out["losses"]
     assert losses[0] > losses[1] > losses[2], losses
     assert out["router_changed"], "routing replay must keep router gradients"
+    assert out["kl"][0] == pytest.approx(0.0, abs=1e-7) and out["kl"][2] > out["kl"][1] > 0, out["kl"]
+    assert out["ref_equals_prepared"] and out["policy_restored"] and out["policy_moved"] > 1e-4
+    assert out["icepop"] == pytest.approx(out["icepop_expected"], rel=1e-6)
     assert out["num_changed"] > out["num_params"] // 2
     assert out["r3"]["max_logprob_change"] > 1e-3, "replayed routes must change the computation"
     errors = out["r3"]["errors"]
