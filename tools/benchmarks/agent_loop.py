@@ -138,6 +138,27 @@ def launch(model: str | None, workdir: str):
     return engine.start().wait_healthy(300), model
 
 
+def report(result: dict) -> None:
+    """Print one line per benchmark."""
+    if "a_throughput" in result:
+        a = result["a_throughput"]
+        print(f"(a) {a['n_requests']} concurrent single-turn requests x {a['new_tokens']} tokens: "
+              f"direct /generate {a['direct_tokens_per_s']:.0f} tok/s, agent loop "
+              f"{a['agent_tokens_per_s']:.0f} tok/s (medians), paired ratio {a['ratio']:.3f} "
+              f"(target >= 0.95); client CPU per request: direct "
+              f"{a['client_cpu_ms_per_request']['direct']:.2f} ms, agent "
+              f"{a['client_cpu_ms_per_request']['agent']:.2f} ms")
+    if "b_orchestration" in result:
+        b = result["b_orchestration"]
+        short, long = b["short"], b["long"]
+        print(f"(b) orchestration per turn: {short['history_tokens']} tokens of history "
+              f"{short['orchestration_ms_per_turn_median']:.2f} ms, {long['history_tokens']} tokens "
+              f"{long['orchestration_ms_per_turn_median']:.2f} ms (medians; ratio {b['ratio']:.3f}); "
+              f"minima {short['orchestration_ms_per_turn_min']:.2f} / "
+              f"{long['orchestration_ms_per_turn_min']:.2f} ms (ratio {b['ratio_of_minima']:.3f}); "
+              f"target <= 1.1")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running SGLang server (default: launch one on CPU)")
@@ -149,6 +170,7 @@ def main() -> None:
     parser.add_argument("--long-history", type=int, default=32768)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--parts", default="ab", help="which benchmarks to run: a, b or ab")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -160,30 +182,23 @@ def main() -> None:
             args.url = engine.url
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
-            result = {"a_throughput": asyncio.run(throughput(
-                args.url, tokenizer, args.num_requests, args.new_tokens, args.rounds))}
-            b = {n: asyncio.run(orchestration(args.url, tokenizer, n, args.turns, args.reps))
-                 for n in (args.short_history, args.long_history)}
-            short, long = b[args.short_history], b[args.long_history]
-            result["b_orchestration"] = {
-                "short": short, "long": long,
-                "ratio": long["orchestration_ms_per_turn_median"]
-                / short["orchestration_ms_per_turn_median"]}
+            result = {}
+            if "a" in args.parts:
+                result["a_throughput"] = asyncio.run(throughput(
+                    args.url, tokenizer, args.num_requests, args.new_tokens, args.rounds))
+            if "b" in args.parts:
+                short, long = (asyncio.run(orchestration(args.url, tokenizer, n, args.turns, args.reps))
+                               for n in (args.short_history, args.long_history))
+                result["b_orchestration"] = {
+                    "short": short, "long": long,
+                    "ratio": long["orchestration_ms_per_turn_median"]
+                    / short["orchestration_ms_per_turn_median"],
+                    "ratio_of_minima": long["orchestration_ms_per_turn_min"]
+                    / short["orchestration_ms_per_turn_min"]}
         finally:
             if engine is not None:
                 engine.stop()
-    a, b = result["a_throughput"], result["b_orchestration"]
-    print(f"(a) {a['n_requests']} concurrent single-turn requests x {a['new_tokens']} tokens: "
-          f"direct /generate {a['direct_tokens_per_s']:.0f} tok/s, agent loop "
-          f"{a['agent_tokens_per_s']:.0f} tok/s (medians), paired ratio {a['ratio']:.3f} "
-          f"(target >= 0.95); client CPU per request: direct "
-          f"{a['client_cpu_ms_per_request']['direct']:.2f} ms, agent "
-          f"{a['client_cpu_ms_per_request']['agent']:.2f} ms")
-    print(f"(b) orchestration per turn: {b['short']['history_tokens']} tokens of history "
-          f"{b['short']['orchestration_ms_per_turn_median']:.2f} ms, {b['long']['history_tokens']} "
-          f"tokens {b['long']['orchestration_ms_per_turn_median']:.2f} ms (medians; minima "
-          f"{b['short']['orchestration_ms_per_turn_min']:.2f} / "
-          f"{b['long']['orchestration_ms_per_turn_min']:.2f} ms), ratio {b['ratio']:.3f} (target <= 1.1)")
+    report(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
