@@ -11,7 +11,8 @@ Two things live here:
   ``narrow_padded_param_and_loaded_weight(param, weight, 0, tp_rank * shard, dim, shard, narrow_weight)``
   even when ``use_presharded_weights`` is set (``narrow_weight=False``). The weight is then the
   rank's own shard, so the rank offset lies past its end and the *parameter* is narrowed to 0 rows
-  on every rank but 0: rank 1 silently keeps its old weights. FusedMoE has the fix
+  on every rank but 0; the layer's shape assertion then fails inside the server, which takes the
+  engine down (shown by ``tests/unit/weight_sync/test_sglang_compat.py``). FusedMoE has the fix
   (``weight_start = 0`` when pre-sharded on CPU), the linears do not. While the fix is active, a
   call with ``narrow_weight=False`` is made with ``weight_start=0``: a weight that is already the
   shard starts at its own row 0. GPU code paths never call this function for pre-sharded weights.

@@ -19,11 +19,15 @@ from megarl.weight_sync.validate import WeightSyncError
 
 
 def engine_prompt_logprobs(engines: EngineGroup, probes: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
-    """``[engine][probe] -> [P - 1]`` float64 teacher-forced logprobs from every engine."""
-    per_engine = []
-    for i in range(len(engines)):
-        futures = [engines.submit(i, "prompt_logprobs", list(p)) for p in probes]
-        per_engine.append([torch.tensor(f.result(), dtype=torch.float64) for f in futures])
+    """``[engine][probe] -> [P - 1]`` float64 teacher-forced logprobs from every engine.
+
+    One probe at a time (all engines in parallel): a probe batched with others can come out
+    different in the last bits, and verification should compare weights, not batching.
+    """
+    per_engine: list[list[torch.Tensor]] = [[] for _ in range(len(engines))]
+    for probe in probes:
+        for i, result in enumerate(engines.call_all("prompt_logprobs", list(probe))):
+            per_engine[i].append(torch.tensor(result, dtype=torch.float64))
     return per_engine
 
 

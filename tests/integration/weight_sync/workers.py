@@ -1,33 +1,61 @@
 """Rank functions for the weight-sync integration tests (module-level: ``run_ranks`` spawns them)."""
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
+import torch.distributed as dist
+
+LAYOUTS = {
+    "tp2": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True},
+    "ep2": {"parallel.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall"},
+    "pp2": {"parallel.pipeline_model_parallel_size": 2},
+}
+"""World-size-2 trainer layouts, as ``section.key`` overrides."""
 
 
-def build_policy(hf_dir: str, parallel: dict):
-    """This rank's Megatron policy at layout ``parallel``, loaded from ``hf_dir`` (fp32, CPU)."""
-    from megarl.checkpoint import load_hf_weights
-    from megarl.config.schema import ModelConfig, ParallelConfig
-    from megarl.training.model import build_model
-    from megarl.training.parallel_state import initialize_parallel
+def make_cfg(hf_dir: str, overrides: dict):
+    """A small CPU training config for the tiny model (fp32, a large LR so two steps move the policy)."""
+    from megarl.config.schema import MegarlConfig
 
-    parallel_cfg = ParallelConfig(**parallel)
-    state = initialize_parallel(parallel_cfg, backend="gloo")
-    model_cfg = ModelConfig(hf_path=hf_dir, moe_token_dispatcher_type="alltoall")
-    chunks = build_model(hf_dir, parallel_cfg, model_cfg, precision="fp32", device="cpu")
-    load_hf_weights(chunks, hf_dir, state)
-    return state, parallel_cfg, chunks
+    cfg = MegarlConfig()
+    cfg.model.hf_path = str(hf_dir)
+    cfg.cluster.device = "cpu"
+    cfg.train.precision = "fp32"
+    cfg.train.lr = 1e-2
+    cfg.train.max_tokens_per_microbatch = 64
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
 
 
-def local_params(chunks, state) -> dict[str, torch.Tensor]:
-    from megarl.training.sync_names import named_parameters_for_sync
+def packed(sequences: list[list[int]], *, train: bool, seed: int = 0):
+    """A `TrainBatch` of ``sequences`` (every token after the first trained when ``train``)."""
+    from megarl.training.batch import TrainBatch
 
-    return {name: p.detach() for name, p in named_parameters_for_sync(chunks, state)}
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([len(s) for s in sequences])
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    mask = torch.ones(int(cu[-1]), dtype=torch.bool) if train else torch.zeros(int(cu[-1]), dtype=torch.bool)
+    mask[cu[:-1]] = False
+    return TrainBatch(input_ids=torch.tensor([t for s in sequences for t in s], dtype=torch.int64), cu_seqlens=cu,
+                      loss_mask=mask, advantages=torch.randn(len(sequences), generator=gen),
+                      rollout_logprobs=torch.zeros(int(cu[-1])))
+
+
+def trainer_probe_logprobs(trainer, probes: list[list[int]]) -> list[list[float]]:
+    """The trainer's own logprobs of tokens 1..P-1 of each probe."""
+    batch = packed(probes, train=False)
+    flat = trainer.compute_logprobs(batch).double()
+    cu = batch.cu_seqlens.tolist()
+    return [flat[cu[i] + 1:cu[i + 1]].tolist() for i in range(len(probes))]
 
 
 def engine_logprobs(urls, probes) -> list[list[list[float]]]:
+    """``[engine][probe]`` teacher-forced logprobs of tokens 1..P-1."""
     from megarl.weight_sync.engines import EngineGroup
     from megarl.weight_sync.verify import engine_prompt_logprobs
 
@@ -43,29 +71,48 @@ def reset_engines(urls, model_dir: str) -> None:
         engines.call_all("update_weights_from_disk", model_dir)
 
 
-def sync_transports(rank: int, world_size: int, trained_dir: str, engine_dir: str, parallel: dict,
-                    transports: list, urls: list, probes: list, engine_tp: int, workdir: str) -> dict:
-    """Load ``trained_dir`` into Megatron at ``parallel``; for each transport: sync, then (rank 0)
-    read the engines' probe logprobs. Returns rank 0's measurements."""
+def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str], transports: list[str],
+                    urls: list[str], probes: list[list[int]], engine_tp: int, workdir: str,
+                    train_sequences: list[list[int]]) -> dict | None:
+    """Per layout: build the trainer from ``hf_dir``, take two GSPO steps, then for each transport
+    reset the engines to ``hf_dir``, sync, and read the engines' probe logprobs (rank 0 reads).
+
+    Returns (rank 0): ``{layout: {"trainer": [...], "before": {t: ...}, "after": {t: ...},
+    "metrics": {t: {...}}}}``.
+    """
     from megarl.config.schema import WeightSyncConfig
+    from megarl.training.build import build_trainer
+    from megarl.training.parallel_state import destroy_parallel
     from megarl.weight_sync.sync import build_weight_sync
 
-    state, parallel_cfg, chunks = build_policy(trained_dir, parallel)
-    params = local_params(chunks, state)
-    out = {"before": engine_logprobs(urls, probes) if rank == 0 else None, "after": {}, "metrics": {}, "reset": {}}
-    for i, transport in enumerate(transports):
-        if rank == 0 and i > 0:  # every transport starts from the engine's original weights
-            reset_engines(urls, engine_dir)
-            out["reset"][transport] = engine_logprobs(urls, probes)
-        torch.distributed.barrier()
-        cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25)
-        syncer = build_weight_sync(engine_dir, state, urls, cfg, engine_tp_size=engine_tp, dtype="float32",
-                                   parallel_cfg=parallel_cfg, directory=os.path.join(workdir, "disk"))
-        try:
-            metrics = syncer.sync(params, policy_version=i + 1)
-        finally:
-            syncer.close()
-        if rank == 0:
-            out["after"][transport] = engine_logprobs(urls, probes)
-            out["metrics"][transport] = metrics
-    return out if rank == 0 else None
+    results = {}
+    for layout in layouts:
+        cfg = make_cfg(hf_dir, LAYOUTS[layout])
+        trainer = build_trainer(cfg)
+        for step in range(2):
+            trainer.train_step(trainer.prepare_batch(packed(train_sequences, train=True, seed=step)))
+        out = {"trainer": trainer_probe_logprobs(trainer, probes), "before": {}, "after": {}, "metrics": {}}
+        params = dict(trainer.named_parameters_for_sync())
+        for i, transport in enumerate(transports):
+            if rank == 0:
+                reset_engines(urls, hf_dir)
+                out["before"][transport] = engine_logprobs(urls, probes)
+            dist.barrier()
+            ws_cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25)
+            syncer = build_weight_sync(hf_dir, trainer.parallel, urls, ws_cfg, engine_tp_size=engine_tp,
+                                       dtype="float32", parallel_cfg=cfg.parallel,
+                                       directory=os.path.join(workdir, f"disk-{layout}"))
+            try:
+                out["metrics"][transport] = syncer.sync(params, policy_version=trainer.step)
+            finally:
+                syncer.close()
+            if rank == 0:
+                out["after"][transport] = engine_logprobs(urls, probes)
+            dist.barrier()
+        results[layout] = out
+        del trainer, params
+        gc.collect()
+        destroy_parallel()
+    if rank == 0:
+        reset_engines(urls, hf_dir)  # leave the shared engine as the other tests expect it
+    return results if rank == 0 else None

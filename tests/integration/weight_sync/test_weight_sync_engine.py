@@ -1,0 +1,126 @@
+"""Weight sync from a 2-rank Megatron trainer (gloo) to real SGLang CPU servers.
+
+References: the trainer's own logprobs (``Trainer.compute_logprobs``) on probe sequences; the disk
+transport (``/update_weights_from_disk`` of safetensors) for the other transports; the engine's own
+parameter bytes per rank (reported by the custom loader inside the server) for shard delivery.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.testing.multiproc import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import workers  # noqa: E402
+
+TOLERANCE = 1e-3
+"""Mean |engine - trainer| logprob allowed after a sync (fp32 on CPU)."""
+
+
+def probes() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (24, 17, 31)]
+
+
+def train_sequences() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in (12, 20, 9, 16)]
+
+
+def gap(engine: list[list[float]], reference: list[list[float]]) -> tuple[float, float]:
+    diffs = torch.cat([(torch.tensor(e, dtype=torch.float64) - torch.tensor(r, dtype=torch.float64)).abs()
+                       for e, r in zip(engine, reference)])
+    return diffs.mean().item(), diffs.max().item()
+
+
+def run(tiny_moe_dir, tmp_path, urls, layouts, transports, engine_tp) -> dict:
+    return run_ranks(workers.train_then_sync, 2, timeout_s=540, args=(
+        str(tiny_moe_dir), layouts, transports, urls, probes(), engine_tp, str(tmp_path), train_sequences()))[0]
+
+
+@pytest.mark.timeout(600)
+def test_sync_after_training_matches_trainer_at_tp2_ep2_pp2(sglang_engine, tiny_moe_dir, tmp_path):
+    """Distributed sync after two training steps at TP2, EP2 and PP2; at TP2 every transport."""
+    results = run(tiny_moe_dir, tmp_path, [sglang_engine.url], ["tp2", "ep2", "pp2"],
+                  ["distributed", "disk", "shard", "tensor"], engine_tp=1)
+    report = {}
+    for layout, out in results.items():
+        trainer = out["trainer"]
+        for transport, after in out["after"].items():
+            before_mean, _ = gap(out["before"][transport][0], trainer)
+            mean, peak = gap(after[0], trainer)
+            report[(layout, transport)] = (before_mean, mean, peak)
+            assert before_mean > 20 * TOLERANCE, (layout, transport, before_mean)  # training moved the policy
+            assert mean <= TOLERANCE, (layout, transport, mean, peak)
+            metrics = out["metrics"][transport]
+            assert metrics["weight_sync/hf_bytes"] == metrics["weight_sync/engine_rank_bytes_max"]
+            assert metrics["timing/weight_sync_s"] > 0
+        # every transport leaves the engine with identical outputs (the disk transport is the reference)
+        for transport in ("distributed", "shard", "tensor"):
+            assert out["after"][transport] == out["after"]["disk"], (layout, transport)
+    print("\nlayout transport: mean|engine-trainer| before -> after (max after)")
+    for (layout, transport), (before, mean, peak) in report.items():
+        print(f"  {layout} {transport}: {before:.4f} -> {mean:.2e} (max {peak:.2e})")
+
+
+@pytest.fixture(scope="module")
+def tp2_engine(tiny_moe_dir, tmp_path_factory):
+    """An SGLang CPU server at TP=2 whose shard loader reports the bytes each rank receives."""
+    from megarl.rollout.engine import EngineProcess
+    from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS, STATS_DIR_ENV
+
+    stats = tmp_path_factory.mktemp("loader_stats")
+    engine = EngineProcess(tiny_moe_dir, tp_size=2, device="cpu", dtype="float32", mem_fraction_static=0.15,
+                           max_total_tokens=4096, grammar_backend="none", custom_weight_loaders=CUSTOM_WEIGHT_LOADERS,
+                           env={"OMP_NUM_THREADS": "1", STATS_DIR_ENV: str(stats)},
+                           log_path=tmp_path_factory.mktemp("logs") / "tp2_engine.log", engine_id="tp2_engine")
+    engine.start()
+    try:
+        engine.wait_healthy(300)
+        yield engine, stats
+    finally:
+        engine.stop(grace_s=0)
+
+
+def tp2_rank_shard_bytes(model_dir) -> int:
+    """Bytes of one rank's shard of the tiny Qwen3-MoE at engine TP=2 (SGLang's sharding, written out):
+    vocab rows / 2, q heads / 2, one of the two kv heads, o_proj columns / 2, each expert's gate/up rows
+    and down columns / 2 (moe TP = 2), norms and router whole."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, v, hd, nh, nkv = c["hidden_size"], c["vocab_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    e, i = c["num_local_experts"], c["moe_intermediate_size"]
+    layer = (nh // 2) * hd * h * 2 + 2 * (nkv // 2) * hd * h + 2 * hd + 2 * h + e * h + e * 3 * (i // 2) * h
+    return 4 * (c["num_hidden_layers"] * layer + 2 * (v // 2) * h + h)
+
+
+@pytest.mark.timeout(600)
+def test_shard_transport_delivers_exactly_each_ranks_shard_to_a_tp2_engine(tp2_engine, tiny_moe_dir, tmp_path):
+    engine, stats = tp2_engine
+    results = run(tiny_moe_dir, tmp_path, [engine.url], ["tp2"], ["distributed", "disk", "shard"], engine_tp=2)
+    out = results["tp2"]
+    for transport in ("distributed", "disk", "shard"):
+        before, _ = gap(out["before"][transport][0], out["trainer"])
+        mean, peak = gap(out["after"][transport][0], out["trainer"])
+        assert before > 20 * TOLERANCE and mean <= TOLERANCE, (transport, before, mean, peak)
+    assert out["after"]["distributed"] == out["after"]["disk"]
+    # On CPU, SGLang loads a full expert tensor with padded loading (the whole expert on rank 0, zeros on
+    # rank 1) but a pre-sharded one half per rank: the same function summed in another order.
+    assert gap(out["after"]["shard"][0], out["after"]["disk"][0])[1] < 1e-5
+    # Inside the server: the bytes each rank's loader received == that rank's shard, written out above.
+    expected = tp2_rank_shard_bytes(tiny_moe_dir)
+    physical = []
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (stats / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert sum(r["bytes_received"] for r in rows) == expected, (rank, rows)
+        physical.append(expected / rows[-1]["param_bytes"])
+        assert out["metrics"]["shard"][f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0)
+        assert out["metrics"]["distributed"][f"weight_sync/engine_rank{rank}_bytes_over_shard"] > 1.9
+    print(f"\nTP=2 engine, bytes received / shard: shard "
+          f"{[out['metrics']['shard'][f'weight_sync/engine_rank{r}_bytes_over_shard'] for r in (0, 1)]}, "
+          f"distributed {[round(out['metrics']['distributed'][f'weight_sync/engine_rank{r}_bytes_over_shard'], 3) for r in (0, 1)]}; "
+          f"shard / SGLang's CPU parameter bytes (with its expert padding) {[round(x, 3) for x in physical]}")
