@@ -87,14 +87,18 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | os.Pa
 
     Raises:
         CheckpointFileError: missing/truncated shard. KeyError: a tensor absent from the checkpoint.
+        ConfigMismatchError: config.json disagrees with the safetensors (names field, values, file).
         ValueError: a tensor shape that does not match the model (names both).
     """
     from megarl.checkpoint.families import get_family
     from megarl.training.model import load_hf_config
 
+    from megarl.checkpoint.config_check import check_weights_match_config
+
     hf_config = load_hf_config(hf_dir)
     layout = layout or get_family(hf_config).layout(hf_config, tp_size=parallel_state.tp_size)
     reader = HFCheckpointReader(hf_dir)
+    check_weights_match_config(hf_dir, hf_config, reader)  # headers only: names field, values, file
     count = 0
     for info, param in iter_global_params(model_chunks, parallel_state, layout):
         load_param(info, param, reader, layout, parallel_state)
