@@ -31,9 +31,11 @@ def test_megarl_train_cpu_recipe_on_two_nodes(job_env, tmp_path):
     if reason:
         pytest.skip(reason)
     env = {k: v for k, v in job_env.items() if k != "MEGARL_DRIVER"}  # the real `megarl train`
-    # Short: 2 RL steps, no SFT cold start, no evaluation; 1 trainer node + 1 rollout node.
+    # Short: 2 RL steps, no SFT cold start (so keep zero-reward groups: every step trains), no
+    # evaluation; 1 trainer node + 1 rollout node.
     r = submit(env, "slurm/train.sbatch",
                [str(recipe.relative_to(ROOT)), "train.num_steps=2", "sft.num_steps=0", "data.eval_interval=0",
+                "algorithm.filter_zero_variance_groups=false",
                 "cluster.device=cpu", "cluster.placement=disaggregated", "cluster.trainer_nodes=1",
                 "cluster.rollout_nodes=1"],
                sbatch_opts=("--nodes=2",), timeout_s=560)
