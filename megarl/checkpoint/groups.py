@@ -148,6 +148,15 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     destroy_parallel()
 
 
+def _hf_fp32_modules(hf_config) -> set[str]:
+    """Module names transformers keeps in fp32 whatever the model dtype
+    (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's ``e_score_correction_bias``)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    return set(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
+
+
 def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_bytes: int) -> None:
     """The (single) process of ``megatron_to_hf_dir``."""
     from megarl.checkpoint import hf_io
@@ -176,7 +185,12 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
         pairs = [(infos[(index, n)].global_name, p) for n, p in named]
         return megatron_to_hf(pairs, layout)
 
-    planned = [(name, out_dtype, tuple(t.shape)) for index, modules in groups
+    fp32_modules = _hf_fp32_modules(hf_config)
+
+    def dtype_of(name):
+        return torch.float32 if fp32_modules & set(name.split(".")) else out_dtype
+
+    planned = [(name, dtype_of(name), tuple(t.shape)) for index, modules in groups
                for name, t in hf_tensors(index, _group_params(chunks[index], [p for m in modules for p in m.parameters()]))]
     shards = hf_io.plan_shards(planned, max_shard_bytes)
     files = hf_io.shard_file_names(len(shards))
@@ -193,7 +207,7 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
                     current.close()
                 file, shard = next(writers)
                 current, remaining = hf_io.SafetensorsStreamWriter(Path(out_dir) / file, shard), len(shard)
-            current.write(name, tensor.to(out_dtype))
+            current.write(name, tensor.to(dtype_of(name)))
             remaining -= 1
         del wanted, loaded, named
         _release_memory()

@@ -188,6 +188,21 @@ def test_roundtrip_bit_identical(family, layout, request, work_dir):
 
 
 @pytest.mark.timeout(400)
+def test_bf16_roundtrip_keeps_fp32_router_bias(work_dir):
+    """Released DeepSeek-V3 / GLM-4.5 checkpoints are bf16 with an fp32 e_score_correction_bias."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    hf_dir = make_tiny_model(work_dir / "deepseek_bf16", TinyModelSpec(family="deepseek_v3", dtype="bfloat16"))
+    ref = _load_all(hf_dir)
+    assert ref["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert ref["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    out = _load_all(_export(hf_dir, work_dir, "ep2"))
+    assert sorted(out) == sorted(ref)
+    for name, tensor in ref.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+
+
+@pytest.mark.timeout(400)
 def test_deepseek_mtp_layer_dropped_on_import(tiny_deepseek_v3_dir, work_dir, caplog):
     import shutil
 
