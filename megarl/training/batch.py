@@ -210,9 +210,10 @@ def packed_to_padded(values: Tensor, cu_seqlens: Tensor, pad_value: float = 0.0)
     Returns:
         ``[B, L_max, ...]`` with sequence ``i`` in row ``i``, positions ``>= L_i`` set to ``pad_value``.
     """
+    cu_seqlens = cu_seqlens.to(values.device)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     num_seqs, max_len = lens.numel(), int(lens.max()) if lens.numel() else 0
-    pos = torch.arange(max_len)
+    pos = torch.arange(max_len, device=values.device)
     valid = pos[None, :] < lens[:, None]
     index = (cu_seqlens[:-1, None] + pos[None, :]).clamp(max=max(values.shape[0] - 1, 0))
     gathered = values[index.reshape(-1)].reshape(num_seqs, max_len, *values.shape[1:])

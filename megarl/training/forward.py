@@ -15,12 +15,14 @@ by ``num_microbatches * dp_size``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.algorithms import LossNormalizer, Metric, compute_policy_loss, entropy_bonus_loss, kl_penalty_loss
+from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, compute_policy_loss, entropy_bonus_loss,
+                               kl_penalty_loss)
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.micro_batch import PackedMicroBatch
@@ -31,19 +33,72 @@ from megarl.training.routing_replay import RoutingReplay
 
 @dataclasses.dataclass(kw_only=True)
 class LossInputs:
-    """What every micro batch's loss needs from the whole optimizer step.
+    """What every micro batch's loss needs from the whole optimizer step, on the compute device.
 
     Attributes:
-        batch: the step's `TrainBatch` (with ``old_logprobs``; ``ref_logprobs`` when ``kl_coef > 0``).
+        old_logprobs: ``[T_total]`` float32 logprobs at the sampling-time weights.
+        ref_logprobs: ``[T_total]`` float32 reference logprobs (``kl_coef > 0``), or None.
+        advantages: ``[B]`` float32.
         loss_mask: ``[T_total]`` bool, the batch's loss mask after any rollout correction.
         is_weights: ``[T_total]`` float32 detached rollout-correction weights, or None.
         normalizer: the global loss denominators of the step (all micro batches, all DP ranks).
     """
 
-    batch: TrainBatch
+    old_logprobs: Tensor
+    ref_logprobs: Tensor | None
+    advantages: Tensor
     loss_mask: Tensor
     is_weights: Tensor | None
     normalizer: LossNormalizer
+
+
+def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.device | str,
+                max_response_tokens: int) -> tuple[LossInputs, dict[str, float]]:
+    """Rollout correction over the whole batch and the step's global loss denominators.
+
+    The correction (``algorithm.rollout_correction``: TIS, MIS or IcePop of
+    `megarl.algorithms.corrections`, from ``old_logprobs`` vs the engine's ``rollout_logprobs``)
+    runs once on the whole batch, so its sequence-level weights and dropped tokens are the same
+    whichever micro batch a sequence lands in; the denominators are then counted from the
+    corrected loss mask (the contract of `megarl.algorithms.aggregation`).
+
+    Args:
+        batch: the step's batch, with ``old_logprobs`` (and ``ref_logprobs`` when ``kl_coef > 0``).
+        algo: the ``algorithm`` config section.
+        device: the compute device (the tensors of the result are moved there).
+        max_response_tokens: ``L_max`` of ``seq_mean_token_sum_norm``.
+
+    Returns:
+        ``(inputs, mismatch_metrics)``: the `LossInputs`, and the correction's ``mismatch/*``
+        metrics as floats (empty without a correction).
+
+    Raises:
+        ValueError: an unknown ``algorithm.rollout_correction``.
+    """
+    loss_mask, is_weights, metrics = batch.loss_mask, None, {}
+    if algo.rollout_correction != "none":
+        if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}, "
+                             f"got {algo.rollout_correction!r}")
+        kwargs = {"upper": algo.rollout_correction_clip}
+        if algo.rollout_correction != "icepop":
+            kwargs["level"] = algo.rollout_correction_level
+        if algo.rollout_correction != "tis":
+            kwargs["lower"] = algo.rollout_correction_low
+        pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
+        result = ROLLOUT_CORRECTIONS[algo.rollout_correction](
+            pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(batch.loss_mask, pad_value=False), **kwargs)
+        keep = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)
+        loss_mask, is_weights = result.loss_mask[keep], result.weights[keep].float()
+        metrics = {name: float(m.value) for name, m in result.metrics.items()}
+    normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
+                                               max_response_tokens=float(max_response_tokens))
+    to = functools.partial(torch.Tensor.to, device=device)
+    inputs = LossInputs(old_logprobs=to(batch.old_logprobs),
+                        ref_logprobs=None if batch.ref_logprobs is None else to(batch.ref_logprobs),
+                        advantages=to(batch.advantages), loss_mask=to(loss_mask),
+                        is_weights=None if is_weights is None else to(is_weights), normalizer=normalizer)
+    return inputs, metrics
 
 
 def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: ParallelState,
@@ -109,15 +164,15 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, i
         ``(loss, metrics)``: 0-dim loss (the caller applies Megatron's scaling, module
         docstring); metrics as ``Metric`` objects.
     """
-    batch, cu = inputs.batch, mb.cu_seqlens
+    cu = mb.cu_seqlens
     if not mb.spec.seq_indices:  # padding-only micro batch: keep the graph, contribute nothing
         return logprobs.sum() * 0.0, {}
     index = mb.token_index
     padded = lambda values, fill=0.0: packed_to_padded(values, cu, pad_value=fill)  # noqa: E731
     lp = padded(logprobs)
-    old = padded(batch.old_logprobs[index])
+    old = padded(inputs.old_logprobs[index])
     mask = padded(inputs.loss_mask[index], False)
-    advantages = batch.advantages[list(mb.spec.seq_indices)]
+    advantages = inputs.advantages[torch.tensor(mb.spec.seq_indices, device=inputs.advantages.device)]
     is_weights = None if inputs.is_weights is None else padded(inputs.is_weights[index])
     ent = None if entropy is None else padded(entropy)
     kwargs = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, loss_agg_mode=algo.loss_aggregation,
@@ -127,7 +182,7 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, i
         kwargs["clip_c"] = algo.clip_c
     loss, metrics = compute_policy_loss(algo.policy_loss, lp, old, advantages, mask, **kwargs)
     if algo.kl_coef > 0:
-        kl_loss, kl_metrics = kl_penalty_loss(lp, padded(batch.ref_logprobs[index]), mask, kl_coef=algo.kl_coef,
+        kl_loss, kl_metrics = kl_penalty_loss(lp, padded(inputs.ref_logprobs[index]), mask, kl_coef=algo.kl_coef,
                                               estimator=algo.kl_estimator,
                                               loss_agg_mode=algo.loss_aggregation, normalizer=inputs.normalizer)
         loss, metrics = loss + kl_loss, metrics | kl_metrics
@@ -148,7 +203,7 @@ def tp_group_of(parallel: ParallelState):
     return mps.get_tensor_model_parallel_group()
 
 
-def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool) -> dict[str, float]:
+def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool, device: torch.device | str = "cpu") -> dict[str, float]:
     """Combine per-rank metrics over the whole world group into plain floats.
 
     Every rank must call this. Ranks with ``contribute=False`` (not the last pipeline stage, or a
@@ -158,36 +213,34 @@ def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool) -> dict[
     Args:
         metrics: this rank's micro-batch-reduced metrics (``megarl.algorithms.reduce_metrics``).
         contribute: whether this rank's values count.
+        device: where the reduced tensors live (``cuda`` under NCCL, ``cpu`` under gloo).
 
     Returns:
         ``{name: value}`` identical on every rank; a mean over zero items is 0, an empty max/min
         is dropped.
     """
+    local = {name: m.reduction for name, m in metrics.items()} if contribute else {}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(metrics) if contribute else [])
-    names = sorted({name for names in gathered for name in names})
-    reductions = {}
-    for name in names:
-        local = metrics.get(name) if contribute else None
-        reductions[name] = local.reduction if local is not None else None
-    kinds: list = [None] * dist.get_world_size()
-    dist.all_gather_object(kinds, reductions)
-    kind = {name: next(k[name] for k in kinds if k.get(name)) for name in names}
+    dist.all_gather_object(gathered, local)
+    kind = {name: reduction for kinds in gathered for name, reduction in kinds.items()}
+    names = sorted(kind)
     sums = torch.zeros(2 * len(names), dtype=torch.float64)
     maxes = torch.full((len(names),), float("-inf"), dtype=torch.float64)
     for i, name in enumerate(names):
         metric = metrics.get(name) if contribute else None
         if metric is None:
             continue
-        value, weight = metric.value.double(), metric.weight.double()
+        value, weight = metric.value.double().cpu(), metric.weight.double().cpu()
         if kind[name] == "mean":
             sums[2 * i], sums[2 * i + 1] = value * weight, weight
         elif kind[name] == "sum":
             sums[2 * i] = value
         else:
             maxes[i] = value if kind[name] == "max" else -value  # min = -max(-x)
+    sums, maxes = sums.to(device), maxes.to(device)
     dist.all_reduce(sums)
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    sums, maxes = sums.cpu(), maxes.cpu()
     out = {}
     for i, name in enumerate(names):
         if kind[name] == "mean":

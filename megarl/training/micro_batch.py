@@ -51,10 +51,26 @@ class PackedMicroBatch:
         """``(R, S)``."""
         return tuple(self.input_ids.shape)
 
+    def to(self, device: torch.device | str) -> PackedMicroBatch:
+        """A copy with every tensor (and the THD ``cu_seqlens``) on ``device``."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        packed = self.packed_seq_params
+        if packed is not None:
+            packed = dataclasses.replace(packed, cu_seqlens_q=packed.cu_seqlens_q.to(device),
+                                         cu_seqlens_kv=packed.cu_seqlens_kv.to(device))
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, Tensor):
+                moved[name] = value.to(device, non_blocking=True)
+        return PackedMicroBatch(**{**moved, "packed_seq_params": packed})
+
     def gather(self, values: Tensor, pad_value: float = 0) -> Tensor:
-        """``[R * S, ...]`` flat view of a `TrainBatch` per-token field ``values [T_total, ...]``."""
-        out = torch.full((self.input_ids.numel(), *values.shape[1:]), pad_value, dtype=values.dtype)
-        out[self.flat_index] = values[self.token_index]
+        """``[R * S, ...]`` flat view of a `TrainBatch` per-token field ``values [T_total, ...]``
+        (on the device of ``values``)."""
+        out = torch.full((self.input_ids.numel(), *values.shape[1:]), pad_value, dtype=values.dtype,
+                         device=values.device)
+        out[self.flat_index.to(values.device)] = values[self.token_index.to(values.device)]
         return out
 
     def router_positions(self, *, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False) -> Tensor:
@@ -64,7 +80,7 @@ class PackedMicroBatch:
         ``[r S', (r + 1) S')``), else ``S``.
         """
         rows, length = self.shape
-        positions = torch.arange(rows * length).view(rows, length).t()  # [S, R], Megatron's order
+        positions = torch.arange(rows * length, device=self.input_ids.device).view(rows, length).t()  # [S, R]
         if sequence_parallel and tp_size > 1:
             positions = positions.chunk(tp_size)[tp_rank]
         return positions.reshape(-1)

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.algorithms import ROLLOUT_CORRECTIONS, LossNormalizer, reduce_metrics
+from megarl.algorithms import reduce_metrics
 from megarl.config.schema import MegarlConfig
 from megarl.training import forward as fwd
-from megarl.training.batch import TrainBatch, packed_to_padded
+from megarl.training.batch import TrainBatch
 from megarl.training.batching import plan_micro_batches
 from megarl.training.fp8 import fp8_token_multiple
 from megarl.training.micro_batch import PackedMicroBatch, pack_micro_batch
@@ -60,6 +60,9 @@ class Trainer:
         self.num_layers = hf_config.num_hidden_layers
         """Transformer layers of the whole model (the ``L`` axis of routed experts)."""
         self.config = model_chunks[0].config
+        self.device = next(model_chunks[0].parameters()).device
+        """Where the model (and each micro batch's tensors) live."""
+        self._comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.step = 0
         """Optimizer steps taken (restored by checkpoint load)."""
         self.replay = RoutingReplay(model_chunks) if cfg.train.routing_replay != "none" else None
@@ -93,7 +96,7 @@ class Trainer:
                                   micro_batch_size=train.micro_batch_size,
                                   pad_multiple=(p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train),
                                   length_policy=self._length_policy, pack_rows=not self._te_attention)
-        mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=self._te_attention)
+        mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=self._te_attention).to(self.device)
                for spec in plan.micro_batches[p.dp_rank]]
         return mbs, plan.padding_fraction
 
@@ -169,7 +172,7 @@ class Trainer:
                 lp, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
                                                  temperature=self.cfg.rollout.sampling.temperature, entropy="none")
                 if self._reports:
-                    logprobs[mb.token_index] = lp.float()
+                    logprobs[mb.token_index.cpu()] = lp.detach().float().cpu()
                 return output_tensor.new_zeros(()), {}
             return output, loss_func
 
@@ -177,9 +180,13 @@ class Trainer:
             self._run(step_func, mbs, forward_only=True)
         if self.replay is not None:
             self.replay.off()
+        logprobs = logprobs.to(self._comm_device)
         dist.all_reduce(logprobs)
+        logprobs = logprobs.cpu()
         if recorded is not None:
+            recorded = recorded.to(self._comm_device)
             dist.all_reduce(recorded)
+            recorded = recorded.cpu()
             recorded -= 1
         return logprobs, recorded
 
@@ -189,12 +196,12 @@ class Trainer:
         if not (p.sequence_parallel and p.tp_size > 1) and p.tp_rank != 0:
             return  # every TP rank saw all tokens; one of them reports
         flat_to_token = torch.full((mb.input_ids.numel(),), -1, dtype=torch.int64)
-        flat_to_token[mb.flat_index] = mb.token_index
+        flat_to_token[mb.flat_index.cpu()] = mb.token_index.cpu()
         tokens = flat_to_token[mb.router_positions(tp_rank=p.tp_rank, tp_size=p.tp_size,
-                                                   sequence_parallel=p.sequence_parallel)]
+                                                   sequence_parallel=p.sequence_parallel).cpu()]
         keep = tokens >= 0  # padding positions are not recorded
         for layer, ids in taken.items():
-            buffer[tokens[keep], layer] = ids[keep].to(torch.int32) + 1
+            buffer[tokens[keep], layer] = ids.cpu()[keep].to(torch.int32) + 1
 
     def _replay_routes(self, batch: TrainBatch, *, required: bool = True) -> Tensor | None:
         """The batch's validated routes when replay is on, else None (also when not ``required``
@@ -282,7 +289,7 @@ class Trainer:
 
     def reduce(self, metrics: list[dict]) -> dict[str, float]:
         """Combine per-micro-batch ``Metric`` dicts over micro batches and ranks (all ranks call)."""
-        return fwd.all_reduce_metrics(reduce_metrics(metrics), contribute=self._reports)
+        return fwd.all_reduce_metrics(reduce_metrics(metrics), contribute=self._reports, device=self._comm_device)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of the configured RL loss on the whole batch (module docstring).
@@ -306,8 +313,9 @@ class Trainer:
         batch = self.prepare_batch(batch)
         prepared = time.perf_counter()
         routes = self._replay_routes(batch)
-        inputs, correction_metrics = self._loss_inputs(batch)
         algo = self.cfg.algorithm
+        inputs, correction_metrics = fwd.loss_inputs(batch, algo, device=self.device,
+                                                     max_response_tokens=self.cfg.rollout.agent.max_response_tokens)
         loss_fn = functools.partial(fwd.rl_loss, inputs=inputs, algo=algo)
         per_mb, batch_metrics = self.forward_backward(
             batch, loss_fn, entropy="grad" if algo.entropy_coef > 0 else "metric", routes=routes)
@@ -324,32 +332,6 @@ class Trainer:
             "timing/optimizer_s": done - backward_done, "timing/train_step_s": step_s,
         })
         return metrics
-
-    def _loss_inputs(self, batch: TrainBatch) -> tuple[fwd.LossInputs, dict[str, float]]:
-        """Rollout correction over the whole batch (and its ``mismatch/*`` metrics) and the step's
-        global loss denominators."""
-        algo = self.cfg.algorithm
-        loss_mask, is_weights, correction_metrics = batch.loss_mask, None, {}
-        if algo.rollout_correction != "none":
-            if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
-                raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}")
-            correct = ROLLOUT_CORRECTIONS[algo.rollout_correction]
-            kwargs = {"upper": algo.rollout_correction_clip}
-            if algo.rollout_correction != "icepop":
-                kwargs["level"] = algo.rollout_correction_level
-            if algo.rollout_correction != "tis":
-                kwargs["lower"] = algo.rollout_correction_low
-            pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
-            result = correct(pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(batch.loss_mask, pad_value=False),
-                             **kwargs)
-            keep = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)
-            loss_mask, is_weights = result.loss_mask[keep], result.weights[keep].float()
-            correction_metrics = {name: float(m.value) for name, m in result.metrics.items()}
-        max_response = self.cfg.rollout.agent.max_response_tokens
-        normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
-                                                   max_response_tokens=float(max_response))
-        return fwd.LossInputs(batch=batch, loss_mask=loss_mask, is_weights=is_weights,
-                              normalizer=normalizer), correction_metrics
 
     # ------------------------------------------------------------------ weight sync, checkpoints
     def named_parameters_for_sync(self):
