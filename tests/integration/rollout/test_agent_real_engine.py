@@ -133,7 +133,6 @@ async def test_forced_tool_call_trajectory_matches_template_and_transformers(sgl
                                              [full[p] for p in free_positions]].tolist()
     engine_lp = traj.rollout_logprobs[traj.loss_mask == 1].tolist()
     diffs = [abs(x - y) for x, y in zip(engine_lp, forced_ref + free_ref)]
-    print(f"max |engine - transformers| logprob: forced turn {max(diffs[:len(forced_ref)]):.2e}, free turn {max(diffs[len(forced_ref):], default=0):.2e}; raw ids canonical: {canonical == traj.prompt_ids.tolist() + response}")
     assert len(diffs) == len(positions) and max(diffs) < TOLERANCE, max(diffs)
 
     # Routed experts: row r is the routing of response position r (as the trainer's input token);
