@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from megarl.launch.metrics import StageTimer, save_plots
-from megarl.launch.run import Run
+from megarl.launch.run import PendingRollout, Run
 from megarl.launch.steps import build_train_batch, logprob_mismatch, mean_metrics, rollout_metrics, split_batch
 
 logger = logging.getLogger("megarl.train")
@@ -84,37 +84,36 @@ def run_loop(run: Run) -> dict[str, float]:
                              version=state.policy_version)
     progress.close()
     if cfg.checkpoint.save_interval == 0 or state.step % cfg.checkpoint.save_interval:
-        run.save_checkpoint(_materialise(pending))
+        run.save_checkpoint(pending)
     return last
 
 
-def _initial_rollout(run: Run) -> Any:
+def _initial_rollout(run: Run) -> PendingRollout | None:
     """Async mode: the first in-flight rollout (or the one saved in the checkpoint); sync: None."""
     if not run.cfg.rollout.async_mode:
         return None
-    if run.state.pending_groups:
+    saved = run.state.pending_rollout
+    if saved:
         from megarl.rollout.manager import RolloutBatch
 
-        return RolloutBatch(groups=run.state.pending_groups, metrics={})
+        return PendingRollout(saved["step"], saved["rows"], RolloutBatch(groups=saved["groups"], metrics=saved["metrics"]))
     return run.start_rollout(run.state.step)
 
 
-def _take_rollout(run: Run, pending: Any, step: int) -> tuple[Any, Any]:
-    """This step's rollouts and the next in-flight one (async); engines that died are restarted."""
-    current = pending if pending is not None else run.start_rollout(step)
-    rollout = ray.get(current) if isinstance(current, ray.ObjectRef) else current
+def _take_rollout(run: Run, pending: PendingRollout | None, step: int) -> tuple[Any, PendingRollout | None]:
+    """This step's rollouts and the next in-flight one (async). Engines that died are restarted
+    and re-synced; if that cost trajectories, the step is generated again from the same prompts."""
+    current = pending or run.start_rollout(step)
+    rollout = current.wait()
     restarted = run.heal_engines()
-    if restarted and not rollout.groups:  # every engine died mid-rollout: redo the step's rollout
-        logger.warning("step %d lost its rollouts with %s; generating them again", step, ", ".join(restarted))
-        rollout = ray.get(run.start_rollout(step))
+    if restarted and (not rollout.groups or rollout.metrics.get("rollout/groups_dropped_error", 0) > 0):
+        logger.warning("step %d lost trajectories with %s; generating its rollouts again (same prompts, same "
+                       "seeds)", step + 1, ", ".join(restarted))
+        rollout = run.start_rollout(step, current.rows).wait()
+    rollout.groups.sort(key=lambda g: g.group_id)  # completion order -> prompt order: a deterministic batch
     rollout.metrics["engine/restarts"] = float(len(restarted))
-    nxt = run.start_rollout(step + 1) if run.cfg.rollout.async_mode and step + 1 < run.cfg.train.num_steps else None
-    return rollout, nxt
-
-
-def _materialise(pending: Any) -> Any:
-    """Wait for an in-flight rollout (async checkpoints store it); None stays None."""
-    return ray.get(pending) if isinstance(pending, ray.ObjectRef) else pending
+    async_next = run.cfg.rollout.async_mode and step + 1 < run.cfg.train.num_steps
+    return rollout, run.start_rollout(step + 1) if async_next else None
 
 
 def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> dict[str, float]:
@@ -123,7 +122,7 @@ def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> d
     if cfg.data.eval_interval > 0 and (state.step % cfg.data.eval_interval == 0 or state.step == cfg.train.num_steps):
         metrics.update(run.evaluate())
     if cfg.checkpoint.save_interval > 0 and state.step % cfg.checkpoint.save_interval == 0:
-        run.save_checkpoint(_materialise(pending))
+        run.save_checkpoint(pending)
     metrics["policy_version"] = float(state.policy_version)
     metrics.setdefault("engine/weight_version", run.engine_weight_version)
     logged = run.metrics.log(state.step, metrics)

@@ -8,6 +8,7 @@ goes to that URL over HTTP (the rollout actor's router), never through Ray. With
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,7 +17,18 @@ import ray
 logger = logging.getLogger(__name__)
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
-"""SGLang honours a request's ``sampling_seed`` only with this server flag."""
+"""SGLang honours a request's ``sampling_seed`` only with this server flag (GPU attention backends)."""
+SEEDING_SHIM_DIR = Path(__file__).resolve().parent / "sglang_seeding"
+"""CPU: a ``sitecustomize`` that makes the server honour ``sampling_seed`` (the flag above refuses
+the CPU attention backend); see ``sglang_seeding/sitecustomize.py``."""
+
+
+def seeding_env(cfg: Any, device: str) -> dict[str, str]:
+    """Environment of an engine actor for ``rollout.deterministic_sampling`` on CPU (else empty)."""
+    if not cfg.rollout.get("deterministic_sampling", False) or device != "cpu":
+        return {}
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(SEEDING_SHIM_DIR)]
+    return {"PYTHONPATH": os.pathsep.join(parts), "MEGARL_SEEDED_SAMPLING": "1"}
 
 
 def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str,
@@ -24,7 +36,7 @@ def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str
     """:class:`~megarl.rollout.engine.EngineProcess` keyword arguments from the run config."""
     ecfg = cfg.rollout.engine
     extra = list(ecfg.extra_args)
-    if cfg.rollout.get("deterministic_sampling", False) and DETERMINISTIC_FLAG not in extra:
+    if cfg.rollout.get("deterministic_sampling", False) and device != "cpu" and DETERMINISTIC_FLAG not in extra:
         extra.append(DETERMINISTIC_FLAG)
     return dict(host=ecfg.host, tp_size=int(ecfg.tensor_parallel_size), device=device, dtype=ecfg.dtype,
                 mem_fraction_static=ecfg.mem_fraction_static, max_total_tokens=ecfg.max_total_tokens,
@@ -64,7 +76,10 @@ class EngineGroup:
             kwargs = engine_kwargs(cfg, device=device, log_path=str(log_dir / f"{engine_id}.log"),
                                    engine_id=engine_id, custom_weight_loaders=custom_weight_loaders, env=env)
             # One thread: the server's parent-death signal is tied to the thread that started it.
-            actor = remote_cls.options(**placement.engine_options(i)).remote(model_path, **kwargs)
+            options = dict(placement.engine_options(i))
+            if seeding_env(cfg, device):
+                options["runtime_env"] = {"env_vars": seeding_env(cfg, device)}
+            actor = remote_cls.options(**options).remote(model_path, **kwargs)
             self.actors.append(actor)
             self._start_refs.append(actor.start.remote(timeout_s=self.startup_timeout_s))
 

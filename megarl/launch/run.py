@@ -67,6 +67,22 @@ def save_dir_of(cfg: Any, run_dir: Path) -> Path:
 
 
 @dataclasses.dataclass
+class PendingRollout:
+    """One step's rollout, in flight (a Ray reference) or finished, with the prompts it started from
+    (a failed rollout is generated again from the same rows, hence with the same sampling seeds)."""
+
+    step: int
+    rows: list[dict]
+    result: Any
+
+    def wait(self) -> Any:
+        """The :class:`~megarl.rollout.manager.RolloutBatch` (blocks while in flight)."""
+        if isinstance(self.result, ray.ObjectRef):
+            self.result = ray.get(self.result)
+        return self.result
+
+
+@dataclasses.dataclass
 class Run:
     """The live parts of a run (see the module docstring). Build with :meth:`build`."""
 
@@ -147,9 +163,10 @@ class Run:
         ro = self.cfg.rollout
         return [self.dataset[i] for i in self.sampler.next_indices(ro.num_prompts_per_step + ro.over_sample_prompts)]
 
-    def start_rollout(self, step: int) -> Any:
-        """Start step ``step``'s rollout on the rollout actor; returns a Ray reference."""
-        return self.rollout.generate.remote(self.next_prompts(), step, self.state.policy_version)
+    def start_rollout(self, step: int, rows: list[dict] | None = None) -> PendingRollout:
+        """Start step ``step``'s rollout on the rollout actor (on the next prompts, or ``rows``)."""
+        rows = self.next_prompts() if rows is None else rows
+        return PendingRollout(step, rows, self.rollout.generate.remote(rows, step, self.state.policy_version))
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine: pause -> push -> flush -> weight_version -> continue.
@@ -191,7 +208,7 @@ class Run:
             return {}
         return ray.get(self.rollout.evaluate.remote(self.eval_rows, self.state.policy_version))
 
-    def save_checkpoint(self, pending: Any = None) -> Path:
+    def save_checkpoint(self, pending: PendingRollout | None = None) -> Path:
         """Save trainer (every rank) and driver state as ``step_{state.step}``; then mark it complete."""
         save_dir = save_dir_of(self.cfg, self.run_dir)
         ckpt = rs.step_dir(save_dir, self.state.step)
@@ -199,7 +216,11 @@ class Run:
         self.trainer.run("save_checkpoint", str(ckpt / rs.TRAINER_DIR))
         self.state.sampler = self.sampler.state_dict()
         self.state.rng = rs.capture_rng()
-        self.state.pending_groups = list(pending.groups) if pending is not None else []
+        self.state.pending_rollout = None
+        if pending is not None:  # async: the in-flight rollout is finished and saved with the state
+            batch = pending.wait()
+            self.state.pending_rollout = {"step": pending.step, "rows": pending.rows,
+                                          "groups": list(batch.groups), "metrics": dict(batch.metrics)}
         rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))
         rs.commit_checkpoint(save_dir, ckpt, int(self.cfg.checkpoint.keep_last))
         logger.info("checkpoint %s saved in %.1fs", ckpt, time.perf_counter() - start)

@@ -41,7 +41,8 @@ class RunState:
             after the sync that follows).
         sampler: :meth:`~megarl.data.sampler.ResumableSampler.state_dict` of the prompt sampler.
         rng: Python / NumPy / torch RNG states of the driver process (see :func:`capture_rng`).
-        pending_groups: async mode: rollouts generated but not yet trained on (TrajectoryGroups).
+        pending_rollout: async mode: the rollout generated but not yet trained on, as
+            ``{"step", "rows", "groups", "metrics"}`` (None when there is none).
         wandb_id: W&B run id, so a resumed run appends to the same W&B run.
         extra: free-form (e.g. eval history).
     """
@@ -50,7 +51,7 @@ class RunState:
     policy_version: int = 0
     sampler: dict[str, Any] = dataclasses.field(default_factory=dict)
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
-    pending_groups: list[Any] = dataclasses.field(default_factory=list)
+    pending_rollout: dict[str, Any] | None = None
     wandb_id: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
