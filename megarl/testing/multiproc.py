@@ -41,9 +41,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "megatron.core",
-           "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "transformers")
-"""Modules imported once by the forkserver (a module that fails to import is skipped)."""
+PRELOAD = ("megarl.testing.preload",)
+"""Modules imported once by the fork server (see :mod:`megarl.testing.preload`)."""
 
 
 def _context(start_method: str):

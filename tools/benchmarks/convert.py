@@ -5,7 +5,7 @@
 
 Builds (once, cached in --model-dir) a >= 1 GB random Qwen3-MoE with the tiny-model tool, then, in
 one run: copies the HF directory with ``shutil.copytree``; starts the rank fork server (imports
-torch and Megatron once; reported as ``startup_s``); converts the model to a Megatron dist
+torch, Megatron and the transformers config classes once; reported as ``startup_s``); converts the model to a Megatron dist
 checkpoint and back to HF; and reports throughput (model bytes / seconds) of each, their ratio
 (without and with the start-up), and the peak
 memory of the conversion (sum of PSS over this process, the fork server and the rank processes,
@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     with PeakMemory() as memory:
         start = time.perf_counter()
         run_ranks(_noop, 1, backend=None)  # starts the fork server (imports torch, Megatron once)
+        from megarl.training.model import load_hf_config
+
+        load_hf_config(model)  # this process's one-time transformers imports
         startup_s = time.perf_counter() - start
         os.sync()
         start = time.perf_counter()
