@@ -35,6 +35,7 @@ import signal
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,9 @@ class PythonSandboxTool:
         self.isolate = bool(isolate)
         self.isolation: str | None = None
         """``namespaces`` or ``rlimits-only`` after the first run."""
-        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self.max_concurrency = int(max_concurrency)
+        self._semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = \
+            weakref.WeakKeyDictionary()
         self.schema: dict[str, Any] = {
             "type": "function",
             "function": {
@@ -186,7 +189,9 @@ class PythonSandboxTool:
         """
         if not isinstance(code, str):
             raise TypeError(f"python tool: code must be a string, got {type(code).__name__}")
-        async with self._semaphore:
+        loop = asyncio.get_running_loop()  # a semaphore belongs to one event loop
+        semaphore = self._semaphores.setdefault(loop, asyncio.Semaphore(self.max_concurrency))
+        async with semaphore:
             workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
             try:
                 return await self._run(code, workdir)
