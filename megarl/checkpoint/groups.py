@@ -142,7 +142,7 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
         index, modules = groups[step]
         with materialized(modules) as params:
             for name, param in _group_params(chunks[index], params):
-                load_param(infos[(index, name)], param, reader, layout, ps)
+                load_param(infos[(index, name)], param, reader, layout, ps, assign=True)
             writer.save_step(group_sharded_state_dict(chunks[index], modules))
     writer.finalize()
     destroy_parallel()

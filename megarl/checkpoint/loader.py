@@ -107,8 +107,11 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | os.Pa
 
 
 def load_param(info: ParamInfo, param: torch.Tensor, reader: HFCheckpointReader, layout: ModelLayout,
-               parallel_state) -> None:
+               parallel_state, *, assign: bool = False) -> None:
     """Copy one parameter's TP/ETP shard from the HF checkpoint (see :func:`load_hf_weights`).
+
+    With ``assign`` the parameter's storage is replaced by the converted shard instead of copied
+    into (the converters' freshly materialised CPU parameters; saves one copy of the model).
 
     Raises:
         KeyError: a tensor absent from the checkpoint. ValueError: shape mismatch (names both).
@@ -123,5 +126,11 @@ def load_param(info: ParamInfo, param: torch.Tensor, reader: HFCheckpointReader,
     if tuple(local.shape) != tuple(param.shape):
         raise ValueError(f"{info.global_name}: shape {tuple(local.shape)} from HF {names} in "
                          f"{reader.hf_dir} does not match the model's {tuple(param.shape)}")
+    if assign and local.device == param.device:
+        local = local.to(param.dtype).contiguous()
+        if local.untyped_storage().nbytes() != local.numel() * local.element_size():
+            local = local.clone()  # a view of a larger tensor: keep only the shard
+        param.data = local
+        return
     with torch.no_grad():
         param.copy_(local)
