@@ -132,15 +132,17 @@ def router_config_kwargs(arch: dict) -> dict:
         moe_layer_freq=[int(m) for m in arch["moe_layers"]])
 
 
-def note_mtp_layers(arch: dict, model_type: str) -> None:
-    """Log once per process that the config's multi-token-prediction layers are not built."""
-    key = (model_type, arch["num_hidden_layers"], arch["num_mtp_layers"])
+def note_mtp_layers(arch: dict, hf_config) -> None:
+    """Log (once per process and model directory) that the config's multi-token-prediction layers
+    are not built."""
+    key = (hf_config.model_type, getattr(hf_config, "name_or_path", ""), arch["num_mtp_layers"])
     if arch["num_mtp_layers"] and key not in _NOTED_MTP:
         _NOTED_MTP.add(key)
         first = arch["num_hidden_layers"]
-        logger.warning("%s: %d multi-token-prediction layer(s) (HF model.layers.%d..%d) are dropped: "
+        logger.warning("%s %s: %d multi-token-prediction layer(s) (HF model.layers.%d..%d) are dropped: "
                        "megarl builds and trains only the %d decoder layers; exports omit them",
-                       model_type, arch["num_mtp_layers"], first, first + arch["num_mtp_layers"] - 1, first)
+                       hf_config.model_type, key[1], arch["num_mtp_layers"], first,
+                       first + arch["num_mtp_layers"] - 1, first)
 
 
 def moe_layer_shapes(p: str, arch: dict) -> dict[str, tuple[int, ...]]:
@@ -217,7 +219,7 @@ def architecture(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     arch["yarn"] = _yarn(hf_config, params, arch) if rope_type == "yarn" else None
     arch.update(router_architecture(hf_config, arch["num_hidden_layers"]))
-    note_mtp_layers(arch, hf_config.model_type)
+    note_mtp_layers(arch, hf_config)
     return arch
 
 

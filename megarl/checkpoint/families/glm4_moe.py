@@ -66,7 +66,7 @@ def architecture(hf_config) -> dict:
         use_qk_norm=bool(getattr(hf_config, "use_qk_norm", False)),
         attention_bias=bool(getattr(hf_config, "attention_bias", False)))
     arch.update(router_architecture(hf_config, arch["num_hidden_layers"]))
-    note_mtp_layers(arch, hf_config.model_type)
+    note_mtp_layers(arch, hf_config)
     return arch
 
 
