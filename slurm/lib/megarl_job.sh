@@ -289,8 +289,9 @@ megarl_main() {  # CONFIG OVERRIDES...: the whole job; exits with the driver's s
   shift
   megarl_init
   megarl_probe_nodes
-  # logging.run_dir first, so a user override still wins; cluster.ray_address last.
-  local overrides=("logging.run_dir=$JOB_DIR" "$@")
+  # The run's own directory (metrics, checkpoints) inside the job's; first, so a user override
+  # still wins; cluster.ray_address last.
+  local overrides=("logging.run_dir=$JOB_DIR/run" "$@")
   if [[ -n ${MEGARL_EXTERNAL_ENGINES:-} ]]; then overrides+=("$(megarl_external_engines)"); fi
   megarl_check_config "$config" "${overrides[@]}"
   megarl_start_ray

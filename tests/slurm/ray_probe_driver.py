@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
         "external_engines": [_generate(url) for url in cfg.rollout.external_engine_urls],
     }
     run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "probe.json").write_text(json.dumps(result, indent=1))
     print("probe:", json.dumps(result))
     hold_s = float(os.environ.get("PROBE_HOLD_S", "0"))

@@ -33,7 +33,7 @@ def test_training_job_uses_engines_of_another_job(job_env, probe_config, tmp_pat
             engines.wait(timeout=60)
     assert engines.returncode == 0, out.read_text()
     urls = (registry / "urls.txt").read_text().split()
-    probe = json.loads((r.job_dir / "probe.json").read_text())
+    probe = json.loads((r.job_dir / "run" / "probe.json").read_text())
     assert [e["url"] for e in probe["external_engines"]] == urls and len(urls) == 1
     assert len(probe["external_engines"][0]["output_ids"]) == 2  # a real generate on the engine
     assert probe["engine"] == []  # no rollout node in the training job

@@ -14,7 +14,7 @@ def test_hetjob_places_trainer_and_rollout_on_their_components(job_env, probe_co
     assert r.rc == 0, r.output
     plan = [line.split(" ") for line in (r.job_dir / "plan.txt").read_text().splitlines()]
     assert [(p[1], p[2], p[3]) for p in plan] == [("node1", "0", "trainer"), ("node2", "1", "rollout")]
-    probe = json.loads((r.job_dir / "probe.json").read_text())
+    probe = json.loads((r.job_dir / "run" / "probe.json").read_text())
     assert {t["slurmd_nodename"] for t in probe["trainer"]} == {"node1"}
     assert [e["slurmd_nodename"] for e in probe["engine"]] == ["node2"]
     assert wait_no_job_processes(r.job_id) == []

@@ -40,7 +40,7 @@ def test_megarl_train_cpu_recipe_on_two_nodes(job_env, tmp_path):
                 "cluster.rollout_nodes=1"],
                sbatch_opts=("--nodes=2",), timeout_s=560)
     assert r.rc == 0, r.output[-6000:]
-    metrics = (r.job_dir / "metrics.jsonl").read_text().splitlines()
+    metrics = (r.job_dir / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) >= 2, metrics
     assert (r.job_dir / "config.yaml").is_file() and (r.job_dir / "driver.log").stat().st_size > 0
     rows = [line.split("\t") for line in (r.job_dir / "nodes.tsv").read_text().splitlines()[1:]]

@@ -25,7 +25,7 @@ def test_ray_cluster_spans_both_nodes_with_role_placement(job_env, probe_config)
         pytest.skip("covered by test_megarl_train_cpu_recipe_on_two_nodes now that `megarl train` runs")
     r = submit(job_env, "slurm/train.sbatch", [str(probe_config)])
     assert r.rc == 0, r.output
-    probe = json.loads((r.job_dir / "probe.json").read_text())
+    probe = json.loads((r.job_dir / "run" / "probe.json").read_text())
     # Placement by the resource convention: 2 trainer ranks on node1, the engine on node2.
     assert [t["slurmd_nodename"] for t in probe["trainer"]] == ["node1", "node1"], probe
     assert [e["slurmd_nodename"] for e in probe["engine"]] == ["node2"], probe
@@ -36,7 +36,7 @@ def test_ray_cluster_spans_both_nodes_with_role_placement(job_env, probe_config)
     # One log directory per job: driver log, resolved config, each node's Ray log location.
     assert "probe:" in (r.job_dir / "driver.log").read_text()
     resolved = yaml.safe_load((r.job_dir / "config.yaml").read_text())
-    assert resolved["logging"]["run_dir"] == str(r.job_dir)
+    assert resolved["logging"]["run_dir"] == str(r.job_dir / "run")
     assert resolved["cluster"]["trainer_devices_per_node"] == 2
     rows = [line.split("\t") for line in (r.job_dir / "nodes.tsv").read_text().splitlines()[1:]]
     assert [(row[1], row[3]) for row in rows] == [("node1", "trainer"), ("node2", "rollout")]
@@ -51,7 +51,7 @@ def _kill_raylet_when_ready(env: dict, node: str, killed: dict):
     """on_running hook: once the probe driver holds, SIGKILL the raylet of ``node`` (our own job's)."""
     def hook(job_id: str) -> None:
         deadline = time.monotonic() + 200
-        while not list(Path(env["MEGARL_LOG_ROOT"]).glob(f"*-{job_id}/probe.ready")):
+        while not list(Path(env["MEGARL_LOG_ROOT"]).glob(f"*-{job_id}/run/probe.ready")):
             assert time.monotonic() < deadline, "the probe driver never got ready"
             time.sleep(0.5)
         for pid in job_processes(job_id):
@@ -77,7 +77,7 @@ def test_lost_node_stops_the_job_within_60s_naming_it(job_env, probe_config):
     took_s = time.monotonic() - killed["t"]
     print(f"job {r.job_id} ended {took_s:.1f}s after node2's raylet was killed (status {r.rc})")
     assert r.rc == 4, r.output
-    probe = json.loads((r.job_dir / "probe.json").read_text())  # written before the node was lost
+    probe = json.loads((r.job_dir / "run" / "probe.json").read_text())  # written before the node was lost
     assert [t["slurmd_nodename"] for t in probe["trainer"]] == ["node1", "node1"], probe
     assert [e["slurmd_nodename"] for e in probe["engine"]] == ["node2"], probe
     assert took_s < 60, f"job ended {took_s:.0f}s after the node was lost"
