@@ -139,9 +139,9 @@ def note_mtp_layers(arch: dict, hf_config) -> None:
     if arch["num_mtp_layers"] and key not in _NOTED_MTP:
         _NOTED_MTP.add(key)
         first = arch["num_hidden_layers"]
-        logger.warning("%s %s: %d multi-token-prediction layer(s) (HF model.layers.%d..%d) are dropped: "
+        logger.warning("%s%s: %d multi-token-prediction layer(s) (HF model.layers.%d..%d) are dropped: "
                        "megarl builds and trains only the %d decoder layers; exports omit them",
-                       hf_config.model_type, key[1], arch["num_mtp_layers"], first,
+                       hf_config.model_type, f" {key[1]}" if key[1] else "", arch["num_mtp_layers"], first,
                        first + arch["num_mtp_layers"] - 1, first)
 
 

@@ -133,3 +133,31 @@ def test_mla_te_detection_fix_is_still_needed():
         isinstance(object(), mla.TELinear)
     fix_mla_te_detection()
     assert mla.HAVE_TE is False
+
+
+RELEASED_CONFIG = {  # DeepSeek-V3's config.json (bf16 conversion: no quantization_config)
+    "model_type": "deepseek_v3", "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280}
+
+
+@pytest.mark.timeout(60)
+def test_released_config_translates():
+    from transformers import AutoConfig
+
+    from megarl.training.model import build_transformer_config
+
+    cfg = build_transformer_config(AutoConfig.for_model(**RELEASED_CONFIG), ParallelConfig(), ModelConfig(),
+                                   precision="bf16", device="meta")
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    assert cfg.original_max_position_embeddings == 4096 and cfg.rotary_base == 10000
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.moe_router_topk) == (8, 4, 8)
+    assert cfg.moe_layer_freq == [0] * 3 + [1] * 58 and cfg.moe_shared_expert_intermediate_size == 2048
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == (
+        1536, 512, 128, 64, 128)

@@ -99,3 +99,29 @@ def test_unsupported_settings_name_the_field(tiny_glm4_moe_dir, field, value, ma
     setattr(cfg, field, value)
     with pytest.raises(ValueError, match=match):
         get_family(cfg).architecture(cfg)
+
+
+RELEASED_CONFIG = {  # GLM-4.5's config.json
+    "model_type": "glm4_moe", "attention_bias": True, "first_k_dense_replace": 3, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "intermediate_size": 12288, "max_position_embeddings": 131072, "moe_intermediate_size": 1536,
+    "n_group": 1, "n_routed_experts": 160, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96,
+    "num_experts_per_tok": 8, "num_hidden_layers": 92, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": True,
+    "vocab_size": 151552}
+
+
+@pytest.mark.timeout(60)
+def test_released_config_translates():
+    from transformers import AutoConfig
+
+    from megarl.training.model import build_transformer_config
+
+    hf_config = AutoConfig.for_model(**RELEASED_CONFIG)
+    cfg = build_transformer_config(hf_config, ParallelConfig(), ModelConfig(), precision="bf16", device="meta")
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.qk_layernorm, cfg.add_qkv_bias) == (8, 128, True, True)
+    assert cfg.moe_layer_freq == [0] * 3 + [1] * 89 and cfg.moe_router_num_groups is None
+    assert cfg.moe_router_topk_scaling_factor == 2.5 and cfg.moe_shared_expert_intermediate_size == 1536
+    family = get_family(hf_config)
+    arch = family.architecture(hf_config)
+    assert arch["num_mtp_layers"] == 1 and family.gpt_model_kwargs(arch)["rotary_percent"] == 0.5
