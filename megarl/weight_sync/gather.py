@@ -1,15 +1,19 @@
-"""Trainer side of a weight sync: gather each bucket's Megatron shards on the stage sender and
-convert them to checkpoint-style HF tensors.
+"""Trainer side of a weight sync: each stage sender assembles its buckets' HF tensors in place.
 
-Every source rank of a bucket (see :class:`megarl.weight_sync.plan.Bucket`) packs its shards of
-that bucket into one flat byte buffer and sends it point-to-point to the stage sender over the
-trainer's default process group (gloo on CPU, NCCL on GPU). The sender posts the receives of bucket
-``b + 1`` before it hands bucket ``b`` to the transport, so gathering the next bucket overlaps
-sending the current one. A source rank keeps at most ``max_in_flight`` bucket buffers in flight
-and never reuses a buffer before its send completed.
+For every bucket, the sender owns one flat byte buffer laid out exactly as the engines expect it
+(the bucket's HF tensors back to back, wire order). Following the copy instructions of
+:mod:`megarl.weight_sync.placement` (the family mapping, traced), it
 
-Conversion uses the model family's mapping (``megarl.checkpoint``): shards -> full Megatron tensor
-(:func:`~megarl.checkpoint.gather_tp`) -> HF tensors (:func:`~megarl.checkpoint.megatron_to_hf`).
+- posts receives of other ranks' shards straight into that buffer where the rows are contiguous
+  (column-split shards go to a temporary first), over the trainer's process group (gloo on CPU,
+  NCCL on GPU) — the source ranks send views of their live parameters, no packing copy;
+- copies its own shards into the buffer (and the temporaries into their strided places).
+
+The receives of bucket ``b + 1`` are posted before bucket ``b`` is handed to the transport, so
+gathering the next bucket overlaps sending the current one. Buffers come from a ring of three:
+bucket ``b + 1`` receives into the slot of ``b - 2``, which the transport finished with (it waits
+for bucket ``b - 2`` to be fully loaded before it sends ``b - 1``), so no buffer is reused while
+the engines may still read it. A source rank has at most ``max_in_flight`` buckets of sends open.
 """
 from __future__ import annotations
 
@@ -21,21 +25,17 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.weight_sync.plan import Bucket, ParamTransfer, WeightSyncPlan
-from megarl.weight_sync.validate import WeightSyncError, check_bucket_tensors
+from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+RING_SLOTS = 3
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """``torch.bfloat16`` for ``"bfloat16"``."""
     return _DTYPES[name]
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of a tensor's data (copied first if it is not contiguous)."""
-    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 @dataclass
@@ -45,32 +45,19 @@ class GatherTimings:
     gather_s: float = 0.0
     """Blocked waiting for shards from other ranks (the rest of the gather overlaps sending)."""
     convert_s: float = 0.0
-    """Megatron shards -> HF tensors, including validation."""
+    """Placing local shards and column blocks into the buckets' buffers."""
     bytes_received: int = 0
     """Shard bytes received from other trainer ranks."""
     per_bucket: list = field(default_factory=list)
 
 
-class HFConverter:
-    """Full Megatron tensors -> HF tensors with a ``megarl.checkpoint`` family table.
-
-    Args:
-        model_layout: ``Family.layout(hf_config, tp_size=...)`` of the trained model.
-    """
-
-    def __init__(self, model_layout) -> None:
-        from megarl.checkpoint.mapping import family_table
-
-        self.layout = model_layout
-        self.table = family_table(model_layout)
-
-    def __call__(self, transfer: ParamTransfer, shards: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        from megarl.checkpoint.mapping import gather_tp, lookup, megatron_to_hf
-
-        name = transfer.param.name
-        entry, _ = lookup(self.table, name)
-        full = gather_tp(shards, entry.tp_split)
-        return list(megatron_to_hf([(name, full)], self.layout, self.table))
+def _views(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's HF tensors as views of its flat buffer (wire order)."""
+    out, offset = [], 0
+    for t in bucket.hf_tensors:
+        out.append((t.name, flat[offset:offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape)))
+        offset += t.nbytes
+    return out
 
 
 class StageGatherer:
@@ -80,22 +67,32 @@ class StageGatherer:
         plan: the sync plan.
         rank: this rank's global rank (the plan's trainer ranks are global ranks).
         local: global Megatron name -> this rank's shard.
-        converter: ``(transfer, shards) -> [(hf_name, tensor), ...]`` (e.g. :class:`HFConverter`).
-        max_in_flight: bucket buffers a source rank may have in flight.
+        placement: copy instructions (:class:`~megarl.weight_sync.placement.Placement`).
+        max_in_flight: buckets a source rank may have open sends for.
         group: process group containing the trainer ranks (default: the default group).
     """
 
-    def __init__(self, plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor], converter,
+    def __init__(self, plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor], placement: Placement,
                  *, max_in_flight: int = 2, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.plan, self.rank, self.local, self.converter = plan, rank, local, converter
+        self.plan, self.rank, self.local, self.placement = plan, rank, local, placement
         self.max_in_flight, self.group = max_in_flight, group
         self.timings = GatherTimings()
+        self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS
 
-    def my_buckets(self) -> list[Bucket]:
-        return [b for b in self.plan.buckets if b.sender_rank == self.rank or b.contributions(self.rank)]
-
-    def is_sender(self) -> bool:
-        return any(b.sender_rank == self.rank for b in self.plan.buckets)
+    def _messages(self, bucket: Bucket):
+        """Every point-to-point message of a bucket, in the order both sides use:
+        ``(source_rank, transfer, source, piece or None)``; None = the whole shard (column split)."""
+        for transfer in bucket.params:
+            pieces = self.placement.pieces(transfer)
+            for source in transfer.sources:
+                if source.trainer_rank == bucket.sender_rank:
+                    continue
+                mine = [p for p in pieces if p.shard == source.shard_index]
+                if any(p.axis == 1 for p in mine):
+                    yield source.trainer_rank, transfer, source, None
+                else:
+                    for piece in mine:
+                        yield source.trainer_rank, transfer, source, piece
 
     # ------------------------------------------------------------------ source ranks
     def send_contributions(self) -> int:
@@ -103,85 +100,94 @@ class StageGatherer:
         in_flight: deque = deque()
         sent = 0
         for bucket in self.plan.buckets:
-            if bucket.sender_rank == self.rank:
-                continue
-            parts = bucket.contributions(self.rank)
-            if not parts:
+            if bucket.sender_rank == self.rank or not bucket.contributions(self.rank):
                 continue
             while len(in_flight) >= self.max_in_flight:
-                work, _buffer = in_flight.popleft()
-                work.wait()  # only now may that buffer be freed
-            buffer = torch.cat([as_bytes(self.local[t.param.name].detach()) for t, _ in parts])
-            work = dist.isend(buffer, bucket.sender_rank, group=self.group, tag=bucket.index)
-            in_flight.append((work, buffer))
-            sent += buffer.numel()
-        for work, _buffer in in_flight:
-            work.wait()
+                for work in in_flight.popleft():
+                    work.wait()
+            works = []
+            for source_rank, transfer, _, piece in self._messages(bucket):
+                if source_rank != self.rank:
+                    continue
+                shard = self.local[transfer.param.name].detach()
+                data = shard if piece is None else shard.narrow(0, piece.src[0], piece.src[1] - piece.src[0])
+                works.append(dist.isend(data.contiguous(), bucket.sender_rank, group=self.group, tag=bucket.index))
+                sent += data.numel() * data.element_size()
+            in_flight.append(works)
+        for works in in_flight:
+            for work in works:
+                work.wait()
         return sent
 
     # ------------------------------------------------------------------ sender
-    def _post_receives(self, bucket: Bucket) -> list[tuple[int, torch.Tensor, object]]:
-        posted = []
-        device = next(iter(self.local.values())).device if self.local else torch.device("cpu")
-        for source_rank, nbytes in sorted(bucket.gather_bytes().items()):
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            posted.append((source_rank, buffer, dist.irecv(buffer, source_rank, group=self.group,
-                                                           tag=bucket.index)))
-        return posted
+    def _slot(self, bucket: Bucket, device: torch.device) -> torch.Tensor:
+        i = bucket.index % RING_SLOTS
+        slot = self._ring[i]
+        if slot is None or slot.numel() < bucket.nbytes or slot.device != device:
+            slot = torch.empty(max(bucket.nbytes, self.plan.bucket_size_bytes), dtype=torch.uint8, device=device)
+            self._ring[i] = slot
+        return slot[:bucket.nbytes]
 
-    def _shards(self, bucket: Bucket, received: dict[int, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        offsets = {r: 0 for r in received}
-        shards: dict[str, list[torch.Tensor]] = {}
+    def _post(self, bucket: Bucket, device: torch.device):
+        flat = self._slot(bucket, device)
+        views = _views(bucket, flat)
+        first = {}
+        offset = 0
         for transfer in bucket.params:
-            parts = []
+            first[transfer.param.name] = offset
+            offset += len(transfer.param.hf)
+        works, temps = [], []
+        for source_rank, transfer, source, piece in self._messages(bucket):
+            dtype = torch_dtype(transfer.param.dtype)
+            if piece is None:
+                buffer = torch.empty(source.shape, dtype=dtype, device=device)
+                temps.append((transfer, source, buffer, first[transfer.param.name]))
+            else:
+                hf = views[first[transfer.param.name] + piece.hf_index][1]
+                buffer = hf.narrow(0, piece.dst[0], piece.dst[1] - piece.dst[0])
+            works.append(dist.irecv(buffer, source_rank, group=self.group, tag=bucket.index))
+            self.timings.bytes_received += buffer.numel() * buffer.element_size()
+        return flat, views, first, works, temps
+
+    def _place_local(self, bucket: Bucket, views, first, temps) -> None:
+        for transfer, source, buffer, base in temps:
+            for piece in self.placement.pieces(transfer):
+                if piece.shard == source.shard_index:
+                    self._copy(views[base + piece.hf_index][1], buffer, piece)
+        for transfer in bucket.params:
             for source in transfer.sources:
-                if source.trainer_rank == self.rank:
-                    parts.append(self.local[transfer.param.name].detach())
+                if source.trainer_rank != self.rank:
                     continue
-                start = offsets[source.trainer_rank]
-                raw = received[source.trainer_rank][start:start + source.nbytes]
-                offsets[source.trainer_rank] = start + source.nbytes
-                parts.append(raw.view(torch_dtype(transfer.param.dtype)).view(source.shape))
-            shards[transfer.param.name] = parts
-        return shards
+                shard = self.local[transfer.param.name].detach()
+                for piece in self.placement.pieces(transfer):
+                    if piece.shard == source.shard_index:
+                        self._copy(views[first[transfer.param.name] + piece.hf_index][1], shard, piece)
 
-    def iter_hf_buckets(self) -> Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]]]]:
-        """Yield ``(bucket, [(hf_name, tensor), ...])`` in wire order for each bucket this rank sends.
+    @staticmethod
+    def _copy(hf: torch.Tensor, shard: torch.Tensor, piece) -> None:
+        n = piece.dst[1] - piece.dst[0]
+        hf.narrow(piece.axis, piece.dst[0], n).copy_(shard.narrow(piece.axis, piece.src[0], n))
 
-        The receives of the next bucket are posted before a bucket is yielded, so the caller's
-        send of bucket ``b`` overlaps the gather of ``b + 1``.
+    def iter_hf_buckets(self) -> Iterator[tuple[Bucket, list[tuple[str, torch.Tensor]], torch.Tensor]]:
+        """Yield ``(bucket, [(hf_name, view)], flat)`` for each bucket this rank sends.
 
-        Raises:
-            WeightSyncError: converted tensors that do not match the plan.
+        ``flat`` holds the bucket's HF tensors back to back (wire order); the views point into it.
+        It stays untouched until bucket ``index + RING_SLOTS`` is gathered.
         """
         mine = [b for b in self.plan.buckets if b.sender_rank == self.rank]
-        pending = self._post_receives(mine[0]) if mine else []
+        device = next(iter(self.local.values())).device if self.local else torch.device("cpu")
+        pending = self._post(mine[0], device) if mine else None
         for i, bucket in enumerate(mine):
+            flat, views, first, works, temps = pending
             start = time.perf_counter()
-            for _, _, work in pending:
+            for work in works:
                 work.wait()
-            received = {r: buf for r, buf, _ in pending}
-            self.timings.bytes_received += sum(buf.numel() for buf in received.values())
             gathered = time.perf_counter()
-            pending = self._post_receives(mine[i + 1]) if i + 1 < len(mine) else []
-            tensors = self._convert(bucket, self._shards(bucket, received))
+            pending = self._post(mine[i + 1], device) if i + 1 < len(mine) else None
+            self._place_local(bucket, views, first, temps)
             done = time.perf_counter()
             self.timings.gather_s += gathered - start
             self.timings.convert_s += done - gathered
             self.timings.per_bucket.append({"bucket": bucket.index, "gather_s": gathered - start,
                                             "convert_s": done - gathered, "bytes": bucket.nbytes})
-            yield bucket, tensors
-
-    def _convert(self, bucket: Bucket, shards: dict[str, list[torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        produced: dict[str, torch.Tensor] = {}
-        for transfer in bucket.params:
-            for name, tensor in self.converter(transfer, shards[transfer.param.name]):
-                if name in produced:
-                    raise WeightSyncError(f"{name} produced twice in bucket {bucket.index}")
-                produced[name] = tensor
-        order = [t.name for t in bucket.hf_tensors]
-        planned = set(order)
-        tensors = [(n, produced[n]) for n in order if n in produced]
-        tensors += [(n, t) for n, t in produced.items() if n not in planned]
-        check_bucket_tensors(bucket, tensors)
-        return tensors
+            yield bucket, views, flat

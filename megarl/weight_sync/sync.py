@@ -42,7 +42,7 @@ class WeightSynchronizer:
         transport: ``distributed``, ``shard``, ``tensor`` or ``disk``.
         engine_urls: every engine that must receive the weights.
         rank: this rank in ``group`` (the trainer's process group).
-        converter: ``(transfer, shards) -> [(hf_name, tensor)]`` (:class:`~megarl.weight_sync.gather.HFConverter`).
+        placement: the conversion as copy instructions (:class:`~megarl.weight_sync.placement.Placement`).
         manifest: the engines' checkpoint tensors (:func:`~megarl.weight_sync.validate.read_manifest`);
             None skips that check (engines on another host).
         pause_mode: ``retract``, ``abort`` or ``in_place``.
@@ -50,7 +50,7 @@ class WeightSynchronizer:
         transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s`` (see ``make_transport``).
     """
 
-    def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, converter,
+    def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, placement,
                  manifest: Optional[Mapping] = None, pause_mode: str = "retract",
                  group: Optional[dist.ProcessGroup] = None, **transport_kwargs) -> None:
         if pause_mode not in ("retract", "abort", "in_place"):
@@ -58,7 +58,7 @@ class WeightSynchronizer:
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
         self.plan, self.rank, self.group, self.pause_mode = plan, rank, group, pause_mode
-        self.converter = converter
+        self.placement = placement
         self.stage = next((b.pp_rank for b in plan.buckets if b.sender_rank == rank or b.contributions(rank)), None)
         self.is_sender = any(b.sender_rank == rank for b in plan.buckets)
         self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
@@ -110,7 +110,7 @@ class WeightSynchronizer:
             if self.transport.needs_session:
                 self.engines.call_all("begin_weight_update")
         self._barrier()
-        gatherer = StageGatherer(self.plan, self.rank, local_params, self.converter, group=self.group)
+        gatherer = StageGatherer(self.plan, self.rank, local_params, self.placement, group=self.group)
         stats = self._push(gatherer, version)  # 2. push
         self._barrier()
         if self.is_coordinator:
@@ -141,9 +141,9 @@ class WeightSynchronizer:
         if ordered and index > 0:
             self._token(False, senders[index - 1])
         if first is not None:
-            transport.send(*first, version)
-            for bucket, tensors in buckets:
-                transport.send(bucket, tensors, version)
+            transport.send(*first)
+            for bucket, tensors, flat in buckets:
+                transport.send(bucket, tensors, flat)
         transport.drain()
         if ordered and index + 1 < len(senders):
             self._token(True, senders[index + 1])
@@ -222,7 +222,7 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
     """
     from megarl.checkpoint.families import get_family
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.gather import HFConverter
+    from megarl.weight_sync.placement import Placement
     from megarl.weight_sync.layout import EngineLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
@@ -237,7 +237,7 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
                       bucket_size_mb=cfg.bucket_size_mb)
     layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                           tp_size=parallel.tp_size)
-    return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, converter=HFConverter(layout),
+    return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, placement=Placement(layout),
                               manifest=read_manifest(hf_dir) if check_manifest else None,
                               pause_mode=cfg.pause_mode, group=group, backend=cfg.backend,
                               master_address=master_address, directory=directory, timeout_s=cfg.timeout_s)

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from megarl.weight_sync.engines import EngineGroup, wait_all
-from megarl.weight_sync.gather import as_bytes
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.validate import WeightSyncError
 
@@ -74,7 +73,15 @@ class Transport:
     def start_sync(self) -> None:
         self.stats = TransferStats(engine_rank_bytes=[0] * self.plan.engine_layout.tp_size)
 
-    def send(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], weight_version: str) -> None:
+    def send(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
+        """Hand one bucket to the engines; may return before they finished (see :meth:`drain`).
+
+        Args:
+            bucket: the plan's bucket.
+            tensors: its HF tensors in wire order, as views of ``flat``.
+            flat: ``[bucket.nbytes]`` uint8, the tensors back to back; not modified by the caller
+                until this transport drained the bucket.
+        """
         raise NotImplementedError
 
     def drain(self) -> None:
@@ -115,8 +122,6 @@ class DistributedTransport(Transport):
         self.master_address = master_address
         self.group = None
         self.group_name = None
-        self._ring: list[Optional[torch.Tensor]] = [None, None]
-        self._slot = 0
 
     def connect(self, pp_rank: int) -> None:
         """Create this stage's group: this sender is rank 0, engine ``i`` rank ``r`` is ``1 + i*T + r``."""
@@ -136,27 +141,10 @@ class DistributedTransport(Transport):
             group_name=self.group_name, timeout=timedelta(seconds=self.timeout_s))
         wait_all(futures, self.timeout_s)
 
-    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        # Two slots used alternately; a slot is reused two buckets later, after drain() proved the
-        # engines finished reading the bucket that used it.
-        slot = self._ring[self._slot]
-        if slot is None or slot.numel() < nbytes or slot.device != device:
-            slot = torch.empty(max(nbytes, self.plan.bucket_size_bytes), dtype=torch.uint8, device=device)
-            self._ring[self._slot] = slot
-        self._slot ^= 1
-        return slot[:nbytes]
-
-    def send(self, bucket, tensors, weight_version) -> None:
+    def send(self, bucket, tensors, flat) -> None:
         if self.group is None:
             raise WeightSyncError("distributed transport used before connect()")
-        device = tensors[0][1].device
-        flat = self._buffer(bucket.nbytes, device)
-        self.drain()  # the previous bucket is loaded: its slot (the other one) is free again
-        offset = 0
-        for _, t in tensors:
-            raw = as_bytes(t)
-            flat[offset:offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
+        self.drain()  # the engines must have loaded the previous bucket before they see the next
         names = [n for n, _ in tensors]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
@@ -165,7 +153,7 @@ class DistributedTransport(Transport):
                                           group_name=self.group_name, flush_cache=False,
                                           load_format="flattened_bucket")
         work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
-        self._in_flight = (futures, (flat, tensors), started, lambda: self._wait_collective(work, futures))
+        self._in_flight = (futures, flat, started, lambda: self._wait_collective(work, futures))
         self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)
 
     def _wait_collective(self, work, futures) -> float:
@@ -198,7 +186,7 @@ class _TensorPayloadTransport(Transport):
     def _payloads(self, bucket: Bucket, tensors) -> tuple[list[list[tuple[str, torch.Tensor]]], list[int]]:
         raise NotImplementedError
 
-    def send(self, bucket, tensors, weight_version) -> None:
+    def send(self, bucket, tensors, flat) -> None:
         from megarl.rollout.client import serialize_named_tensors
 
         self.drain()
@@ -260,7 +248,7 @@ class DiskTransport(Transport):
         super().start_sync()
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def send(self, bucket, tensors, weight_version) -> None:
+    def send(self, bucket, tensors, flat) -> None:
         from safetensors.torch import save_file
 
         started = time.perf_counter()

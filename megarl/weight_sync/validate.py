@@ -9,19 +9,19 @@ therefore checked here, before a byte is sent:
    dtypes: an unknown name, a missing tensor or a shape / dtype mismatch is an error.
 2. :func:`check_local_params` (once per plan, every rank): this rank holds every shard the plan
    says it sends, with the planned shape and dtype.
-3. :func:`check_bucket_tensors` (every bucket, sender): conversion produced exactly the planned
-   tensors, in order, with the planned shapes and dtypes.
+3. :class:`~megarl.weight_sync.placement.Placement` (once per parameter kind): the family's
+   conversion, traced, produces exactly the planned HF shapes.
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
-from megarl.weight_sync.plan import Bucket, WeightSyncPlan
+from megarl.weight_sync.plan import WeightSyncPlan
 
 Manifest = dict[str, tuple[tuple[int, ...], str]]
 """HF tensor name -> (shape, dtype name without ``torch.``)."""
@@ -102,22 +102,3 @@ def check_local_params(plan: WeightSyncPlan, rank: int, local: Mapping[str, torc
             if str(tensor.dtype).removeprefix("torch.") != transfer.param.dtype:
                 raise WeightSyncError(f"{name} on trainer rank {rank}: dtype {tensor.dtype}, "
                                       f"the plan expects {transfer.param.dtype}")
-
-
-def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """The converted tensors are exactly the bucket's planned HF tensors, in wire order.
-
-    Raises:
-        WeightSyncError: a missing, extra or misnamed tensor, or a shape / dtype mismatch.
-    """
-    names = [n for n, _ in tensors]
-    planned = [t.name for t in bucket.hf_tensors]
-    if names != planned:
-        missing, extra = sorted(set(planned) - set(names)), sorted(set(names) - set(planned))
-        raise WeightSyncError(f"bucket {bucket.index}: converted tensors differ from the plan "
-                              f"(missing {missing[:5]}, unexpected {extra[:5]})")
-    for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
-        if tuple(tensor.shape) != tuple(spec.shape):
-            raise WeightSyncError(f"{name}: converted shape {tuple(tensor.shape)}, planned {tuple(spec.shape)}")
-        if str(tensor.dtype).removeprefix("torch.") != spec.dtype:
-            raise WeightSyncError(f"{name}: converted dtype {tensor.dtype}, planned {spec.dtype}")

@@ -6,6 +6,7 @@ parameter bytes per rank (reported by the custom loader inside the server) for s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def test_sync_after_training_matches_trainer_at_tp2_ep2_pp2(sglang_engine, tiny_
             report[(layout, transport)] = (before_mean, mean, peak)
             assert before_mean > 20 * TOLERANCE, (layout, transport, before_mean)  # training moved the policy
             assert mean <= TOLERANCE, (layout, transport, mean, peak)
+            assert out["stale_detected"][transport]  # verification fails on the engine before the sync ...
+            assert out["verify"][transport]["weight_sync/verify_logprob_diff_mean"] <= TOLERANCE  # ... passes after
             metrics = out["metrics"][transport]
             assert metrics["weight_sync/hf_bytes"] == metrics["weight_sync/engine_rank_bytes_max"]
             assert metrics["timing/weight_sync_s"] > 0
@@ -124,3 +127,35 @@ def test_shard_transport_delivers_exactly_each_ranks_shard_to_a_tp2_engine(tp2_e
           f"{[out['metrics']['shard'][f'weight_sync/engine_rank{r}_bytes_over_shard'] for r in (0, 1)]}, "
           f"distributed {[round(out['metrics']['distributed'][f'weight_sync/engine_rank{r}_bytes_over_shard'], 3) for r in (0, 1)]}; "
           f"shard / SGLang's CPU parameter bytes (with its expert padding) {[round(x, 3) for x in physical]}")
+
+
+@pytest.mark.timeout(300)
+def test_sglang_ignores_a_misnamed_tensor_so_the_plan_check_refuses_it(sglang_engine, tiny_moe_dir):
+    """Why names are checked on the trainer side: SGLang answers success for a name it does not know."""
+    from transformers import AutoConfig
+
+    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
+    from megarl.weight_sync.plan import build_plan
+    from megarl.weight_sync.sync import WeightSynchronizer
+    from megarl.weight_sync.validate import WeightSyncError, read_manifest
+
+    probe = probes()[:1]
+    with EngineGroup([sglang_engine.url]) as engines:
+        before = workers.engine_logprobs([sglang_engine.url], probe)
+        engines.call_all("begin_weight_update")
+        try:
+            result = engines.call_all("update_weights_from_tensor",
+                                      [[("model.layers.0.mlp.experts.0.gate_projj.weight", torch.zeros(32, 64))]])
+        finally:
+            engines.call_all("end_weight_update")
+        assert result[0]["success"] is True  # silently ignored ...
+        assert workers.engine_logprobs([sglang_engine.url], probe) == before  # ... and nothing changed
+    specs = param_specs_from_hf_config(AutoConfig.from_pretrained(tiny_moe_dir), dtype="float32")
+    bad = [dataclasses.replace(s, hf=tuple(dataclasses.replace(t, name=t.name.replace("gate_proj", "gate_projj"))
+                                            for t in s.hf)) if s.expert == 0 else s for s in specs]
+    plan = build_plan(TrainerLayout(), EngineLayout(), bad)
+    with pytest.raises(WeightSyncError, match="unknown to the engine"):
+        WeightSynchronizer(plan, "distributed", [sglang_engine.url], rank=0, placement=None,
+                           manifest=read_manifest(tiny_moe_dir))

@@ -63,6 +63,20 @@ def engine_logprobs(urls, probes) -> list[list[list[float]]]:
         return [[t.tolist() for t in per_engine] for per_engine in engine_prompt_logprobs(engines, probes)]
 
 
+def verify(urls, probes, trainer_logprobs, tolerance: float = 1e-3) -> dict | None:
+    """``verify_engine_logprobs`` metrics, or None when it reported a mismatch (a WeightSyncError)."""
+    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.validate import WeightSyncError
+    from megarl.weight_sync.verify import verify_engine_logprobs
+
+    with EngineGroup(urls) as engines:
+        try:
+            return verify_engine_logprobs(engines, probes, [torch.tensor(t) for t in trainer_logprobs],
+                                          tolerance=tolerance)
+        except WeightSyncError:
+            return None
+
+
 def reset_engines(urls, model_dir: str) -> None:
     """Reload the engines' original weights from disk (the reference transport)."""
     from megarl.weight_sync.engines import EngineGroup
@@ -91,12 +105,14 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
         trainer = build_trainer(cfg)
         for step in range(2):
             trainer.train_step(trainer.prepare_batch(packed(train_sequences, train=True, seed=step)))
-        out = {"trainer": trainer_probe_logprobs(trainer, probes), "before": {}, "after": {}, "metrics": {}}
+        out = {"trainer": trainer_probe_logprobs(trainer, probes), "before": {}, "after": {}, "metrics": {},
+               "verify": {}, "stale_detected": {}}
         params = dict(trainer.named_parameters_for_sync())
         for i, transport in enumerate(transports):
             if rank == 0:
                 reset_engines(urls, hf_dir)
                 out["before"][transport] = engine_logprobs(urls, probes)
+                out["stale_detected"][transport] = verify(urls, probes, out["trainer"]) is None
             dist.barrier()
             ws_cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25)
             syncer = build_weight_sync(hf_dir, trainer.parallel, urls, ws_cfg, engine_tp_size=engine_tp,
@@ -108,6 +124,7 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
                 syncer.close()
             if rank == 0:
                 out["after"][transport] = engine_logprobs(urls, probes)
+                out["verify"][transport] = verify(urls, probes, out["trainer"])
             dist.barrier()
         results[layout] = out
         del trainer, params

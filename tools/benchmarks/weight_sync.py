@@ -1,0 +1,236 @@
+"""Weight-sync throughput on CPU (gloo) against a raw gloo broadcast of the same bytes, and the
+bytes each engine rank receives per sync for large metadata-only layouts.
+
+Part 1 (measured): a Qwen3-MoE of ``--size-gb`` (default 1.1 GB in bf16, random weights, written
+once under ``--workdir``) is served by a real SGLang CPU server; two trainer ranks (gloo) hold its
+Megatron shards at TP2 (built from the HF tensors with the family mapping, exactly what a trainer
+holds) and push it with ``WeightSynchronizer`` (pause -> buckets -> flush -> version -> continue;
+``weight_sync.bucket_size_mb`` buckets, TP gather over gloo, conversion, broadcast, engine load).
+In the same run, interleaved with the syncs, rank 0 broadcasts the same number of bytes to rank 1
+over a plain gloo group in buckets of the same size: the raw broadcast. Reported: median seconds
+and GB/s of both, ``ratio = sync GB/s / raw GB/s`` (target >= 0.5), and the sync's
+gather / convert / transfer / engine-load split. A verification step checks the engine's
+logprobs after the last sync against the pushed weights' own (transformers, same dtype).
+
+Part 2 (plan only): for Qwen3-235B-A22B- and DeepSeek-V3-shaped metadata, trainer TP x PP4 x EP16,
+engines TP8 / TP16 with and without EP: bytes received per engine rank / its shard, for the
+``distributed`` (full tensors broadcast) and ``shard`` transports.
+
+usage: python tools/benchmarks/weight_sync.py [--size-gb 1.1] [--repeats 3] [--transport distributed]
+       [--bucket-mb 256] [--workdir /tmp/megarl_ws_bench] [--skip-engine] [--out result.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+BIG = {
+    "qwen3_235b_a22b": ({"model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94,
+                         "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+                         "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
+                         "num_experts_per_tok": 8, "vocab_size": 151936, "torch_dtype": "bfloat16"}, 4, 22, 24),
+    "deepseek_v3": ({"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                     "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                     "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432,
+                     "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
+                     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "vocab_size": 129280,
+                     "torch_dtype": "bfloat16"}, 8, 15, 16),
+}
+"""name -> (config.json metadata, trainer TP, layers on the first / last of 4 pipeline stages)."""
+
+
+def plan_ratios() -> dict:
+    """Bytes per engine rank / shard for the big layouts (metadata only)."""
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
+    from megarl.weight_sync.plan import build_plan
+
+    out = {}
+    for name, (cfg, tp, first, last) in BIG.items():
+        specs = param_specs_from_hf_config(cfg, tensor_model_parallel_size=tp)
+        trainer = TrainerLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=4,
+                                expert_model_parallel_size=16, expert_tensor_parallel_size=1,
+                                data_parallel_size=128 // tp, num_layers_in_first_pipeline_stage=first,
+                                num_layers_in_last_pipeline_stage=last)
+        for engine_tp, engine_ep in ((8, 1), (8, 8), (16, 1), (16, 16)):
+            plan = build_plan(trainer, EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep),
+                              specs)
+            shard = plan.engine_shard_bytes()
+            key = f"{name} trainer TP{tp}xPP4xEP16 -> engine TP{engine_tp} EP{engine_ep}"
+            out[key] = {"model_gb": plan.total_bytes / 1e9, "buckets": len(plan.buckets),
+                        "shard_gb_max": max(shard) / 1e9}
+            for transport in ("distributed", "shard"):
+                received = plan.engine_rank_bytes(transport)
+                out[key][f"{transport}_bytes_over_shard_max"] = max(r / s for r, s in zip(received, shard))
+    return out
+
+
+def make_model(workdir: Path, size_gb: float) -> Path:
+    """A bf16 Qwen3-MoE of about ``size_gb`` GB (random weights, the tiny model's tokenizer)."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    layers = max(2, -(-int(size_gb * 1e9) // (64 * 3 * 1024 * 512 * 2)))
+    out = workdir / f"qwen3_moe_{size_gb:g}gb"
+    if not (out / "model.safetensors").exists() and not list(out.glob("*.safetensors")):
+        make_tiny_model(out, TinyModelSpec(family="qwen3_moe", hidden_size=1024, num_hidden_layers=layers,
+                                           num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                           moe_intermediate_size=512, num_experts=64, dtype="bfloat16"))
+    return out
+
+
+def local_shards(hf_dir: str, plan, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's Megatron shards, made from the HF tensors with the family mapping."""
+    from safetensors import safe_open
+
+    from megarl.checkpoint.families import get_family
+    from megarl.checkpoint.mapping import lookup, split_tp, to_megatron
+    from megarl.training.model import load_hf_config
+
+    hf_config = load_hf_config(hf_dir)
+    family = get_family(hf_config)
+    layout = family.layout(hf_config, tp_size=plan.trainer_layout.tp_size)
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    handles = [safe_open(str(f), "pt") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+    shards = {}
+    for bucket in plan.buckets:
+        for transfer, source in bucket.contributions(rank):
+            entry, _ = lookup(family.table, transfer.param.name)
+            full = to_megatron(entry, [where[t.name].get_tensor(t.name) for t in transfer.param.hf], layout)
+            shards[transfer.param.name] = split_tp(full, entry.tp_split, source.shard_index,
+                                                   len(transfer.sources)).contiguous()
+    return shards
+
+
+def raw_broadcast_s(nbytes: int, bucket_bytes: int, group) -> float:
+    """Seconds to broadcast ``nbytes`` from rank 0 to rank 1 over ``group`` in ``bucket_bytes`` chunks."""
+    import torch.distributed as dist
+
+    buffer = torch.empty(min(nbytes, bucket_bytes), dtype=torch.uint8)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    sent = 0
+    while sent < nbytes:
+        n = min(bucket_bytes, nbytes - sent)
+        dist.broadcast(buffer[:n], src=0, group=group)
+        sent += n
+    dist.barrier(group=group)
+    return time.perf_counter() - start
+
+
+def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, transport: str, bucket_mb: float,
+                 repeats: int) -> dict | None:
+    import torch.distributed as dist
+
+    from megarl.config.schema import WeightSyncConfig
+    from megarl.training.model import load_hf_config
+    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
+    from megarl.weight_sync.plan import build_plan
+    from megarl.weight_sync.sync import WeightSynchronizer
+    from megarl.weight_sync.validate import read_manifest
+
+    hf_config = load_hf_config(hf_dir)
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
+    plan = build_plan(TrainerLayout(tensor_model_parallel_size=2), EngineLayout(), specs, bucket_size_mb=bucket_mb)
+    shards = local_shards(hf_dir, plan, rank)
+    from megarl.checkpoint.families import get_family
+
+    cfg = WeightSyncConfig(transport=transport, bucket_size_mb=bucket_mb)
+    syncer = WeightSynchronizer(plan, transport, [url], rank=rank,
+                                placement=Placement(get_family(hf_config).layout(hf_config, tp_size=2)),
+                                manifest=read_manifest(hf_dir), directory=str(Path(hf_dir).parent / "disk"),
+                                timeout_s=cfg.timeout_s)
+    raw_group = dist.new_group(backend="gloo")
+    syncs, raws = [], []
+    try:
+        syncer.connect()
+        for i in range(repeats):  # interleaved, so both see the same machine load
+            raws.append(raw_broadcast_s(plan.total_bytes, plan.bucket_size_bytes, raw_group))
+            syncs.append(syncer.sync(shards, policy_version=i + 1))
+    finally:
+        syncer.close()
+    if rank != 0:
+        return None
+    return {"bytes": plan.total_bytes, "buckets": len(plan.buckets), "raw_s": raws, "sync": syncs}
+
+
+def engine_check(url: str, hf_dir: str) -> dict:
+    """Engine logprobs on probes vs transformers on the same (bf16) weights: the sync delivered them."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.verify import engine_prompt_logprobs, logprob_gap
+
+    gen = torch.Generator().manual_seed(0)
+    probes = [torch.randint(0, 2000, (n,), generator=gen).tolist() for n in (16, 24)]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    reference = []
+    with torch.no_grad():
+        for p in probes:
+            lp = torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), -1)
+            reference.append(lp.gather(1, torch.tensor(p[1:])[:, None])[:, 0].double())
+    with EngineGroup([url]) as engines:
+        mean, peak = logprob_gap(engine_prompt_logprobs(engines, probes)[0], reference)
+    return {"engine_vs_transformers_logprob_mean": mean, "max": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=1.1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transport", default="distributed")
+    parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--workdir", default="/tmp/megarl_ws_bench")
+    parser.add_argument("--skip-engine", action="store_true", help="only the plan-level byte ratios")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    result = {"plan_bytes_per_engine_rank": plan_ratios()}
+    if not args.skip_engine:
+        from megarl.rollout.engine import EngineProcess
+        from megarl.testing.multiproc import run_ranks
+        from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
+
+        workdir = Path(args.workdir)
+        hf_dir = make_model(workdir, args.size_gb)
+        engine = EngineProcess(hf_dir, device="cpu", dtype="bfloat16", mem_fraction_static=0.2,
+                               max_total_tokens=2048, grammar_backend="none",
+                               custom_weight_loaders=CUSTOM_WEIGHT_LOADERS, env={"OMP_NUM_THREADS": "1"},
+                               log_path=workdir / "engine.log")
+        engine.start()
+        try:
+            engine.wait_healthy(600)
+            out = run_ranks(bench_worker, 2, timeout_s=3000, env={"OMP_NUM_THREADS": "1"},
+                            args=(str(hf_dir), engine.url, args.transport, args.bucket_mb, args.repeats))[0]
+            result["engine_check"] = engine_check(engine.url, str(hf_dir))
+        finally:
+            engine.stop(grace_s=0)
+        sync_s = [m["timing/weight_sync_s"] for m in out["sync"]]
+        gb = out["bytes"] / 1e9
+        raw, sync = statistics.median(out["raw_s"]), statistics.median(sync_s)
+        last = out["sync"][-1]
+        result["measured"] = {
+            "model_gb": gb, "buckets": out["buckets"], "transport": args.transport, "bucket_mb": args.bucket_mb,
+            "raw_broadcast_s": out["raw_s"], "sync_s": sync_s, "raw_gb_per_s": gb / raw, "sync_gb_per_s": gb / sync,
+            "ratio_sync_over_raw": raw / sync,
+            "split_last_sync_s": {k.split("/")[-1]: last[k] for k in (
+                "weight_sync/gather_s", "weight_sync/convert_s", "weight_sync/transfer_s", "weight_sync/engine_load_s")},
+            "engine_rank_bytes_over_shard": last["weight_sync/engine_bytes_over_shard_max"]}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
