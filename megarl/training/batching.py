@@ -227,7 +227,7 @@ def _equalize(plan: list[Shape], count: int, lengths: dict[int, int], multiple: 
 
 def plan_micro_batches(seq_lens: Sequence[int], *, dp_size: int, max_tokens_per_microbatch: int | None,
                        micro_batch_size: int = 1, pad_multiple: int = 1, length_policy: str = "each",
-                       pack_rows: bool = True) -> BatchPlan:
+                       pack_rows: bool = True, microbatch_multiple: int = 1) -> BatchPlan:
     """Assign sequences to data-parallel ranks, micro batches and packed rows (module docstring).
 
     Args:
@@ -240,6 +240,8 @@ def plan_micro_batches(seq_lens: Sequence[int], *, dp_size: int, max_tokens_per_
         length_policy: ``each``, ``across_dp`` (micro batch ``j`` has one shape on every rank)
             or ``uniform`` (one shape for every micro batch of every rank).
         pack_rows: several rows per micro batch (local spec) instead of a single row (THD).
+        microbatch_multiple: the number of micro batches is a multiple of this (Megatron's
+            interleaved pipeline schedule needs a multiple of the pipeline size).
 
     Returns:
         The `BatchPlan`.
@@ -259,7 +261,7 @@ def plan_micro_batches(seq_lens: Sequence[int], *, dp_size: int, max_tokens_per_
     ranks = [{i: lengths[i] for i in r} for r in karmarkar_karp(list(lengths.values()), dp_size)]
     shapes = [_rank_micro_batches(r, max_tokens=max_tokens_per_microbatch, micro_batch_size=micro_batch_size,
                                   pack_rows=pack_rows, multiple=pad_multiple) for r in ranks]
-    num_mb = max(len(plan) for plan in shapes)
+    num_mb = _round_up(max(len(plan) for plan in shapes), microbatch_multiple)
     shapes = [_equalize(plan, num_mb, r, pad_multiple) for plan, r in zip(shapes, ranks)]
     if length_policy == "across_dp":
         for j in range(num_mb):

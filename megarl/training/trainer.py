@@ -75,11 +75,18 @@ class Trainer:
         moe = getattr(self.config, "num_moe_experts", None)
         self._length_policy = "across_dp" if moe and dispatcher == "allgather" and parallel.ep_size > 1 else "each"
         if parallel.pp_size > 1:
-            if moe and dispatcher == "allgather":
-                self._length_policy = "uniform"  # Megatron refuses variable_seq_lengths with allgather
-            else:
-                for chunk in model_chunks:
-                    chunk.config.variable_seq_lengths = True  # p2p exchanges each micro batch's shape
+            if (moe and dispatcher == "allgather") or len(model_chunks) > 1:
+                # One shape for every micro batch: Megatron refuses variable_seq_lengths with the
+                # allgather dispatcher, and the interleaved schedule fails with it on gloo.
+                self._length_policy = "uniform"
+            for chunk in model_chunks:
+                # p2p exchanges each micro batch's shape (unless all share one)
+                chunk.config.variable_seq_lengths = self._length_policy != "uniform"
+                if dist.get_backend() == "gloo":
+                    # Batched isend/irecv on gloo mismatches the two tensors a stage exchanges with
+                    # one peer (PP=2: previous = next stage) in the interleaved schedule: activations
+                    # arrive in the wrong buffer. Individual send/recv pairs match in order.
+                    chunk.config.batch_p2p_comm = False
         # Transformer Engine attention takes THD packed sequences; the local spec's takes a mask.
         self._te_attention = any(type(m).__name__ == "TEDotProductAttention"
                                  for chunk in model_chunks for m in chunk.modules())
@@ -95,7 +102,8 @@ class Trainer:
                                   max_tokens_per_microbatch=train.max_tokens_per_microbatch,
                                   micro_batch_size=train.micro_batch_size,
                                   pad_multiple=(p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train),
-                                  length_policy=self._length_policy, pack_rows=not self._te_attention)
+                                  length_policy=self._length_policy, pack_rows=not self._te_attention,
+                                  microbatch_multiple=p.pp_size if len(self.model_chunks) > 1 else 1)
         mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=self._te_attention).to(self.device)
                for spec in plan.micro_batches[p.dp_rank]]
         return mbs, plan.padding_fraction

@@ -73,6 +73,8 @@ def test_plan_policies_and_padding_only_microbatches():
     assert any(not mb.seq_indices for rank in plan.micro_batches for mb in rank)  # padding only
     uniform = plan_micro_batches([50, 40, 9, 8, 7], dp_size=1, max_tokens_per_microbatch=60, length_policy="uniform")
     assert len({(len(mb.rows), mb.row_length) for mb in uniform.micro_batches[0]}) == 1
+    multiple = plan_micro_batches([30, 20, 10, 9, 8], dp_size=1, max_tokens_per_microbatch=30, microbatch_multiple=4)
+    assert multiple.num_microbatches == 4 and sorted(i for mb in multiple.micro_batches[0] for i in mb.seq_indices) == list(range(5))
     fixed = plan_micro_batches([3, 4, 5, 6, 7], dp_size=1, max_tokens_per_microbatch=None, micro_batch_size=2)
     assert [len(mb.seq_indices) for mb in fixed.micro_batches[0]] == [2, 2, 1]
     with pytest.raises(ValueError, match="data-parallel"):
