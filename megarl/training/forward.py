@@ -118,7 +118,8 @@ def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: Paralle
     if replay is not None and routes is not None:
         positions = mb.router_positions(tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
                                         sequence_parallel=parallel.sequence_parallel)
-        replay.replay(mb.gather(routes, pad_value=-1)[positions])  # padding routes freely
+        row = mb.gather(routes, pad_value=-1)[positions.to(routes.device)]  # padding routes freely
+        replay.replay(row, chunk=model)
     return model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
 
 

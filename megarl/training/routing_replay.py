@@ -107,6 +107,11 @@ class _RouterSlot:
 class RoutingReplay:
     """Record / replay hooks on every ``TopKRouter`` of a model (see the module docstring).
 
+    Every method takes an optional ``chunk``: one of the model chunks given here (what Megatron's
+    schedule passes to the forward step); it limits the call to that chunk's routers, which the
+    interleaved pipeline schedule needs (it runs the chunks of a rank on different micro batches
+    in turn). None = all routers of the rank.
+
     Args:
         model_chunks: the model chunks of this rank (Megatron modules, DDP-wrapped or not).
 
@@ -118,7 +123,9 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.slots: dict[int, _RouterSlot] = {}
+        self._chunk_layers: dict[int, list[int]] = {}
         for chunk in model_chunks:
+            layers = self._chunk_layers.setdefault(id(chunk), [])
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     layer = getattr(module, "layer_number", None)
@@ -127,6 +134,7 @@ class RoutingReplay:
                     slot = _RouterSlot(layer - 1)
                     module.router_replay = slot
                     self.slots[layer - 1] = slot
+                    layers.append(layer - 1)
         if not self.slots:
             raise RoutingReplayError("routing replay needs an MoE model, but no TopKRouter was found")
 
@@ -135,38 +143,46 @@ class RoutingReplay:
         """0-based global indices of the MoE layers on this rank."""
         return sorted(self.slots)
 
-    def off(self) -> None:
+    def _slots(self, chunk: torch.nn.Module | None) -> dict[int, _RouterSlot]:
+        if chunk is None:
+            return self.slots
+        if id(chunk) not in self._chunk_layers:
+            raise RoutingReplayError("unknown model chunk: pass one of the chunks RoutingReplay was built with")
+        return {layer: self.slots[layer] for layer in self._chunk_layers[id(chunk)]}
+
+    def off(self, chunk: torch.nn.Module | None = None) -> None:
         """Route freely; forget targets and recordings."""
-        for slot in self.slots.values():
+        for slot in self._slots(chunk).values():
             slot.mode, slot.target, slot.recorded = "off", None, []
 
-    def record(self) -> None:
+    def record(self, chunk: torch.nn.Module | None = None) -> None:
         """Record every routing from now on (one ``[N, K]`` entry per router call)."""
-        self.off()
-        for slot in self.slots.values():
+        self.off(chunk)
+        for slot in self._slots(chunk).values():
             slot.mode = "record"
 
-    def take_recorded(self) -> dict[int, Tensor]:
+    def take_recorded(self, chunk: torch.nn.Module | None = None) -> dict[int, Tensor]:
         """``{layer: [N, K] int64}`` ids of the single routing each router recorded, then clear.
 
         Raises:
             RoutingReplayError: if a router recorded no or several calls (one micro batch per take).
         """
         out = {}
-        for layer, slot in self.slots.items():
+        for layer, slot in self._slots(chunk).items():
             if len(slot.recorded) != 1:
                 raise RoutingReplayError(f"layer {layer} recorded {len(slot.recorded)} routings, expected 1")
             out[layer] = slot.recorded.pop()
         return out
 
-    def replay(self, routes: Tensor) -> None:
+    def replay(self, routes: Tensor, chunk: torch.nn.Module | None = None) -> None:
         """Replay ``routes`` in the next forward of each router.
 
         Args:
             routes: ``[N, L, K]`` integer ids of the N tokens this rank's routers will see, for all
                 L layers of the model (-1 rows route freely).
+            chunk: only this chunk's routers (None: all).
         """
-        for layer, slot in self.slots.items():
+        for layer, slot in self._slots(chunk).items():
             if layer >= routes.shape[1]:
                 raise RoutingReplayError(f"routes have {routes.shape[1]} layers, the model has MoE layer {layer}")
             slot.mode, slot.target, slot.recorded = "replay", routes[:, layer, :], []

@@ -141,16 +141,18 @@ class Trainer:
         return self._forward_only(batch, reference=reference, record_routes=False)[0]
 
     def prepare_batch(self, batch: TrainBatch) -> TrainBatch:
-        """Fill ``old_logprobs`` (and R2 ``routed_experts``) and, with a KL penalty, ``ref_logprobs``.
+        """Fill ``old_logprobs``, R2 ``routed_experts`` (recorded in the same forward pass) and,
+        with a KL penalty, ``ref_logprobs``.
 
         Fields already set are kept. Returns a new batch; the input is unchanged.
         """
         changes = {}
-        if batch.old_logprobs is None:
-            record = self.cfg.train.routing_replay == "r2" and batch.routed_experts is None
+        record = self.cfg.train.routing_replay == "r2" and batch.routed_experts is None
+        if batch.old_logprobs is None or record:
             with torch.no_grad():
                 old, routes = self._forward_only(batch, reference=False, record_routes=record)
-            changes["old_logprobs"] = old
+            if batch.old_logprobs is None:
+                changes["old_logprobs"] = old
             if record:
                 changes["routed_experts"] = routes
         if self.cfg.algorithm.kl_coef > 0 and batch.ref_logprobs is None:
@@ -171,10 +173,10 @@ class Trainer:
         def step_func(data_iterator, model):
             mb = next(data_iterator)
             if record_routes:
-                self.replay.record()
+                self.replay.record(chunk=model)
             output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
             if record_routes:
-                self._store_routes(recorded, mb, self.replay.take_recorded())
+                self._store_routes(recorded, mb, self.replay.take_recorded(chunk=model))
 
             def loss_func(output_tensor):
                 lp, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,

@@ -102,10 +102,16 @@ def _stage_r3(trainer, batch):
             trainer.train_step(batch.replace(routed_experts=bad, old_logprobs=free))
         except RoutingReplayError as err:
             errors.append(str(err))
-    try:  # R2 batch with old logprobs but no routes: replay data missing
-        trainer.train_step(batch.replace(old_logprobs=free))
+    try:  # replay data misaligned with the batch (routes of another batch)
+        trainer.train_step(batch.replace(old_logprobs=free, routed_experts=routes[:-3]))
+    except ValueError as err:
+        errors.append(str(err))
+    trainer.cfg.train.routing_replay = "r3"  # R3: the engine's routes are required, none given
+    try:
+        trainer.compute_logprobs(batch)
     except RoutingReplayError as err:
         errors.append(str(err))
+    trainer.cfg.train.routing_replay = "r2"
     return {"max_logprob_change": float((replayed - free).abs().max()), "errors": errors}
 
 
@@ -149,8 +155,9 @@ def test_gspo_replay_and_resume(tiny_moe_dir, tmp_path):
     assert out["num_changed"] > out["num_params"] // 2
     assert out["r3"]["max_logprob_change"] > 1e-3, "replayed routes must change the computation"
     errors = out["r3"]["errors"]
-    assert len(errors) == 3, errors
-    assert "num_moe_experts" in errors[0] and "repeated" in errors[1] and "no routed_experts" in errors[2]
+    assert len(errors) == 4, errors
+    assert "num_moe_experts" in errors[0] and "repeated" in errors[1] and "routed_experts has" in errors[2]
+    assert "no routed_experts" in errors[3]
     (loss, grad_norm, step), (resumed_loss, resumed_norm, resumed_step) = out["resume"]
     assert resumed_step == step
     assert resumed_loss == pytest.approx(loss, rel=1e-5)
