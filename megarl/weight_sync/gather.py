@@ -11,9 +11,9 @@ For every bucket, the sender owns one flat byte buffer laid out exactly as the e
 
 The receives of bucket ``b + 1`` are posted before bucket ``b`` is handed to the transport, so
 gathering the next bucket overlaps sending the current one. Buffers come from a ring of three:
-bucket ``b + 1`` receives into the slot of ``b - 2``, which the transport finished with (it waits
-for bucket ``b - 2`` to be fully loaded before it sends ``b - 1``), so no buffer is reused while
-the engines may still read it. A source rank has at most ``max_in_flight`` buckets of sends open.
+bucket ``b + 1`` receives into the slot of ``b - 2``, which the transport finished with (before it
+sends ``b - 1`` it waits until ``b - 2`` is broadcast, or loaded when the engines read the sender's
+memory), so no buffer is reused while the engines may still read it. A source rank has at most ``max_in_flight`` buckets of sends open.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from megarl.weight_sync.engines import EngineGroup
 from megarl.weight_sync.gather import StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.transports import Transport, make_transport
-from megarl.weight_sync.validate import check_local_params, check_plan_against_manifest
+from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
 
 
 class WeightSynchronizer:
@@ -117,12 +117,52 @@ class WeightSynchronizer:
             self.transport.finish(version)
             if self.transport.needs_session:
                 self.engines.call_all("end_weight_update")
-            self.engines.call_all("flush_cache")  # 3. flush
+            self._flush()  # 3. flush
             self.engines.call_all("update_weight_version", version)  # 4. weight_version
             self.engines.call_all("resume")  # 5. continue
             stats["engine_load_s"] = self.transport.stats.engine_load_s  # includes the disk reload
         stats["weight_sync_s"] = time.perf_counter() - start
         return self._reduce(stats)
+
+    def _flush(self) -> None:
+        from megarl.rollout.client import EngineRequestError
+
+        try:
+            self.engines.call_all("flush_cache")
+        except EngineRequestError as err:
+            raise WeightSyncError(
+                f"an engine refused to flush its prefix cache after the weight update ({err}); with "
+                f"weight_sync.pause_mode={self.pause_mode!r} requests that keep running hold old-policy KV "
+                f"(use retract or abort)") from err
+
+    def verify(self, probes, trainer_logprobs, *, tolerance: float) -> dict[str, float]:
+        """Compare the engines' logprobs on ``probes`` with the trainer's (collective; all ranks raise).
+
+        Args:
+            probes: token-id sequences (same on every rank).
+            trainer_logprobs: per probe, the trainer's ``[P - 1]`` logprobs of tokens 1..P-1
+                (e.g. from ``Trainer.compute_logprobs``; same on every rank).
+            tolerance: ``weight_sync.verify_tolerance`` (mean absolute difference).
+
+        Raises:
+            WeightSyncError: on every rank, when an engine disagrees.
+        """
+        from megarl.weight_sync.verify import verify_engine_logprobs
+
+        result = torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)  # failed, mean, max
+        if self.is_coordinator:
+            try:
+                metrics = verify_engine_logprobs(self.engines, probes, trainer_logprobs, tolerance=tolerance)
+                result[1] = metrics["weight_sync/verify_logprob_diff_mean"]
+                result[2] = metrics["weight_sync/verify_logprob_diff_max"]
+            except WeightSyncError:
+                result[0] = 1.0
+        dist.all_reduce(result, group=self.group)  # only the coordinator contributes
+        if result[0] > 0:
+            raise WeightSyncError(f"engines disagree with the trainer after the weight sync "
+                                  f"(mean |logprob diff| > {tolerance:g}); see the coordinator's log")
+        return {"weight_sync/verify_logprob_diff_mean": result[1].item(),
+                "weight_sync/verify_logprob_diff_max": result[2].item()}
 
     def _push(self, gatherer: StageGatherer, version: str) -> dict[str, float]:
         stats = {"gather_s": 0.0, "convert_s": 0.0, "transfer_s": 0.0, "engine_load_s": 0.0,

@@ -13,10 +13,12 @@
   shared memory on CPU); SGLang slices them.
 - ``disk``: safetensors files + ``/update_weights_from_disk``: the fallback and the reference.
 
-A transport never reuses a buffer the engines may still read: every ``send`` first waits for the
-previous bucket's requests and collective to complete (at most one bucket in flight, so gathering
-and converting bucket ``b + 1`` overlaps the transfer and engine load of ``b``), and keeps the
-bucket's tensors referenced until then.
+A transport never lets a buffer be reused while the engines may still read it. ``distributed``:
+``send(b)`` first waits until bucket ``b - 1``'s broadcast completed (the engines then hold their
+own copy, and have received ``b - 1``'s request, so requests stay in order); the engines load
+``b - 1`` while ``b``'s request travels. ``shard`` / ``tensor``: the engines read the sender's
+shared memory, so ``send(b)`` waits until they answered ``b - 1`` and keeps its tensors referenced
+until then. Either way gathering and placing bucket ``b + 1`` overlaps the transfer of ``b``.
 """
 from __future__ import annotations
 
@@ -88,8 +90,7 @@ class Transport:
         """Wait until the engines finished with every bucket sent so far."""
         if self._in_flight is None:
             return
-        futures, refs, started, moved = self._in_flight
-        moved_at = moved() if callable(moved) else moved
+        futures, refs, started, moved_at = self._in_flight
         wait_all(futures, self.timeout_s)
         done = time.perf_counter()
         self.stats.transfer_s += moved_at - started
@@ -122,6 +123,8 @@ class DistributedTransport(Transport):
         self.master_address = master_address
         self.group = None
         self.group_name = None
+        self._broadcast: Optional[tuple] = None
+        self._requests: list = []
 
     def connect(self, pp_rank: int) -> None:
         """Create this stage's group: this sender is rank 0, engine ``i`` rank ``r`` is ``1 + i*T + r``."""
@@ -142,9 +145,17 @@ class DistributedTransport(Transport):
         wait_all(futures, self.timeout_s)
 
     def send(self, bucket, tensors, flat) -> None:
+        """Post the bucket's requests and broadcast; returns once the *previous* bucket's broadcast ended.
+
+        Ordering: bucket ``b``'s requests are sent only after bucket ``b - 1``'s broadcast completed,
+        i.e. after every engine rank joined it, so each engine received ``b - 1``'s request first and
+        processes the two in order (it queues ``b`` while loading ``b - 1``: the load of one bucket
+        overlaps the request latency of the next). Our flat buffer is free once its broadcast ended
+        (the engines receive into their own buffers).
+        """
         if self.group is None:
             raise WeightSyncError("distributed transport used before connect()")
-        self.drain()  # the engines must have loaded the previous bucket before they see the next
+        self._wait_broadcast()
         names = [n for n, _ in tensors]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
@@ -152,11 +163,14 @@ class DistributedTransport(Transport):
         futures = self.engines.submit_all("update_weights_from_distributed", names, dtypes, shapes,
                                           group_name=self.group_name, flush_cache=False,
                                           load_format="flattened_bucket")
-        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
-        self._in_flight = (futures, flat, started, lambda: self._wait_collective(work, futures))
+        self._requests.extend(futures)
+        self._broadcast = (dist.broadcast(flat, src=0, group=self.group, async_op=True), futures, started, flat)
         self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)
 
-    def _wait_collective(self, work, futures) -> float:
+    def _wait_broadcast(self) -> None:
+        if self._broadcast is None:
+            return
+        work, futures, started, _flat = self._broadcast
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():
             failed = [f for f in futures if f.done() and f.exception() is not None]
@@ -167,7 +181,16 @@ class DistributedTransport(Transport):
                 raise WeightSyncError(f"broadcast not finished within {self.timeout_s} s")
             time.sleep(0.0005)
         work.wait()
-        return time.perf_counter()
+        self.stats.transfer_s += time.perf_counter() - started
+        self._broadcast = None
+
+    def drain(self) -> None:
+        """Wait for the last broadcast, then for every engine to answer every bucket's request."""
+        self._wait_broadcast()
+        started = time.perf_counter()
+        requests, self._requests = self._requests, []
+        wait_all(requests, self.timeout_s)
+        self.stats.engine_load_s += time.perf_counter() - started  # loads not hidden behind a transfer
 
     def close(self) -> None:
         if self.group is not None:

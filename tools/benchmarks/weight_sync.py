@@ -12,6 +12,12 @@ and GB/s of both, ``ratio = sync GB/s / raw GB/s`` (target >= 0.5), and the sync
 gather / convert / transfer / engine-load split. A verification step checks the engine's
 logprobs after the last sync against the pushed weights' own (transformers, same dtype).
 
+On a shared machine wall times swing with other load; ``ratio_cpu_time`` (CPU seconds of every
+process involved: the two trainer ranks for the raw broadcast; the trainer ranks and the engine's
+process tree for the sync) is the steadier efficiency number; both are reported. An idle SGLang CPU
+server keeps about one core busy (its scheduler polls): ``engine_idle_cpu_fraction`` is measured
+first and ``ratio_cpu_time_without_engine_idle`` leaves that polling out of the sync's CPU time.
+
 Part 2 (plan only): for Qwen3-235B-A22B- and DeepSeek-V3-shaped metadata, trainer TP x PP4 x EP16,
 engines TP8 / TP16 with and without EP: bytes received per engine rank / its shard, for the
 ``distributed`` (full tensors broadcast) and ``shard`` transports.
@@ -126,8 +132,23 @@ def raw_broadcast_s(nbytes: int, bucket_bytes: int, group) -> float:
     return time.perf_counter() - start
 
 
-def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, transport: str, bucket_mb: float,
-                 repeats: int) -> dict | None:
+def engine_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by the engine's process tree (server, scheduler, detokenizer)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root] + root.children(recursive=True):
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, engine_pid: int, transport: str,
+                 bucket_mb: float, repeats: int) -> dict | None:
     import torch.distributed as dist
 
     from megarl.config.schema import WeightSyncConfig
@@ -151,17 +172,29 @@ def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, transport: s
                                 manifest=read_manifest(hf_dir), directory=str(Path(hf_dir).parent / "disk"),
                                 timeout_s=cfg.timeout_s)
     raw_group = dist.new_group(backend="gloo")
-    syncs, raws = [], []
+    syncs, raws, cpu = [], [], []
+    idle = 0.0
+    if rank == 0:  # the idle engine's own CPU use (SGLang's CPU scheduler polls), to subtract below
+        e0, t0 = engine_cpu_s(engine_pid), time.perf_counter()
+        time.sleep(2.0)
+        idle = (engine_cpu_s(engine_pid) - e0) / (time.perf_counter() - t0)
     try:
         syncer.connect()
         for i in range(repeats):  # interleaved, so both see the same machine load
+            c0 = time.process_time()
             raws.append(raw_broadcast_s(plan.total_bytes, plan.bucket_size_bytes, raw_group))
+            c1, e1 = time.process_time(), engine_cpu_s(engine_pid) if rank == 0 else 0.0
             syncs.append(syncer.sync(shards, policy_version=i + 1))
+            c2, e2 = time.process_time(), engine_cpu_s(engine_pid) if rank == 0 else 0.0
+            both = torch.tensor([c1 - c0, c2 - c1 + e2 - e1], dtype=torch.float64)
+            dist.all_reduce(both, group=raw_group)  # CPU seconds of every process involved
+            cpu.append(both.tolist())
     finally:
         syncer.close()
     if rank != 0:
         return None
-    return {"bytes": plan.total_bytes, "buckets": len(plan.buckets), "raw_s": raws, "sync": syncs}
+    return {"bytes": plan.total_bytes, "buckets": len(plan.buckets), "raw_s": raws, "sync": syncs, "cpu_s": cpu,
+            "engine_idle_cpu_fraction": idle}
 
 
 def engine_check(url: str, hf_dir: str) -> dict:
@@ -211,7 +244,8 @@ def main() -> None:
         try:
             engine.wait_healthy(600)
             out = run_ranks(bench_worker, 2, timeout_s=3000, env={"OMP_NUM_THREADS": "1"},
-                            args=(str(hf_dir), engine.url, args.transport, args.bucket_mb, args.repeats))[0]
+                            args=(str(hf_dir), engine.url, engine.pid, args.transport, args.bucket_mb,
+                                  args.repeats))[0]
             result["engine_check"] = engine_check(engine.url, str(hf_dir))
         finally:
             engine.stop(grace_s=0)
@@ -223,6 +257,11 @@ def main() -> None:
             "model_gb": gb, "buckets": out["buckets"], "transport": args.transport, "bucket_mb": args.bucket_mb,
             "raw_broadcast_s": out["raw_s"], "sync_s": sync_s, "raw_gb_per_s": gb / raw, "sync_gb_per_s": gb / sync,
             "ratio_sync_over_raw": raw / sync,
+            "cpu_s_raw_and_sync": out["cpu_s"],
+            "ratio_cpu_time": statistics.median(r for r, _ in out["cpu_s"]) / statistics.median(s for _, s in out["cpu_s"]),
+            "engine_idle_cpu_fraction": out["engine_idle_cpu_fraction"],
+            "ratio_cpu_time_without_engine_idle": statistics.median(r for r, _ in out["cpu_s"]) / statistics.median(
+                s - out["engine_idle_cpu_fraction"] * w for (_, s), w in zip(out["cpu_s"], sync_s)),
             "split_last_sync_s": {k.split("/")[-1]: last[k] for k in (
                 "weight_sync/gather_s", "weight_sync/convert_s", "weight_sync/transfer_s", "weight_sync/engine_load_s")},
             "engine_rank_bytes_over_shard": last["weight_sync/engine_bytes_over_shard_max"]}

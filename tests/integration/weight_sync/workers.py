@@ -63,20 +63,6 @@ def engine_logprobs(urls, probes) -> list[list[list[float]]]:
         return [[t.tolist() for t in per_engine] for per_engine in engine_prompt_logprobs(engines, probes)]
 
 
-def verify(urls, probes, trainer_logprobs, tolerance: float = 1e-3) -> dict | None:
-    """``verify_engine_logprobs`` metrics, or None when it reported a mismatch (a WeightSyncError)."""
-    from megarl.weight_sync.engines import EngineGroup
-    from megarl.weight_sync.validate import WeightSyncError
-    from megarl.weight_sync.verify import verify_engine_logprobs
-
-    with EngineGroup(urls) as engines:
-        try:
-            return verify_engine_logprobs(engines, probes, [torch.tensor(t) for t in trainer_logprobs],
-                                          tolerance=tolerance)
-        except WeightSyncError:
-            return None
-
-
 def reset_engines(urls, model_dir: str) -> None:
     """Reload the engines' original weights from disk (the reference transport)."""
     from megarl.weight_sync.engines import EngineGroup
@@ -98,6 +84,7 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
     from megarl.weight_sync.sync import build_weight_sync
+    from megarl.weight_sync.validate import WeightSyncError
 
     results = {}
     for layout in layouts:
@@ -108,23 +95,28 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
         out = {"trainer": trainer_probe_logprobs(trainer, probes), "before": {}, "after": {}, "metrics": {},
                "verify": {}, "stale_detected": {}}
         params = dict(trainer.named_parameters_for_sync())
-        for i, transport in enumerate(transports):
-            if rank == 0:
-                reset_engines(urls, hf_dir)
-                out["before"][transport] = engine_logprobs(urls, probes)
-                out["stale_detected"][transport] = verify(urls, probes, out["trainer"]) is None
-            dist.barrier()
+        trainer_logprobs = [torch.tensor(t) for t in out["trainer"]]
+        for transport in transports:
             ws_cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25)
             syncer = build_weight_sync(hf_dir, trainer.parallel, urls, ws_cfg, engine_tp_size=engine_tp,
                                        dtype="float32", parallel_cfg=cfg.parallel,
                                        directory=os.path.join(workdir, f"disk-{layout}"))
             try:
+                if rank == 0:
+                    reset_engines(urls, hf_dir)
+                    out["before"][transport] = engine_logprobs(urls, probes)
+                dist.barrier()
+                try:  # the engines still serve the old policy: verification must fail on every rank
+                    syncer.verify(probes, trainer_logprobs, tolerance=1e-3)
+                    out["stale_detected"][transport] = False
+                except WeightSyncError:
+                    out["stale_detected"][transport] = True
                 out["metrics"][transport] = syncer.sync(params, policy_version=trainer.step)
+                out["verify"][transport] = syncer.verify(probes, trainer_logprobs, tolerance=1e-3)
             finally:
                 syncer.close()
             if rank == 0:
                 out["after"][transport] = engine_logprobs(urls, probes)
-                out["verify"][transport] = verify(urls, probes, out["trainer"])
             dist.barrier()
         results[layout] = out
         del trainer, params
