@@ -15,8 +15,8 @@ logprobs after the last sync against the pushed weights' own (transformers, same
 On a shared machine wall times swing with other load; ``ratio_cpu_time`` (CPU seconds of every
 process involved: the two trainer ranks for the raw broadcast; the trainer ranks and the engine's
 process tree for the sync) is the steadier efficiency number; both are reported. An idle SGLang CPU
-server keeps about one core busy (its scheduler polls): ``engine_idle_cpu_fraction`` is measured
-first and ``ratio_cpu_time_without_engine_idle`` leaves that polling out of the sync's CPU time.
+server keeps up to one core busy (its scheduler polls; ``engine_idle_cpu_fraction``, measured
+first), which the sync's CPU time includes and which competes with the trainer ranks for cores.
 
 Part 2 (plan only): for Qwen3-235B-A22B- and DeepSeek-V3-shaped metadata, trainer TP x PP4 x EP16,
 engines TP8 / TP16 with and without EP: bytes received per engine rank / its shard, for the
@@ -260,8 +260,6 @@ def main() -> None:
             "cpu_s_raw_and_sync": out["cpu_s"],
             "ratio_cpu_time": statistics.median(r for r, _ in out["cpu_s"]) / statistics.median(s for _, s in out["cpu_s"]),
             "engine_idle_cpu_fraction": out["engine_idle_cpu_fraction"],
-            "ratio_cpu_time_without_engine_idle": statistics.median(r for r, _ in out["cpu_s"]) / statistics.median(
-                s - out["engine_idle_cpu_fraction"] * w for (_, s), w in zip(out["cpu_s"], sync_s)),
             "split_last_sync_s": {k.split("/")[-1]: last[k] for k in (
                 "weight_sync/gather_s", "weight_sync/convert_s", "weight_sync/transfer_s", "weight_sync/engine_load_s")},
             "engine_rank_bytes_over_shard": last["weight_sync/engine_bytes_over_shard_max"]}
