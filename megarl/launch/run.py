@@ -110,25 +110,30 @@ class Run:
 
     @classmethod
     def build(cls, cfg: Any) -> "Run":
-        """Build every part; on failure, everything started so far is shut down and the error raised."""
+        """Build every part; on failure, everything started so far is shut down and the error raised.
+
+        Everything that can fail without a process (data, checkpoint state, SFT demonstrations,
+        metric sinks) is done before Ray starts.
+        """
+        from megarl.launch.sft import prepare_demonstrations, run_cold_start
+
         run_dir = prepare_run_dir(cfg)
         dataset, eval_rows = load_datasets(cfg)
         sampler = ResumableSampler(len(dataset), seed=int(cfg.train.seed), shuffle=bool(cfg.data.shuffle))
         latest = rs.find_latest(save_dir_of(cfg, run_dir)) if cfg.checkpoint.resume else None
-        run = cls(cfg, run_dir, dataset, eval_rows, sampler, rs.RunState())
+        state = rs.load_driver_state(latest) if latest is not None else rs.RunState()
+        demos = prepare_demonstrations(cfg, dataset) if latest is None else []
+        run = cls(cfg, run_dir, dataset, eval_rows, sampler, state)
+        run.metrics = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
+                                    wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
+                                    config=OmegaConf.to_container(cfg, resolve=True), wandb_id=state.wandb_id)
+        state.wandb_id = run.metrics.wandb_id
         try:
             run._start_processes()
             if latest is not None:
                 run.restore(latest)
             else:
-                from megarl.launch.sft import run_cold_start
-
-                run.trained_before_rl = run_cold_start(run)
-            wandb_id = run.state.wandb_id
-            run.metrics = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
-                                        wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
-                                        config=OmegaConf.to_container(cfg, resolve=True), wandb_id=wandb_id)
-            run.state.wandb_id = run.metrics.wandb_id
+                run.trained_before_rl = run_cold_start(run, demos)
             # Engines serve the launch weights: push the trainer's (also when they are the same, so
             # the first sync is verified before any rollout).
             run.sync_weights(run.state.policy_version)
@@ -152,7 +157,6 @@ class Run:
         """Load the trainer and driver state of checkpoint ``ckpt``."""
         logger.info("resuming from %s", ckpt)
         self.trainer.run("load_checkpoint", str(ckpt / rs.TRAINER_DIR))
-        self.state = rs.load_driver_state(ckpt)
         self.sampler.load_state_dict(self.state.sampler)
         rs.restore_rng(self.state.rng)
         logger.info("resumed at step %d, policy version %d", self.state.step, self.state.policy_version)

@@ -96,39 +96,49 @@ def demonstration_batches(trajectories: list, *, batch_size: int, num_steps: int
         yield TrainBatch.from_trajectories(chosen, torch.zeros(len(chosen)))
 
 
-def run_cold_start(run: Any) -> bool:
-    """Run ``sft.num_steps`` SFT steps on the run's trainer before RL (no-op when 0).
+def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
+    """The SFT demonstrations as trajectories (empty when ``sft.num_steps`` is 0); runs before Ray.
 
     Demonstrations are tokenised exactly as the agent loop lays out rollouts (same chat template,
-    system prompt and tool schemas; see :mod:`megarl.data.sft`). Progress goes to the log and to
-    ``{run_dir}/sft_metrics.jsonl``.
-
-    Returns:
-        True when SFT ran (the trainer's weights then differ from the engines' launch weights).
+    system prompt and tool schemas; see :mod:`megarl.data.sft`).
 
     Raises:
         ValueError: no usable demonstrations (names ``sft.demonstrations``).
     """
-    import logging
-    import time
-
     from transformers import AutoTokenizer
 
     from megarl.data.sft import demonstration_to_trajectory, load_demonstrations
-    from megarl.launch.metrics import JsonlSink
     from megarl.rollout.tools import build_tools
 
-    cfg, sft = run.cfg, run.cfg.sft
+    sft = cfg.sft
     if sft.num_steps <= 0:
-        return False
-    log = logging.getLogger("megarl.train")
+        return []
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     schemas = [t.schema for t in build_tools(dict(cfg.rollout.tools)).values()] \
         if cfg.rollout.agent.name != "single_turn" else []
-    demos = load_demonstrations(sft.demonstrations, run.dataset.rows, system_prompt=cfg.rollout.agent.system_prompt,
+    demos = load_demonstrations(sft.demonstrations, dataset.rows, system_prompt=cfg.rollout.agent.system_prompt,
                                 tool_fraction=float(sft.tool_fraction), seed=int(cfg.train.seed),
                                 limit=int(sft.max_demonstrations))
-    trajectories = [demonstration_to_trajectory(tokenizer, m, tools=schemas) for m in demos]
+    return [demonstration_to_trajectory(tokenizer, m, tools=schemas) for m in demos]
+
+
+def run_cold_start(run: Any, trajectories: list) -> bool:
+    """Run ``sft.num_steps`` SFT steps on the run's trainer before RL (no-op without demonstrations).
+
+    Progress goes to the log and to ``{run_dir}/sft_metrics.jsonl``.
+
+    Returns:
+        True when SFT ran (the trainer's weights then differ from the engines' launch weights).
+    """
+    import logging
+    import time
+
+    from megarl.launch.metrics import JsonlSink
+
+    cfg, sft = run.cfg, run.cfg.sft
+    if sft.num_steps <= 0 or not trajectories:
+        return False
+    log = logging.getLogger("megarl.train")
     log.info("SFT cold start: %d steps x %d of %d demonstrations (%s), lr %g", sft.num_steps, sft.batch_size,
              len(trajectories), sft.demonstrations, sft.lr)
     sink, start = JsonlSink(run.run_dir / "sft_metrics.jsonl"), time.perf_counter()
