@@ -29,6 +29,7 @@ setup(
         "numpy",
         "pyyaml",
         "jsonschema",
+        "pyarrow",
     ],
     extras_require={
         # The CPU install of SGLang is done by tools/install.sh (it needs --no-deps, see there).

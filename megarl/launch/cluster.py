@@ -156,6 +156,11 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
     per_engine = devices_per_engine(cfg.rollout)
     num_engines = 0 if cfg.rollout.external_engine_urls else int(cfg.rollout.num_engines)
     trainer_bundle = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
+    # Slurm jobs advertise role resources per node (slurm/README.md): pin trainer ranks to trainer
+    # nodes and engines to rollout nodes; a cluster without them (local mode) places freely.
+    roles = "megarl_trainer" in ray.cluster_resources()
+    if roles:
+        trainer_bundle["megarl_trainer"] = 1
     trainer_pg = placement_group([dict(trainer_bundle) for _ in range(world)], strategy="PACK",
                                  name="megarl_trainer")
     groups = [trainer_pg]
@@ -165,6 +170,8 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
                               COLOCATED_TRAINER_GPU if cuda else 0, COLOCATED_ENGINE_GPU if cuda else 0, True)
     else:
         engine_bundle = {"CPU": 1, "GPU": per_engine} if cuda else {"CPU": 1}
+        if roles:
+            engine_bundle["megarl_rollout"] = per_engine
         rollout_pg = (placement_group([dict(engine_bundle) for _ in range(num_engines)], strategy="PACK",
                                       name="megarl_rollout") if num_engines else trainer_pg)
         if num_engines:
