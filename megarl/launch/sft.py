@@ -19,8 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megarl.algorithms.metrics import Metric, reduce_metrics, sum_metric
-from megarl.training import forward as fwd
+from megarl.algorithms.metrics import sum_metric
 from megarl.training.batch import TrainBatch
 
 
@@ -52,36 +51,20 @@ def sft_step(trainer: Any, batch: TrainBatch, *, lr: float) -> dict[str, float]:
         ``sft/nll`` (token mean over the batch), ``sft/num_tokens``, ``sft/grad_norm``, identical
         on every rank.
     """
-    # TODO(trainer): this uses the trainer's micro-batch planner and schedule runner
-    # (micro_batches, _run, _tp_group, _reports); a public `Trainer.run_loss(batch, loss_func)`
-    # hook would make this independent of those private names.
-    mbs, _ = trainer.micro_batches(batch)
-    total_tokens = batch.loss_mask.sum().clamp(min=1).float()
-    scale = len(mbs) * trainer.parallel.dp_size  # Megatron divides by micro batches, DDP by DP size
-    sink: list[dict[str, Metric]] = []
+    mask_all = batch.loss_mask.to(trainer.device).float()
+    total_tokens = mask_all.sum().clamp(min=1)
 
-    def step_func(data_iterator, model):
-        mb = next(data_iterator)
-        output = fwd.run_model(model, mb, parallel=trainer.parallel)
-
-        def loss_func(output_tensor):
-            logprobs, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=trainer.vocab_size,
-                                                   tp_group=trainer._tp_group, temperature=1.0, entropy="none")
-            if not mb.spec.seq_indices:  # padding-only micro batch
-                return logprobs.sum() * 0.0, {}
-            mask = batch.loss_mask[mb.token_index].float()
-            nll = -(logprobs * mask).sum() / total_tokens
-            sink.append({"sft/nll": sum_metric(nll), "sft/num_tokens": sum_metric(mask.sum())})
-            return nll * scale, {}
-        return output, loss_func
+    def loss_fn(logprobs, _entropy, mb):
+        if not mb.spec.seq_indices:  # padding-only micro batch: keep the graph, contribute nothing
+            return logprobs.sum() * 0.0, {}
+        mask = mask_all[mb.token_index]
+        nll = -(logprobs * mask).sum() / total_tokens
+        return nll, {"sft/nll": sum_metric(nll), "sft/num_tokens": sum_metric(mask.sum())}
 
     with _learning_rate(trainer.optimizer, lr):
-        for chunk in trainer.model_chunks:
-            chunk.zero_grad_buffer()
-        trainer.optimizer.zero_grad()
-        trainer._run(step_func, mbs, forward_only=False)
-        _, grad_norm, _ = trainer.optimizer.step()
-    metrics = fwd.all_reduce_metrics(reduce_metrics(sink), contribute=trainer._reports)
+        per_mb, _ = trainer.forward_backward(batch, loss_fn, temperature=1.0)
+        _, grad_norm, _ = trainer.optimizer.step()  # no LR-scheduler step: SFT steps are not RL steps
+    metrics = trainer.reduce(per_mb)
     metrics["sft/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     return metrics
 

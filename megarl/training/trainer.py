@@ -238,7 +238,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, batch: TrainBatch, loss_fn, *, entropy: str = "none", routes: Tensor | None = None,
-                         forward_only: bool = False) -> tuple[list[dict], dict[str, float]]:
+                         forward_only: bool = False,
+                         temperature: float | None = None) -> tuple[list[dict], dict[str, float]]:
         """Run a loss over this rank's micro batches through Megatron's schedule (all ranks call).
 
         Gradients are zeroed first and, after it returns, hold the gradient of the sum of the
@@ -254,6 +255,8 @@ class Trainer:
             entropy: ``none``, ``metric`` or ``grad`` (see `megarl.training.logprobs.next_token_logprobs`).
             routes: ``[T_total, L, K]`` routes to replay, or None.
             forward_only: no backward pass (and no gradient zeroing).
+            temperature: logits are divided by it before the log-softmax; None: the sampling
+                temperature (``rollout.sampling.temperature``, what the RL losses need).
 
         Returns:
             ``(metrics, batch_metrics)``: the ``metrics`` dicts ``loss_fn`` returned on this rank
@@ -263,6 +266,7 @@ class Trainer:
         mbs, padding_fraction = self.micro_batches(batch)
         scale = len(mbs) * self.parallel.dp_size
         sink: list[dict] = []
+        temperature = self.cfg.rollout.sampling.temperature if temperature is None else temperature
 
         def step_func(data_iterator, model):
             mb = next(data_iterator)
@@ -271,7 +275,7 @@ class Trainer:
             def loss_func(output_tensor):
                 logprobs, ent = fwd.micro_batch_logprobs(
                     output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
-                    temperature=self.cfg.rollout.sampling.temperature, entropy=entropy)
+                    temperature=temperature, entropy=entropy)
                 loss, metrics = loss_fn(logprobs, ent, mb)
                 sink.append(metrics)
                 return loss * scale, {}
