@@ -70,8 +70,9 @@ def _prime_adam_state(optimizer) -> None:
 
     Without Apex or Transformer Engine (any CPU run), Megatron-Core 0.16.1's
     ``DistributedOptimizer.state_dict()`` reads ``step`` from torch Adam's per-parameter state and
-    asserts it exists, so a freshly built optimizer cannot even describe the state it is about to
-    load. The zeros are overwritten by the load.
+    asserts it exists, so a freshly built optimizer can neither describe the state it is about to
+    load (the zeros are overwritten by the load) nor save itself. Zero moments at ``step = 0`` are
+    exactly what Adam's first step starts from, so priming does not change the next update.
     """
     for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = getattr(megatron_optimizer, "optimizer", None)
@@ -151,6 +152,7 @@ def save_trainer_state(directory: str, trainer) -> None:
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
+    _prime_adam_state(trainer.optimizer)  # a never-stepped optimizer (e.g. every group filtered) saves zeros
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_rng=True), directory)
     dist.barrier()
 
