@@ -111,6 +111,8 @@ def _take_rollout(run: Run, pending: PendingRollout | None, step: int) -> tuple[
                        "seeds)", step + 1, ", ".join(restarted))
         rollout = run.start_rollout(step, current.rows).wait()
     rollout.groups.sort(key=lambda g: g.group_id)  # completion order -> prompt order: a deterministic batch
+    if getattr(rollout, "sample_text", ""):
+        logger.info("step %d rollout sample: %s", step + 1, rollout.sample_text)
     rollout.metrics["engine/restarts"] = float(len(restarted))
     async_next = run.cfg.rollout.async_mode and step + 1 < run.cfg.train.num_steps
     return rollout, run.start_rollout(step + 1) if async_next else None

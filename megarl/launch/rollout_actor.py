@@ -87,7 +87,7 @@ class RolloutWorker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         cfg = OmegaConf.create(cfg_yaml)
         self.cfg = cfg
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+        tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         timeout = float(cfg.rollout.engine.request_timeout_s)
         self.router = Router([SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
                               for url, eid in zip(engine_urls, engine_ids)])
@@ -110,10 +110,13 @@ class RolloutWorker:
         self.manager.policy_version = policy_version
         batch = await self.manager.generate_groups(rows)
         batch.metrics.update(self.router.metrics())
+        first = min(batch.groups, key=lambda g: g.group_id, default=None)
+        batch.sample_text = self.describe(first.trajectories[0]) if first else ""  # for the log
         return batch
 
-    async def evaluate(self, rows: list[dict], policy_version: int) -> dict[str, float]:
-        """Greedy single-trajectory evaluation: ``eval/accuracy`` (reward >= 1), ``eval/reward_mean``.
+    async def evaluate(self, rows: list[dict], policy_version: int) -> tuple[dict[str, float], str]:
+        """Greedy single-trajectory evaluation: ``eval/accuracy`` (reward >= 1), ``eval/reward_mean``,
+        ``eval/tool_calls_mean``, and the decoded response of the first trajectory (for the log).
 
         Trajectories that failed count as wrong (reward 0).
         """
@@ -121,10 +124,18 @@ class RolloutWorker:
         batch = await self.eval_manager.generate_groups(rows, num_groups=len(rows))
         rewards = [t.reward for g in batch.groups for t in g.trajectories]
         rewards += [0.0] * (len(rows) - len(rewards))
-        return {"eval/accuracy": float(np.mean([r >= 1.0 - 1e-6 for r in rewards])),
-                "eval/reward_mean": float(np.mean(rewards)), "eval/num_samples": float(len(rows)),
-                "eval/tool_calls_mean": float(np.mean(
-                    [t.metadata.get("tool_calls", 0) for g in batch.groups for t in g.trajectories] or [0.0]))}
+        trajs = [t for g in sorted(batch.groups, key=lambda g: g.group_id) for t in g.trajectories]
+        metrics = {"eval/accuracy": float(np.mean([r >= 1.0 - 1e-6 for r in rewards])),
+                   "eval/reward_mean": float(np.mean(rewards)), "eval/num_samples": float(len(rows)),
+                   "eval/tool_calls_mean": float(np.mean([t.metadata.get("tool_calls", 0) for t in trajs] or [0.0]))}
+        return metrics, self.describe(trajs[0]) if trajs else ""
+
+    def describe(self, trajectory: Any) -> str:
+        """One trajectory as text (prompt tail, every turn and observation) for the log."""
+        text = self.tokenizer.decode(trajectory.response_ids.tolist(), skip_special_tokens=False)
+        question = str(trajectory.sample.get(self.cfg.data.prompt_key, ""))[:200]
+        return (f"[reward {trajectory.reward:g}, {trajectory.num_turns} turns, {trajectory.status.value}] "
+                f"{question!r} -> {text[:600]!r}")
 
     async def pause(self, mode: str = "retract") -> None:
         """Pause generation on every live engine."""

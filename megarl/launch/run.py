@@ -210,7 +210,9 @@ class Run:
         """Greedy accuracy on the held-out rows (empty when there are none)."""
         if not self.eval_rows:
             return {}
-        return ray.get(self.rollout.evaluate.remote(self.eval_rows, self.state.policy_version))
+        metrics, sample = ray.get(self.rollout.evaluate.remote(self.eval_rows, self.state.policy_version))
+        logger.info("eval sample: %s", sample)
+        return metrics
 
     def save_checkpoint(self, pending: PendingRollout | None = None) -> Path:
         """Save trainer (every rank) and driver state as ``step_{state.step}``; then mark it complete."""
@@ -228,7 +230,21 @@ class Run:
         rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))
         rs.commit_checkpoint(save_dir, ckpt, int(self.cfg.checkpoint.keep_last))
         logger.info("checkpoint %s saved in %.1fs", ckpt, time.perf_counter() - start)
+        every = int(self.cfg.checkpoint.hf_export_interval)
+        if every > 0 and self.state.step % every == 0:
+            self.export_hf(ckpt)
         return ckpt
+
+    def export_hf(self, ckpt: Path) -> Path:
+        """Convert the checkpoint's trainer weights to a Hugging Face directory ``{run_dir}/hf/step_*``."""
+        from megarl.checkpoint.convert import megatron_to_hf_dir
+
+        out = self.run_dir / "hf" / ckpt.name
+        start = time.perf_counter()
+        megatron_to_hf_dir(ckpt / rs.TRAINER_DIR, out, hf_config_dir=self.cfg.model.hf_path, overwrite=True)
+        logger.info("exported %s in %.1fs (loadable with transformers / servable by SGLang)", out,
+                    time.perf_counter() - start)
+        return out
 
     def close(self) -> None:
         """Stop everything this run started (idempotent, best effort)."""

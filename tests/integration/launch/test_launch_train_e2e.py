@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[3]
 MEGARL = str(Path(sys.executable).parent / "megarl")
 NUM_STEPS = 4
 OVERRIDES = [f"train.num_steps={NUM_STEPS}", "checkpoint.save_interval=2", "rollout.deterministic_sampling=true",
-             "data.eval_interval=4", "data.max_eval_samples=4", "logging.progress_bar=false"]
+             "data.eval_interval=4", "data.max_eval_samples=4", "logging.progress_bar=false",
+             f"checkpoint.hf_export_interval={NUM_STEPS}"]
 RUN_TIMEOUT_S = 900
 COMPARED = ("rollout/reward_mean", "rollout/response_tokens_mean", "rollout/turns_mean", "filter/kept_trajectories",
             "loss/policy", "optim/grad_norm", "weight_sync/verify_logprob_diff_mean")
@@ -139,6 +140,7 @@ def test_cpu_gsm8k_recipe_end_to_end(reference_run):
         assert (reference_run / png).stat().st_size > 5000
     assert list((reference_run / "tensorboard").glob("events.out.tfevents.*"))
     assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{NUM_STEPS:06d}"
+
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
