@@ -318,8 +318,10 @@ class ClusterConfig:
     """GPUs (CPU: engine ranks) per rollout node."""
     ray_address: Optional[str] = None
     """Existing Ray cluster (``auto`` or ``host:port``); None = start a local one."""
-    master_port: int = 29500
-    """torch.distributed rendezvous port of the trainer group (a free one is picked if taken)."""
+    master_port: int = 0
+    """torch.distributed rendezvous port of the trainer group on rank 0's node; 0 (default): a free
+    port the OS picks there (a fixed default port makes two runs started at once on one machine
+    race for it); a fixed port that is taken is replaced by a free one."""
 
 
 @dataclass
