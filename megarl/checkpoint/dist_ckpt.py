@@ -13,6 +13,7 @@ Uses Megatron-Core 0.16.1 internals (``mcore_to_pyt_state_dict``, ``MCoreSavePla
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -38,6 +39,18 @@ class _StepWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """``torch.save`` without the zip records' CRC-32 (a pass over every byte; ``torch.load``
+    does not check it: torch builds miniz with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def _partial_planner():
@@ -71,9 +84,25 @@ def _without_prepended_axes(value):
         return [_without_prepended_axes(v) for v in value]
     if isinstance(value, ShardedTensor) and value.prepend_axis_num:
         shape = (1,) * value.prepend_axis_num + tuple(value.local_shape)
-        return dataclasses.replace(value, data=value.data.reshape(shape), local_shape=shape,
-                                   prepend_axis_num=0)
+        value = dataclasses.replace(value, data=value.data.reshape(shape), local_shape=shape,
+                                    prepend_axis_num=0)
+    if isinstance(value, ShardedTensor):
+        value = dataclasses.replace(value, data=_own_storage(value.data))
     return value
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous view of part of a larger CPU storage (e.g. the gate half of a GLU
+    ``linear_fc1`` that Megatron's factory splits off) as a tensor whose storage is exactly its
+    bytes, sharing the memory: torch.distributed.checkpoint then saves it without a clone (it
+    clones any tensor whose storage is larger than the tensor, since ``torch.save`` would write
+    the whole storage)."""
+    if (tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0
+            or tensor.untyped_storage().nbytes() == tensor.nbytes):
+        return tensor
+    raw = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor.view(-1).view(torch.uint8)
+    buffer = memoryview(raw.reshape(-1).numpy())
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
 def _merge(into: Metadata | None, step: Metadata) -> Metadata:
@@ -127,8 +156,9 @@ class StreamingCheckpointWriter:
         self.common.update(common)
         grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
         pyt_state_dict = mcore_to_pyt_state_dict(grouped, False)
-        step_metadata = dcp_save(
-            pyt_state_dict, storage_writer=_StepWriter(str(self.dir), self.step), planner=_partial_planner())
+        with _no_crc32():
+            step_metadata = dcp_save(
+                pyt_state_dict, storage_writer=_StepWriter(str(self.dir), self.step), planner=_partial_planner())
         self.metadata = _merge(self.metadata, step_metadata)
         self.step += 1
 
@@ -217,23 +247,46 @@ class CheckpointReader:
         self.dir = Path(checkpoint_dir)
         self.metadata = FileSystemReader(str(self.dir)).read_metadata()
 
-    def _chunk(self, key: str, chunk) -> torch.Tensor:
+    def _fd(self, relative_path: str) -> int:
+        fds = self.__dict__.setdefault("_fds", {})
+        if relative_path not in fds:
+            fds[relative_path] = os.open(self.dir / relative_path, os.O_RDONLY)
+        return fds[relative_path]
+
+    def close(self) -> None:
+        """Close the checkpoint files opened so far."""
+        for fd in self.__dict__.pop("_fds", {}).values():
+            os.close(fd)
+
+    def _chunk(self, key: str, chunk, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One saved chunk, read straight into ``out`` when given and of the chunk's dtype and
+        shape (else a new tensor, copied into ``out`` when given)."""
         import io
 
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
+        from megarl.checkpoint.fastio import read_torch_save_tensor
+
         info = self.metadata.storage_data[MetadataIndex(key, torch.Size(chunk.offsets))]
         if info.transform_descriptors:
             raise NotImplementedError(f"{key}: transformed (e.g. compressed) checkpoint chunks are not supported")
-        with open(self.dir / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            raw = f.read(info.length)
-        if len(raw) != info.length:
+        fd = self._fd(info.relative_path)
+        if os.fstat(fd).st_size < info.offset + info.length:
             raise ValueError(f"truncated checkpoint file {self.dir / info.relative_path} (chunk of {key})")
-        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        tensor = read_torch_save_tensor(fd, info.offset, info.length, out=out)
+        if tensor is None:
+            raw = os.pread(fd, info.length, info.offset)
+            if len(raw) != info.length:
+                raise ValueError(f"truncated checkpoint file {self.dir / info.relative_path} (chunk of {key})")
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            if out is not None:
+                out.copy_(tensor.reshape(out.shape))
+                tensor = out
+        return tensor
 
-    def read_region(self, key: str, offsets, sizes) -> torch.Tensor:
-        """The ``sizes`` region at ``offsets`` of global tensor ``key``.
+    def read_region(self, key: str, offsets, sizes, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``sizes`` region at ``offsets`` of global tensor ``key`` (written into ``out`` when
+        given: a tensor of shape ``sizes``).
 
         Raises:
             KeyError: unknown key. ValueError: the saved chunks do not cover the region.
@@ -241,8 +294,9 @@ class CheckpointReader:
         meta = self.metadata.state_dict_metadata[key]
         for chunk in meta.chunks:  # fast path: the region is exactly one saved chunk
             if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
-                return self._chunk(key, chunk)
-        out = torch.empty(tuple(sizes), dtype=meta.properties.dtype)
+                return self._chunk(key, chunk, out)
+        if out is None:
+            out = torch.empty(tuple(sizes), dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
             lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
@@ -260,25 +314,53 @@ class CheckpointReader:
                              f"region offsets={tuple(offsets)} sizes={tuple(sizes)}")
         return out
 
-    def load(self, sharded_state_dict: dict) -> dict:
-        """Fill a Megatron sharded state dict (flat dict of ShardedTensor / factories) from the
-        checkpoint; returns ``{key: tensor}`` like ``dist_checkpointing.load``."""
-        from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-        from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
-                                                              apply_factories, apply_factory_merges)
+    def _read_sharded(self, value, out: torch.Tensor) -> torch.Tensor:
+        """Read a ShardedTensor's region into ``out`` (its local shape)."""
+        sizes = (1,) * value.prepend_axis_num + tuple(value.local_shape)
+        self.read_region(value.key, value.global_offset, sizes, out=out.view(sizes))
+        return out
 
-        factories, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory))
-        apply_factories(sharded_state_dict)
+    def _fill_factory(self, factory, allocate, fill):
+        """A factory's tensor read in place: its parts (e.g. the gate and up halves of a GLU
+        ``linear_fc1``) are views of one buffer, so the merge is that buffer. Falls back to
+        Megatron's build / merge when the parts are not disjoint views covering the buffer."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        out = allocate(tuple(factory.data.shape), factory.data.dtype)
+        parts = dataclasses.replace(factory, data=out).build()
+        flat = parts if isinstance(parts, list) else [parts]
+        ptr, size = out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()
+        spans = sorted((p.data.data_ptr(), p.data.data_ptr() + p.data.nbytes) for p in flat
+                       if isinstance(p, ShardedTensor) and p.data.is_contiguous()
+                       and p.data.untyped_storage().data_ptr() == ptr)
+        if (len(spans) == len(flat) and sum(e - b for b, e in spans) == out.nbytes == size
+                and all(spans[k][1] <= spans[k + 1][0] for k in range(len(spans) - 1))):
+            for p in flat:
+                self._read_sharded(p, p.data)
+            return out
+        return factory.merge_fn(fill(factory.build()))
+
+    def load(self, sharded_state_dict: dict, allocate=None) -> dict:
+        """Fill a Megatron sharded state dict (flat dict of ShardedTensor / factories) from the
+        checkpoint; returns ``{key: tensor}`` like ``dist_checkpointing.load``.
+
+        Args:
+            allocate: ``(shape, dtype) -> tensor`` for the results (e.g. a
+                :class:`~megarl.checkpoint.fastio.StoragePool`'s ``empty``); default ``torch.empty``.
+        """
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        allocate = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
         def fill(value):
             if isinstance(value, dict):
                 return {k: fill(v) for k, v in value.items()}
             if isinstance(value, list):
                 return [fill(v) for v in value]
+            if isinstance(value, ShardedTensorFactory):
+                return self._fill_factory(value, allocate, fill)
             if isinstance(value, ShardedTensor):
-                sizes = (1,) * value.prepend_axis_num + tuple(value.local_shape)
-                region = self.read_region(value.key, value.global_offset, sizes)
-                return region.reshape(value.local_shape).to(value.dtype)
+                return self._read_sharded(value, allocate(tuple(value.local_shape), value.dtype))
             return value
 
-        return apply_factory_merges(fill(sharded_state_dict), factories)
+        return fill(sharded_state_dict)

@@ -32,10 +32,11 @@ def module_groups(chunks) -> list[tuple[int, list[torch.nn.Module]]]:
     return groups
 
 
-def _swap_device(param: torch.nn.Parameter, device: str) -> None:
+def _swap_device(param: torch.nn.Parameter, device: str, pool=None) -> None:
     attrs = dict(param.__dict__)
-    new = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                             requires_grad=param.requires_grad)
+    data = (pool.empty(param.shape, param.dtype) if pool is not None and device == "cpu"
+            else torch.empty(param.shape, dtype=param.dtype, device=device))
+    new = torch.nn.Parameter(data, requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, new)
     param.__dict__.update(attrs)
 
@@ -51,15 +52,18 @@ def _release_memory() -> None:
 
 
 @contextlib.contextmanager
-def materialized(modules):
-    """Give the modules' meta parameters CPU storage (uninitialised) for the duration."""
+def materialized(modules, pool=None):
+    """Give the modules' meta parameters CPU storage (uninitialised) for the duration; with a
+    :class:`~megarl.checkpoint.fastio.StoragePool` the storages come from (and go back to) it."""
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     for p in params:
-        _swap_device(p, "cpu")
+        _swap_device(p, "cpu", pool)
     yield params  # on an exception the parameters stay materialised (the process is failing)
     for p in params:
         _swap_device(p, "meta")
     del params, p
+    if pool is not None:
+        pool.next_generation()
     _release_memory()
 
 
@@ -113,9 +117,25 @@ def _group_params(chunk, params):
     return [(n, p) for n, p in chunk.named_parameters() if id(p) in ids]
 
 
+def _load_param_direct(info, param, reader, layout, ps) -> bool:
+    """:func:`~megarl.checkpoint.loader.load_param` without intermediate tensors (HF rows read
+    straight into the parameter); False when that does not apply."""
+    import dataclasses
+
+    from megarl.checkpoint.fastio import read_hf_into
+    from megarl.checkpoint.mapping import hf_names_for
+
+    rank, size = (ps.etp_rank, ps.etp_size) if info.expert else (ps.tp_rank, ps.tp_size)
+    names = hf_names_for(info.global_name, layout) or ["model.embed_tokens.weight"]  # tied output
+    if info.entry.transform.value == "vocab":
+        layout = dataclasses.replace(layout, padded_vocab_size=param.shape[0] * size)
+    return read_hf_into(param.data, reader, names, info.entry, layout, rank, size)
+
+
 def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: str) -> None:
     """One rank of ``hf_to_megatron``: fill and save this rank's groups step by step."""
     from megarl.checkpoint.dist_ckpt import StreamingCheckpointWriter
+    from megarl.checkpoint.fastio import StoragePool
     from megarl.checkpoint.families import get_family
     from megarl.checkpoint.hf_io import HFCheckpointReader
     from megarl.checkpoint.loader import load_param
@@ -134,17 +154,19 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     groups = module_groups(chunks)
     num_steps = torch.tensor([len(groups)])
     dist.all_reduce(num_steps, op=dist.ReduceOp.MAX)
-    writer = StreamingCheckpointWriter(out_dir)
+    writer, pool = StreamingCheckpointWriter(out_dir), StoragePool()
     for step in range(int(num_steps)):
         if step >= len(groups):
             writer.save_step({})
             continue
         index, modules = groups[step]
-        with materialized(modules) as params:
+        with materialized(modules, pool) as params:
             for name, param in _group_params(chunks[index], params):
-                load_param(infos[(index, name)], param, reader, layout, ps, assign=True)
+                if not _load_param_direct(infos[(index, name)], param, reader, layout, ps):
+                    load_param(infos[(index, name)], param, reader, layout, ps, assign=True)
             writer.save_step(group_sharded_state_dict(chunks[index], modules))
     writer.finalize()
+    reader.close()
     destroy_parallel()
 
 
@@ -161,6 +183,7 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     """The (single) process of ``megatron_to_hf_dir``."""
     from megarl.checkpoint import hf_io
     from megarl.checkpoint.dist_ckpt import CheckpointReader, model_prefix, tensor_shapes
+    from megarl.checkpoint.fastio import StoragePool
     from megarl.checkpoint.families import get_family
     from megarl.checkpoint.mapping import megatron_to_hf
     from megarl.config.schema import ModelConfig, ParallelConfig
@@ -179,13 +202,14 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=padded_vocab)
     infos = _local_infos(chunks, ps, layout)
     groups = module_groups(chunks)
-    reader = CheckpointReader(ckpt_dir)
+    reader, pool = CheckpointReader(ckpt_dir), StoragePool()
 
     def hf_tensors(index, named):
         pairs = [(infos[(index, n)].global_name, p) for n, p in named]
         return megatron_to_hf(pairs, layout)
 
-    fp32_modules = _hf_fp32_modules(hf_config)
+    # Importing the modeling module costs ~1 s; it only matters when the output is not fp32.
+    fp32_modules = _hf_fp32_modules(hf_config) if out_dtype != torch.float32 else set()
 
     def dtype_of(name):
         return torch.float32 if fp32_modules & set(name.split(".")) else out_dtype
@@ -199,7 +223,7 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     for index, modules in groups:
         # Shape-only (meta) ShardedTensors describe what to read; the reader allocates the data.
         wanted = group_sharded_state_dict(chunks[index], modules, prefix=prefix, materialized_only=False)
-        loaded = {k[len(prefix):]: v for k, v in reader.load(wanted).items()}
+        loaded = {k[len(prefix):]: v for k, v in reader.load(wanted, allocate=pool.empty).items()}
         named = _group_params(chunks[index], [p for m in modules for p in m.parameters()])
         for name, tensor in hf_tensors(index, [(n, loaded[n]) for n, _ in named]):
             if remaining == 0:
@@ -210,8 +234,10 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
             current.write(name, tensor.to(dtype_of(name)))
             remaining -= 1
         del wanted, loaded, named
+        pool.next_generation()  # this group's tensors are written: the next group reuses them
         _release_memory()
     if current is not None:
         current.close()
     hf_io.write_index(Path(out_dir), shards, files)
+    reader.close()
     destroy_parallel()

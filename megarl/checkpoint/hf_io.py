@@ -105,6 +105,27 @@ class HFCheckpointReader:
             raise KeyError(f"tensor {name!r} not found in the safetensors of {self.hf_dir}")
         return self._entries[name]
 
+    def location(self, name: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]]:
+        """``(file, byte offset of the data, dtype, shape)`` of a tensor.
+
+        Raises:
+            KeyError: no such tensor.
+        """
+        path, meta, start = self._lookup(name)
+        return path, start + meta["data_offsets"][0], _DTYPES[meta["dtype"]], tuple(meta["shape"])
+
+    def fd(self, path: Path) -> int:
+        """A read-only descriptor of one of the shards, opened once (closed by :meth:`close`)."""
+        fds = self.__dict__.setdefault("_fds", {})
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        return fds[path]
+
+    def close(self) -> None:
+        """Close the descriptors :meth:`fd` opened."""
+        for fd in self.__dict__.pop("_fds", {}).values():
+            os.close(fd)
+
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (a fresh CPU tensor owning its memory).
 
