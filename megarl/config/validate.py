@@ -150,6 +150,9 @@ def _check_parallel(c: _Checker) -> int:
             f"(expert_tensor_parallel_size defaults to TP={tp}; set it to 1 for TP>1 with EP>1 on few ranks)")
     c.check(not p.sequence_parallel or tp > 1, "parallel.sequence_parallel",
             "sequence parallelism needs tensor_model_parallel_size > 1")
+    c.check(cp == 1 or not _device_is_cpu(cfg), "parallel.context_parallel_size",
+            "context parallelism runs only through Transformer Engine attention on CUDA GPUs "
+            "(Megatron-Core's local attention supports 1); set it to 1 on CPU")
     return dp
 
 

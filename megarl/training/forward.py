@@ -25,6 +25,7 @@ from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, comp
                                kl_penalty_loss)
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
+from megarl.training.context_parallel import CPMicroBatch, cp_micro_batch_logprobs
 from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.logprobs import next_token_logprobs
 from megarl.training.parallel_state import ParallelState
@@ -128,7 +129,7 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
     """Logprobs (and entropy) of the row's real tokens from its vocabulary-sharded logits.
 
     Args:
-        logits: ``[R, S, V/tp]`` model output.
+        logits: ``[R, S, V/tp]`` model output (a `CPMicroBatch`: ``[1, S / cp, V/tp]``, this CP rank's positions).
         mb: the micro batch.
         vocab_size: real vocabulary size (Megatron's padding ids are excluded).
         tp_group: the tensor-parallel process group.
@@ -139,6 +140,9 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
         ``(logprobs, entropy)``: ``[T_real]`` float32 each (entropy None for ``"none"``); entry
         ``t`` belongs to the batch token ``mb.token_index[t]`` (0 at sequence starts).
     """
+    if isinstance(mb, CPMicroBatch):  # this CP rank's positions only: gathered over the CP group
+        return cp_micro_batch_logprobs(logits, mb, vocab_size=vocab_size, tp_group=tp_group, temperature=temperature,
+                                       entropy=entropy)
     temperature = temperature if temperature > 0 else 1.0
     logprobs, ent = next_token_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
                                         temperature=temperature, entropy=entropy)

@@ -51,6 +51,11 @@ class PackedMicroBatch:
         """``(R, S)``."""
         return tuple(self.input_ids.shape)
 
+    @property
+    def flat_size(self) -> int:
+        """``R * S``: the flat positions (the size of `gather`'s output)."""
+        return self.input_ids.numel()
+
     def to(self, device: torch.device | str) -> PackedMicroBatch:
         """A copy with every tensor (and the THD ``cu_seqlens``) on ``device``."""
         if self.input_ids.device == torch.device(device):

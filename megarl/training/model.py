@@ -143,7 +143,8 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
         ``list[GPTModel]``: the model chunks, on ``device``, in training mode.
 
     Raises:
-        ValueError: see :func:`build_transformer_config`; RuntimeError: parallel state not initialised.
+        ValueError: see :func:`build_transformer_config`; context parallelism without the TE spec.
+        RuntimeError: parallel state not initialised.
     """
     from megatron.core import parallel_state as mps
     from megatron.core.models.gpt import GPTModel
@@ -157,6 +158,9 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     hf_config = load_hf_config(hf_config)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     use_te = _spec_backend("cuda" if device == "cuda" else "cpu", spec)
+    if parallel_cfg.context_parallel_size > 1 and not use_te and device != "meta":
+        raise ValueError(f"parallel.context_parallel_size={parallel_cfg.context_parallel_size} needs the Transformer "
+                         "Engine layer spec on CUDA (Megatron-Core's local attention supports 1 only)")
     config = build_transformer_config(hf_config, parallel_cfg, model_cfg, precision=precision,
                                       device=device, use_te=use_te, extra_config=extra_config)
     family = get_family(hf_config)

@@ -17,6 +17,10 @@ mask -> Megatron ``get_forward_backward_func`` over this rank's micro batches an
 stages (loss scaling in `megarl.training.forward`) -> DDP gradient reduction in
 ``finalize_model_grads`` -> optimizer step with gradient clipping -> LR schedule step -> metrics
 reduced over micro batches and ranks.
+
+Context parallelism (Transformer Engine attention only): each micro batch is one THD row split
+over the CP ranks; every CP rank computes the whole micro batch's loss from logprobs gathered over
+the CP group (`megarl.training.context_parallel`).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from torch import Tensor
 
 from megarl.algorithms import reduce_metrics
 from megarl.config.schema import MegarlConfig
+from megarl.training import context_parallel as cp
 from megarl.training import forward as fwd
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import plan_micro_batches
@@ -90,22 +95,35 @@ class Trainer:
         # Transformer Engine attention takes THD packed sequences; the local spec's takes a mask.
         self._te_attention = any(type(m).__name__ == "TEDotProductAttention"
                                  for chunk in model_chunks for m in chunk.modules())
-        if parallel.cp_size > 1:
-            raise NotImplementedError("parallel.context_parallel_size > 1 is not supported by the trainer yet")
+        self._cp_group = None
+        if parallel.cp_size > 1:  # megarl.training.context_parallel
+            if not self._te_attention:
+                raise NotImplementedError(
+                    "parallel.context_parallel_size > 1 needs Transformer Engine attention (TEDotProductAttention, "
+                    "CUDA): Megatron-Core's local DotProductAttention supports context_parallel_size=1 only")
+            from megatron.core import parallel_state as mps
+
+            self._cp_group = mps.get_context_parallel_group()
 
     # ------------------------------------------------------------------ planning
     def micro_batches(self, batch: TrainBatch) -> tuple[list[PackedMicroBatch], float]:
         """This rank's packed micro batches of ``batch`` (the same for `compute_logprobs` and
         `train_step`) and the padding fraction of the whole plan (all ranks)."""
         p, train = self.parallel, self.cfg.train
-        plan = plan_micro_batches(batch.seq_lens.tolist(), dp_size=p.dp_size,
+        seq_lens = batch.seq_lens.tolist()
+        pad_multiple = (p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train)
+        pack = functools.partial(pack_micro_batch, batch, use_packed_seq_params=self._te_attention)
+        if p.cp_size > 1:  # rows hold sequences padded to 2 * CP (padding_fraction then omits that padding)
+            seq_lens = [cp.cp_padded_length(n, p.cp_size) for n in seq_lens]
+            pad_multiple = cp.cp_row_multiple(p.cp_size, pad_multiple)
+            pack = functools.partial(cp.pack_cp_micro_batch, batch, cp_rank=p.cp_rank, cp_size=p.cp_size,
+                                     cp_group=self._cp_group)
+        plan = plan_micro_batches(seq_lens, dp_size=p.dp_size,
                                   max_tokens_per_microbatch=train.max_tokens_per_microbatch,
-                                  micro_batch_size=train.micro_batch_size,
-                                  pad_multiple=(p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train),
+                                  micro_batch_size=train.micro_batch_size, pad_multiple=pad_multiple,
                                   length_policy=self._length_policy, pack_rows=not self._te_attention,
                                   microbatch_multiple=p.pp_size if len(self.model_chunks) > 1 else 1)
-        mbs = [pack_micro_batch(batch, spec, use_packed_seq_params=self._te_attention).to(self.device)
-               for spec in plan.micro_batches[p.dp_rank]]
+        mbs = [pack(spec).to(self.device) for spec in plan.micro_batches[p.dp_rank]]
         return mbs, plan.padding_fraction
 
     def _run(self, step_func, mbs: list[PackedMicroBatch], *, forward_only: bool) -> list:
@@ -120,8 +138,9 @@ class Trainer:
 
     @property
     def _reports(self) -> bool:
-        """Whether this rank holds results others do not (last stage, first TP rank)."""
-        return self.parallel.is_last_stage and self.parallel.tp_rank == 0
+        """Whether this rank holds results others do not (last stage, first TP rank, first CP rank:
+        CP ranks compute the same whole-sequence logprobs and losses)."""
+        return self.parallel.is_last_stage and self.parallel.tp_rank == 0 and self.parallel.cp_rank == 0
 
     # ------------------------------------------------------------------ logprobs
     @torch.no_grad()
@@ -205,7 +224,7 @@ class Trainer:
         p = self.parallel
         if not (p.sequence_parallel and p.tp_size > 1) and p.tp_rank != 0:
             return  # every TP rank saw all tokens; one of them reports
-        flat_to_token = torch.full((mb.input_ids.numel(),), -1, dtype=torch.int64)
+        flat_to_token = torch.full((mb.flat_size,), -1, dtype=torch.int64)
         flat_to_token[mb.flat_index.cpu()] = mb.token_index.cpu()
         tokens = flat_to_token[mb.router_positions(tp_rank=p.tp_rank, tp_size=p.tp_size,
                                                    sequence_parallel=p.sequence_parallel).cpu()]
@@ -264,6 +283,8 @@ class Trainer:
             ``batch/num_microbatches`` (per rank).
         """
         mbs, padding_fraction = self.micro_batches(batch)
+        # dp_size excludes CP; Megatron's cp_size / num_microbatches and DDP's 1 / (dp_size * cp_size)
+        # then cancel (megarl.training.context_parallel)
         scale = len(mbs) * self.parallel.dp_size
         sink: list[dict] = []
         temperature = self.cfg.rollout.sampling.temperature if temperature is None else temperature
