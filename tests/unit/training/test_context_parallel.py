@@ -116,3 +116,31 @@ def test_padding_only_micro_batch():
     mb = pack_cp_micro_batch(_batch([5]), MicroBatchSpec(rows=((),), row_length=8, num_tokens=0), cp_rank=1, cp_size=2)
     assert mb.flat_index.numel() == 0 and mb.cu_seqlens.tolist() == [0]
     assert mb.packed_seq_params.cu_seqlens_q.tolist() == [0, 8] and mb.local_index.tolist() == [2, 3, 4, 5]
+    moved = mb.to("meta")  # a device copy keeps the CP fields and moves every THD boundary
+    assert type(moved) is type(mb) and moved.full_length == 8 and moved.local_index.device.type == "meta"
+    assert all(getattr(moved.packed_seq_params, f).device.type == "meta"
+               for f in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
+
+
+@pytest.mark.parametrize("cp_size,local_multiple,policy", [(2, 1, "each"), (2, 2, "uniform"), (4, 3, "across_dp")])
+def test_trainer_plan_gives_valid_cp_rows_covering_every_token_once(cp_size, local_multiple, policy):
+    """The trainer's CP planning (padded lengths, `cp_row_multiple`) -> rows TE can split."""
+    from megarl.training.batching import plan_micro_batches
+
+    gen = torch.Generator().manual_seed(cp_size)
+    batch = _batch(torch.randint(2, 60, (11,), generator=gen).tolist())
+    plan = plan_micro_batches([cp_padded_length(n, cp_size) for n in batch.seq_lens.tolist()], dp_size=2,
+                              max_tokens_per_microbatch=96, pad_multiple=cp_row_multiple(cp_size, local_multiple),
+                              length_policy=policy, pack_rows=False)
+    seen = torch.zeros(batch.num_tokens, dtype=torch.int64)
+    for rank_plan in plan.micro_batches:
+        for spec in rank_plan:
+            local_tokens = set()
+            for r in range(cp_size):
+                mb = pack_cp_micro_batch(batch, spec, cp_rank=r, cp_size=cp_size)
+                assert (mb.full_length // cp_size) % local_multiple == 0
+                assert mb.input_ids.shape == (1, mb.full_length // cp_size)
+                local_tokens.update(mb.local_index.tolist())
+            assert local_tokens == set(range(spec.row_length))
+            seen[mb.token_index] += 1
+    assert bool((seen == 1).all())
