@@ -97,7 +97,9 @@ class TrainerWorker:
         """Trainer logprobs of ``probes`` (a TrainBatch; collective) vs every engine's (rank 0 asks them)."""
         from megarl.weight_sync.verify import verify_engine_logprobs
 
-        logprobs = self.trainer.compute_logprobs(probes)
+        # SGLang scores prompt tokens with log_softmax(logits) whatever the sampling temperature,
+        # so the trainer's side of the comparison is taken at temperature 1 too.
+        logprobs = self.trainer.compute_logprobs(probes, temperature=1.0)
         if self.syncer.engines is None or not self.syncer.is_coordinator:
             return {}
         cu = probes.cu_seqlens.tolist()

@@ -144,12 +144,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ logprobs
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False) -> Tensor:
+    def compute_logprobs(self, batch: TrainBatch, *, reference: bool = False,
+                         temperature: float | None = None) -> Tensor:
         """Per-token logprobs of the batch under the current (or reference) policy.
 
         Args:
             batch: the batch (every rank passes the same one).
             reference: use the reference weights (``algorithm.kl_coef > 0``; swapped in from CPU).
+            temperature: logits are divided by it; None: the sampling temperature
+                (``rollout.sampling.temperature``, the distribution rollouts were sampled from).
 
         Returns:
             ``[T_total]`` float32 logprobs (0 at sequence starts), identical on every rank.
@@ -157,7 +160,7 @@ class Trainer:
         Raises:
             ValueError: ``reference=True`` without reference weights.
         """
-        return self._forward_only(batch, reference=reference, record_routes=False)[0]
+        return self._forward_only(batch, reference=reference, record_routes=False, temperature=temperature)[0]
 
     def prepare_batch(self, batch: TrainBatch) -> TrainBatch:
         """Fill ``old_logprobs``, R2 ``routed_experts`` (recorded in the same forward pass) and,
@@ -178,13 +181,15 @@ class Trainer:
             changes["ref_logprobs"] = self.compute_logprobs(batch, reference=True)
         return batch.replace(**changes) if changes else batch
 
-    def _forward_only(self, batch: TrainBatch, *, reference: bool, record_routes: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward_only(self, batch: TrainBatch, *, reference: bool, record_routes: bool,
+                      temperature: float | None = None) -> tuple[Tensor, Tensor | None]:
         if reference and self.ref_weights is None:
             raise ValueError("reference logprobs need algorithm.kl_coef > 0 (no reference weights kept)")
         routes = None
         if not reference and not record_routes:  # R3 replays the engine's routes in the old pass too
             routes = self._replay_routes(batch, required=self.cfg.train.routing_replay == "r3")
         mbs, _ = self.micro_batches(batch)
+        temperature = self.cfg.rollout.sampling.temperature if temperature is None else temperature
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float32)
         recorded = torch.zeros(batch.num_tokens, self.num_layers, self.config.moe_router_topk or 1,
                                dtype=torch.int32) if record_routes else None
@@ -199,7 +204,7 @@ class Trainer:
 
             def loss_func(output_tensor):
                 lp, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
-                                                 temperature=self.cfg.rollout.sampling.temperature, entropy="none")
+                                                 temperature=temperature, entropy="none")
                 if self._reports:
                     logprobs[mb.token_index.cpu()] = lp.detach().float().cpu()
                 return output_tensor.new_zeros(()), {}

@@ -32,7 +32,8 @@ MEGARL = str(Path(sys.executable).parent / "megarl")
 NUM_STEPS = 4
 OVERRIDES = [f"train.num_steps={NUM_STEPS}", "checkpoint.save_interval=2", "rollout.deterministic_sampling=true",
              "data.eval_interval=4", "data.max_eval_samples=4", "logging.progress_bar=false",
-             f"checkpoint.hf_export_interval={NUM_STEPS}"]
+             f"checkpoint.hf_export_interval={NUM_STEPS}",
+             "rollout.sampling.temperature=0.9"]  # != 1: the sync check must compare like with like
 RUN_TIMEOUT_S = 900
 COMPARED = ("rollout/reward_mean", "rollout/response_tokens_mean", "rollout/turns_mean", "filter/kept_trajectories",
             "loss/policy", "optim/grad_norm", "weight_sync/verify_logprob_diff_mean")
