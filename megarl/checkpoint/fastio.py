@@ -34,30 +34,35 @@ _IOV_MAX = 1024
 
 
 class StoragePool:
-    """CPU tensors whose storages are reused from one group to the next.
+    """CPU tensors whose storages are reused from one group of parameters to the next.
 
     :meth:`empty` hands out a contiguous tensor with its own exactly-sized storage (so that
-    torch.distributed.checkpoint saves it without a clone), taken from the previous generation
-    when one of the same byte size is free. :meth:`next_generation` makes everything handed out
-    since the last call free again and drops free storages the last generation did not reuse:
-    at most about one group's storages stay alive.
+    torch.distributed.checkpoint saves it without a clone), reusing a released storage of the
+    same byte size when there is one. :meth:`release` returns a group's storages; storages that
+    stayed free from one release to the next are dropped, so about two groups' storages stay
+    alive (the one being filled and the one being written).
     """
 
     def __init__(self):
         self._free: dict[int, list[torch.Tensor]] = {}
-        self._used: dict[int, list[torch.Tensor]] = {}
+        self._idle: dict[int, list[torch.Tensor]] = {}
+        self._lent: dict[object, list[tuple[int, torch.Tensor]]] = {}
 
-    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous ``shape`` tensor of ``dtype``."""
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, group: object = None) -> torch.Tensor:
+        """An uninitialised contiguous ``shape`` tensor of ``dtype``, lent to ``group``."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        free = self._free.get(nbytes)
-        buf = free.pop() if free else torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        self._used.setdefault(nbytes, []).append(buf)
-        return buf[:nbytes].view(dtype).view(tuple(shape)) if nbytes else torch.empty(tuple(shape), dtype=dtype)
+        if not nbytes:
+            return torch.empty(tuple(shape), dtype=dtype)
+        free = self._free.get(nbytes) or self._idle.get(nbytes)
+        buf = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+        self._lent.setdefault(group, []).append((nbytes, buf))
+        return buf.view(dtype).view(tuple(shape))
 
-    def next_generation(self) -> None:
-        """Release what was handed out (the caller no longer uses it) for the next group."""
-        self._free, self._used = self._used, {}
+    def release(self, group: object = None) -> None:
+        """The group's tensors are no longer used: their storages may be handed out again."""
+        self._idle, self._free = self._free, {}
+        for nbytes, buf in self._lent.pop(group, []):
+            self._free.setdefault(nbytes, []).append(buf)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

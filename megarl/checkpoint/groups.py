@@ -7,6 +7,7 @@ identity and Megatron's attributes), filled, saved or exported, and returned to 
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -32,9 +33,9 @@ def module_groups(chunks) -> list[tuple[int, list[torch.nn.Module]]]:
     return groups
 
 
-def _swap_device(param: torch.nn.Parameter, device: str, pool=None) -> None:
+def _swap_device(param: torch.nn.Parameter, device: str, pool=None, group=None) -> None:
     attrs = dict(param.__dict__)
-    data = (pool.empty(param.shape, param.dtype) if pool is not None and device == "cpu"
+    data = (pool.empty(param.shape, param.dtype, group) if pool is not None and device == "cpu"
             else torch.empty(param.shape, dtype=param.dtype, device=device))
     new = torch.nn.Parameter(data, requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, new)
@@ -51,19 +52,31 @@ def _release_memory() -> None:
         pass
 
 
-@contextlib.contextmanager
-def materialized(modules, pool=None):
-    """Give the modules' meta parameters CPU storage (uninitialised) for the duration; with a
-    :class:`~megarl.checkpoint.fastio.StoragePool` the storages come from (and go back to) it."""
+def materialize(modules, pool=None, group=None) -> list[torch.nn.Parameter]:
+    """Give the modules' meta parameters CPU storage (uninitialised; from ``pool``, a
+    :class:`~megarl.checkpoint.fastio.StoragePool`, lent to ``group``, when given)."""
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     for p in params:
-        _swap_device(p, "cpu", pool)
-    yield params  # on an exception the parameters stay materialised (the process is failing)
+        _swap_device(p, "cpu", pool, group)
+    return params
+
+
+def dematerialize(params, pool=None, group=None) -> None:
+    """Return the parameters to the meta device (and their storages to the pool)."""
     for p in params:
         _swap_device(p, "meta")
-    del params, p
     if pool is not None:
-        pool.next_generation()
+        pool.release(group)
+
+
+@contextlib.contextmanager
+def materialized(modules, pool=None):
+    """:func:`materialize` for the duration (on an exception the parameters stay materialised:
+    the process is failing)."""
+    params = materialize(modules, pool)
+    yield params
+    dematerialize(params, pool)
+    del params
     _release_memory()
 
 
@@ -91,10 +104,10 @@ def group_sharded_state_dict(chunk, modules, prefix: str = "", *, materialized_o
     paths = {id(m): name for name, m in chunk.named_modules()}
     prefixes = tuple(prefix + paths[id(m)] + "." for m in modules)
 
-    def keep(key, value):
+    def keep(key, value):  # (another group may be materialised too while it is being saved)
         data = getattr(value, "data", None)
-        if torch.is_tensor(data) and materialized_only:
-            return not data.is_meta
+        if torch.is_tensor(data) and materialized_only and data.is_meta:
+            return False
         return key.startswith(prefixes)
     with _only_layers(chunk, modules):
         return {k: v for k, v in chunk.sharded_state_dict(prefix=prefix).items() if keep(k, v)}
@@ -154,17 +167,26 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     groups = module_groups(chunks)
     num_steps = torch.tensor([len(groups)])
     dist.all_reduce(num_steps, op=dist.ReduceOp.MAX)
-    writer, pool = StreamingCheckpointWriter(out_dir), StoragePool()
-    for step in range(int(num_steps)):
-        if step >= len(groups):
-            writer.save_step({})
-            continue
-        index, modules = groups[step]
-        with materialized(modules, pool) as params:
+    writer, pool, background = StreamingCheckpointWriter(out_dir), StoragePool(), _Background()
+    try:  # group k is read (here) while group k-1 is saved (in the background thread)
+        for step in range(int(num_steps)):
+            if step >= len(groups):
+                background.submit(writer.save_step, {})
+                continue
+            index, modules = groups[step]
+            params = materialize(modules, pool, step)
             for name, param in _group_params(chunks[index], params):
                 if not _load_param_direct(infos[(index, name)], param, reader, layout, ps):
                     load_param(infos[(index, name)], param, reader, layout, ps, assign=True)
-            writer.save_step(group_sharded_state_dict(chunks[index], modules))
+            # The state dict is handed over in a box that the save empties: no reference to the
+            # parameters may remain when they go back to the meta device (swap_tensors checks).
+            background.submit(_save_boxed, writer, [group_sharded_state_dict(chunks[index], modules)],
+                              done=functools.partial(dematerialize, params, pool, step))
+            del params
+        background.drain()
+    finally:
+        background.shutdown()
+    _release_memory()
     writer.finalize()
     reader.close()
     destroy_parallel()
@@ -218,26 +240,81 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
                for name, t in hf_tensors(index, _group_params(chunks[index], [p for m in modules for p in m.parameters()]))]
     shards = hf_io.plan_shards(planned, max_shard_bytes)
     files = hf_io.shard_file_names(len(shards))
-    writers = iter([(f, s) for f, s in zip(files, shards)])
-    current, remaining = None, 0
-    for index, modules in groups:
-        # Shape-only (meta) ShardedTensors describe what to read; the reader allocates the data.
-        wanted = group_sharded_state_dict(chunks[index], modules, prefix=prefix, materialized_only=False)
-        loaded = {k[len(prefix):]: v for k, v in reader.load(wanted, allocate=pool.empty).items()}
-        named = _group_params(chunks[index], [p for m in modules for p in m.parameters()])
-        for name, tensor in hf_tensors(index, [(n, loaded[n]) for n, _ in named]):
-            if remaining == 0:
-                if current is not None:
-                    current.close()
-                file, shard = next(writers)
-                current, remaining = hf_io.SafetensorsStreamWriter(Path(out_dir) / file, shard), len(shard)
-            current.write(name, tensor.to(dtype_of(name)))
-            remaining -= 1
-        del wanted, loaded, named
-        pool.next_generation()  # this group's tensors are written: the next group reuses them
-        _release_memory()
-    if current is not None:
-        current.close()
+    sink, background = _ShardSink(Path(out_dir), files, shards), _Background()
+    try:  # group k is read (here) while group k-1 is written (in the background thread)
+        for k, (index, modules) in enumerate(groups):
+            # Shape-only (meta) ShardedTensors describe what to read; the reader allocates the data.
+            wanted = group_sharded_state_dict(chunks[index], modules, prefix=prefix, materialized_only=False)
+            loaded = reader.load(wanted, allocate=functools.partial(pool.empty, group=k))
+            loaded = {key[len(prefix):]: v for key, v in loaded.items()}
+            named = _group_params(chunks[index], [p for m in modules for p in m.parameters()])
+            items = [(name, t.to(dtype_of(name))) for name, t in hf_tensors(index, [(n, loaded[n]) for n, _ in named])]
+            background.submit(sink.write_all, items, done=functools.partial(pool.release, k))
+            del wanted, loaded, named, items
+        background.drain()
+    finally:
+        background.shutdown()
+    sink.close()
     hf_io.write_index(Path(out_dir), shards, files)
     reader.close()
     destroy_parallel()
+
+
+def _save_boxed(writer, box: list) -> None:
+    writer.save_step(box.pop())
+
+
+class _ShardSink:
+    """Writes planned HF tensors, in order, into the planned safetensors shards."""
+
+    def __init__(self, out_dir: Path, files, shards):
+        self._todo = iter(list(zip(files, shards)))
+        self._out_dir, self._current, self._remaining = out_dir, None, 0
+
+    def write_all(self, items) -> None:
+        from megarl.checkpoint.hf_io import SafetensorsStreamWriter
+
+        for name, tensor in items:
+            if self._remaining == 0:
+                self.close()
+                file, shard = next(self._todo)
+                self._current, self._remaining = SafetensorsStreamWriter(self._out_dir / file, shard), len(shard)
+            self._current.write(name, tensor)
+            self._remaining -= 1
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+
+class _Background:
+    """Runs tasks in order in one background thread, at most one queued behind the running one:
+    :meth:`submit` returns once the task before the new one has finished (its error is raised
+    here) and its ``done`` callback has run in the caller's thread."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="megarl-convert-io")
+        self._pending: list = []
+
+    def submit(self, fn, *args, done=None) -> None:
+        self._pending.append((self._executor.submit(fn, *args), done))
+        while len(self._pending) > 1:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        future, done = self._pending.pop(0)
+        future.result()
+        if done is not None:
+            done()
+
+    def drain(self) -> None:
+        """Wait for every task."""
+        while self._pending:
+            self._finish_oldest()
+
+    def shutdown(self) -> None:
+        """Stop without waiting (after an error the running task may wait on a failed peer)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -120,17 +120,20 @@ def test_torch_save_blob_reader_matches_torch_load(tmp_path, stream):
 
 def test_storage_pool_reuses_exact_storages():
     pool = StoragePool()
-    a = pool.empty((4, 8), torch.float32)
+    a = pool.empty((4, 8), torch.float32, group=0)
     assert a.untyped_storage().nbytes() == a.nbytes and a.is_contiguous()
     ptr = a.data_ptr()
+    b = pool.empty((8, 4), torch.float32, group=1)  # group 0 still holds its storage
+    assert b.data_ptr() != ptr
     del a
-    pool.next_generation()
-    b = pool.empty((8, 4), torch.float32)  # same byte size: the same storage
-    c = pool.empty((3,), torch.bfloat16)
-    assert b.data_ptr() == ptr and b.shape == (8, 4) and c.data_ptr() != ptr
-    pool.next_generation()
-    pool.next_generation()  # unused for a generation: dropped
-    assert not pool._free and not pool._used
+    pool.release(0)
+    c = pool.empty((8, 4), torch.float32, group=2)  # same byte size: group 0's storage
+    assert c.data_ptr() == ptr and c.shape == (8, 4)
+    pool.empty((3,), torch.bfloat16, group=2)
+    pool.release(1)
+    pool.release(2)
+    pool.release(3)  # group 1's storage stayed free for a whole round: dropped
+    assert sum(len(v) for v in pool._free.values()) == 0 and sum(len(v) for v in pool._idle.values()) == 2
 
 
 def test_own_storage_shares_memory_and_saves_only_the_view():
