@@ -297,7 +297,12 @@ class DataConfig:
     max_eval_samples: Optional[int] = 64
     """Evaluate on at most this many held-out prompts."""
     eval_interval: int = 0
-    """Evaluate every N RL steps (0 = never); greedy decoding."""
+    """Evaluate every N RL steps (0 = never); greedy decoding (``eval/accuracy``)."""
+    eval_samples_per_prompt: int = 0
+    """Also sample this many trajectories per held-out prompt at the training sampling settings
+    and report their mean reward ``eval/sampled_reward_mean`` and accuracy
+    ``eval/sampled_accuracy`` (the policy's expected held-out reward, mean@k: what RL maximises);
+    0 = greedy only."""
 
 
 @dataclass

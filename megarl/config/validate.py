@@ -58,6 +58,7 @@ NON_NEGATIVE = [
     "algorithm.kl_coef", "algorithm.entropy_coef", "model.moe_aux_loss_coeff",
     "rollout.over_sample_prompts", "checkpoint.save_interval", "checkpoint.keep_last",
     "checkpoint.hf_export_interval", "data.eval_interval", "rollout.sampling.temperature",
+    "data.eval_samples_per_prompt",
 ]
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
 GSPO_MAX_CLIP = 0.05  # the paper's clip ranges are 3e-4 / 4e-4; PPO-sized ranges defeat GSPO

@@ -59,10 +59,14 @@ class SeededEngine:
         return getattr(self.engine, name)
 
 
-def _eval_rollout_config(rollout: Any) -> Any:
-    """The rollout section for evaluation: one greedy trajectory per prompt, no over-sampling."""
+def _eval_rollout_config(rollout: Any, samples_per_prompt: int = 0) -> Any:
+    """The rollout section for evaluation, no over-sampling: one greedy trajectory per prompt, or
+    (``samples_per_prompt > 0``) that many trajectories sampled with the training settings."""
     from omegaconf import OmegaConf
 
+    if samples_per_prompt > 0:
+        return OmegaConf.merge(rollout, {"group_size": samples_per_prompt, "over_sample_prompts": 0,
+                                         "partial_rollouts": False})
     return OmegaConf.merge(rollout, {"group_size": 1, "over_sample_prompts": 0, "partial_rollouts": False,
                                      "sampling": {"temperature": 0.0}})
 
@@ -99,9 +103,12 @@ class RolloutWorker:
         dynamic = cfg.algorithm.filter_zero_variance_groups and cfg.rollout.over_sample_prompts > 0
         self.manager = RolloutManager(engine, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
                                       filter_zero_variance=dynamic)
-        self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout),
-                                           prompt_key=cfg.data.prompt_key, filter_zero_variance=False,
-                                           tools=self.manager.ctx.tools, reward_fn=self.manager.reward_fn)
+        shared = dict(prompt_key=cfg.data.prompt_key, filter_zero_variance=False, tools=self.manager.ctx.tools,
+                      reward_fn=self.manager.reward_fn)
+        self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout), **shared)
+        samples = int(cfg.data.get("eval_samples_per_prompt", 0) or 0)
+        self.sampled_eval_manager = RolloutManager(
+            self.router, tokenizer, _eval_rollout_config(cfg.rollout, samples), **shared) if samples > 0 else None
 
     async def generate(self, rows: list[dict], step: int, policy_version: int) -> Any:
         """One step's rollouts: a :class:`~megarl.rollout.manager.RolloutBatch` (groups, metrics)."""
@@ -115,20 +122,30 @@ class RolloutWorker:
         return batch
 
     async def evaluate(self, rows: list[dict], policy_version: int) -> tuple[dict[str, float], str]:
-        """Greedy single-trajectory evaluation: ``eval/accuracy`` (reward >= 1), ``eval/reward_mean``,
-        ``eval/tool_calls_mean``, and the decoded response of the first trajectory (for the log).
+        """Held-out evaluation and the decoded first greedy trajectory (for the log).
 
-        Trajectories that failed count as wrong (reward 0).
+        Greedy, one trajectory per prompt: ``eval/accuracy`` (reward >= 1), ``eval/reward_mean``,
+        ``eval/tool_calls_mean``, ``eval/num_samples`` (prompts). With
+        ``data.eval_samples_per_prompt = k > 0`` also ``eval/sampled_reward_mean`` and
+        ``eval/sampled_accuracy`` over ``k`` trajectories per prompt sampled with the training
+        settings (mean@k). Trajectories that failed count as wrong (reward 0).
         """
         self.eval_manager.policy_version = policy_version
-        batch = await self.eval_manager.generate_groups(rows, num_groups=len(rows))
-        rewards = [t.reward for g in batch.groups for t in g.trajectories]
-        rewards += [0.0] * (len(rows) - len(rewards))
-        trajs = [t for g in sorted(batch.groups, key=lambda g: g.group_id) for t in g.trajectories]
-        metrics = {"eval/accuracy": float(np.mean([r >= 1.0 - 1e-6 for r in rewards])),
-                   "eval/reward_mean": float(np.mean(rewards)), "eval/num_samples": float(len(rows)),
-                   "eval/tool_calls_mean": float(np.mean([t.metadata.get("tool_calls", 0) for t in trajs] or [0.0]))}
+        metrics, trajs = await self._score(self.eval_manager, rows, 1)
+        metrics = {f"eval/{k}": v for k, v in metrics.items()} | {"eval/num_samples": float(len(rows))}
+        if self.sampled_eval_manager is not None:
+            self.sampled_eval_manager.policy_version = policy_version
+            sampled, _ = await self._score(self.sampled_eval_manager, rows, int(self.cfg.data.eval_samples_per_prompt))
+            metrics |= {"eval/sampled_reward_mean": sampled["reward_mean"], "eval/sampled_accuracy": sampled["accuracy"]}
         return metrics, self.describe(trajs[0]) if trajs else ""
+
+    @staticmethod
+    async def _score(manager: Any, rows: list[dict], per_prompt: int) -> tuple[dict[str, float], list]:
+        batch = await manager.generate_groups(rows, num_groups=len(rows))
+        trajs = [t for g in sorted(batch.groups, key=lambda g: g.group_id) for t in g.trajectories]
+        rewards = [t.reward for t in trajs] + [0.0] * (len(rows) * per_prompt - len(trajs))
+        return {"accuracy": float(np.mean([r >= 1.0 - 1e-6 for r in rewards])), "reward_mean": float(np.mean(rewards)),
+                "tool_calls_mean": float(np.mean([t.metadata.get("tool_calls", 0) for t in trajs] or [0.0]))}, trajs
 
     def describe(self, trajectory: Any) -> str:
         """One trajectory as text (prompt tail, every turn and observation) for the log."""
