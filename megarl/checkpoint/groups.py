@@ -3,6 +3,10 @@
 A *group* is the embedding, one transformer layer, or the final norm + output layer of one model
 chunk. Only the current group's parameters are materialised on CPU (Parameter objects keep their
 identity and Megatron's attributes), filled, saved or exported, and returned to the meta device.
+Two groups are in flight: group k is read in the rank's main thread while group k-1 is written
+by one background thread (the DCP save with its collectives, or the safetensors writes); their
+storages come from a :class:`~megarl.checkpoint.fastio.StoragePool`, so memory pages are touched
+once per conversion, not once per layer.
 """
 from __future__ import annotations
 
@@ -67,17 +71,6 @@ def dematerialize(params, pool=None, group=None) -> None:
         _swap_device(p, "meta")
     if pool is not None:
         pool.release(group)
-
-
-@contextlib.contextmanager
-def materialized(modules, pool=None):
-    """:func:`materialize` for the duration (on an exception the parameters stay materialised:
-    the process is failing)."""
-    params = materialize(modules, pool)
-    yield params
-    dematerialize(params, pool)
-    del params
-    _release_memory()
 
 
 @contextlib.contextmanager
