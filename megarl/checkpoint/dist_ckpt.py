@@ -303,12 +303,17 @@ class CheckpointReader:
             hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
-            src, dst = self._chunk(key, chunk), out
+            dst = out
             for dim, (l, h) in enumerate(zip(lo, hi)):
-                src = src.narrow(dim, l - chunk.offsets[dim], h - l)
                 dst = dst.narrow(dim, l - offsets[dim], h - l)
-            dst.copy_(src)
-            covered += src.numel()
+            if tuple(lo) == tuple(chunk.offsets) and tuple(dst.shape) == tuple(chunk.sizes) and dst.is_contiguous():
+                self._chunk(key, chunk, dst)  # a whole chunk into contiguous rows: read in place
+            else:
+                src = self._chunk(key, chunk)
+                for dim, (l, h) in enumerate(zip(lo, hi)):
+                    src = src.narrow(dim, l - chunk.offsets[dim], h - l)
+                dst.copy_(src)
+            covered += dst.numel()
         if covered != out.numel():
             raise ValueError(f"{key}: checkpoint chunks cover {covered} of {out.numel()} elements of "
                              f"region offsets={tuple(offsets)} sizes={tuple(sizes)}")
