@@ -223,16 +223,20 @@ def tensor_shapes(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[tuple[in
 
 
 def model_prefix(shapes: dict) -> str:
-    """The key prefix under which a checkpoint stores the model (``""``, or e.g. ``"model."``).
+    """The key prefix under which a checkpoint stores the model (``""``, or e.g. ``"model."``);
+    optimizer state keys (``optimizer.…``) are not the model.
 
     Raises:
         ValueError: no (or more than one) embedding key.
     """
     suffix = "embedding.word_embeddings.weight"
     found = [k[: -len(suffix)] for k in shapes if k.endswith(suffix)]
-    if len(found) != 1:
-        raise ValueError(f"cannot locate the model in the checkpoint: {len(found)} keys end with {suffix}")
-    return found[0]
+    # A trainer checkpoint also holds the optimizer's copies (``optimizer.state.exp_avg.…``).
+    models = [p for p in found if not p.startswith("optimizer.")]
+    if len(models) != 1:
+        raise ValueError(f"cannot locate the model in the checkpoint: {len(found)} keys end with {suffix} "
+                         f"({sorted(found)})")
+    return models[0]
 
 
 class CheckpointReader:

@@ -151,3 +151,15 @@ def test_own_storage_shares_memory_and_saves_only_the_view():
     assert torch.equal(torch.load(io.BytesIO(small.getvalue()), weights_only=True), up)
     transposed = full.t()
     assert _own_storage(full) is full and _own_storage(transposed) is transposed
+
+
+def test_model_prefix_skips_the_optimizer_copies_of_a_trainer_checkpoint():
+    from megarl.checkpoint.dist_ckpt import model_prefix
+
+    emb = "embedding.word_embeddings.weight"
+    trainer = {k + emb: None for k in ("", "optimizer.state.param.", "optimizer.state.exp_avg.",
+                                       "optimizer.state.exp_avg_sq.")}  # keys of a real trainer save
+    assert model_prefix(trainer) == ""
+    assert model_prefix({"model." + emb: None, "optimizer.state.exp_avg.model." + emb: None}) == "model."
+    with pytest.raises(ValueError, match="cannot locate the model"):
+        model_prefix({"a." + emb: None, "b." + emb: None})
