@@ -8,6 +8,7 @@ import torch.distributed.checkpoint  # noqa: F401
 try:
     import megatron.core  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (each conversion rank needs it)
     import megatron.core.pipeline_parallel  # noqa: F401
 except ImportError:  # pragma: no cover - megatron-core is a hard dependency
     pass
