@@ -18,7 +18,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -84,9 +84,60 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         CheckpointFileError: a missing or truncated shard. FileExistsError: destination not empty.
         megarl.testing.multiproc.RankError: a rank failed (its traceback is in the message).
     """
+    from megarl.testing.multiproc import run_ranks
+
+    plan = plan_import(hf_dir, tensor_model_parallel_size=tensor_model_parallel_size,
+                       pipeline_model_parallel_size=pipeline_model_parallel_size,
+                       expert_model_parallel_size=expert_model_parallel_size,
+                       expert_tensor_parallel_size=expert_tensor_parallel_size,
+                       virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                       make_vocab_size_divisible_by=make_vocab_size_divisible_by, precision=precision)
+    tmp = _atomic_dir(Path(out_dir), overwrite)
+    try:
+        run_ranks(import_rank_worker, plan.world_size, timeout_s=timeout_s, args=plan.worker_args(tmp))
+        finish_import(plan, tmp)
+        return _publish(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """A validated HF -> Megatron conversion: its source, saving layout and world size.
+
+    Attributes:
+        hf_dir: resolved HF directory. hf_config: its transformers config.
+        parallel: the saving layout. world_size: processes that realise it,
+            ``lcm(TP*PP, ETP*EP*PP)`` (one per rank; no data-parallel replicas).
+        make_vocab_size_divisible_by: vocabulary padding unit. precision: ``fp32``/``bf16``/``fp16``.
+    """
+    hf_dir: Path
+    hf_config: object
+    parallel: ParallelConfig
+    world_size: int
+    make_vocab_size_divisible_by: int
+    precision: str
+
+    def worker_args(self, tmp: Path) -> tuple:
+        """The arguments of :func:`import_rank_worker` after ``(rank, world_size)`` (picklable)."""
+        return (str(self.hf_dir), str(tmp), asdict(self.parallel), self.make_vocab_size_divisible_by,
+                self.precision)
+
+
+def plan_import(hf_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
+                pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                expert_tensor_parallel_size: Optional[int] = None,
+                virtual_pipeline_model_parallel_size: Optional[int] = None,
+                make_vocab_size_divisible_by: int = 128, precision: Optional[str] = None) -> ImportPlan:
+    """Check an HF directory against its config and the layout; see :func:`hf_to_megatron`.
+
+    Raises:
+        ConfigMismatchError / CheckpointFileError: as :func:`hf_to_megatron`.
+        ValueError: expert parallelism asked of a model without experts.
+    """
     from megarl.checkpoint.config_check import check_weights_match_config
     from megarl.checkpoint.families import get_family
-    from megarl.testing.multiproc import run_ranks
     from megarl.training.model import load_hf_config
 
     hf_dir = Path(hf_dir).resolve()
@@ -105,21 +156,18 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     etp = expert_tensor_parallel_size or tensor_model_parallel_size
     world = math.lcm(tensor_model_parallel_size * pipeline_model_parallel_size,
                      etp * expert_model_parallel_size * pipeline_model_parallel_size)
-    precision = precision or _hf_precision(hf_config)
-    tmp = _atomic_dir(Path(out_dir), overwrite)
-    try:
-        run_ranks(_import_worker, world, timeout_s=timeout_s,
-                  args=(str(hf_dir), str(tmp), asdict(parallel), make_vocab_size_divisible_by, precision))
-        copy_hf_metadata(hf_dir, tmp / HF_CONFIG_SUBDIR)
-        (tmp / MARKER_FILE).write_text(json.dumps({
-            "format": "megatron-core dist_checkpointing (torch_dist), model weights only",
-            "family": hf_config.model_type, "source": str(hf_dir), "precision": precision,
-            "parallel": asdict(parallel), "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
-            "hf_config": HF_CONFIG_SUBDIR}, indent=2) + "\n")
-        return _publish(tmp, Path(out_dir))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return ImportPlan(hf_dir, hf_config, parallel, world, make_vocab_size_divisible_by,
+                      precision or _hf_precision(hf_config))
+
+
+def finish_import(plan: ImportPlan, tmp: Path) -> None:
+    """After every rank saved its shards into ``tmp``: add the HF metadata and the marker file."""
+    copy_hf_metadata(plan.hf_dir, tmp / HF_CONFIG_SUBDIR)
+    (tmp / MARKER_FILE).write_text(json.dumps({
+        "format": "megatron-core dist_checkpointing (torch_dist), model weights only",
+        "family": plan.hf_config.model_type, "source": str(plan.hf_dir), "precision": plan.precision,
+        "parallel": asdict(plan.parallel), "make_vocab_size_divisible_by": plan.make_vocab_size_divisible_by,
+        "hf_config": HF_CONFIG_SUBDIR}, indent=2) + "\n")
 
 
 def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -171,7 +219,8 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         raise
 
 
-def _import_worker(rank, world_size, hf_dir, out_dir, parallel_dict, divisible_by, precision):
+def import_rank_worker(rank, world_size, hf_dir, out_dir, parallel_dict, divisible_by, precision):
+    """One rank of the import (torch.distributed initialised): see :func:`groups.import_rank`."""
     from megarl.checkpoint import groups
 
     groups.import_rank(hf_dir, out_dir, ParallelConfig(**parallel_dict),

@@ -1,0 +1,235 @@
+"""One rank of an already-launched HF -> Megatron conversion job (Slurm tasks or torchrun).
+
+    srun -n 8 python -m megarl.checkpoint.dist_convert hf-to-megatron HF_DIR OUT_DIR \\
+        --tensor-model-parallel-size 8                       (or: torchrun --nproc-per-node 8 -m ...)
+
+Where :func:`megarl.checkpoint.convert.hf_to_megatron` spawns its ranks itself on one machine,
+here every process of the job is one rank: it joins the ``env://`` rendezvous, runs the same
+per-rank function (:func:`~megarl.checkpoint.convert.import_rank_worker`: build the model chunks
+on the meta device, fill them group by group from the safetensors, save this rank's shards) and
+rank 0 publishes the directory. The job's world size must equal the layout's
+(``lcm(TP*PP, ETP*EP*PP)``, no data-parallel replicas); otherwise every rank exits with status 2
+before any collective.
+
+Rendezvous, first match wins:
+  * torchrun / ``slurm/lib/dist_rank.sh``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``;
+  * a bare Slurm step: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR``
+    (default: the first host of ``scontrol show hostnames $SLURM_JOB_NODELIST``); ``MASTER_PORT``
+    (default ``20000 + SLURM_JOB_ID % 20000``, the same on every task);
+  * neither: one process (rank 0 of 1) on 127.0.0.1.
+
+Backend: gloo (the conversion's collectives are on CPU tensors); with CUDA, ``auto`` gives
+``cpu:gloo,cuda:nccl`` and binds the process to GPU ``LOCAL_RANK``.
+
+Atomicity: rank 0 creates the temporary sibling of OUT_DIR and broadcasts its path; after a
+barrier it adds the HF metadata and renames it. A rank that fails removes nothing but makes its
+peers fail (srun ``--kill-on-bad-exit``, torchrun) or time out (``--timeout-s``); a killed job can
+leave a hidden ``.OUT_DIR.tmp-*`` sibling, never a partial OUT_DIR.
+
+megatron-to-hf is single-process (the streaming export): run ``megarl convert megatron-to-hf``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+
+class LayoutMismatchError(ValueError):
+    """The job's world size differs from the number of ranks of the target layout."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """This process's place in the job (``torch.distributed`` env:// values)."""
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str
+    """Where the rank came from (``RANK``, ``SLURM_PROCID`` or ``single``): for error messages."""
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                         text=True, timeout=60).stdout.split()
+    if not out:
+        raise RuntimeError(f"scontrol show hostnames {nodelist!r} listed no host")
+    return out[0]
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except KeyError:
+        raise ValueError(f"environment variable {name} is not set") from None
+    except ValueError:
+        raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def rendezvous_from_env(env: Mapping[str, str] = os.environ, *,
+                        first_host: Callable[[str], str] = _slurm_first_host) -> Rendezvous:
+    """Read this process's rank, world size and rendezvous address from torchrun or Slurm variables.
+
+    Args:
+        env: the environment. first_host: nodelist -> first host name (default: ``scontrol``).
+
+    Raises:
+        ValueError: a variable is missing or not an integer (names it).
+    """
+    if "RANK" in env or "WORLD_SIZE" in env:
+        rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+        local = _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        if "MASTER_ADDR" not in env:
+            raise ValueError("RANK/WORLD_SIZE are set but MASTER_ADDR is not (torchrun-style env:// rendezvous)")
+        return Rendezvous(rank, world, local, env["MASTER_ADDR"], _int_env(env, "MASTER_PORT"), "RANK")
+    if "SLURM_PROCID" in env:
+        rank, world = _int_env(env, "SLURM_PROCID"), _int_env(env, "SLURM_NTASKS")
+        local = _int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"])
+        port = (_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env
+                else 20000 + _int_env(env, "SLURM_JOB_ID") % 20000)
+        return Rendezvous(rank, world, local, addr, port, "SLURM_PROCID")
+    from megarl.testing.multiproc import free_port
+
+    return Rendezvous(0, 1, 0, "127.0.0.1", free_port(), "single")
+
+
+def check_world_size(rdzv: Rendezvous, layout_world: int, args: argparse.Namespace) -> None:
+    """Raise :class:`LayoutMismatchError` unless the job has exactly one process per layout rank."""
+    if rdzv.world_size == layout_world:
+        return
+    env_var = {"RANK": "WORLD_SIZE", "SLURM_PROCID": "SLURM_NTASKS"}.get(rdzv.source, "WORLD_SIZE (unset: 1)")
+    layout = (f"--tensor-model-parallel-size {args.tensor_model_parallel_size} "
+              f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+              f"--expert-model-parallel-size {args.expert_model_parallel_size} "
+              f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size or args.tensor_model_parallel_size}")
+    raise LayoutMismatchError(
+        f"the job has {env_var}={rdzv.world_size} processes but the layout ({layout}) has {layout_world} "
+        f"ranks (lcm(TP*PP, ETP*EP*PP)); launch {layout_world} tasks or change the parallel sizes")
+
+
+def _init_process_group(rdzv: Rendezvous, backend: str, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rdzv.rank), WORLD_SIZE=str(rdzv.world_size), LOCAL_RANK=str(rdzv.local_rank),
+                      MASTER_ADDR=rdzv.master_addr, MASTER_PORT=str(rdzv.master_port))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    if backend == "auto" and torch.cuda.is_available():
+        torch.cuda.set_device(rdzv.local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    elif backend == "auto":
+        backend = "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rdzv.rank, world_size=rdzv.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _shared_tmp_dir(out_dir: Path, overwrite: bool) -> Path:
+    """Rank 0 creates the temporary sibling of ``out_dir``; every rank gets its path (or rank 0's error)."""
+    import torch.distributed as dist
+
+    from megarl.checkpoint.convert import _atomic_dir
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = str(_atomic_dir(out_dir, overwrite))
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the peers heard of it
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        if dist.get_rank() == 0:
+            raise box[0]
+        raise RuntimeError(f"rank 0 could not create the output directory: {box[0]}")
+    return Path(box[0])
+
+
+def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[Path]:
+    """This rank's part of the conversion; returns the published directory on rank 0, else None.
+
+    Raises:
+        LayoutMismatchError: world size != layout ranks (before any collective, on every rank).
+        As :func:`megarl.checkpoint.convert.hf_to_megatron` otherwise.
+    """
+    import torch.distributed as dist
+
+    from megarl.checkpoint.convert import _publish, finish_import, import_rank_worker, plan_import
+
+    plan = plan_import(args.hf_dir, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                       pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                       expert_model_parallel_size=args.expert_model_parallel_size,
+                       expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                       virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, precision=args.precision)
+    check_world_size(rdzv, plan.world_size, args)
+    _init_process_group(rdzv, args.backend, args.timeout_s)
+    try:
+        tmp = _shared_tmp_dir(Path(args.out_dir), args.overwrite)
+        try:
+            import_rank_worker(rdzv.rank, rdzv.world_size, *plan.worker_args(tmp))
+            dist.barrier()
+            if rdzv.rank != 0:
+                return None
+            finish_import(plan, tmp)
+            return _publish(tmp, Path(args.out_dir))
+        except BaseException:
+            if rdzv.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (the layout flags of ``megarl convert`` / tools/convert_hf_to_megatron.py)."""
+    parser = argparse.ArgumentParser(prog="python -m megarl.checkpoint.dist_convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    parser.add_argument("hf_dir", metavar="SRC")
+    parser.add_argument("out_dir", metavar="DST")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="default: the HF config's dtype")
+    parser.add_argument("--backend", choices=["auto", "gloo"], default="auto",
+                        help="auto: gloo, plus nccl for CUDA tensors when CUDA is available")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=3600.0,
+                        help="collective timeout (a dead peer ends the others after this long)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; exit status 0, 2 (bad arguments, layout/world mismatch), 1 (conversion failed)."""
+    args = build_parser().parse_args(argv)
+    if args.direction == "megatron-to-hf":
+        print("dist_convert: megatron-to-hf is a single-process export; run it with one task "
+              "(`megarl convert megatron-to-hf SRC DST`)", file=sys.stderr)
+        return 2
+    try:
+        rdzv = rendezvous_from_env()
+        out = run_hf_to_megatron(args, rdzv)
+    except (ValueError, FileExistsError) as e:  # bad input: layout, env variables, config, destination
+        print(f"dist_convert: {e}", file=sys.stderr)
+        return 2
+    if out is not None:
+        print(f"rank 0 of {rdzv.world_size}: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
