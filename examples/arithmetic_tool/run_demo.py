@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The CPU learning demonstration: SFT cold start, then GSPO, for several seeds; held-out reward before/after.
 
-    python examples/arithmetic_tool/run_demo.py [--seeds 1 2 3] [--out runs/arithmetic_demo] [override ...]
+    python examples/arithmetic_tool/run_demo.py [--seeds 1,2,3] [--out runs/arithmetic_demo] [override ...]
 
 Each seed is one ``megarl train examples/arithmetic_tool/arithmetic_tool.yaml train.seed=S`` run: the
 held-out evaluation (greedy, ``data.eval_path``) is logged at step 0 (after the SFT cold start,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parent / "arithmetic_tool.yaml"
 REPO = Path(__file__).resolve().parents[2]
-KEYS = ("eval/accuracy", "eval/tool_calls_mean")
+KEYS = ("eval/accuracy", "eval/sampled_reward_mean", "eval/tool_calls_mean")
 
 
 def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
@@ -50,26 +50,34 @@ def summarize(results: list[dict]) -> dict:
 
 
 def table(results: list[dict], summary: dict) -> str:
-    lines = ["| seed | accuracy before | accuracy after | tool calls before | tool calls after | wall |",
-             "|---|---|---|---|---|---|"]
+    """Markdown: per seed and mean +- std, held-out reward before (after SFT) and after GSPO."""
+    cols = (("eval/sampled_reward_mean", "sampled reward (mean@4)", "{:.3f}"),
+            ("eval/accuracy", "greedy accuracy", "{:.3f}"), ("eval/tool_calls_mean", "tool calls", "{:.2f}"))
+    head = " | ".join(f"{name} before | {name} after" for _, name, _ in cols)
+    lines = [f"| seed | {head} | wall |", "|---" * (2 + 2 * len(cols)) + "|"]
     for r in results:
-        lines.append(f"| {r['seed']} | {r['before']['eval/accuracy']:.3f} | {r['after']['eval/accuracy']:.3f} | "
-                     f"{r['before']['eval/tool_calls_mean']:.2f} | {r['after']['eval/tool_calls_mean']:.2f} | "
-                     f"{r['wall_s'] / 60:.1f} min |")
-    b, a = summary["before/eval/accuracy"], summary["after/eval/accuracy"]
-    lines.append(f"| mean +- std | {b['mean']:.3f} +- {b['std']:.3f} | {a['mean']:.3f} +- {a['std']:.3f} | | | |")
+        cells = " | ".join(f"{fmt.format(r['before'][k])} | {fmt.format(r['after'][k])}" for k, _, fmt in cols)
+        lines.append(f"| {r['seed']} | {cells} | {r['wall_s'] / 60:.1f} min |")
+    cells = " | ".join(f"{summary[f'before/{k}']['mean']:.3f} +- {summary[f'before/{k}']['std']:.3f} | "
+                       f"{summary[f'after/{k}']['mean']:.3f} +- {summary[f'after/{k}']['std']:.3f}" for k, _, _ in cols)
+    lines.append(f"| mean +- std | {cells} | |")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=[1, 2, 3],
+                        help="comma-separated seeds (default 1,2,3)")
     parser.add_argument("--out", default="runs/arithmetic_demo")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_seed(seed, out, args.overrides) for seed in args.seeds]
+    sys.path.insert(0, str(CONFIG.parent))
+    from make_model import make_model
+
+    model = make_model(out / "model").resolve()
+    results = [run_seed(seed, out, [f"model.hf_path={model}", *args.overrides]) for seed in args.seeds]
     summary = summarize(results)
     (out / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
     text = table(results, summary)

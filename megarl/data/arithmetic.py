@@ -94,8 +94,9 @@ def demonstrations(rows: list[Row], *, tool_fraction: float, seed: int,
                    system_prompt: str | None = None) -> list[list[dict[str, Any]]]:
     """Demonstrations for ``rows``; a seeded ``tool_fraction`` of them use the calculator.
 
-    A warm start that uses the tool only part of the time leaves room for RL: the policy starts
-    with a mix of tool calls (mostly right) and direct answers (mostly wrong).
+    A warm start that uses the tool only part of the time leaves RL the choice to learn (tool
+    calls mostly right, direct answers mostly wrong); on the 64-wide demo model it also halves
+    the copying practice, which costs more than it gains (examples/arithmetic_tool/README.md).
 
     Raises:
         ValueError: ``tool_fraction`` outside [0, 1].

@@ -143,6 +143,28 @@ def test_cpu_gsm8k_recipe_end_to_end(reference_run):
     assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{NUM_STEPS:06d}"
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_hf_export_every_n_steps_loads_with_transformers(reference_run):
+    """``checkpoint.hf_export_interval``: the step-4 weights as a Hugging Face directory, loadable by
+    transformers, with the launch model's names and shapes and trained (different) values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.loader import load_config
+    from megarl.testing.tiny_model import resolve_model_path
+
+    exported = reference_run / "hf" / f"step_{NUM_STEPS:06d}"
+    assert sorted(p.name for p in (reference_run / "hf").iterdir()) == [exported.name]
+    launch_path = resolve_model_path(load_config(REPO / "configs/cpu_gsm8k.yaml").model.hf_path)
+    trained = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(launch_path, torch_dtype=torch.float32).state_dict()
+    assert {k: v.shape for k, v in trained.items()} == {k: v.shape for k, v in initial.items()}
+    changed = [k for k in initial if not torch.equal(initial[k], trained[k])]
+    assert len(changed) > len(initial) // 2, "SFT + 4 GSPO steps change most weights"
+    assert all(torch.isfinite(v).all() for v in trained.values())
+    assert (exported / "tokenizer_config.json").is_file() and (exported / "generation_config.json").is_file()
+
+
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
 def test_killed_engine_is_restarted_and_sigkill_resume_reproduces_the_run(reference_run, faulty_run):

@@ -1,0 +1,45 @@
+"""The CPU learning demonstration (slow): SFT cold start then GSPO raises held-out reward, 3 seeds.
+
+Runs ``examples/arithmetic_tool/run_demo.py`` (one ``megarl train`` per seed, everything real: Megatron
+ranks, SGLang, calculator tool, weight sync) and compares each run's held-out evaluation after its
+last GSPO step with the same run's evaluation right after the SFT cold start (before any GSPO step).
+The reward that RL maximises is the expected reward of sampled trajectories; on held-out prompts that
+is ``eval/sampled_reward_mean`` (4 samples per prompt, 200 prompts: 800 trajectories, standard error
+about 0.015 at the rewards seen here; the same sampling seeds at both evaluations). Greedy accuracy
+must rise on average too.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SEEDS = (1, 2, 3)
+MIN_MEAN_GAIN = 0.03  # measured 0.070 (+0.105, +0.053, +0.051); ~2.5 standard errors of a 3-seed mean
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_gspo_raises_held_out_reward_over_three_seeds(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "examples/arithmetic_tool/run_demo.py", "--out", str(out),
+                           "--seeds", ",".join(map(str, SEEDS))], cwd=REPO, capture_output=True, text=True,
+                          timeout=1750)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "summary.json").read_text())
+    print((out / "summary.md").read_text())
+    assert [run["seed"] for run in result["runs"]] == list(SEEDS)
+    for run in result["runs"]:
+        before, after = run["before"], run["after"]
+        assert after["eval/sampled_reward_mean"] > before["eval/sampled_reward_mean"], run
+        assert before["eval/tool_calls_mean"] > 0.9, "the SFT cold start taught the tool call"
+        log = (out / f"seed{run['seed']}" / "train.log").read_text()
+        assert "SFT cold start" in log and f"step {run['steps']}/{run['steps']}" in log
+    summary = result["summary"]
+    gain = summary["after/eval/sampled_reward_mean"]["mean"] - summary["before/eval/sampled_reward_mean"]["mean"]
+    assert gain >= MIN_MEAN_GAIN, summary
+    assert summary["after/eval/accuracy"]["mean"] > summary["before/eval/accuracy"]["mean"], summary
