@@ -107,8 +107,12 @@ class RolloutWorker:
                       reward_fn=self.manager.reward_fn)
         self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout), **shared)
         samples = int(cfg.data.get("eval_samples_per_prompt", 0) or 0)
+        # Deterministic sampling: every evaluation draws the same seeds per prompt (common random
+        # numbers), so before/after differences are not blurred by different draws.
+        self.eval_seeded = SeededEngine(self.router, cfg.train.seed) if self.seeded is not None else None
         self.sampled_eval_manager = RolloutManager(
-            self.router, tokenizer, _eval_rollout_config(cfg.rollout, samples), **shared) if samples > 0 else None
+            self.eval_seeded or self.router, tokenizer, _eval_rollout_config(cfg.rollout, samples),
+            **shared) if samples > 0 else None
 
     async def generate(self, rows: list[dict], step: int, policy_version: int) -> Any:
         """One step's rollouts: a :class:`~megarl.rollout.manager.RolloutBatch` (groups, metrics)."""
@@ -134,6 +138,8 @@ class RolloutWorker:
         metrics, trajs = await self._score(self.eval_manager, rows, 1)
         metrics = {f"eval/{k}": v for k, v in metrics.items()} | {"eval/num_samples": float(len(rows))}
         if self.sampled_eval_manager is not None:
+            if self.eval_seeded is not None:
+                self.eval_seeded.start_step(-1)  # the same seeds at every evaluation
             self.sampled_eval_manager.policy_version = policy_version
             sampled, _ = await self._score(self.sampled_eval_manager, rows, int(self.cfg.data.eval_samples_per_prompt))
             metrics |= {"eval/sampled_reward_mean": sampled["reward_mean"], "eval/sampled_accuracy": sampled["accuracy"]}
