@@ -6,6 +6,8 @@ materialises the group, fills it from the HF safetensors and saves it
 (:class:`~megarl.checkpoint.dist_ckpt.StreamingCheckpointWriter`). ``megatron_to_hf_dir`` loads a
 dist checkpoint (any layout it was saved at) group by group into a TP=1 meta model and streams the
 HF tensors into pre-planned safetensors shards. Peak memory: a couple of layers, not the model.
+For a job launched from outside (one Slurm task or torchrun process per rank), the same per-rank
+function runs in :mod:`megarl.checkpoint.dist_convert`.
 
 Both write into a temporary sibling of the destination and rename it at the end: on any error
 nothing is left at the destination. The checkpoint keeps the HF config, generation config and
