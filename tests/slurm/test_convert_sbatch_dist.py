@@ -1,24 +1,14 @@
 """slurm/convert.sbatch with one task per rank on both nodes runs the real
 megarl.checkpoint.dist_convert: the TP=2 checkpoint it writes exports back bit-identical
 (reference: the original HF safetensors, read with the safetensors library)."""
-import os
 
 import pytest
 import torch
 
+from megarl.testing.checkpoints import load_safetensors_dir as _load_all
 from tests.slurm.conftest import submit, wait_no_job_processes
 
 pytestmark = pytest.mark.slurm
-
-
-def _load_all(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
 
 
 @pytest.mark.timeout(300)

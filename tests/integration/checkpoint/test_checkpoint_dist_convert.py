@@ -14,6 +14,7 @@ import torch
 from megarl.checkpoint.convert import MARKER_FILE, megatron_to_hf_dir
 from megarl.checkpoint.dist_convert import Rendezvous, rendezvous_from_env
 from megarl.testing.multiproc import free_port
+from megarl.testing.checkpoints import load_safetensors_dir as _load_all
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,16 +50,6 @@ def _launch(world_size, args, log_dir, timeout_s=240):
                 proc.wait(timeout=10)
         for log in logs:
             log.close()
-
-
-def _load_all(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
 
 
 @pytest.mark.timeout(420)

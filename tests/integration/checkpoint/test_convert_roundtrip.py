@@ -13,21 +13,12 @@ import torch
 from megarl.checkpoint.config_check import ConfigMismatchError
 from megarl.checkpoint.convert import hf_to_megatron, megatron_to_hf_dir
 from megarl.checkpoint.hf_io import CheckpointFileError
+from megarl.testing.checkpoints import load_safetensors_dir as _load_all
 
 LAYOUTS = {  # name -> (TP, PP, EP, ETP)
     "tp1": (1, 1, 1, None), "tp2": (2, 1, 1, None), "pp2": (1, 2, 1, None), "ep2": (1, 1, 2, None),
     "tp2_ep2_etp1": (2, 1, 2, 1), "pp2_vpp2": (1, 2, 1, None, 2),
 }
-
-
-def _load_all(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
 
 
 def _roundtrip(hf_dir, tmp_path, layout, **export_kwargs):

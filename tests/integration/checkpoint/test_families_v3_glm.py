@@ -32,21 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from megarl.checkpoint.convert import hf_to_megatron, megatron_to_hf_dir
+from megarl.testing.checkpoints import load_safetensors_dir as _load_all
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 LAYOUTS = {"tp1": {}, "ep2": {"expert_model_parallel_size": 2}, "pp2": {"pipeline_model_parallel_size": 2}}
 BATCH, SEQ = 2, 16
 _EXPORTS: dict = {}
-
-
-def _load_all(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
 
 
 @pytest.fixture(scope="module")
