@@ -70,14 +70,21 @@ class StageGatherer:
         placement: copy instructions (:class:`~megarl.weight_sync.placement.Placement`).
         max_in_flight: buckets a source rank may have open sends for.
         group: process group containing the trainer ranks (default: the default group).
+        ring: the sender's ``RING_SLOTS`` bucket buffers, to reuse across syncs (filled in place);
+            None: fresh buffers. On CPU a fresh bucket-sized buffer is fresh memory from the OS
+            and every page of it faults on first touch; CUDA's caching allocator reuses freed
+            blocks by itself.
     """
 
     def __init__(self, plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor], placement: Placement,
-                 *, max_in_flight: int = 2, group: Optional[dist.ProcessGroup] = None) -> None:
+                 *, max_in_flight: int = 2, group: Optional[dist.ProcessGroup] = None,
+                 ring: Optional[list[Optional[torch.Tensor]]] = None) -> None:
         self.plan, self.rank, self.local, self.placement = plan, rank, local, placement
         self.max_in_flight, self.group = max_in_flight, group
         self.timings = GatherTimings()
-        self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS
+        if ring is not None and len(ring) != RING_SLOTS:
+            raise ValueError(f"ring must hold {RING_SLOTS} slots, got {len(ring)}")
+        self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
 
     def _messages(self, bucket: Bucket):
         """Every point-to-point message of a bucket, in the order both sides use:

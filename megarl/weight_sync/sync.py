@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.weight_sync.engines import EngineGroup
-from megarl.weight_sync.gather import StageGatherer
+from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.transports import Transport, make_transport
 from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
@@ -68,6 +68,7 @@ class WeightSynchronizer:
             self.transport = make_transport(transport, plan, self.engines, **transport_kwargs)
         self.transport_name = transport
         self._connected = False
+        self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
@@ -110,7 +111,9 @@ class WeightSynchronizer:
             if self.transport.needs_session:
                 self.engines.call_all("begin_weight_update")
         self._barrier()
-        gatherer = StageGatherer(self.plan, self.rank, local_params, self.placement, group=self.group)
+        on_cpu = all(t.device.type == "cpu" for t in local_params.values())
+        gatherer = StageGatherer(self.plan, self.rank, local_params, self.placement, group=self.group,
+                                 ring=self._ring if on_cpu else None)
         stats = self._push(gatherer, version)  # 2. push
         self._barrier()
         if self.is_coordinator:

@@ -45,3 +45,35 @@ def test_pieces_rebuild_the_mappings_hf_tensors(family, tp):
         assert [t.name for t in transfer.param.hf] == list(expected)
         for t, tensor in zip(transfer.param.hf, rebuilt):
             assert torch.equal(tensor, expected[t.name]), (transfer.param.name, t.name)
+
+
+def test_gatherer_reuses_its_ring_across_syncs_and_stays_correct():
+    """TP1 sender (no peers): two syncs through one ring write every HF tensor as the family mapping
+    converts it, the second into the same buffers (no fresh bucket memory on CPU)."""
+    from transformers import AutoConfig
+
+    from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
+
+    hf_config = AutoConfig.for_model(**CONFIGS["qwen3_moe"])
+    fam = get_family(hf_config)
+    layout = fam.layout(hf_config, tp_size=1)
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=1)
+    plan = build_plan(TrainerLayout(), EngineLayout(), specs, bucket_size_mb=16 / 1024)
+    assert len(plan.buckets) > RING_SLOTS  # slots are reused within a sync too
+    ring = [None] * RING_SLOTS
+    pointers = []
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        local = {t.param.name: torch.randn(t.param.shape, generator=gen) for b in plan.buckets for t in b.params}
+        expected = dict(megatron_to_hf(list(local.items()), layout))
+        got = {}
+        for _, views, flat in StageGatherer(plan, 0, local, Placement(layout), ring=ring).iter_hf_buckets():
+            got.update((name, view.clone()) for name, view in views)
+            pointers.append(flat.data_ptr())
+        assert sorted(got) == sorted(expected)
+        assert all(torch.equal(got[name], expected[name]) for name in expected)
+        assert all(slot is not None for slot in ring), "the caller's ring is filled in place"
+    first, second = pointers[:len(pointers) // 2], pointers[len(pointers) // 2:]
+    assert first == second and len(set(first)) <= RING_SLOTS
+    with pytest.raises(ValueError, match="slots"):
+        StageGatherer(plan, 0, local, Placement(layout), ring=[None])
