@@ -13,20 +13,14 @@ import argparse
 import sys
 
 from megarl.checkpoint.convert import hf_to_megatron
+from megarl.checkpoint.dist_convert import add_import_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("hf_dir")
     parser.add_argument("out_dir")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
-    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="default: the HF config's dtype")
+    add_import_arguments(parser)
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     return parser

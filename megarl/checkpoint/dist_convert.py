@@ -190,13 +190,9 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
             dist.destroy_process_group()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line (the layout flags of ``megarl convert`` / tools/convert_hf_to_megatron.py)."""
-    parser = argparse.ArgumentParser(prog="python -m megarl.checkpoint.dist_convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
-    parser.add_argument("hf_dir", metavar="SRC")
-    parser.add_argument("out_dir", metavar="DST")
+def add_import_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target layout and dtype flags of an HF -> Megatron import (Megatron's names); shared by
+    this entry point and tools/convert_hf_to_megatron.py."""
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
@@ -205,6 +201,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                         help="default: the HF config's dtype")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (the layout flags of ``megarl convert`` / tools/convert_hf_to_megatron.py)."""
+    parser = argparse.ArgumentParser(prog="python -m megarl.checkpoint.dist_convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
+    parser.add_argument("hf_dir", metavar="SRC")
+    parser.add_argument("out_dir", metavar="DST")
+    add_import_arguments(parser)
     parser.add_argument("--backend", choices=["auto", "gloo"], default="auto",
                         help="auto: gloo, plus nccl for CUDA tensors when CUDA is available")
     parser.add_argument("--overwrite", action="store_true")
