@@ -3,7 +3,7 @@
 #
 #   tools/install.sh [VENV_DIR]        (default: .venv in the repository root)
 #
-# What it installs, and why each step is done this way (see ../shared/notes/sglang_cpu.md):
+# What it installs, and why each step is done this way (see docs/architecture.md, "Running on CPU"):
 #   1. torch 2.13.0, CPU build. Every later pip call is constrained to it so nothing pulls CUDA torch.
 #   2. SGLang 0.5.23 with --no-deps: its metadata pins CUDA-only packages (torch 2.14.1, flashinfer,
 #      sglang-kernel). Its CPU runtime dependencies are listed in tools/requirements-sglang-cpu.txt.

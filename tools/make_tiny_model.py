@@ -3,7 +3,7 @@
 
     python tools/make_tiny_model.py OUT_DIR [--family qwen3_moe|qwen3] [--seed N] [--hidden-size N] ...
 
-Nothing is downloaded: the tokenizer is trained on ../shared/data/gsm8k (or $MEGARL_GSM8K_DIR).
+Nothing is downloaded: the tokenizer is trained on the repository's data/gsm8k (or $MEGARL_GSM8K_DIR).
 """
 import argparse
 import dataclasses

@@ -1,6 +1,6 @@
 """The typed configuration schema of megarl.
 
-One dataclass per section of DESIGN.md §4, used as an OmegaConf structured config: YAML files and
+One dataclass per section of docs/architecture.md, used as an OmegaConf structured config: YAML files and
 ``key.sub=value`` overrides are merged onto these defaults, unknown keys and wrong types are errors
 (see :mod:`megarl.config.loader`), and cross-field checks live in :func:`megarl.config.validate.validate`.
 
@@ -389,7 +389,7 @@ class SFTConfig:
 
 @dataclass
 class MegarlConfig:
-    """The whole run. Sections as in DESIGN.md §4."""
+    """The whole run. Sections as in docs/architecture.md."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

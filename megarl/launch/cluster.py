@@ -1,6 +1,6 @@
 """Ray start-up and placement of trainer ranks and rollout engines (the ``cluster`` section).
 
-Placement (DESIGN.md §6):
+Placement (docs/architecture.md):
 
 - ``disaggregated`` (default): two placement groups. The trainer group has one bundle per trainer
   rank (``trainer_nodes x trainer_devices_per_node``; ``{"CPU": 1, "GPU": 1}`` on CUDA); the rollout
@@ -80,7 +80,7 @@ def init_ray(cfg: Any) -> bool:
         logger.info("connecting to the Ray cluster at %s", cfg.cluster.ray_address)
         ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
         return True
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance; see notes/local_slurm.md
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance
     # Ray's memory monitor kills the most recent worker when the *machine* is nearly full, whoever
     # uses the memory; on a shared workstation that would take down an engine or trainer rank.
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")

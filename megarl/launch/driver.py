@@ -1,4 +1,4 @@
-"""`megarl train`: the RL loop, one line per stage (DESIGN.md §1).
+"""`megarl train`: the RL loop, one line per stage (docs/architecture.md).
 
     rollout -> advantages & filters -> old/ref logprobs -> GSPO train step -> weight sync
             -> eval / checkpoint / metrics

@@ -1,4 +1,4 @@
-"""Agent loops: one coroutine per trajectory, token ids in and token ids out (DESIGN.md §1).
+"""Agent loops: one coroutine per trajectory, token ids in and token ids out (docs/architecture.md).
 
 A loop renders the prompt with the chat template once (tool schemas included), then per turn:
 generate on the engine (token ids + logprobs) -> parse tool calls with SGLang's ``FunctionCallParser``

@@ -1,8 +1,8 @@
 """Async HTTP client for one SGLang server (the production :class:`RolloutEngine`).
 
 It speaks SGLang's native API: ``/generate`` with token ids in and token ids + logprobs out, and
-the control endpoints for pausing, cache flushing, aborting and weight updates (DESIGN.md §3;
-protocol facts in ../shared/notes/sglang_cpu.md and sglang_sync_r3.md).
+the control endpoints for pausing, cache flushing, aborting and weight updates (docs/architecture.md,
+"Interfaces").
 
 Failure policy:
 

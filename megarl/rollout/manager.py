@@ -1,4 +1,4 @@
-"""RolloutManager: prompts in, ``TrajectoryGroup``s of size G out (DESIGN.md §1).
+"""RolloutManager: prompts in, ``TrajectoryGroup``s of size G out (docs/architecture.md).
 
 One step (:meth:`RolloutManager.generate_groups`):
 

@@ -1,4 +1,4 @@
-"""The data that crosses the rollout / trainer boundary (DESIGN.md §3).
+"""The data that crosses the rollout / trainer boundary (docs/architecture.md).
 
 Token ids are never re-derived by decoding and re-encoding text: a trajectory carries exactly the
 ids the engine produced and the ids of the tool observations appended between turns.

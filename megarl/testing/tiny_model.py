@@ -100,13 +100,11 @@ def _gsm8k_dir() -> Path:
     env = os.environ.get("MEGARL_GSM8K_DIR")
     if env:
         return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "shared" / "data" / "gsm8k"
-        if candidate.is_dir():
-            return candidate
+    shipped = Path(__file__).resolve().parents[2] / "data" / "gsm8k"  # the repository's copy
+    if (shipped / "train.jsonl").is_file():
+        return shipped
     raise FileNotFoundError(
-        "GSM8K not found: set MEGARL_GSM8K_DIR to a directory with train.jsonl and test.jsonl")
+        f"GSM8K not found at {shipped}: set MEGARL_GSM8K_DIR to a directory with train.jsonl and test.jsonl")
 
 
 def gsm8k_texts(gsm8k_dir: str | os.PathLike | None = None) -> Iterator[str]:

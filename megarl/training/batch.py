@@ -1,4 +1,4 @@
-"""`TrainBatch`: what the driver hands the trainer for one RL step (DESIGN.md §1, §3).
+"""`TrainBatch`: what the driver hands the trainer for one RL step (docs/architecture.md).
 
 A `TrainBatch` holds ``B`` sequences (prompt + response, one per trajectory) **packed** end to end:
 every per-token field is ``[T_total]`` (``T_total = sum_i L_i``) and ``cu_seqlens`` ``[B + 1]``

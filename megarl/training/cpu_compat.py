@@ -21,7 +21,7 @@ torchnorm_sp           the local spec's torch norm refuses ``sequence_parallel``
 =====================  ======================================================================
 
 Scope: the patches are process-global (``cuda_device_args`` replaces what
-notes/megatron_cpu.md calls ``cuda_device_mode``, a per-thread ``TorchFunctionMode`` that costs a
+an earlier version used: ``cuda_device_mode``, a per-thread ``TorchFunctionMode`` that costs a
 Python call on every torch operation).
 """
 from __future__ import annotations

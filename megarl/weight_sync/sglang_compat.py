@@ -6,7 +6,7 @@ Two things live here:
   trainer's default group (the trainer side of ``/init_weights_update_group``); it moved between
   ``sglang.srt.utils`` and ``sglang.srt.utils.common`` across releases.
 - :func:`cpu_presharded_qkv_fix`: the CPU-only quirk of pre-sharded loading
-  (notes/sglang_sync_r3.md). On CPU, SGLang's column-parallel linears (``QKVParallelLinear``,
+  (docs/architecture.md, "Running on CPU"). On CPU, SGLang's column-parallel linears (``QKVParallelLinear``,
   ``MergedColumnParallelLinear``, ``ColumnParallelLinear``) call
   ``narrow_padded_param_and_loaded_weight(param, weight, 0, tp_rank * shard, dim, shard, narrow_weight)``
   even when ``use_presharded_weights`` is set (``narrow_weight=False``). The weight is then the

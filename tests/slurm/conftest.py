@@ -92,7 +92,7 @@ def local_slurm():
 def probe_config(tiny_moe_dir, tmp_path_factory) -> Path:
     """A valid CPU config (tiny MoE, 3 GSM8K prompts): 1 trainer node x 2 ranks + 1 rollout node."""
     d = tmp_path_factory.mktemp("slurmcfg")
-    rows = (ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl")
+    rows = ROOT / "data" / "gsm8k" / "train.jsonl"
     lines = rows.read_text().splitlines()[:3] if rows.is_file() else [
         '{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\\n#### 5"}'] * 3
     (d / "train.jsonl").write_text("\n".join(lines) + "\n")

@@ -3,8 +3,7 @@
 This directory is put on ``PYTHONPATH`` of the SGLang *server* process (and so of the scheduler and
 detokenizer processes it spawns) by :class:`megarl.rollout.engine.EngineProcess` when
 ``device == "cpu"``, and nowhere else: the trainer, the client and the tests never import them. On
-GPU no shim is used. Background: ``../shared/notes/sglang_cpu.md`` (install) and
-``sglang_sync_r3.md`` (routed-expert capture).
+GPU no shim is used. Background: ``docs/architecture.md`` ("Running on CPU").
 
 Shims (each documented in its own file, each shown still needed by
 ``tests/integration/rollout/test_engine_cpu_shims.py``):

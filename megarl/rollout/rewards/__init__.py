@@ -1,4 +1,4 @@
-"""Reward functions (DESIGN.md §3 ``RewardFn``), selected by registry name (``rollout.reward``).
+"""Reward functions (docs/architecture.md ``RewardFn``), selected by registry name (``rollout.reward``).
 
 A reward is called as ``fn(trajectory, sample)`` and returns a float, or an awaitable of one (async
 rewards run concurrently). This package imports no torch so that reward worker processes start fast.

@@ -1,4 +1,4 @@
-"""Tools the policy can call (DESIGN.md §3 ``Tool``), selected by registry name from YAML."""
+"""Tools the policy can call (docs/architecture.md ``Tool``), selected by registry name from YAML."""
 from megarl.rollout.tools.registry import TOOL_REGISTRY, build_tools, register_tool
 
 # Built-in tools register themselves on import.

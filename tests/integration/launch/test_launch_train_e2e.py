@@ -41,7 +41,6 @@ COMPARED = ("rollout/reward_mean", "rollout/response_tokens_mean", "rollout/turn
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    env.setdefault("MEGARL_GSM8K_DIR", str(REPO.parent / "shared" / "data" / "gsm8k"))
     return env
 
 

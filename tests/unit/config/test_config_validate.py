@@ -20,7 +20,7 @@ def test_every_shipped_config_validates(path, monkeypatch, tmp_path):
 @pytest.fixture()
 def good_overrides(tiny_moe_dir):
     """A valid 2-rank CPU config on the tiny MoE."""
-    data = REPO.parent / "shared" / "data" / "gsm8k"
+    data = REPO / "data" / "gsm8k"
     return [f"model.hf_path={tiny_moe_dir}", f"data.train_path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'test.jsonl'}", "cluster.device=cpu", "train.precision=fp32",
             "cluster.trainer_devices_per_node=2", "parallel.expert_model_parallel_size=2",

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,14 +86,15 @@ async def test_no_network(sandbox):
 async def test_cannot_write_outside_its_directory(sandbox, tmp_path):
     target = tmp_path / "escaped.txt"
     home_target = "/root/megarl-sandbox-escape.txt"
+    repo_target = str(Path(__file__).resolve().parents[3] / ".megarl-sandbox-escape.txt")
     code = (f"import os\nopen('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
-            f"for p in [{str(target)!r}, {home_target!r}, '/work/megarl-escape.txt']:\n"
+            f"for p in [{str(target)!r}, {home_target!r}, {repo_target!r}]:\n"
             f"    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
             f"    except OSError as e:\n        print('refused', p, type(e).__name__)\n")
     text = await timed(sandbox, code)
     assert "ok" in text and "WROTE" not in text
     assert not target.exists() and not os.path.exists(home_target)
-    assert not os.path.exists("/work/megarl-escape.txt")
+    assert not os.path.exists(repo_target)
 
 
 @pytest.mark.timeout(30)

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.fixture()
 def cp2_overrides(tiny_moe_dir):
-    data = REPO.parent / "shared" / "data" / "gsm8k"
+    data = REPO / "data" / "gsm8k"
     return [f"model.hf_path={tiny_moe_dir}", f"data.train_path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'test.jsonl'}", "cluster.trainer_devices_per_node=2",
             "parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=2",
