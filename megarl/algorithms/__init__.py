@@ -7,7 +7,14 @@ data-parallel ranks, and `megarl.algorithms.metrics` for how metrics are reduced
 
 from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from megarl.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
-from megarl.algorithms.corrections import ROLLOUT_CORRECTIONS, RolloutCorrection, icepop, masked_is, truncated_is
+from megarl.algorithms.corrections import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrection,
+    decoupled_ppo,
+    icepop,
+    masked_is,
+    truncated_is,
+)
 from megarl.algorithms.kl import kl_estimate, kl_penalty_loss
 from megarl.algorithms.losses import (
     POLICY_LOSSES,
@@ -30,6 +37,7 @@ __all__ = [
     "aggregate_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "decoupled_ppo",
     "entropy_bonus_loss",
     "gspo_loss",
     "gspo_token_loss",

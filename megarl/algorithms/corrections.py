@@ -1,4 +1,4 @@
-"""Rollout (train-inference mismatch) corrections: TIS, masked IS (MIS) and IcePop.
+"""Rollout (train-inference mismatch) corrections: TIS, masked IS (MIS), IcePop, decoupled PPO.
 
 The engine samples from ``pi_rollout`` (its logprobs: ``rollout_logprobs``) while the loss
 assumes ``pi_old`` (the trainer at the same weights: ``old_logprobs``); kernels, precision and MoE
@@ -211,5 +211,55 @@ def icepop(
     return masked_is(old_logprobs, rollout_logprobs, loss_mask, level="token", lower=lower, upper=upper)
 
 
-ROLLOUT_CORRECTIONS = {"tis": truncated_is, "mis": masked_is, "icepop": icepop}
+@torch.no_grad()
+def decoupled_ppo(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    upper: float | None = 2.0,
+) -> RolloutCorrection:
+    """Behaviour-policy weight of the decoupled PPO objective (AReaL; Fu et al. 2025,
+    arXiv:2505.24298, eq. 5), for asynchronous RL where the sampling policy is stale.
+
+    Three policies: ``pi_behav`` sampled the tokens (the engine, possibly several policy versions
+    old: ``rollout_logprobs``), ``pi_prox`` is the proximal policy the clip is centred on (the
+    trainer's weights before this update: ``old_logprobs``) and ``pi_theta`` is being trained.
+    The objective per token is
+
+        ``min((pi_theta / pi_behav) A, clip(pi_theta / pi_prox, 1 - eps, 1 + eps) (pi_prox / pi_behav) A)``
+        ``= w * min(r A, clip(r, 1 - eps, 1 + eps) A)``, with ``w = pi_prox / pi_behav`` and
+        ``r = pi_theta / pi_prox``,
+
+    i.e. PPO's clipped surrogate around ``pi_prox`` (`megarl.algorithms.losses.ppo_clip_loss` with
+    ``old_logprobs`` = proximal) times the detached token weight ``w`` returned here. As in AReaL's
+    implementation (``behav_imp_weight_cap``), a token whose ``w`` exceeds ``upper`` is removed from
+    the loss mask rather than truncated. Deviations: none for ``ppo_clip``; under ``gspo`` the
+    weight multiplies each token's copy of the sequence loss (the paper defines only the token
+    form).
+
+    Args:
+        old_logprobs: ``[B, T]`` float, proximal policy (trainer, current weights before the update).
+        rollout_logprobs: ``[B, T]`` float, behaviour policy (the engine that sampled the tokens).
+        loss_mask: ``[B, T]`` bool or {0, 1}; 1 = trained token.
+        upper: cap on ``w`` above which a token is dropped; None keeps every token.
+
+    Returns:
+        `RolloutCorrection` with the untruncated ``w`` on kept tokens; ``mismatch/is_masked_frac``
+        is the fraction of loss tokens dropped by the cap.
+
+    Raises:
+        ValueError: ``upper <= 0`` or mismatched shapes.
+    """
+    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    if upper is not None and upper <= 0:
+        raise ValueError(f"decoupled_ppo needs upper > 0 (or None), got {upper}")
+    raw = torch.exp(_log_weights(old_logprobs, rollout_logprobs, keep, "token"))
+    dropped = raw > upper if upper is not None else torch.zeros_like(keep)
+    frac = mean_metric((dropped & keep).to(raw.dtype), keep)
+    base = mismatch_metrics(old_logprobs, rollout_logprobs, loss_mask)
+    return _result(raw, keep & ~dropped, base, "mismatch/is_masked_frac", frac)
+
+
+ROLLOUT_CORRECTIONS = {"tis": truncated_is, "mis": masked_is, "icepop": icepop, "decoupled": decoupled_ppo}
 """Registry of correction functions by short name."""

@@ -140,11 +140,14 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     rollout_correction: str = "none"
-    """Train-inference mismatch correction: ``none``, ``tis``, ``mis`` or ``icepop``."""
+    """Train-inference mismatch correction: ``none``, ``tis``, ``mis``, ``icepop`` or ``decoupled``
+    (AReaL's decoupled PPO for stale rollouts: behaviour = engine, proximal = trainer's old logprobs;
+    ``rollout_correction_clip`` is its weight cap)."""
     rollout_correction_level: str = "token"
     """``token`` or ``sequence`` level importance weights for the correction."""
     rollout_correction_clip: float = 2.0
-    """Upper clip of the truncated importance weight (TIS) / upper band (MIS, IcePop)."""
+    """Upper clip of the truncated importance weight (TIS) / upper band (MIS, IcePop) / cap above
+    which a token is dropped (decoupled)."""
     rollout_correction_low: float = 0.5
     """Lower band of masked IS / IcePop."""
     filter_zero_variance_groups: bool = True

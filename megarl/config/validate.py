@@ -31,7 +31,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                                    "seq_mean_token_sum_norm"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "algorithm.rollout_correction": ("none", "tis", "mis", "icepop"),
+    "algorithm.rollout_correction": ("none", "tis", "mis", "icepop", "decoupled"),
     "algorithm.rollout_correction_level": ("token", "sequence"),
     "rollout.agent.name": ("tool_agent", "single_turn"),
     "weight_sync.transport": ("distributed", "shard", "tensor", "disk"),

@@ -82,9 +82,9 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
             raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}, "
                              f"got {algo.rollout_correction!r}")
         kwargs = {"upper": algo.rollout_correction_clip}
-        if algo.rollout_correction != "icepop":
+        if algo.rollout_correction in ("tis", "mis"):
             kwargs["level"] = algo.rollout_correction_level
-        if algo.rollout_correction != "tis":
+        if algo.rollout_correction in ("mis", "icepop"):
             kwargs["lower"] = algo.rollout_correction_low
         pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
         result = ROLLOUT_CORRECTIONS[algo.rollout_correction](

@@ -94,7 +94,7 @@ def test_icepop_is_token_masking_with_its_band():
     expected_mask = mask & (w >= 0.5) & (w <= 5.0)
     assert torch.equal(result.loss_mask, expected_mask)
     assert torch.allclose(result.weights[expected_mask], w[expected_mask], rtol=1e-12, atol=0)
-    assert set(ROLLOUT_CORRECTIONS) == {"tis", "mis", "icepop"}
+    assert set(ROLLOUT_CORRECTIONS) == {"tis", "mis", "icepop", "decoupled"}
 
 
 def test_correction_feeds_policy_losses_without_nan():
