@@ -25,6 +25,7 @@ from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, comp
                                kl_penalty_loss)
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
+from megarl.training.collectives import all_reduce
 from megarl.training.context_parallel import CPMicroBatch, cp_micro_batch_logprobs
 from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.logprobs import next_token_logprobs
@@ -208,7 +209,7 @@ def tp_group_of(parallel: ParallelState):
     return mps.get_tensor_model_parallel_group()
 
 
-def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool, device: torch.device | str = "cpu") -> dict[str, float]:
+def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool) -> dict[str, float]:
     """Combine per-rank metrics over the whole world group into plain floats.
 
     Every rank must call this. Ranks with ``contribute=False`` (not the last pipeline stage, or a
@@ -218,7 +219,6 @@ def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool, device: 
     Args:
         metrics: this rank's micro-batch-reduced metrics (``megarl.algorithms.reduce_metrics``).
         contribute: whether this rank's values count.
-        device: where the reduced tensors live (``cuda`` under NCCL, ``cpu`` under gloo).
 
     Returns:
         ``{name: value}`` identical on every rank; a mean over zero items is 0, an empty max/min
@@ -242,10 +242,8 @@ def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool, device: 
             sums[2 * i] = value
         else:
             maxes[i] = value if kind[name] == "max" else -value  # min = -max(-x)
-    sums, maxes = sums.to(device), maxes.to(device)
-    dist.all_reduce(sums)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    sums, maxes = sums.cpu(), maxes.cpu()
+    all_reduce(sums)  # on the default group's device (megarl.training.collectives)
+    all_reduce(maxes, op=dist.ReduceOp.MAX)
     out = {}
     for i, name in enumerate(names):
         if kind[name] == "mean":

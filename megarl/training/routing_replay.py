@@ -98,8 +98,10 @@ class _RouterSlot:
                     f"layer {self.layer}: replay routes for {None if target is None else tuple(target.shape)} "
                     f"but the router sees {tuple(indices.shape)} (tokens x top-k); micro batch misaligned")
             self.target = None  # one use per set: a stale route must never be replayed silently
+            # Routes are packed on the CPU; the router runs on its own device (CUDA): move them there.
+            target = target.to(indices.device, indices.dtype)
             recorded = (target >= 0).all(dim=-1, keepdim=True)
-            indices = torch.where(recorded, target.to(indices.device, indices.dtype), indices)
+            indices = torch.where(recorded, target, indices)
             probs = scores.gather(1, indices)  # differentiable: the router keeps its gradient
         return probs, indices
 

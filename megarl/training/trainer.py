@@ -38,6 +38,7 @@ from megarl.training import context_parallel as cp
 from megarl.training import forward as fwd
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import plan_micro_batches
+from megarl.training.collectives import all_reduce
 from megarl.training.fp8 import fp8_token_multiple
 from megarl.training.micro_batch import PackedMicroBatch, pack_micro_batch
 from megarl.training.parallel_state import ParallelState
@@ -67,7 +68,6 @@ class Trainer:
         self.config = model_chunks[0].config
         self.device = next(model_chunks[0].parameters()).device
         """Where the model (and each micro batch's tensors) live."""
-        self._comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.step = 0
         """Optimizer steps taken (restored by checkpoint load)."""
         self.replay = RoutingReplay(model_chunks) if cfg.train.routing_replay != "none" else None
@@ -214,13 +214,9 @@ class Trainer:
             self._run(step_func, mbs, forward_only=True)
         if self.replay is not None:
             self.replay.off()
-        logprobs = logprobs.to(self._comm_device)
-        dist.all_reduce(logprobs)
-        logprobs = logprobs.cpu()
+        all_reduce(logprobs)  # on the default group's device (collectives.py), back on the CPU
         if recorded is not None:
-            recorded = recorded.to(self._comm_device)
-            dist.all_reduce(recorded)
-            recorded = recorded.cpu()
+            all_reduce(recorded)
             recorded -= 1
         return logprobs, recorded
 
@@ -329,7 +325,7 @@ class Trainer:
 
     def reduce(self, metrics: list[dict]) -> dict[str, float]:
         """Combine per-micro-batch ``Metric`` dicts over micro batches and ranks (all ranks call)."""
-        return fwd.all_reduce_metrics(reduce_metrics(metrics), contribute=self._reports, device=self._comm_device)
+        return fwd.all_reduce_metrics(reduce_metrics(metrics), contribute=self._reports)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of the configured RL loss on the whole batch (module docstring).

@@ -10,7 +10,8 @@ Ordering of one sync (the steps of :meth:`WeightSynchronizer.sync`, in this orde
 1. **pause** generation on every engine (``weight_sync.pause_mode``: retract | abort | in_place);
 2. **push** every bucket (``/begin_weight_update`` ... ``/end_weight_update`` around it for the
    transports that need a session); with the ``distributed`` transport the stages push one after
-   another (a token passed from sender to sender) because they share the engines' collectives;
+   another (a token passed from sender to sender over a gloo group, so that the next stage's host
+   really waits for it) because they share the engines' collectives;
 3. **flush** the engines' prefix cache (cached KV was computed with the old weights);
 4. set the engines' **weight_version** to the policy version;
 5. **continue** generation.
@@ -27,6 +28,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.training.collectives import all_reduce, control_group
 from megarl.weight_sync.engines import EngineGroup
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
@@ -58,6 +60,9 @@ class WeightSynchronizer:
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
         self.plan, self.rank, self.group, self.pause_mode = plan, rank, group, pause_mode
+        # Barriers and the stages' turn token are control plane: a gloo group, so that they block the
+        # host (under NCCL a recv returns before the token arrived). Collective: every rank builds it.
+        self.control = control_group(group)
         self.placement = placement
         self.stage = next((b.pp_rank for b in plan.buckets if b.sender_rank == rank or b.contributions(rank)), None)
         self.is_sender = any(b.sender_rank == rank for b in plan.buckets)
@@ -72,16 +77,16 @@ class WeightSynchronizer:
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.control)
 
     def _senders(self) -> list[int]:
         return sorted({b.sender_rank for b in self.plan.buckets},
                       key=lambda r: next(b.pp_rank for b in self.plan.buckets if b.sender_rank == r))
 
     def _token(self, send: bool, peer: int) -> None:
-        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-        token = torch.zeros(1, device=device)
-        (dist.send if send else dist.recv)(token, peer, group=self.group)
+        """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group."""
+        token = torch.zeros(1)
+        (dist.send if send else dist.recv)(token, peer, group=self.control)
 
     def connect(self) -> None:
         """Create the transport's groups with the engines, stage by stage (collective)."""
@@ -160,7 +165,7 @@ class WeightSynchronizer:
                 result[2] = metrics["weight_sync/verify_logprob_diff_max"]
             except WeightSyncError:
                 result[0] = 1.0
-        dist.all_reduce(result, group=self.group)  # only the coordinator contributes
+        all_reduce(result, group=self.group)  # only the coordinator contributes
         if result[0] > 0:
             raise WeightSyncError(f"engines disagree with the trainer after the weight sync "
                                   f"(mean |logprob diff| > {tolerance:g}); see the coordinator's log")
@@ -204,8 +209,8 @@ class WeightSynchronizer:
         rank_bytes = getattr(self, "_rank_bytes", [0] * tp) if self.is_sender else [0] * tp
         t = torch.tensor([stats.get(k, 0.0) for k in times], dtype=torch.float64)
         s = torch.tensor([stats.get(k, 0.0) for k in sums] + list(rank_bytes), dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
+        all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
         received = s[len(sums):].tolist()
         shard = self.plan.engine_shard_bytes()
         out = {("timing/weight_sync_s" if k == "weight_sync_s" else f"weight_sync/{k}"): v

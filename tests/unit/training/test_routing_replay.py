@@ -58,3 +58,14 @@ def test_slot_replays_ids_and_keeps_router_gradient():
     # a target is used once; a second forward without new routes is an error, not a stale replay
     with pytest.raises(RoutingReplayError, match="misaligned"):
         slot.get_replay_topk(logits, 2, default_compute_topk=_topk)
+
+
+@pytest.mark.timeout(30)
+def test_replayed_routes_move_to_the_router_device():
+    """Issue 18 item 5: routes packed on the CPU replay on a router on another device (``meta``
+    stands in for CUDA): the chosen ids end on the router's device with the router's dtype."""
+    slot = _RouterSlot(0)
+    slot.mode, slot.target = "replay", torch.tensor([[1, 0], [-1, -1]], dtype=torch.int32)
+    probs, indices = slot.get_replay_topk(torch.randn(2, 4, device="meta"), 2, default_compute_topk=_topk)
+    assert indices.device.type == probs.device.type == "meta"
+    assert indices.dtype == torch.int64 and tuple(indices.shape) == (2, 2)
