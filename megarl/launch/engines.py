@@ -38,7 +38,8 @@ def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str
     extra = list(ecfg.extra_args)
     if cfg.rollout.get("deterministic_sampling", False) and device != "cpu" and DETERMINISTIC_FLAG not in extra:
         extra.append(DETERMINISTIC_FLAG)
-    return dict(host=ecfg.host, tp_size=int(ecfg.tensor_parallel_size), device=device, dtype=ecfg.dtype,
+    return dict(host=ecfg.host, tp_size=int(ecfg.tensor_parallel_size),
+                ep_size=int(ecfg.expert_parallel_size), device=device, dtype=ecfg.dtype,
                 mem_fraction_static=ecfg.mem_fraction_static, max_total_tokens=ecfg.max_total_tokens,
                 grammar_backend=ecfg.grammar_backend,
                 enable_return_routed_experts=cfg.train.routing_replay == "r3",

@@ -100,6 +100,8 @@ class EngineProcess:
         port: HTTP port; None picks a free one at :meth:`start`.
         host: address to bind (``127.0.0.1`` unless the cluster config says otherwise).
         tp_size: tensor-parallel size of the engine (``--tp``).
+        ep_size: expert-parallel size within the engine (``--ep-size``; SGLang splits the experts
+            over ``ep_size`` of the ``tp_size`` ranks, so it must divide ``tp_size``).
         device: ``auto``, ``cuda`` or ``cpu``. ``cpu`` applies the CPU shims and backends.
         dtype: ``--dtype`` (``auto`` keeps the checkpoint's dtype; ``float32`` for CPU logprob checks).
         mem_fraction_static: ``--mem-fraction-static`` or None for SGLang's default.
@@ -120,7 +122,8 @@ class EngineProcess:
     """
 
     def __init__(self, model_path: str | os.PathLike, *, port: int | None = None,
-                 host: str = "127.0.0.1", tp_size: int = 1, device: str = "auto", dtype: str = "auto",
+                 host: str = "127.0.0.1", tp_size: int = 1, ep_size: int = 1, device: str = "auto",
+                 dtype: str = "auto",
                  mem_fraction_static: float | None = None, max_total_tokens: int | None = None,
                  grammar_backend: str = "xgrammar", enable_return_routed_experts: bool = False,
                  custom_weight_loaders: Sequence[str] = (), extra_args: Sequence[str] = (),
@@ -128,10 +131,13 @@ class EngineProcess:
                  engine_id: str | None = None, die_with_parent: bool = True) -> None:
         if tp_size < 1:
             raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
+        if ep_size < 1 or tp_size % ep_size:
+            raise ValueError(f"engine ep_size must be >= 1 and divide tp_size={tp_size}, got {ep_size}")
         self.model_path = str(model_path)
         self.host = host
         self.port = port
         self.tp_size = tp_size
+        self.ep_size = ep_size
         self.device = resolve_device(device)
         self.dtype = dtype
         self.mem_fraction_static = mem_fraction_static
@@ -169,6 +175,7 @@ class EngineProcess:
         """The ``sglang.launch_server`` command line."""
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
                "--host", self.host, "--port", str(self.port), "--tp", str(self.tp_size),
+               "--ep-size", str(self.ep_size),  # sglang 0.5.23 ServerArgs.ep_size (aliases --ep, --expert-parallel-size)
                "--dtype", self.dtype, "--grammar-backend", self.grammar_backend,
                "--device", self.device]
         if self.device == "cpu":
@@ -392,6 +399,7 @@ def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
             log_path = Path(log_dir) / f"engine{i}.log" if log_dir else None
             engines.append(EngineProcess(
                 model_path, port=port, host=ecfg.host, tp_size=ecfg.tensor_parallel_size,
+                ep_size=int(ecfg.expert_parallel_size),
                 device=device, dtype=ecfg.dtype, mem_fraction_static=ecfg.mem_fraction_static,
                 max_total_tokens=ecfg.max_total_tokens, grammar_backend=ecfg.grammar_backend,
                 enable_return_routed_experts=enable_return_routed_experts,

@@ -20,10 +20,22 @@ R3 trajectory) fall back to the router's own top-k.
 Token order: the router sees this rank's tokens of the packed row ``[1, T]`` in sequence order;
 under sequence parallelism TP rank ``r`` sees rows ``[r T/tp, (r + 1) T/tp)``. Layer ``l`` (0-based,
 global; the ``L`` axis of ``routed_experts``) is the router whose Megatron ``layer_number`` is
-``l + 1``. Replay during activation recomputation is not supported (rejected by the trainer).
+``l + 1``.
+
+Activation recomputation (``model.recompute_granularity``): a checkpointed layer runs its router
+twice per micro batch, once in the forward pass and again when the backward pass recomputes it.
+Both must route alike, or the recomputed activations (and gradients) belong to other experts than
+the forward's. A slot therefore keeps every target its forward calls used, in order, until `off`;
+a router call that finds no fresh target while the autograd engine is running a backward pass is
+a recomputation and takes the oldest kept target. Megatron's schedules run the backward passes of
+a chunk's micro batches in the order of their forward passes, and every forward call of `RoutingReplay.replay`'s user
+(`megarl.training.forward.run_model`) sets a fresh target first, so the queue pairs each
+recomputation with its own forward. This holds for Megatron's own checkpoint and Transformer
+Engine's (both re-run the layer in the backward pass).
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,6 +89,13 @@ def validate_routed_experts(routed_experts: Tensor | None, *, num_layers: int, n
                                      f"{routed_experts[token, layer].tolist()}")
 
 
+def _in_backward() -> bool:
+    """Whether this thread is inside the autograd engine's backward pass (where checkpointed
+    layers are recomputed, by reentrant and non-reentrant checkpointing alike). The graph-task id
+    is what ``torch.utils.checkpoint`` itself reads; it is -1 outside a backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _RouterSlot:
     """Sits in ``TopKRouter.router_replay``; Megatron calls `get_replay_topk` for every routing."""
 
@@ -85,6 +104,8 @@ class _RouterSlot:
         self.mode = "off"
         self.target: Tensor | None = None
         self.recorded: list[Tensor] = []
+        self.used: collections.deque[Tensor] = collections.deque()
+        """Targets of this step's forward calls, oldest first, for recomputations (module docstring)."""
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None,
                         default_compute_topk: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
@@ -93,11 +114,15 @@ class _RouterSlot:
             self.recorded.append(indices.detach().clone())
         elif self.mode == "replay":
             target = self.target
+            if target is not None:  # a forward call: its target is kept for the recomputation
+                self.target = None  # one forward per set: a stale route must never be replayed silently
+                self.used.append(target)
+            elif self.used and _in_backward():  # the backward pass recomputes a micro batch
+                target = self.used.popleft()
             if target is None or target.shape != indices.shape:
                 raise RoutingReplayError(
                     f"layer {self.layer}: replay routes for {None if target is None else tuple(target.shape)} "
                     f"but the router sees {tuple(indices.shape)} (tokens x top-k); micro batch misaligned")
-            self.target = None  # one use per set: a stale route must never be replayed silently
             # Routes are packed on the CPU; the router runs on its own device (CUDA): move them there.
             target = target.to(indices.device, indices.dtype)
             recorded = (target >= 0).all(dim=-1, keepdim=True)
@@ -156,6 +181,7 @@ class RoutingReplay:
         """Route freely; forget targets and recordings."""
         for slot in self._slots(chunk).values():
             slot.mode, slot.target, slot.recorded = "off", None, []
+            slot.used.clear()
 
     def record(self, chunk: torch.nn.Module | None = None) -> None:
         """Record every routing from now on (one ``[N, K]`` entry per router call)."""

@@ -71,9 +71,8 @@ class Trainer:
         self.step = 0
         """Optimizer steps taken (restored by checkpoint load)."""
         self.replay = RoutingReplay(model_chunks) if cfg.train.routing_replay != "none" else None
-        if self.replay is not None and self.config.recompute_granularity is not None:
-            raise ValueError("train.routing_replay with model.recompute_granularity is not supported "
-                             "(the recomputed router forward would need the routes again)")
+        # With activation recomputation the recomputed router replays its forward's routes
+        # (megarl.training.routing_replay, "Activation recomputation").
         self.ref_weights = _snapshot(model_chunks) if cfg.algorithm.kl_coef > 0 else None
         self._tp_group = fwd.tp_group_of(parallel)
         dispatcher = getattr(self.config, "moe_token_dispatcher_type", "alltoall")

@@ -76,3 +76,33 @@ def test_engine_actor_advertises_node_address_for_wildcard_bind(monkeypatch):
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
     assert EngineActor("/m", device="cpu", host="0.0.0.0", port=31001).url() == "http://10.1.2.3:31001"
     assert EngineActor("/m", device="cpu", port=31002).url() == "http://127.0.0.1:31002"
+
+
+@pytest.mark.timeout(150)
+def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
+    """``rollout.engine.expert_parallel_size`` becomes ``--ep-size``, and SGLang 0.5.23's own
+    argument parser (``ServerArgs.add_cli_args``, in a child process: importing SGLang is heavy)
+    reads it as ``ep_size``."""
+    import json
+    import subprocess
+
+    from omegaconf import OmegaConf
+
+    from megarl.launch.engines import engine_kwargs
+
+    cfg = OmegaConf.create({"rollout": {"engine": {**OmegaConf.to_container(OmegaConf.structured(RolloutConfig).engine),
+                                                   "tensor_parallel_size": 4, "expert_parallel_size": 4}},
+                            "train": {"routing_replay": "r3"}})
+    engine = EngineProcess("/models/m", port=31000, device="cuda",
+                           **{k: v for k, v in engine_kwargs(cfg, device="cuda", log_path=None, engine_id="e0").items()
+                              if k not in ("device", "log_path", "engine_id")})
+    cmd = engine.command()
+    assert (_flag(cmd, "--tp"), _flag(cmd, "--ep-size")) == ("4", "4")
+    parse = ("import argparse, json, sys\nfrom sglang.srt.server_args import ServerArgs\n"
+             "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
+             "a = p.parse_args(sys.argv[1:])\nprint(json.dumps([a.tp_size, a.ep_size, a.enable_return_routed_experts]))")
+    out = subprocess.run([sys.executable, "-c", parse, *cmd[3:]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [4, 4, True]
+    with pytest.raises(ValueError, match="ep_size"):
+        EngineProcess("/models/m", tp_size=4, ep_size=3)

@@ -69,3 +69,35 @@ def test_replayed_routes_move_to_the_router_device():
     probs, indices = slot.get_replay_topk(torch.randn(2, 4, device="meta"), 2, default_compute_topk=_topk)
     assert indices.device.type == probs.device.type == "meta"
     assert indices.dtype == torch.int64 and tuple(indices.shape) == (2, 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_recomputed_router_replays_its_forward_routes(use_reentrant):
+    """Activation checkpointing runs each router twice per micro batch (forward, then recomputed in
+    the backward pass, in forward order): both calls must take that micro batch's routes."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    slot = _RouterSlot(0)
+    slot.mode = "replay"
+    seen = []
+
+    def layer(logits):
+        probs, ids = slot.get_replay_topk(logits, 2, default_compute_topk=_topk)
+        seen.append(ids.clone())
+        return probs
+
+    targets = [torch.tensor([[5, 0], [2, 3]]), torch.tensor([[1, 4], [3, 0]])]
+    logits = [torch.randn(2, 6, requires_grad=True) for _ in targets]
+    outs = []
+    with set_checkpoint_early_stop(False):  # non-reentrant: recompute the whole layer, so `seen` sees it
+        for target, x in zip(targets, logits):  # two micro batches' forward passes, then their backwards
+            slot.target = target
+            outs.append(checkpoint(layer, x, use_reentrant=use_reentrant))
+        for out in outs:
+            out.sum().backward()
+    assert [ids.tolist() for ids in seen] == [t.tolist() for t in targets + targets]
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in logits)
+    # outside a backward pass, a call without fresh routes is still an error
+    with pytest.raises(RoutingReplayError, match="misaligned"):
+        slot.get_replay_topk(logits[0], 2, default_compute_topk=_topk)
