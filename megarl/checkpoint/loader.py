@@ -28,7 +28,8 @@ class ParamInfo:
     entry: Entry
     """Its mapping-table row (HF names, transform)."""
     tp_split: TPSplit
-    """How the full tensor is split over the (expert) tensor-parallel group."""
+    """How this rank's module splits the full tensor over the (expert) tensor-parallel group: the
+    table's split, or ``NONE`` for a Transformer Engine duplicated linear (``naming.is_duplicated``)."""
     expert: bool
     """True: split over the expert-TP group (ETP) and placed by EP; False: over the TP group."""
 
@@ -44,6 +45,8 @@ def iter_global_params(model_chunks: Sequence[torch.nn.Module], parallel_state, 
                        table=None) -> Iterator[tuple[ParamInfo, torch.nn.Parameter]]:
     """Every parameter of this rank's chunks with its :class:`ParamInfo`.
 
+    Names are canonical (:mod:`megarl.checkpoint.naming`) under either layer spec.
+
     Args:
         model_chunks: the rank's ``GPTModel`` chunks (optionally wrapped: ``.module`` is unwrapped).
         parallel_state: this rank's :class:`megarl.training.parallel_state.ParallelState`.
@@ -53,6 +56,7 @@ def iter_global_params(model_chunks: Sequence[torch.nn.Module], parallel_state, 
         KeyError: a parameter without a mapping.
     """
     from megarl.checkpoint.mapping import family_table
+    from megarl.checkpoint.naming import is_duplicated
 
     table = table if table is not None else family_table(layout)
     num_local_experts = max(layout.num_experts // parallel_state.ep_size, 1)
@@ -65,7 +69,32 @@ def iter_global_params(model_chunks: Sequence[torch.nn.Module], parallel_state, 
             gname = global_name(name, layer_number=numbers.get(local_layer),
                                 ep_rank=parallel_state.ep_rank, num_local_experts=num_local_experts)
             entry, _ = lookup(table, gname)
-            yield ParamInfo(gname, entry, entry.tp_split, entry.expert), param
+            owner = chunk.get_submodule(name.rpartition(".")[0])
+            split = TPSplit.NONE if is_duplicated(owner) else entry.tp_split
+            yield ParamInfo(gname, entry, split, entry.expert), param
+
+
+def iter_sync_params(model_chunks: Sequence[torch.nn.Module], parallel_state,
+                     layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's parameters in the canonical names *and* canonical TP layout, for weight sync.
+
+    The canonical layout is the mapping table's split: a parameter that this rank's module holds
+    whole although the table splits it (Transformer Engine's duplicated MLA down projections) is
+    given as its TP shard (a view, no copy), so the weight-sync plan is the same for both specs.
+
+    Yields:
+        ``(canonical global name, tensor)``: the parameter itself or a view of its TP shard.
+
+    Raises:
+        KeyError: a parameter without a mapping.
+    """
+    for info, param in iter_global_params(model_chunks, parallel_state, layout):
+        if info.tp_split is not info.entry.tp_split:
+            rank, size = ((parallel_state.etp_rank, parallel_state.etp_size) if info.expert
+                          else (parallel_state.tp_rank, parallel_state.tp_size))
+            yield info.global_name, split_tp(param, info.entry.tp_split, rank, size)
+        else:
+            yield info.global_name, param
 
 
 def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | os.PathLike, parallel_state,

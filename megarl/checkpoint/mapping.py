@@ -5,11 +5,13 @@ templates to :class:`Entry` values: the HF tensor names, the transform between t
 the one Megatron tensor, and how Megatron shards that tensor over tensor parallelism. This module
 interprets such tables; it knows no family.
 
-Names. Megatron names are *global, checkpoint-style module names* of one ``GPTModel``:
+Names. Megatron names are *global, canonical, checkpoint-style module names* of one ``GPTModel``:
 ``decoder.layers.{L}.…`` with the global layer index ``L`` (not the index inside a pipeline stage
 or virtual chunk) and, for experts, the global expert index ``E`` in
-``mlp.experts.local_experts.{E}.…`` (local spec, SequentialMLP) or ``mlp.experts.linear_fc1.weight{E}``
-(Transformer Engine grouped GEMM). :func:`global_name` turns a rank's local parameter name into it.
+``mlp.experts.local_experts.{E}.…``. Canonical = the local spec's names; Transformer Engine names
+(fused ``layer_norm_weight``, grouped-GEMM ``linear_fc1.weight{E}``) map to them
+(:mod:`megarl.checkpoint.naming`). :func:`global_name` turns a rank's local parameter name of either
+spec into it; tables hold canonical names only.
 
 Tensors. "Full" Megatron tensors are unsharded over TP/ETP, in Megatron's layout: ``linear_qkv``
 rows grouped per query group ``[q_g (heads_per_group*head_dim); k_g (head_dim); v_g (head_dim)]``
@@ -91,6 +93,14 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_siz
     return -(-vocab_size // multiple) * multiple
 
 
+def _grouped_kind(part: str) -> str:
+    """``weight`` / ``bias`` for a name part ``weight7`` / ``bias7`` (TE GroupedLinear), else ``""``."""
+    for kind in ("weight", "bias"):
+        if part.startswith(kind) and part[len(kind):].isdigit():
+            return kind
+    return ""
+
+
 def template_of(name: str) -> tuple[str, dict[str, int]]:
     """Split a concrete name into its template and indices.
 
@@ -104,9 +114,10 @@ def template_of(name: str) -> tuple[str, dict[str, int]]:
             key = "L" if "L" not in values else "E"
             values[key] = int(part)
             parts.append("{" + key + "}")
-        elif part.startswith("weight") and part[6:].isdigit():
-            values["E"] = int(part[6:])
-            parts.append("weight{E}")
+        elif _grouped_kind(part):  # TEGroupedMLP's weight{E} / bias{E}
+            kind = _grouped_kind(part)
+            values["E"] = int(part[len(kind):])
+            parts.append(kind + "{E}")
         else:
             parts.append(part)
     return ".".join(parts), values
@@ -115,10 +126,16 @@ def template_of(name: str) -> tuple[str, dict[str, int]]:
 def lookup(table: Mapping[str, Entry], name: str) -> tuple[Entry, dict[str, int]]:
     """The table entry of a concrete Megatron name and its indices.
 
+    Names of either layer spec are accepted (Transformer Engine names are looked up under their
+    canonical name, :mod:`megarl.checkpoint.naming`).
+
     Raises:
         KeyError: the name is not in the table.
     """
+    from megarl.checkpoint.naming import canonical_template
+
     template, values = template_of(name)
+    template = canonical_template(template)
     if template not in table:
         raise KeyError(f"no HF mapping for Megatron parameter {name!r} (template {template!r})")
     return table[template], values
@@ -221,7 +238,8 @@ def global_expert_id(local_expert: int, ep_rank: int, num_local_experts: int) ->
 
 def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
                 num_local_experts: int) -> str:
-    """The global checkpoint-style name of a rank-local parameter name.
+    """The global, canonical checkpoint-style name of a rank-local parameter name of either layer
+    spec (Transformer Engine names become local-spec names: :mod:`megarl.checkpoint.naming`).
 
     Args:
         local_name: name from ``model_chunk.named_parameters()`` (layer index inside the chunk,
@@ -230,7 +248,10 @@ def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
             (None for non-layer parameters).
         ep_rank: expert-parallel rank; num_local_experts: experts held by each EP rank.
     """
+    from megarl.checkpoint.naming import canonical_template
+
     template, values = template_of(local_name)
+    template = canonical_template(template)
     if "L" in values:
         values["L"] = layer_number - 1
     if "E" in values:

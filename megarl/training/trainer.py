@@ -373,15 +373,15 @@ class Trainer:
         """This rank's Megatron parameters under model-global names, for weight sync.
 
         Yields:
-            ``(global_name, parameter)``: checkpoint-style Megatron names with global layer and
-            expert indices (`megarl.checkpoint.global_name`); the parameter itself, i.e. this
-            rank's TP / ETP shard of the current weights (no copy). The sharding of each name is
-            given by `megarl.checkpoint.iter_global_params` with `layout`.
+            ``(global_name, parameter)``: canonical checkpoint-style Megatron names with global
+            layer and expert indices (`megarl.checkpoint.global_name`, the same under the local
+            and Transformer Engine specs); the parameter itself, i.e. this rank's TP / ETP shard of
+            the current weights (no copy; a view of the shard for a parameter the TE spec keeps
+            whole on every TP rank: `megarl.checkpoint.loader.iter_sync_params`).
         """
-        from megarl.checkpoint import iter_global_params
+        from megarl.checkpoint.loader import iter_sync_params
 
-        for info, param in iter_global_params(self.model_chunks, self.parallel, self.layout):
-            yield info.global_name, param
+        yield from iter_sync_params(self.model_chunks, self.parallel, self.layout)
 
     @functools.cached_property
     def layout(self):

@@ -58,14 +58,13 @@ MLA_TABLE = {
     MC + "input_layernorm.weight": Entry((HF + "input_layernorm.weight",), C, TPSplit.NONE),
     MC + "self_attention.linear_q_proj.weight": Entry((ATTN + "q_proj.weight",), C, TPSplit.COLUMN),
     # Local spec: the down projections are ColumnParallelLinear (rows split over TP, gathered in
-    # forward). The Transformer Engine spec replicates them (TELinear "duplicated").
+    # forward). The Transformer Engine spec replicates them (TELinear "duplicated"): the loader
+    # sees that (ParamInfo.tp_split) and weight sync gets their TP shard (loader.iter_sync_params).
     MC + "self_attention.linear_q_down_proj.weight": Entry((ATTN + "q_a_proj.weight",), C, TPSplit.COLUMN),
     MC + "self_attention.q_layernorm.weight": Entry((ATTN + "q_a_layernorm.weight",), C, TPSplit.NONE),
-    MC + "self_attention.linear_q_up_proj.layer_norm_weight": Entry((ATTN + "q_a_layernorm.weight",), C, TPSplit.NONE),
     MC + "self_attention.linear_q_up_proj.weight": Entry((ATTN + "q_b_proj.weight",), C, TPSplit.COLUMN),
     MC + "self_attention.linear_kv_down_proj.weight": Entry((ATTN + "kv_a_proj_with_mqa.weight",), C, TPSplit.COLUMN),
     MC + "self_attention.kv_layernorm.weight": Entry((ATTN + "kv_a_layernorm.weight",), C, TPSplit.NONE),
-    MC + "self_attention.linear_kv_up_proj.layer_norm_weight": Entry((ATTN + "kv_a_layernorm.weight",), C, TPSplit.NONE),
     MC + "self_attention.linear_kv_up_proj.weight": Entry((ATTN + "kv_b_proj.weight",), C, TPSplit.COLUMN),
     MC + "self_attention.linear_proj.weight": Entry((ATTN + "o_proj.weight",), C, TPSplit.ROW),
     MC + "pre_mlp_layernorm.weight": Entry((HF + "post_attention_layernorm.weight",), C, TPSplit.NONE),

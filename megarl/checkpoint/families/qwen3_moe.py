@@ -25,8 +25,6 @@ GLOBAL_TABLE = {
 
 ATTENTION_TABLE = {
     MC + "input_layernorm.weight": Entry((HF + "input_layernorm.weight",), C, TPSplit.NONE),
-    # Transformer Engine spec: the input norm is fused into linear_qkv.
-    MC + "self_attention.linear_qkv.layer_norm_weight": Entry((HF + "input_layernorm.weight",), C, TPSplit.NONE),
     MC + "self_attention.linear_qkv.weight": Entry(
         (HF + "self_attn.q_proj.weight", HF + "self_attn.k_proj.weight", HF + "self_attn.v_proj.weight"),
         Q, TPSplit.COLUMN),
@@ -37,8 +35,6 @@ ATTENTION_TABLE = {
 }
 
 DENSE_MLP_TABLE = {
-    # Transformer Engine spec: the pre-MLP norm of a dense layer is fused into linear_fc1.
-    MC + "mlp.linear_fc1.layer_norm_weight": Entry((HF + "post_attention_layernorm.weight",), C, TPSplit.NONE),
     MC + "mlp.linear_fc1.weight": Entry((HF + "mlp.gate_proj.weight", HF + "mlp.up_proj.weight"), G, TPSplit.GLU),
     MC + "mlp.linear_fc2.weight": Entry((HF + "mlp.down_proj.weight",), C, TPSplit.ROW),
 }
@@ -46,18 +42,16 @@ DENSE_MLP_TABLE = {
 EXPERT = HF + "mlp.experts.{E}."
 MOE_TABLE = {
     MC + "mlp.router.weight": Entry((HF + "mlp.gate.weight",), C, TPSplit.NONE),
-    # Local spec (SequentialMLP) and TE spec without grouped GEMM.
+    # Canonical names (megarl.checkpoint.naming): TEGroupedMLP's linear_fc1.weight{E} maps here.
     MC + "mlp.experts.local_experts.{E}.linear_fc1.weight": Entry(
         (EXPERT + "gate_proj.weight", EXPERT + "up_proj.weight"), G, TPSplit.GLU, expert=True),
     MC + "mlp.experts.local_experts.{E}.linear_fc2.weight": Entry(
         (EXPERT + "down_proj.weight",), C, TPSplit.ROW, expert=True),
-    # Transformer Engine grouped GEMM (TEGroupedMLP): one weight per local expert.
-    MC + "mlp.experts.linear_fc1.weight{E}": Entry(
-        (EXPERT + "gate_proj.weight", EXPERT + "up_proj.weight"), G, TPSplit.GLU, expert=True),
-    MC + "mlp.experts.linear_fc2.weight{E}": Entry((EXPERT + "down_proj.weight",), C, TPSplit.ROW, expert=True),
 }
 
 TABLE = {**GLOBAL_TABLE, **ATTENTION_TABLE, **DENSE_MLP_TABLE, **MOE_TABLE}
+"""Canonical (local-spec) names only; Transformer Engine names are looked up through
+``megarl.checkpoint.naming.canonical_name`` (fused norms, grouped-GEMM experts)."""
 
 
 def check_supported(hf_config) -> None:

@@ -69,8 +69,9 @@ def test_templates_and_global_names():
     # chunk-local layer 1 is global layer 5; local expert 1 on EP rank 3 with 2 per rank is 7
     assert global_name("decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight", layer_number=6,
                        ep_rank=3, num_local_experts=2) == "decoder.layers.5.mlp.experts.local_experts.7.linear_fc2.weight"
+    # Transformer Engine grouped-GEMM names become canonical (local-spec) names.
     assert global_name("decoder.layers.0.mlp.experts.linear_fc1.weight1", layer_number=1, ep_rank=1,
-                       num_local_experts=4) == "decoder.layers.0.mlp.experts.linear_fc1.weight5"
+                       num_local_experts=4) == "decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight"
 
 
 def test_local_and_te_names_map_to_the_same_hf_tensors():
