@@ -1,8 +1,11 @@
 """Fixtures for tests/slurm: one real local Slurm per session (tools/local_slurm) and job helpers.
 
 The cluster: 2 emulated nodes (node1, node2) x 4 CPUs, 2 fake GPUs each (GRES backed by placeholder
-files: Slurm accounts for them, nothing can use them), inside a private loopback-only network
-namespace, with a private munged. Started by ``tools/local_slurm/start.sh`` (which installs Debian's
+files: Slurm accounts for them, nothing can use them), each node an emulated host with its own
+network namespace, loopback and address on a private bridge (node1 10.231.0.1, node2 10.231.0.2,
+slurmctld on a third host; :mod:`megarl.testing.netns`), with a private munged. Jobs find each
+node's address on its ``eth0`` (``MEGARL_NODE_IFNAME``), so Ray, the trainer ranks and the engines
+on different nodes reach each other only across the bridge. Started by ``tools/local_slurm/start.sh`` (which installs Debian's
 Slurm when missing) and stopped by ``stop.sh`` at the end of the session. When the tests run under
 ``tools/local_slurm/run.sh`` (``LOCAL_SLURM_RUNNING=1``) that cluster is reused instead.
 """
@@ -12,6 +15,7 @@ import ast
 import functools
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +40,17 @@ class LocalSlurm:
     gpus: int = NUM_GPUS
     """Fake GPUs per node (GRES)."""
 
+    def node_address(self, node: str) -> str:
+        """The address slurm.conf gives ``node`` (``NodeAddr``)."""
+        conf = (self.dir / "etc" / "slurm.conf").read_text()
+        return re.search(rf"^NodeName={node} .*NodeAddr=(\S+)", conf, re.M).group(1)
+
+    @property
+    def multihost(self) -> bool:
+        """Each node is its own emulated host (start.sh recorded one namespace per node)."""
+        created = self.dir / "run" / "netns.created"
+        return created.is_file() and len(created.read_text().split()) > 1
+
 
 @dataclass
 class JobResult:
@@ -52,7 +67,8 @@ class JobResult:
 
 def _start_env(d: str) -> dict:
     return {**os.environ, "LOCAL_SLURM_DIR": d, "LOCAL_SLURM_NETNS": f"megarl-t{os.getpid()}",
-            "LOCAL_SLURM_NODES": "2", "LOCAL_SLURM_CPUS": "4", "LOCAL_SLURM_GPUS": str(NUM_GPUS)}
+            "LOCAL_SLURM_NODES": "2", "LOCAL_SLURM_CPUS": "4", "LOCAL_SLURM_GPUS": str(NUM_GPUS),
+            "LOCAL_SLURM_MULTIHOST": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -112,7 +128,9 @@ cluster: {{device: cpu, trainer_nodes: 1, trainer_devices_per_node: 2, rollout_n
 def job_env(local_slurm, tmp_path) -> dict:
     """Environment for one sbatch call: wrappers on PATH, the venv, short Ray temp dir, logs in tmp."""
     ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # unix socket paths must stay < 108 chars
-    env = {**local_slurm.env, "MEGARL_VENV": sys.prefix, "MEGARL_NODE_IP": "127.0.0.1",
+    # Multi-host: each node's own address (its eth0); one namespace: every node on loopback.
+    address = {"MEGARL_NODE_IFNAME": "eth0"} if local_slurm.multihost else {"MEGARL_NODE_IP": "127.0.0.1"}
+    env = {**local_slurm.env, "MEGARL_VENV": sys.prefix, **address,
            "MEGARL_LOG_ROOT": str(tmp_path / "runs"), "MEGARL_RAY_TMPDIR": ray_tmp,
            "MEGARL_DRIVER": f"python {ROOT}/tests/slurm/ray_probe_driver.py",
            "RAY_prestart_worker_first_driver": "0", "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slurm
 
 
 @pytest.mark.timeout(200)
-def test_ranks_on_both_nodes_join_one_process_group(job_env, tmp_path):
+def test_ranks_on_both_nodes_join_one_process_group(job_env, local_slurm, tmp_path):
     out = tmp_path / "dist.json"
     env = {**job_env, "MEGARL_CONVERT_CMD": f"python {ROOT}/tests/slurm/dist_probe.py {out}"}
     r = submit(env, "slurm/convert.sbatch", ["hf-to-megatron", "SRC", "DST"],
@@ -23,7 +23,7 @@ def test_ranks_on_both_nodes_join_one_process_group(job_env, tmp_path):
     assert [(x["SLURMD_NODENAME"], x["NODE_RANK"], x["LOCAL_RANK"]) for x in ranks] == [
         ("node1", "0", "0"), ("node1", "0", "1"), ("node2", "1", "0"), ("node2", "1", "1")]
     assert {x["WORLD_SIZE"] for x in ranks} == {"4"} and {x["LOCAL_WORLD_SIZE"] for x in ranks} == {"2"}
-    assert {x["GLOO_SOCKET_IFNAME"] for x in ranks} == {"lo"}
+    assert {x["GLOO_SOCKET_IFNAME"] for x in ranks} == {"eth0" if local_slurm.multihost else "lo"}
 
 
 @pytest.mark.timeout(200)

@@ -20,7 +20,7 @@ def _ray_start_logs(job_dir: Path) -> list[Path]:
 
 
 @pytest.mark.timeout(300)
-def test_ray_cluster_spans_both_nodes_with_role_placement(job_env, probe_config):
+def test_ray_cluster_spans_both_nodes_with_role_placement(job_env, probe_config, local_slurm):
     if megarl_train_ready()[1] is None:  # CI time: the real run shows the same (test_megarl_train.py)
         pytest.skip("covered by test_megarl_train_cpu_recipe_on_two_nodes now that `megarl train` runs")
     r = submit(job_env, "slurm/train.sbatch", [str(probe_config)])
@@ -32,7 +32,8 @@ def test_ray_cluster_spans_both_nodes_with_role_placement(job_env, probe_config)
     assert probe["trainer"][0]["node_id"] != probe["engine"][0]["node_id"]
     assert probe["driver_slurmd_nodename"] == "node1"
     assert sum(n["alive"] for n in probe["nodes"]) == 2
-    assert {t["gloo_socket_ifname"] for t in probe["trainer"] + probe["engine"]} == {"lo"}
+    assert {t["gloo_socket_ifname"] for t in probe["trainer"] + probe["engine"]} == {
+        "eth0" if local_slurm.multihost else "lo"}
     # One log directory per job: driver log, resolved config, each node's Ray log location.
     assert "probe:" in (r.job_dir / "driver.log").read_text()
     resolved = yaml.safe_load((r.job_dir / "config.yaml").read_text())
@@ -87,9 +88,11 @@ def test_lost_node_stops_the_job_within_60s_naming_it(job_env, probe_config):
 
 
 @pytest.mark.timeout(300)
-def test_node_that_never_joins_fails_the_job_bounded(job_env, probe_config):
-    # node2 is told to advertise an address nobody can reach (TEST-NET-1): its raylet never joins.
-    env = {**job_env, "MEGARL_NODE_IPS": "127.0.0.1 192.0.2.1", "MEGARL_RAY_JOIN_TIMEOUT_S": "15"}
+def test_node_that_never_joins_fails_the_job_bounded(job_env, probe_config, local_slurm):
+    # node2 is told to advertise an address nobody can reach (TEST-NET-1; no emulated host has a
+    # route to it, so nothing is sent): its raylet never joins.
+    env = {**job_env, "MEGARL_NODE_IPS": f"{local_slurm.node_address('node1')} 192.0.2.1",
+           "MEGARL_RAY_JOIN_TIMEOUT_S": "15"}
     r = submit(env, "slurm/train.sbatch", [str(probe_config)])
     assert r.rc == 3, r.output
     assert "node2" in (r.job_dir / "error.txt").read_text(), r.output

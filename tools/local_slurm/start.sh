@@ -9,18 +9,31 @@
 #   - a private munged (own key, socket, pid and log files under $LOCAL_SLURM_DIR/munge), so a
 #     munged that the machine already runs is neither used nor disturbed;
 #   - slurmctld and $LOCAL_SLURM_NODES slurmd daemons (Debian's Slurm is built with
-#     multiple-slurmd support: node1..nodeN all live on 127.0.0.1, one port each), started with
-#     `nsenter --net` inside a network namespace that has only loopback. Slurm 22.05 binds
-#     0.0.0.0 and has no option to change that; the namespace keeps the cluster off every real
-#     interface. (`ip netns exec` is not used: it remounts /sys and slurmd then fails on cgroups.)
+#     multiple-slurmd support), each started with `nsenter --net` in a network namespace. Slurm
+#     22.05 binds 0.0.0.0 and has no option to change that; the namespaces keep the cluster off
+#     every real interface. (`ip netns exec` is not used: it remounts /sys and slurmd then fails
+#     on cgroups.) Two layouts:
+#       multi-host (default): every node is an emulated host (megarl/testing/netns.py): its own
+#         namespace $NETNS-nodeK with its own loopback and address on a private bridge
+#         ($LOCAL_SLURM_SUBNET: node K gets the K-th address, interface eth0), and slurmctld on
+#         one more host, $NETNS-ctl. Jobs, Ray and engines on different nodes reach each other
+#         only through those addresses. The bridge lives in its own namespace: nothing is added
+#         to the machine's network, and there is no route out.
+#       single namespace (LOCAL_SLURM_MULTIHOST=0): node1..nodeN all on 127.0.0.1 (one port
+#         each) in one namespace $NETNS that has only loopback.
 #   - PATH wrappers $LOCAL_SLURM_DIR/bin/{sbatch,srun,salloc,squeue,scancel,sinfo,scontrol,sacct}
-#     that enter the namespace, so scripts run unchanged: `source $LOCAL_SLURM_DIR/env.sh`.
+#     that enter the controller's namespace when called from outside the cluster (and run the
+#     command as it is inside a node), so scripts run unchanged: `source $LOCAL_SLURM_DIR/env.sh`
+#     (multi-host: it also sets MEGARL_NODE_IFNAME=eth0, the interface of each node's address).
 # If Slurm or munge is missing it runs `apt-get update` and installs Debian's slurmctld, slurmd,
 # slurm-client and munge (about 15 s). On any failure the trap stops what was started so far.
 #
 # Environment (defaults in brackets):
 #   LOCAL_SLURM_DIR      state, config, logs, pid files, wrappers [/tmp/megarl-local-slurm]
-#   LOCAL_SLURM_NETNS    network namespace name [megarl-slurm]
+#   LOCAL_SLURM_NETNS    network namespace name (multi-host: the prefix of each host's) [megarl-slurm]
+#   LOCAL_SLURM_MULTIHOST  1 = each node its own namespace and address; 0 = one loopback namespace [1]
+#   LOCAL_SLURM_SUBNET   private subnet of the emulated hosts [10.231.0.0/24]
+#   LOCAL_SLURM_PYTHON   python3 for megarl/testing/netns.py (standard library only) [python3]
 #   LOCAL_SLURM_NODES    emulated nodes, named node1..nodeN [2]
 #   LOCAL_SLURM_CPUS     CPUs declared per node (may exceed the real cores) [4]
 #   LOCAL_SLURM_MEM_MB   RealMemory declared per node [8192]
@@ -38,11 +51,18 @@ MEM_MB=${LOCAL_SLURM_MEM_MB:-8192}
 GPUS=${LOCAL_SLURM_GPUS:-0}
 INSTALL=${LOCAL_SLURM_INSTALL:-1}
 READY_TIMEOUT_S=${LOCAL_SLURM_READY_TIMEOUT_S:-60}
+MULTIHOST=${LOCAL_SLURM_MULTIHOST:-1}
+SUBNET=${LOCAL_SLURM_SUBNET:-10.231.0.0/24}
 CTLD_PORT=6817
 SLURMD_BASE_PORT=17000
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CONF=$D/etc/slurm.conf
-NS=(nsenter "--net=/run/netns/$NETNS")
+REPO=$(cd "$HERE/../.." && pwd)
+CTL_NETNS=$NETNS  # the namespace of slurmctld (and of client commands from outside the cluster)
+((MULTIHOST)) && CTL_NETNS=$NETNS-ctl
+NS=(nsenter "--net=/run/netns/$CTL_NETNS")
+CTL_ADDR=127.0.0.1
+declare -A NODE_NETNS=() NODE_ADDR=()
 T0=$SECONDS
 
 log() { echo "[local_slurm start +$((SECONDS - T0))s] $*"; }
@@ -70,6 +90,21 @@ setup_netns() {
   # only IPv4 address is 127.0.0.1; a second loopback address makes it succeed.
   "${NS[@]}" ip -4 addr show dev lo | grep -q '127\.0\.0\.2/' ||
     "${NS[@]}" ip addr add 127.0.0.2/32 dev lo
+  for ((i = 1; i <= NODES; i++)); do NODE_NETNS[node$i]=$NETNS NODE_ADDR[node$i]=127.0.0.1; done
+}
+
+setup_hosts() {  # multi-host: node1..nodeN and ctl as emulated hosts (megarl/testing/netns.py)
+  local names=() name netns addr out i
+  for ((i = 1; i <= NODES; i++)); do names+=("node$i"); done
+  names+=(ctl)
+  # Recorded first: stop.sh deletes exactly these names, also after a half-made setup.
+  printf '%s\n' "${names[@]/#/$NETNS-}" "$NETNS-br" >"$D/run/netns.created"
+  out=$(PYTHONPATH=$REPO "${LOCAL_SLURM_PYTHON:-python3}" -m megarl.testing.netns up "$NETNS" "$SUBNET" "${names[@]}") ||
+    die "could not create the emulated hosts (network namespaces and a bridge): $out"
+  while read -r name netns addr; do
+    if [[ $name == ctl ]]; then CTL_ADDR=$addr; else NODE_NETNS[$name]=$netns NODE_ADDR[$name]=$addr; fi
+  done <<<"$out"
+  log "emulated hosts on $SUBNET: $(tr '\n' ' ' <<<"$out")"
 }
 
 start_munged() {
@@ -106,7 +141,7 @@ write_conf() {
   cat >"$CONF" <<CONF_EOF
 # Generated by tools/local_slurm/start.sh: ${NODES} emulated nodes on one machine.
 ClusterName=megarlci
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost=localhost(${CTL_ADDR})
 SlurmctldPort=${CTLD_PORT}
 SlurmdPort=$((SLURMD_BASE_PORT + 1))
 SlurmUser=root
@@ -147,20 +182,33 @@ KillWait=5
 MinJobAge=4
 MessageTimeout=10
 ${gres_line}
-NodeName=node[1-${NODES}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[$((SLURMD_BASE_PORT + 1))-$((SLURMD_BASE_PORT + NODES))] CPUs=${CPUS} RealMemory=${MEM_MB}${node_gres} State=UNKNOWN
+$(for ((i = 1; i <= NODES; i++)); do
+    echo "NodeName=node$i NodeHostname=localhost NodeAddr=${NODE_ADDR[node$i]} Port=$((SLURMD_BASE_PORT + i)) CPUs=${CPUS} RealMemory=${MEM_MB}${node_gres} State=UNKNOWN"
+  done)
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF_EOF
 }
 
 write_wrappers() {
-  local c
+  local c ours
+  # Inside one of the cluster's namespaces (a job step on a node) the command runs as it is;
+  # from anywhere else it enters the controller's namespace.
+  ours=$(for f in $(printf '%s\n' "$CTL_NETNS" "${NODE_NETNS[@]}" | sort -u); do printf ' %s' "$(stat -L -c %i "/run/netns/$f")"; done)
   for c in sbatch srun salloc squeue scancel sinfo scontrol sacct; do
-    printf '#!/bin/sh\n# %s of the local Slurm in network namespace %s\nexport SLURM_CONF=%s\nexec nsenter --net=/run/netns/%s /usr/bin/%s "$@"\n' \
-      "$c" "$NETNS" "$CONF" "$NETNS" "$c" >"$D/bin/$c"
+    cat >"$D/bin/$c" <<WRAP_EOF
+#!/bin/sh
+# $c of the local Slurm (tools/local_slurm/start.sh; controller namespace $CTL_NETNS)
+export SLURM_CONF=$CONF
+case " $ours " in
+  *" \$(stat -L -c %i /proc/self/ns/net) "*) exec /usr/bin/$c "\$@" ;;
+esac
+exec nsenter --net=/run/netns/$CTL_NETNS /usr/bin/$c "\$@"
+WRAP_EOF
     chmod 0755 "$D/bin/$c"
   done
   # shellcheck disable=SC2016  # $PATH is expanded when env.sh is sourced
   printf 'export SLURM_CONF=%s\nexport PATH=%s/bin:$PATH\n' "$CONF" "$D" >"$D/env.sh"
+  if ((MULTIHOST)); then echo "export MEGARL_NODE_IFNAME=eth0" >>"$D/env.sh"; fi
 }
 
 wait_idle() {
@@ -185,7 +233,7 @@ main() {
   mkdir -p "$D"/{etc,log,run,state,spool,bin}
   chmod go+rx "$D"  # munged runs as user munge and must reach $D/munge (mktemp dirs are 0700)
   trap 'echo "[local_slurm start] failed; stopping what was started" >&2; LOCAL_SLURM_DIR=$D "$HERE/stop.sh" >&2 || true' EXIT
-  setup_netns
+  if ((MULTIHOST)); then setup_hosts; else setup_netns; fi
   start_munged
   write_conf
   write_wrappers
@@ -193,7 +241,7 @@ main() {
   local i
   for ((i = 1; i <= NODES; i++)); do
     mkdir -p "$D/spool/node$i"
-    "${NS[@]}" /usr/sbin/slurmd -f "$CONF" -N "node$i"
+    nsenter "--net=/run/netns/${NODE_NETNS[node$i]}" /usr/sbin/slurmd -f "$CONF" -N "node$i"
   done
   wait_idle
   trap - EXIT

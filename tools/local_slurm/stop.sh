@@ -5,15 +5,16 @@
 #
 # Order: cancel every job of this private cluster (slurmd then ends the job steps), stop each
 # slurmd, slurmctld and the private munged by pid file (TERM, then KILL after 5 s), and delete the
-# network namespace if start.sh created it. Processes still inside that namespace at that point
-# can only have come from this cluster's jobs; they are listed and killed by PID.
+# network namespaces start.sh created (listed in $D/run/netns.created: one, or each emulated host's
+# and the bridge's). Processes still inside them at that point can only have come from this
+# cluster's jobs; they are listed and killed by PID.
 # Never kills by process name. LOCAL_SLURM_PURGE=1 also removes $LOCAL_SLURM_DIR.
 set -uo pipefail
 
 D=${LOCAL_SLURM_DIR:-/tmp/megarl-local-slurm}
 [[ -d $D ]] || { echo "[local_slurm stop] nothing to stop ($D does not exist)"; exit 0; }
-NETNS=""
-[[ -s $D/run/netns.created ]] && NETNS=$(cat "$D/run/netns.created")
+CREATED=()
+[[ -s $D/run/netns.created ]] && mapfile -t CREATED <"$D/run/netns.created"
 
 stop_pidfile() {  # $1 = pid file, $2 = label
   local pid
@@ -44,7 +45,8 @@ done
 stop_pidfile "$D/run/slurmctld.pid" slurmctld
 stop_pidfile "$D/run/munged.pid" munged
 
-if [[ -n $NETNS ]]; then
+for NETNS in "${CREATED[@]}"; do
+  [[ -n $NETNS && -e /run/netns/$NETNS ]] || continue
   leftover=$(ip netns pids "$NETNS" 2>/dev/null | tr '\n' ' ')
   if [[ -n ${leftover// /} ]]; then
     echo "[local_slurm stop] killing processes left in namespace $NETNS by this cluster's jobs: $leftover"
@@ -52,8 +54,8 @@ if [[ -n $NETNS ]]; then
     kill -KILL $leftover 2>/dev/null
   fi
   ip netns delete "$NETNS" 2>/dev/null && echo "[local_slurm stop] deleted network namespace $NETNS"
-  rm -f "$D/run/netns.created"
-fi
+done
+rm -f "$D/run/netns.created"
 if [[ ${LOCAL_SLURM_PURGE:-0} == 1 ]]; then
   rm -rf "$D"
 fi
