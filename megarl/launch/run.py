@@ -22,6 +22,7 @@ from megarl.launch import run_state as rs
 from megarl.launch.cluster import build_placement, init_ray
 from megarl.launch.engines import EngineGroup
 from megarl.launch.metrics import MetricsLogger
+from megarl.launch.retrieval import start_retrieval, stop_retrieval
 from megarl.launch.rollout_actor import RolloutWorker
 from megarl.launch.trainer_group import TrainerGroup
 
@@ -97,6 +98,8 @@ class Run:
     trainer: TrainerGroup | None = None
     engines: EngineGroup | None = None
     rollout: Any = None
+    retrieval: Any = None
+    """The retrieval service's actor (``retrieval.index`` set), or None."""
     metrics: MetricsLogger | None = None
     engine_urls: list[str] = dataclasses.field(default_factory=list)
     trained_before_rl: bool = False
@@ -148,6 +151,7 @@ class Run:
         self.placement = build_placement(cfg)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
         self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir)
+        self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
         self.trainer = TrainerGroup(cfg, self.placement)
         self.engine_urls = self.engines.wait_ready()
         self.rollout = RolloutWorker.options(num_cpus=0).remote(
@@ -258,6 +262,8 @@ class Run:
                 pass
             ray.kill(self.rollout, no_restart=True)
             self.rollout = None
+        stop_retrieval(self.retrieval)
+        self.retrieval = None
         if self.trainer is not None:
             try:
                 self.trainer.run_worker("close_weight_sync", timeout_s=60)

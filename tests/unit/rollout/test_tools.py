@@ -28,8 +28,8 @@ def test_registry_builds_and_rejects():
     assert {"python", "calculator"} <= set(TOOL_REGISTRY)
     tools = build_tools({"calculator": {}, "python": {"timeout_s": 2, "memory_mb": 256}})
     assert list(tools) == ["calculator", "python"] and tools["python"].timeout_s == 2.0
-    with pytest.raises(ValueError, match="rollout.tools.search: unknown tool"):
-        build_tools({"search": {}})
+    with pytest.raises(ValueError, match="rollout.tools.browser: unknown tool"):
+        build_tools({"browser": {}})
     with pytest.raises(ValueError, match="rollout.tools.python"):
         build_tools({"python": {"no_such_setting": 1}})
 
