@@ -198,8 +198,16 @@ def _check_algorithm(c: _Checker) -> None:
                 "dual clip needs policy_loss=ppo_clip and clip_c > 1 (or null)")
     c.check(a.rollout_correction_clip >= 1, "algorithm.rollout_correction_clip", "must be >= 1")
     c.check(0 <= a.rollout_correction_low <= 1, "algorithm.rollout_correction_low", "must be in [0, 1]")
-    if c.cfg.rollout.async_mode:
-        c.check(c.cfg.rollout.max_staleness >= 1, "rollout.max_staleness", "async mode needs >= 1")
+    ro, every = c.cfg.rollout, c.cfg.weight_sync.every_n_steps
+    if ro.async_mode:
+        c.check(ro.max_staleness >= 1, "rollout.max_staleness", "async mode needs >= 1")
+        c.check(every < 1 or ro.max_staleness >= every, "rollout.max_staleness",
+                f"async mode with weight_sync.every_n_steps={every} needs max_staleness >= {every} "
+                f"(the engines lag up to {every - 1} versions; one more step must fit in flight)")
+    else:
+        c.check(every < 1 or ro.max_staleness >= every - 1, "rollout.max_staleness",
+                f"weight_sync.every_n_steps={every} trains rollouts up to {every - 1} versions old: "
+                f"set max_staleness >= {every - 1}")
 
 
 def _check_precision(c: _Checker) -> None:

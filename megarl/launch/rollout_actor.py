@@ -115,11 +115,24 @@ class RolloutWorker:
             **shared) if samples > 0 else None
 
     async def generate(self, rows: list[dict], step: int, policy_version: int) -> Any:
-        """One step's rollouts: a :class:`~megarl.rollout.manager.RolloutBatch` (groups, metrics)."""
+        """One step's rollouts: a :class:`~megarl.rollout.manager.RolloutBatch` (groups, metrics).
+
+        Several steps' rollouts may run at once (async mode keeps up to ``rollout.max_staleness``
+        in flight): each call runs on its own fork of the manager, with its own seeded engine when
+        sampling is deterministic (seeds depend on the step, not on what else is running).
+
+        Args:
+            rows: the step's prompts; step: the RL step they are for; policy_version: the engines'
+                weight version when the rollout starts (stamped where an engine reports none).
+        """
+        engine = None
         if self.seeded is not None:
-            self.seeded.start_step(step)
-        self.manager.policy_version = policy_version
-        batch = await self.manager.generate_groups(rows)
+            engine = SeededEngine(self.router, self.seeded.seed)
+            engine.start_step(step)
+        # Async mode runs several steps' rollouts at once: none may abort the engines' requests wholesale.
+        manager = self.manager.fork(engine, exclusive=not self.cfg.rollout.async_mode)
+        manager.policy_version = policy_version
+        batch = await manager.generate_groups(rows)
         batch.metrics.update(self.router.metrics())
         first = min(batch.groups, key=lambda g: g.group_id, default=None)
         batch.sample_text = self.describe(first.trajectories[0]) if first else ""  # for the log

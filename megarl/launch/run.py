@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 from omegaconf import OmegaConf
@@ -110,6 +110,10 @@ class Run:
     """Weight-sync verification sequences (built on first use)."""
     engine_weight_version: float = float("nan")
     """The engines' weight version after the last sync."""
+    engine_memory_released: tuple[str, ...] = ()
+    """Colocated: the SGLang memory tags the engines lent to the trainer (:mod:`megarl.launch.colocated`)."""
+    synced_version: int | None = None
+    """The policy version last pushed to the engines (None before the first sync)."""
 
     @classmethod
     def build(cls, cfg: Any) -> "Run":
@@ -172,9 +176,14 @@ class Run:
         return [self.dataset[i] for i in self.sampler.next_indices(ro.num_prompts_per_step + ro.over_sample_prompts)]
 
     def start_rollout(self, step: int, rows: list[dict] | None = None) -> PendingRollout:
-        """Start step ``step``'s rollout on the rollout actor (on the next prompts, or ``rows``)."""
+        """Start step ``step``'s rollout on the rollout actor (on the next prompts, or ``rows``).
+
+        The rollout starts at the engines' weight version (the last synced one: with
+        ``weight_sync.every_n_steps > 1`` it may be older than the trainer's policy version).
+        """
         rows = self.next_prompts() if rows is None else rows
-        return PendingRollout(step, rows, self.rollout.generate.remote(rows, step, self.state.policy_version))
+        version = self.synced_version if self.synced_version is not None else self.state.policy_version
+        return PendingRollout(step, rows, self.rollout.generate.remote(rows, step, version), version)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine: pause -> push -> flush -> weight_version -> continue.
@@ -184,7 +193,29 @@ class Run:
         """
         from megarl.launch.weight_sync_step import sync_engines
 
-        return sync_engines(self, version)
+        metrics = sync_engines(self, version)
+        self.synced_version = version
+        return metrics
+
+    def release_engine_memory(self) -> None:
+        """Colocated, synchronous: the engines (idle after the step's rollout) free their GPU memory
+        for the trainer until :meth:`resume_engine_memory` (:mod:`megarl.launch.colocated`)."""
+        from megarl.launch import colocated
+
+        cfg = self.cfg
+        if cfg.cluster.placement != "colocated" or cfg.rollout.async_mode or cfg.rollout.external_engine_urls:
+            return
+        # Released weights come back uninitialised: only when this step's weight sync rewrites them.
+        self.engine_memory_released = colocated.release(
+            self.engine_urls, weights=int(cfg.weight_sync.get("every_n_steps", 1)) == 1)
+
+    def resume_engine_memory(self) -> None:
+        """Give the engines their memory back (weights, then KV cache and CUDA graphs); no-op if not lent."""
+        from megarl.launch import colocated
+
+        if self.engine_memory_released:
+            colocated.resume(self.engine_urls, self.engine_memory_released)
+            self.engine_memory_released = ()
 
     def heal_engines(self) -> list[str]:
         """Restart engines that stopped answering, re-sync them, put them back in service.
@@ -218,19 +249,24 @@ class Run:
         logger.info("eval sample: %s", sample)
         return metrics
 
-    def save_checkpoint(self, pending: PendingRollout | None = None) -> Path:
-        """Save trainer (every rank) and driver state as ``step_{state.step}``; then mark it complete."""
+    def save_checkpoint(self, pending: Sequence[PendingRollout] = ()) -> Path:
+        """Save trainer (every rank) and driver state as ``step_{state.step}``; then mark it complete.
+
+        Async mode: the rollouts in flight (``pending``, oldest first) are waited for and saved with
+        the driver state, so a resumed run trains on exactly the same trajectories.
+        """
         save_dir = save_dir_of(self.cfg, self.run_dir)
         ckpt = rs.step_dir(save_dir, self.state.step)
         start = time.perf_counter()
         self.trainer.run("save_checkpoint", str(ckpt / rs.TRAINER_DIR))
         self.state.sampler = self.sampler.state_dict()
         self.state.rng = rs.capture_rng()
-        self.state.pending_rollout = None
-        if pending is not None:  # async: the in-flight rollout is finished and saved with the state
-            batch = pending.wait()
-            self.state.pending_rollout = {"step": pending.step, "rows": pending.rows,
-                                          "groups": list(batch.groups), "metrics": dict(batch.metrics)}
+        self.state.pending_rollouts = []
+        for item in pending:  # async: the in-flight rollouts are finished and saved with the state
+            batch = item.wait()
+            self.state.pending_rollouts.append({"step": item.step, "rows": item.rows, "groups": list(batch.groups),
+                                                "metrics": dict(batch.metrics),
+                                                "policy_version": item.policy_version})
         rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))
         rs.commit_checkpoint(save_dir, ckpt, int(self.cfg.checkpoint.keep_last))
         logger.info("checkpoint %s saved in %.1fs", ckpt, time.perf_counter() - start)

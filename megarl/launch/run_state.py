@@ -41,8 +41,10 @@ class RunState:
             after the sync that follows).
         sampler: :meth:`~megarl.data.sampler.ResumableSampler.state_dict` of the prompt sampler.
         rng: Python / NumPy / torch RNG states of the driver process (see :func:`capture_rng`).
-        pending_rollout: async mode: the rollout generated but not yet trained on, as
-            ``{"step", "rows", "groups", "metrics"}`` (None when there is none).
+        pending_rollouts: async mode: the rollouts generated but not yet trained on, oldest
+            first, each ``{"step", "rows", "groups", "metrics", "policy_version"}`` (empty in sync
+            mode). A checkpoint written before several could be in flight holds one, as
+            ``pending_rollout``; :func:`load_driver_state` reads it into this list.
         wandb_id: W&B run id, so a resumed run appends to the same W&B run.
         extra: free-form (e.g. eval history).
     """
@@ -51,7 +53,7 @@ class RunState:
     policy_version: int = 0
     sampler: dict[str, Any] = dataclasses.field(default_factory=dict)
     rng: dict[str, Any] = dataclasses.field(default_factory=dict)
-    pending_rollout: dict[str, Any] | None = None
+    pending_rollouts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     wandb_id: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -125,4 +127,7 @@ def load_driver_state(ckpt_dir: Path) -> RunState:
     """Read ``driver_state.pt`` of a checkpoint."""
     # weights_only=False: the state holds RNG tuples and TrajectoryGroups written by this program.
     data = torch.load(ckpt_dir / DRIVER_STATE, weights_only=False)
+    single = data.pop("pending_rollout", None)  # checkpoints of megarl <= 0.2: one in flight
+    if single:
+        data["pending_rollouts"] = [single]
     return RunState(**data)

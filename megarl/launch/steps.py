@@ -42,6 +42,16 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], policy_version: int) -> d
     }
 
 
+def oldest_trained_version(trajectory: Trajectory) -> int:
+    """The oldest policy version among the trajectory's trained tokens (``loss_mask`` 1): from
+    ``token_policy_versions`` when the trajectory spans weight updates, else ``policy_version``."""
+    versions = trajectory.token_policy_versions
+    if versions is None:
+        return int(trajectory.policy_version)
+    trained = versions[trajectory.loss_mask.bool()]
+    return int(trained.min()) if trained.numel() else int(trajectory.policy_version)
+
+
 @dataclasses.dataclass
 class BatchResult:
     """Output of :func:`build_train_batch`: the batch (None when nothing is left) and its metrics."""
@@ -69,7 +79,7 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, poli
         trajs = [t for t in group.trajectories if t.status not in UNTRAINABLE]
         dropped["failed"] += len(group.trajectories) - len(trajs)
         if max_staleness is not None:
-            fresh = [t for t in trajs if policy_version - t.policy_version <= max_staleness]
+            fresh = [t for t in trajs if policy_version - oldest_trained_version(t) <= max_staleness]
             dropped["stale"] += len(trajs) - len(fresh)
             trajs = fresh
         if len(trajs) < 2:
@@ -82,6 +92,9 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, poli
         kept_groups.append(trajs)
     metrics = {f"filter/dropped_{k}": float(v) for k, v in dropped.items()}
     metrics["filter/kept_groups"] = float(len(kept_groups))
+    if kept_groups:
+        metrics["filter/trained_staleness_max"] = float(max(
+            policy_version - oldest_trained_version(t) for g in kept_groups for t in g))
     metrics["filter/kept_trajectories"] = float(sum(len(g) for g in kept_groups))
     if not kept_groups:
         return BatchResult(None, metrics, [])

@@ -17,6 +17,8 @@ One step (:meth:`RolloutManager.generate_groups`):
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import itertools
 import logging
 import time
@@ -113,6 +115,28 @@ class RolloutManager:
         self._group_ids = itertools.count()
         self._carry: list[_Group] = []
         self._generated_tokens = 0
+        self.exclusive = True
+        """No other rollout shares the engines (see :meth:`fork`)."""
+
+    def fork(self, engine: RolloutEngine | None = None, *, exclusive: bool = True) -> "RolloutManager":
+        """A manager for one more rollout, possibly running concurrently with others (async RL).
+
+        The fork shares the tools, reward, chat template, group-id counter and carried-over groups
+        (partial rollouts), and has its own agent context: its own ``policy_version``, its own
+        ``stop_requested`` and, if given, its own ``engine`` (e.g. a per-step seeded wrapper).
+
+        Args:
+            engine: the engine of the fork (default: this manager's).
+            exclusive: no other rollout uses the engines meanwhile. A non-exclusive fork ends its
+                over-sampled groups by aborting its own requests only (cancellation aborts each by
+                ``rid``), never with the engine-wide abort that would end the other rollouts' too.
+        """
+        twin = copy.copy(self)
+        twin.engine = engine if engine is not None else self.engine
+        twin.ctx = dataclasses.replace(self.ctx, engine=twin.engine, stop_requested=False)
+        twin._generated_tokens = 0
+        twin.exclusive = exclusive
+        return twin
 
     @property
     def policy_version(self) -> int:
@@ -192,7 +216,8 @@ class RolloutManager:
         target = self.num_prompts_per_step if num_groups is None else int(num_groups)
         start, self._generated_tokens = time.monotonic(), 0
         self.ctx.stop_requested = False
-        carried, self._carry = self._carry, []
+        carried = list(self._carry)
+        self._carry.clear()  # in place: forks (concurrent rollouts) share the carried groups
         num_new = max(0, target + self.over_sample_prompts - len(carried))
         groups = carried + [self._new_group(s) for s in itertools.islice(iter(prompts), num_new)]
         tasks = {asyncio.ensure_future(self._run_group(g)): g for g in groups}
@@ -239,13 +264,16 @@ class RolloutManager:
                            counts: dict[str, int]) -> None:
         """End the over-sampled groups: turn-boundary stop, engine abort, then cancellation."""
         self.ctx.stop_requested = True
-        grace_s = self.abort_timeout_s
-        try:
-            await self.engine.pause("abort")
-            await self.engine.resume()
-        except Exception as e:  # noqa: BLE001 - cancellation below still ends them
-            logger.warning("engine abort of the over-sampled requests failed (%s); cancelling", e)
-            grace_s = 0.0  # cancelled requests are aborted by the client; their turn restarts
+        # Other rollouts sharing the engines: abort only ours, by cancellation (the client aborts
+        # each cancelled request by rid); the engine-wide abort would end theirs too.
+        grace_s = self.abort_timeout_s if self.exclusive else 0.0
+        if self.exclusive:
+            try:
+                await self.engine.pause("abort")
+                await self.engine.resume()
+            except Exception as e:  # noqa: BLE001 - cancellation below still ends them
+                logger.warning("engine abort of the over-sampled requests failed (%s); cancelling", e)
+                grace_s = 0.0  # cancelled requests are aborted by the client; their turn restarts
         _, still = await asyncio.wait(pending, timeout=grace_s) if grace_s else (set(), pending)
         for task in still:
             task.cancel()
@@ -263,5 +291,6 @@ class RolloutManager:
 
     def drop_carried(self) -> int:
         """Forget carried-over groups (e.g. when they became too stale); returns how many."""
-        n, self._carry = len(self._carry), []
+        n = len(self._carry)
+        self._carry.clear()
         return n

@@ -113,6 +113,7 @@ class WeightSynchronizer:
         version = str(policy_version)
         if self.is_coordinator:  # 1. pause
             self.engines.call_all("pause", self.pause_mode)
+            paused_at = time.perf_counter()
             if self.transport.needs_session:
                 self.engines.call_all("begin_weight_update")
         self._barrier()
@@ -128,6 +129,7 @@ class WeightSynchronizer:
             self._flush()  # 3. flush
             self.engines.call_all("update_weight_version", version)  # 4. weight_version
             self.engines.call_all("resume")  # 5. continue
+            stats["engine_paused_s"] = time.perf_counter() - paused_at  # generation stopped this long
             stats["engine_load_s"] = self.transport.stats.engine_load_s  # includes the disk reload
         stats["weight_sync_s"] = time.perf_counter() - start
         return self._reduce(stats)
@@ -203,7 +205,7 @@ class WeightSynchronizer:
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         """Max of the times and sum of the bytes over trainer ranks; plan-level byte ratios."""
-        times = ("weight_sync_s", "gather_s", "convert_s", "transfer_s", "engine_load_s")
+        times = ("weight_sync_s", "engine_paused_s", "gather_s", "convert_s", "transfer_s", "engine_load_s")
         sums = ("bytes_sent", "gather_bytes")
         tp = self.plan.engine_layout.tp_size
         rank_bytes = getattr(self, "_rank_bytes", [0] * tp) if self.is_sender else [0] * tp
@@ -213,7 +215,7 @@ class WeightSynchronizer:
         all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
         received = s[len(sums):].tolist()
         shard = self.plan.engine_shard_bytes()
-        out = {("timing/weight_sync_s" if k == "weight_sync_s" else f"weight_sync/{k}"): v
+        out = {(f"timing/{k}" if k in ("weight_sync_s", "engine_paused_s") else f"weight_sync/{k}"): v
                for k, v in zip(times, t.tolist())}
         out.update({f"weight_sync/{k}": v for k, v in zip(sums, s[:len(sums)].tolist())})
         out.update({"weight_sync/buckets": float(len(self.plan.buckets)),

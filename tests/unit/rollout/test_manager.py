@@ -163,3 +163,38 @@ async def test_engine_without_abort_falls_back_to_cancellation(tokenizer, script
     for traj in group.trajectories:  # the cancelled turn was redone from its start, counted once
         assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 1
         assert traj.metadata["final_text"] == "\\boxed{7}" and traj.metadata["num_generate_calls"] == 1
+
+
+@pytest.mark.timeout(60)
+async def test_concurrent_forks_stop_only_their_own_excess_and_share_carried_groups(tokenizer, scripted_engine):
+    """Async RL runs several steps' rollouts at once: one step ending its over-sampled groups must
+    not abort another step's requests, and partial groups are carried to whichever step is next."""
+    import asyncio
+
+    def script(ids, turn):
+        text = tokenizer.decode(ids)
+        if "slow" in text and turn == 0:
+            return Reply("thinking for a long while \\boxed{7}", delay_s=60, weight_version="0")
+        if "steady" in text:  # the other step's groups: a few seconds each
+            return Reply("\\boxed{7}" if turn % 2 else "\\boxed{8}", delay_s=1.5, weight_version="0")
+        return Reply("\\boxed{7}" if turn % 2 else "\\boxed{8}", weight_version="0")
+
+    engine = scripted_engine(script)
+    base = RolloutManager(engine, tokenizer, config(over_sample_prompts=1, partial_rollouts=True, group_size=2),
+                          filter_zero_variance=False)
+    step_a, step_b = base.fork(exclusive=False), base.fork(exclusive=False)
+    step_a.policy_version, step_b.policy_version = 3, 4
+    run_b = asyncio.ensure_future(step_b.generate_groups(iter(prompts("steady 1?", "steady 2?"))))
+    batch_a = await step_a.generate_groups(iter(prompts("fast 1?", "fast 2?", "slow 3?")))
+    assert len(batch_a.groups) == 2 and batch_a.metrics["rollout/groups_carried_over"] == 1
+    assert "abort" not in engine.paused_modes  # no engine-wide abort while step b runs
+    batch_b = await run_b
+    assert len(batch_b.groups) == 2 and all(t.status == RolloutStatus.COMPLETED
+                                            for g in batch_b.groups for t in g.trajectories)
+    assert {t.policy_version for g in batch_b.groups for t in g.trajectories} == {0}  # engine-reported
+    assert not step_a.ctx.stop_requested or step_b.ctx is not step_a.ctx
+    # the carried group is resumed by the next fork (shared), not by the one that parked it only
+    nxt = base.fork()
+    assert len(base._carry) == 1
+    batch_c = await nxt.generate_groups(iter(prompts("fast 4?")), num_groups=1)
+    assert batch_c.metrics["rollout/groups_resumed"] == 1 and not base._carry
