@@ -106,8 +106,10 @@ class TrainConfig:
     """Parameter / compute dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16``, ``fp16`` or ``fp32``."""
     fp8: Optional[str] = None
     """FP8 through Transformer Engine (GPU only): None, ``e4m3`` or ``hybrid``."""
-    fp8_recipe: str = "delayed"
-    """Transformer Engine FP8 recipe: ``delayed``, ``tensorwise``, ``blockwise`` or ``mxfp8``."""
+    fp8_recipe: str = "tensorwise"
+    """Transformer Engine FP8 recipe: ``tensorwise`` (current per-tensor scaling, sm_89+),
+    ``blockwise`` (sm_90, torch with CUDA 12.9+), ``mxfp8`` (sm_100) or ``delayed`` (amax history:
+    the old-logprob pass and the training forward quantise differently, so GSPO rejects it)."""
     routing_replay: str = "none"
     """MoE routing replay: ``none``; ``r2`` (replay routes recorded in the old-logprob pass);
     ``r3`` (replay the rollout engine's routes, Rollout Routing Replay, arXiv:2510.11370)."""
@@ -276,7 +278,8 @@ class WeightSyncConfig:
     verify: str = "first"
     """Check engine logprobs against the trainer after a sync: ``off``, ``first``, ``always``."""
     verify_tolerance: float = 1.0e-2
-    """Max allowed mean absolute logprob difference in verification."""
+    """Max allowed mean absolute logprob difference in verification (with ``train.fp8`` at least
+    ``megarl.training.fp8.FP8_VERIFY_TOLERANCE``: FP8 trainer GEMMs vs BF16 engine GEMMs)."""
     timeout_s: float = 600.0
     """Seconds before a sync is declared failed."""
 

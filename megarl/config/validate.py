@@ -214,11 +214,27 @@ def _check_precision(c: _Checker) -> None:
     t = c.cfg.train
     if t.fp8 is not None:
         c.check(not _device_is_cpu(c.cfg), "train.fp8",
+        _check_fp8_recipe(c)
                 "FP8 runs through Transformer Engine on CUDA GPUs only; set train.fp8=null on CPU")
         c.check(t.precision in ("bf16", "auto"), "train.precision", "FP8 training needs precision=bf16")
     if _device_is_cpu(c.cfg):
         c.check(t.precision in ("fp32", "auto"), "train.precision",
                 "CPU training runs in fp32 (Megatron-Core's CPU path); set train.precision=fp32")
+def _check_fp8_recipe(c: _Checker) -> None:
+    """FP8 recipe vs the algorithm and, where a GPU is visible, vs the device, torch and TE."""
+    from megarl.training.fp8 import HISTORY_FREE_RECIPES, fp8_support_error_here
+
+    recipe = c.cfg.train.fp8_recipe
+    if c.cfg.algorithm.policy_loss in ("gspo", "gspo_token"):
+        c.check(recipe in HISTORY_FREE_RECIPES or recipe not in CHOICES["train.fp8_recipe"], "train.fp8_recipe",
+                "delayed scaling quantises the old-logprob pass and the training forward with different "
+                "(history) scales, so GSPO's first sequence ratio is not 1 and its 3e-4 clip fires on FP8 "
+                f"noise; use one of {', '.join(HISTORY_FREE_RECIPES)}")
+    if recipe in CHOICES["train.fp8_recipe"] and not _device_is_cpu(c.cfg):
+        error = fp8_support_error_here(recipe)  # None where no GPU is visible: checked again at build
+        c.check(error is None, "train.fp8_recipe", str(error))
+
+
 
 
 def _check_cluster(c: _Checker) -> None:

@@ -64,7 +64,11 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
         else:
             if getattr(run, "probes", None) is None:
                 run.probes = probe_batch(run)
-            results = run.trainer.run_worker("verify_weights", run.probes, float(cfg.weight_sync.verify_tolerance))
+            from megarl.training.fp8 import verify_tolerance
+
+            # FP8 trainer logprobs vs the engine's BF16 ones: the tolerance covers quantisation.
+            tolerance = verify_tolerance(cfg.train, float(cfg.weight_sync.verify_tolerance))
+            results = run.trainer.run_worker("verify_weights", run.probes, tolerance)
             metrics.update(next((r for r in results if r), {}))
     run.synced_once = True
     versions = ray.get(run.rollout.weight_versions.remote(), timeout=120)

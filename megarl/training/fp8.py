@@ -13,14 +13,112 @@ maps are padded per expert (Megatron's ``moe_router_padding_for_fp8``).
 
 On CPU these settings are rejected (``megarl.config.validate`` does so before a run; `fp8_config`
 again at build time).
+
+Device support (:func:`fp8_support_error`, a pure function of the device's compute capability, the
+CUDA version torch was built with and the Transformer Engine version) follows TE's own checks
+(``check_fp8_support`` / ``check_fp8_block_scaling_support`` / ``check_mxfp8_support``, TE 2.3-2.9)
+and the TE versions Megatron-Core 0.16.1 needs per recipe (``fp8_utils.get_fp8_recipe``). It runs
+in ``megarl validate`` where a GPU is visible and again in `fp8_config` on every trainer rank, before
+the model is built.
+
+Recipe and the RL ratio. ``delayed`` scales each GEMM by the amax *history* of earlier iterations,
+so the old-logprob pass and the training forward on the same weights and tokens quantise
+differently and the first importance ratio is not 1: GSPO's 3e-4 clip then fires on quantisation
+noise. The default is ``tensorwise`` (current scaling: the scale comes from the tensor itself);
+``blockwise`` and ``mxfp8`` are history-free too. ``megarl validate`` rejects ``delayed`` with GSPO.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from megarl.config.schema import TrainConfig
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+HISTORY_FREE_RECIPES = ("tensorwise", "blockwise", "mxfp8")
+"""Recipes whose scales depend only on the current tensors (the same forward twice quantises alike)."""
 _TOKEN_MULTIPLE = {"delayed": 16, "tensorwise": 16, "blockwise": 128, "mxfp8": 32}
+MIN_TE_VERSION = {"delayed": "2.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0", "mxfp8": "2.1.0"}
+"""Transformer Engine needed per recipe (Megatron-Core 0.16.1 ``get_fp8_recipe``; 2.0 for its FP8 path)."""
+FP8_VERIFY_TOLERANCE = 0.1
+"""Mean |logprob| gap allowed in the post-sync check when the trainer runs FP8 GEMMs and the
+engine BF16 ones: the FP8-vs-BF16 gap bound of tests/gpu/test_trainer_gpu.py."""
+
+
+def _version(text: str):
+    from packaging.version import Version
+
+    return Version(text)
+
+
+def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: Optional[str],
+                      te_version: Optional[str]) -> Optional[str]:
+    """Why ``recipe`` cannot run on a device, or None when it can (pure; no GPU needed).
+
+    Args:
+        recipe: ``train.fp8_recipe``.
+        capability: the GPU's compute capability ``(major, minor)`` (H100: ``(9, 0)``).
+        torch_cuda: ``torch.version.cuda`` (the CUDA torch was built with), None for a CPU build.
+        te_version: the installed Transformer Engine's version, None when it is not installed.
+
+    Rules: every recipe needs sm_89+ (Ada needs CUDA 12.1+); ``blockwise`` needs sm_90+ and CUDA
+    12.9+, and sm_90 exactly (Hopper) before TE 2.9; ``mxfp8`` needs sm_100 up to, not including,
+    sm_120; TE at least :data:`MIN_TE_VERSION`.
+    """
+    if recipe not in FP8_RECIPES:
+        return f"train.fp8_recipe={recipe!r}: expected one of {FP8_RECIPES}"
+    if te_version is None:
+        return "FP8 runs through Transformer Engine, which is not installed"
+    if _version(te_version) < _version(MIN_TE_VERSION[recipe]):
+        return f"fp8_recipe={recipe} needs Transformer Engine >= {MIN_TE_VERSION[recipe]}, found {te_version}"
+    if torch_cuda is None:
+        return "FP8 needs a CUDA build of torch"
+    sm = f"sm_{capability[0]}{capability[1]}"
+    cuda = _version(torch_cuda)
+    if tuple(capability) < (8, 9):
+        return f"FP8 needs compute capability 8.9 or higher (Ada, Hopper, Blackwell); this GPU is {sm}"
+    if recipe in ("delayed", "tensorwise") and tuple(capability) < (9, 0) and cuda < _version("12.1"):
+        return f"FP8 on Ada ({sm}) needs CUDA 12.1 or higher; torch is built with CUDA {torch_cuda}"
+    if recipe == "blockwise":
+        hopper_only = _version(te_version) < _version("2.9")
+        if tuple(capability) < (9, 0) or (hopper_only and tuple(capability) >= (10, 0)):
+            where = "Hopper (sm_90)" if hopper_only else "compute capability 9.0 or higher"
+            return (f"fp8_recipe=blockwise needs {where} with Transformer Engine {te_version}; this GPU "
+                    f"is {sm} (use tensorwise{', or mxfp8 on Blackwell' if capability[0] == 10 else ''})")
+        if cuda < _version("12.9"):
+            return (f"fp8_recipe=blockwise needs a torch built with CUDA 12.9 or higher; torch is built "
+                    f"with CUDA {torch_cuda} (use tensorwise)")
+    if recipe == "mxfp8" and not (10, 0) <= tuple(capability) < (12, 0):
+        return f"fp8_recipe=mxfp8 needs Blackwell datacenter GPUs (sm_100 / sm_103); this GPU is {sm}"
+    return None
+
+
+def installed_te_version() -> Optional[str]:
+    """The installed Transformer Engine's version (package metadata), or None."""
+    from importlib import metadata
+
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def fp8_support_error_here(recipe: str) -> Optional[str]:
+    """:func:`fp8_support_error` for this process's current CUDA device (None without a GPU: unknown)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return fp8_support_error(recipe, capability=tuple(torch.cuda.get_device_capability()),
+                             torch_cuda=torch.version.cuda, te_version=installed_te_version())
+
+
+def verify_tolerance(train_cfg: TrainConfig, tolerance: float) -> float:
+    """The post-sync check's tolerance (``weight_sync.verify_tolerance``), widened to
+    :data:`FP8_VERIFY_TOLERANCE` when the trainer's logprobs come from FP8 GEMMs."""
+    return tolerance if train_cfg.fp8 is None else max(tolerance, FP8_VERIFY_TOLERANCE)
 
 
 def fp8_config(train_cfg: TrainConfig, *, is_moe: bool, cuda: bool) -> dict:
@@ -35,7 +133,8 @@ def fp8_config(train_cfg: TrainConfig, *, is_moe: bool, cuda: bool) -> dict:
         ``{"fp8": ..., "fp8_recipe": ..., ...}`` for ``build_model(extra_config=...)``.
 
     Raises:
-        ValueError: FP8 requested without CUDA, or an unknown format / recipe (names the field).
+        ValueError: FP8 requested without CUDA, an unknown format / recipe, or a recipe this GPU,
+            torch build or Transformer Engine cannot run (names the field).
     """
     if train_cfg.fp8 is None:
         return {}
@@ -45,6 +144,9 @@ def fp8_config(train_cfg: TrainConfig, *, is_moe: bool, cuda: bool) -> dict:
         raise ValueError(f"train.fp8_recipe must be one of {FP8_RECIPES}, got {train_cfg.fp8_recipe!r}")
     if not cuda:
         raise ValueError("train.fp8 needs CUDA and Transformer Engine; set train.fp8=null on CPU")
+    error = fp8_support_error_here(train_cfg.fp8_recipe)
+    if error:
+        raise ValueError(f"train.fp8_recipe={train_cfg.fp8_recipe}: {error}")
     extra = {"fp8": train_cfg.fp8, "fp8_recipe": train_cfg.fp8_recipe}
     if train_cfg.fp8_recipe == "delayed":
         # Megatron-LM's usual delayed-scaling settings: scale from the max amax of a long history.

@@ -5,6 +5,7 @@
 - An FP8 training step (Transformer Engine, delayed scaling and current tensorwise scaling) runs
   and its loss stays within 5% (relative) of the BF16 step's on the same batch and weights; the
   FP8 logprobs stay within 0.1 nats (mean absolute) of BF16's.
+- Under the default history-free FP8 recipe (tensorwise) GSPO's first sequence ratio is 1.
 """
 import pytest
 import torch
@@ -104,3 +105,27 @@ def test_fp8_step_runs_close_to_bf16(tiny_moe_dir):
         assert torch.isfinite(torch.tensor([loss, grad_norm])).all(), name
         assert loss == pytest.approx(bf16_loss, rel=0.05), name
         assert float((logprobs - bf16_logprobs)[batch.loss_mask].abs().mean()) < 0.1, name
+
+
+def _first_ratio_worker(rank, world_size, hf_dir, batch):
+    from megarl.training.parallel_state import destroy_parallel
+
+    trainer = _trainer(_cfg(hf_dir, fp8="e4m3", fp8_recipe="tensorwise"), "te")
+    metrics = trainer.train_step(batch)  # old_logprobs: the no-grad pass on the same weights
+    destroy_parallel()
+    return {k: v for k, v in metrics.items() if k.startswith("loss/")}
+
+
+@pytest.mark.timeout(600)
+def test_fp8_tensorwise_first_gspo_ratio_is_one(tiny_moe_dir):
+    """Issue 18 item 11: with a history-free recipe (the default, ``tensorwise``) the old-logprob pass
+    and the training forward quantise alike, so GSPO's first sequence ratio is 1 (well inside its
+    3e-4 clip) and no sequence is clipped."""
+    from megarl.config.schema import TrainConfig
+
+    assert TrainConfig().fp8_recipe == "tensorwise"
+    batch = _batch(tiny_moe_dir)  # old_logprobs unset: train_step computes them
+    m = run_ranks(_first_ratio_worker, 1, args=(str(tiny_moe_dir), batch), backend="nccl", timeout_s=540)[0]
+    assert abs(m["loss/seq_importance_ratio_min"] - 1) < 1e-5, m
+    assert abs(m["loss/seq_importance_ratio_max"] - 1) < 1e-5, m
+    assert m["loss/clip_frac_low"] == 0 and m["loss/clip_frac_high"] == 0, m
