@@ -214,9 +214,9 @@ def _check_precision(c: _Checker) -> None:
     t = c.cfg.train
     if t.fp8 is not None:
         c.check(not _device_is_cpu(c.cfg), "train.fp8",
-        _check_fp8_recipe(c)
                 "FP8 runs through Transformer Engine on CUDA GPUs only; set train.fp8=null on CPU")
         c.check(t.precision in ("bf16", "auto"), "train.precision", "FP8 training needs precision=bf16")
+        _check_fp8_recipe(c)
     if _device_is_cpu(c.cfg):
         c.check(t.precision in ("fp32", "auto"), "train.precision",
                 "CPU training runs in fp32 (Megatron-Core's CPU path); set train.precision=fp32")
