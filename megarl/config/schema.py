@@ -203,8 +203,10 @@ class EngineConfig:
     """TP size of each SGLang engine (GPUs per engine without EP)."""
     expert_parallel_size: int = 1
     """EP size inside each SGLang engine."""
-    host: str = "127.0.0.1"
-    """Address the engines bind."""
+    host: str = "auto"
+    """Address each engine binds and advertises. ``auto``: its node's address when the Ray cluster
+    spans several hosts (trainer ranks and the rollout worker must reach it), ``127.0.0.1`` when it
+    is on one host. An explicit loopback address on a multi-host cluster is an error at start."""
     base_port: int = 30000
     """First HTTP port; engine i uses a free port at or above base_port + 10 * i."""
     mem_fraction_static: float = 0.8

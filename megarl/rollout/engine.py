@@ -62,6 +62,17 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+AUTO_HOST = "auto"
+"""``rollout.engine.host`` default: the engine's node address when other hosts must reach the engine
+(resolved on its node by :func:`megarl.rollout.engine_actor.engine_host`), else ``127.0.0.1``."""
+LOOPBACK = "127.0.0.1"
+
+
+def local_host(host: str) -> str:
+    """``host`` for a server used from this host only: :data:`AUTO_HOST` -> ``127.0.0.1``."""
+    return LOOPBACK if host == AUTO_HOST else host
+
+
 def find_free_port(host: str = "127.0.0.1", start: int | None = None) -> int:
     """A TCP port free on ``host`` now: the first free one at or above ``start``, else any."""
     candidates = range(start, min(start + 1000, 65536)) if start else [0]
@@ -98,7 +109,9 @@ class EngineProcess:
     Args:
         model_path: Hugging Face model directory served by the engine.
         port: HTTP port; None picks a free one at :meth:`start`.
-        host: address to bind (``127.0.0.1`` unless the cluster config says otherwise).
+        host: address to bind and advertise in :attr:`url`; ``auto`` (:data:`AUTO_HOST`) means
+            ``127.0.0.1`` here (the Ray actor of a multi-host run resolves it to the node's
+            address first: :class:`megarl.rollout.engine_actor.EngineActor`).
         tp_size: tensor-parallel size of the engine (``--tp``).
         ep_size: expert-parallel size within the engine (``--ep-size``; SGLang splits the experts
             over ``ep_size`` of the ``tp_size`` ranks, so it must divide ``tp_size``).
@@ -134,7 +147,7 @@ class EngineProcess:
         if ep_size < 1 or tp_size % ep_size:
             raise ValueError(f"engine ep_size must be >= 1 and divide tp_size={tp_size}, got {ep_size}")
         self.model_path = str(model_path)
-        self.host = host
+        self.host = local_host(host)
         self.port = port
         self.tp_size = tp_size
         self.ep_size = ep_size
@@ -395,7 +408,7 @@ def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
     engines: list[EngineProcess] = []
     try:
         for i in range(cfg.num_engines):
-            port = find_free_port(ecfg.host, ecfg.base_port + 10 * i)
+            port = find_free_port(local_host(ecfg.host), ecfg.base_port + 10 * i)
             log_path = Path(log_dir) / f"engine{i}.log" if log_dir else None
             engines.append(EngineProcess(
                 model_path, port=port, host=ecfg.host, tp_size=ecfg.tensor_parallel_size,

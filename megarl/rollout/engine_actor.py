@@ -10,15 +10,65 @@ Usage (the launch layer does this)::
     url = ray.get(actor.start.remote(timeout_s=600))
 
 Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor; the server process inherits it.
+
+Address (``rollout.engine.host``, :func:`engine_host`): with ``auto`` (the default) the server binds
+and advertises its node's Ray address when the Ray cluster spans more than one host (the rollout
+worker and the trainer's weight-sync sender may sit on another node), and ``127.0.0.1`` when every
+Ray node is on this host.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
-from typing import Any
+from typing import Any, Iterable
 
-from megarl.rollout.engine import EngineProcess
+from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def engine_host(host: str, node_ip: str, node_ips: Iterable[str]) -> str:
+    """The address an engine binds (and, unless a wildcard, advertises) on its node.
+
+    Args:
+        host: ``rollout.engine.host``: ``auto``, an address, a host name or a wildcard.
+        node_ip: the Ray address of the engine's node.
+        node_ips: the Ray addresses of every alive node of the cluster.
+
+    Returns:
+        ``auto``: ``node_ip`` when some node has another address (other hosts must reach the
+        engine), else ``127.0.0.1`` (a single-host run stays on loopback). Anything else as given.
+
+    Raises:
+        ValueError: ``host`` is a loopback address while the cluster spans several hosts (the
+            engine would be unreachable from the other nodes); the message names the field.
+    """
+    multi_host = any(ip != node_ip for ip in node_ips)
+    if host == AUTO_HOST:
+        return node_ip if multi_host else LOOPBACK
+    if multi_host and _is_loopback(host):
+        others = sorted({ip for ip in node_ips if ip != node_ip})
+        raise ValueError(f"rollout.engine.host={host} is a loopback address, but the Ray cluster spans "
+                         f"several hosts ({node_ip} and {', '.join(others)}): the rollout worker and the "
+                         f"weight-sync sender on other nodes could not reach the engine; use `auto` (the "
+                         f"node's address) or an address of this node")
+    return host
+
+
+def _cluster_addresses() -> tuple[str, list[str]]:
+    """``(this node's Ray address, every alive node's Ray address)``."""
+    import ray
+
+    return ray.util.get_node_ip_address(), [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
 
 
 class EngineActor:
@@ -31,6 +81,8 @@ class EngineActor:
     """
 
     def __init__(self, model_path: str | os.PathLike, **engine_kwargs: Any) -> None:
+        self.node_ip, node_ips = _cluster_addresses()
+        engine_kwargs["host"] = engine_host(engine_kwargs.get("host", AUTO_HOST), self.node_ip, node_ips)
         self.engine = EngineProcess(model_path, **engine_kwargs)
 
     def start(self, timeout_s: float = 600.0) -> str:
@@ -43,12 +95,8 @@ class EngineActor:
         return self.url()
 
     def url(self) -> str:
-        """``http://<node address>:<port>``: the node's IP when the server binds a wildcard."""
-        host = self.engine.host
-        if host in _WILDCARD_HOSTS:
-            import ray
-
-            host = ray.util.get_node_ip_address()
+        """``http://<address>:<port>``: the bound address, or the node's when it is a wildcard."""
+        host = self.node_ip if self.engine.host in _WILDCARD_HOSTS else self.engine.host
         return f"http://{host}:{self.engine.port}"
 
     def health(self) -> bool:

@@ -70,12 +70,44 @@ def test_external_engines_launch_nothing():
     assert launch_engines(cfg, "/m", device="cpu") == []
 
 
-def test_engine_actor_advertises_node_address_for_wildcard_bind(monkeypatch):
-    import ray.util
+def _on_cluster(monkeypatch, node_ip: str, node_ips: list[str]) -> None:
+    """EngineActor as if Ray had placed it on ``node_ip`` of a cluster with nodes at ``node_ips``."""
+    from megarl.rollout import engine_actor
 
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    monkeypatch.setattr(engine_actor, "_cluster_addresses", lambda: (node_ip, node_ips), raising=False)
+
+
+def test_engine_actor_advertises_node_address_for_wildcard_bind(monkeypatch):
+    _on_cluster(monkeypatch, "10.1.2.3", ["10.1.2.3"])
     assert EngineActor("/m", device="cpu", host="0.0.0.0", port=31001).url() == "http://10.1.2.3:31001"
     assert EngineActor("/m", device="cpu", port=31002).url() == "http://127.0.0.1:31002"
+
+
+def test_default_engine_host_is_reachable_from_other_nodes(monkeypatch):
+    # Issue 18 item 7: with the config's default host the engine bound and advertised 127.0.0.1,
+    # which the rollout worker and the weight-sync sender on another node cannot reach.
+    from megarl.config.schema import EngineConfig
+
+    default_host = EngineConfig().host
+    _on_cluster(monkeypatch, "10.231.0.2", ["10.231.0.1", "10.231.0.2"])  # engine on node2 of two
+    actor = EngineActor("/m", device="cpu", host=default_host, port=31003)
+    assert actor.url() == "http://10.231.0.2:31003"
+    assert _flag(actor.engine.command(), "--host") == "10.231.0.2"  # binds the address it advertises
+    # Every Ray node on one host (one machine, or the single-namespace local Slurm): loopback.
+    _on_cluster(monkeypatch, "127.0.0.1", ["127.0.0.1", "127.0.0.1"])
+    assert EngineActor("/m", device="cpu", host=default_host, port=31004).url() == "http://127.0.0.1:31004"
+    _on_cluster(monkeypatch, "10.0.0.7", ["10.0.0.7"])
+    assert EngineActor("/m", device="cpu", host=default_host, port=31005).url() == "http://127.0.0.1:31005"
+    # Outside Ray (EngineProcess on its own): this host only.
+    assert EngineProcess("/m", device="cpu", host=default_host, port=31006).url == "http://127.0.0.1:31006"
+
+
+def test_loopback_engine_host_on_a_multi_host_cluster_is_refused(monkeypatch):
+    _on_cluster(monkeypatch, "10.231.0.2", ["10.231.0.1", "10.231.0.2"])
+    for host in ("127.0.0.1", "localhost"):
+        with pytest.raises(ValueError, match=f"rollout.engine.host={host} is a loopback address.*10.231.0.1"):
+            EngineActor("/m", device="cpu", host=host, port=31007)
+    assert EngineActor("/m", device="cpu", host="10.231.0.2", port=31008).url() == "http://10.231.0.2:31008"
 
 
 @pytest.mark.timeout(150)
