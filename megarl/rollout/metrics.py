@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from megarl.rollout.rewards.composite import reward_term_metrics
 from megarl.rollout.types import RolloutStatus, Trajectory
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -66,6 +67,7 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     statuses = Counter(t.status for t in trajectories)
     for status in RolloutStatus:
         out[f"rollout/status/{status.value}_frac"] = statuses.get(status, 0) / len(trajectories)
+    out.update(reward_term_metrics(trajectories))  # reward/<term>, reward/<term>_weight (composite)
     return out
 
 
