@@ -31,6 +31,9 @@ def prepare_config(path: str, overrides: Sequence[str]) -> DictConfig:
     from megarl.testing.tiny_model import resolve_model_path
 
     cfg = load_config(path, overrides)
+    from megarl.plugins import absolute_specs
+
+    absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
     if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
         return validate(cfg)
     try:

@@ -177,7 +177,8 @@ class AgentConfig:
     """The multi-turn agent loop."""
 
     name: str = "tool_agent"
-    """Agent loop, by registry name (``tool_agent`` or ``single_turn``)."""
+    """Agent loop, by registry name (``tool_agent``, ``single_turn``, or one a plugin registers) or
+    import path (``my_pkg.agents:my_loop``)."""
     max_turns: int = 4
     """Maximum generate calls per trajectory."""
     max_response_tokens: int = 1024
@@ -246,9 +247,9 @@ class RolloutConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The agent loop."""
     tools: Dict[str, Any] = field(default_factory=dict)
-    """Tools by registry name -> their settings (``{python: {timeout_s: 5}}``)."""
+    """Tools by registry name or import path -> their settings (``{python: {timeout_s: 5}}``)."""
     reward: str = "gsm8k"
-    """Reward function, by registry name."""
+    """Reward function, by registry name or import path (``my_pkg.tasks:ExactMatch``)."""
     reward_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Settings of the reward function."""
     async_mode: bool = False
@@ -294,6 +295,11 @@ class DataConfig:
     """Training prompts (jsonl or parquet)."""
     eval_path: Optional[str] = None
     """Held-out prompts for evaluation."""
+    dataset: str = "file"
+    """Reader of ``train_path`` / ``eval_path``: ``file`` (jsonl or parquet), or a reader a plugin
+    registers / an import path: ``reader(path, **dataset_kwargs) -> list of row dicts``."""
+    dataset_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the dataset reader."""
     prompt_key: str = "question"
     """Field holding the prompt text."""
     answer_key: str = "answer"
@@ -434,4 +440,7 @@ class MegarlConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    plugins: List[str] = field(default_factory=list)
+    """User modules (dotted names or ``.py`` files) imported before anything is built, in the
+    driver and in every Ray worker; they register tools, rewards, agent loops and datasets."""
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)

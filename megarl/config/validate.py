@@ -7,7 +7,6 @@ YAML) and checked against the parallel layout.
 """
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ CHOICES: dict[str, tuple] = {
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "algorithm.rollout_correction": ("none", "tis", "mis", "icepop", "decoupled"),
     "algorithm.rollout_correction_level": ("token", "sequence"),
-    "rollout.agent.name": ("tool_agent", "single_turn"),
     "weight_sync.transport": ("distributed", "shard", "tensor", "disk"),
     "weight_sync.backend": ("auto", "nccl", "gloo"),
     "weight_sync.pause_mode": ("retract", "abort", "in_place"),
@@ -341,6 +339,8 @@ def _check_model(c: _Checker) -> None:
 
 def _check_paths(c: _Checker) -> None:
     d = c.cfg.data
+    if d.get("dataset", "file") != "file":  # a plugin's reader decides what its paths mean
+        return
     c.check(Path(d.train_path).is_file(), "data.train_path", "file not found (jsonl or parquet)")
     if d.eval_path is not None:
         c.check(Path(d.eval_path).is_file(), "data.eval_path", "file not found (jsonl or parquet)")
@@ -348,25 +348,13 @@ def _check_paths(c: _Checker) -> None:
         c.check(Path(c.cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", "directory not found")
 
 
-def _registry_names(module: str, registry: str) -> set[str] | None:
-    """Names registered in ``module.registry`` (a dict), or None when the module is unavailable."""
-    try:
-        return set(getattr(importlib.import_module(module), registry))
-    except (ImportError, AttributeError):
-        return None
-
-
 def _check_plugins(c: _Checker) -> None:
-    r = c.cfg.rollout
-    tools = _registry_names("megarl.rollout.tools", "TOOL_REGISTRY")
-    if tools is not None:
-        for name in r.tools:
-            c.check(name in tools, f"rollout.tools.{name}",
-                    f"unknown tool; registered tools: {', '.join(sorted(tools))}", value=name)
-    rewards = _registry_names("megarl.rollout.rewards", "REWARD_REGISTRY")
-    if rewards is not None:
-        c.check(r.reward in rewards, "rollout.reward",
-                f"unknown reward; registered rewards: {', '.join(sorted(rewards))}")
+    """``plugins`` import; tools, reward, agent loop and dataset resolve through their registries or
+    import paths and fit their protocols (:mod:`megarl.config.plugin_check`)."""
+    from megarl.config.plugin_check import plugin_issues
+
+    for key, message, value in plugin_issues(c.cfg):
+        c.check(False, key, message, value=value)
 
 
 def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:

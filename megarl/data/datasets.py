@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 Row = dict[str, Any]
 
@@ -71,6 +71,50 @@ def _read_parquet(p: Path) -> list[Row]:
     return pq.read_table(p).to_pylist()
 
 
+DatasetReader = Callable[..., Sequence[Row]]
+DATASET_REGISTRY: dict[str, DatasetReader] = {"file": read_rows}
+"""``data.dataset`` -> reader ``(path, **data.dataset_kwargs) -> rows``; ``file`` reads jsonl / parquet."""
+
+
+def register_dataset(name: str) -> Callable[[DatasetReader], DatasetReader]:
+    """Decorator adding a dataset reader ``(path, **kwargs) -> list of row dicts`` to
+    :data:`DATASET_REGISTRY` (``path`` is ``data.train_path`` or ``data.eval_path``, verbatim).
+
+    Raises:
+        ValueError: ``name`` is already registered to another reader.
+    """
+    def decorator(reader: DatasetReader) -> DatasetReader:
+        if name in DATASET_REGISTRY and DATASET_REGISTRY[name] is not reader:
+            raise ValueError(f"dataset {name!r} is already registered")
+        DATASET_REGISTRY[name] = reader
+        return reader
+    return decorator
+
+
+def load_rows(dataset: str, path: str, **kwargs: Any) -> list[Row]:
+    """The rows ``data.dataset`` (registry name or import path) reads from ``path``.
+
+    Raises:
+        DatasetError: the reader failed or did not return rows (the message names ``data.dataset``).
+        megarl.plugins.PluginError: unknown name or unloadable import path.
+    """
+    from megarl.plugins import resolve
+
+    reader = resolve(dataset, DATASET_REGISTRY, key="data.dataset", kind="dataset")
+    if reader is read_rows and not kwargs:
+        return read_rows(path)
+    try:
+        rows = list(reader(path, **kwargs))
+    except DatasetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's reader; reported with its key
+        raise DatasetError(f"data.dataset={dataset!r} failed on {path}: {type(e).__name__}: {e}") from e
+    if not all(isinstance(row, dict) for row in rows):
+        raise DatasetError(f"data.dataset={dataset!r} must return dict rows (got "
+                           f"{type(next(r for r in rows if not isinstance(r, dict))).__name__})")
+    return rows
+
+
 def write_jsonl(path: str | os.PathLike, rows: Sequence[Row]) -> Path:
     """Write rows as JSON lines (parents created). Returns the path."""
     p = Path(path)
@@ -111,13 +155,15 @@ class PromptDataset:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, *, prompt_key: str = "question",
-                  answer_key: str = "answer", max_rows: int | None = None) -> "PromptDataset":
-        """Load a dataset file (see :func:`read_rows`), keeping at most ``max_rows`` rows.
+                  answer_key: str = "answer", max_rows: int | None = None, dataset: str = "file",
+                  dataset_kwargs: dict[str, Any] | None = None) -> "PromptDataset":
+        """Load a dataset file (see :func:`read_rows`) or the rows a ``dataset`` reader returns for
+        ``path`` (see :func:`load_rows`), keeping at most ``max_rows`` rows.
 
         Raises:
             DatasetError: unreadable file, empty dataset, or a row without the prompt/answer field.
         """
-        rows = read_rows(path)
+        rows = load_rows(dataset, str(path), **dict(dataset_kwargs or {}))
         if max_rows is not None:
             rows = rows[:max_rows]
         return cls(rows, prompt_key=prompt_key, answer_key=answer_key, path=str(path))

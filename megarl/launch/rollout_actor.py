@@ -84,12 +84,14 @@ class RolloutWorker:
         from omegaconf import OmegaConf
         from transformers import AutoTokenizer
 
+        from megarl.plugins import import_plugins
         from megarl.rollout.client import SGLangClient
         from megarl.rollout.manager import RolloutManager
         from megarl.rollout.router import Router
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         cfg = OmegaConf.create(cfg_yaml)
+        import_plugins(cfg.get("plugins") or [])  # the tools, reward and agent loop they register
         self.cfg = cfg
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         timeout = float(cfg.rollout.engine.request_timeout_s)

@@ -53,11 +53,12 @@ def load_datasets(cfg: Any) -> tuple[PromptDataset, list[dict] | None]:
         megarl.data.datasets.DatasetError: unreadable file or missing fields (names the file/row).
     """
     data = cfg.data
-    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    reader = dict(dataset=data.get("dataset", "file"), dataset_kwargs=dict(data.get("dataset_kwargs") or {}))
+    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key, **reader)
     eval_rows = None
     if data.eval_path:
         held = PromptDataset.from_file(data.eval_path, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                                       max_rows=data.max_eval_samples)
+                                       max_rows=data.max_eval_samples, **reader)
         eval_rows = held.rows
     return train, eval_rows
 
@@ -123,7 +124,9 @@ class Run:
         metric sinks) is done before Ray starts.
         """
         from megarl.launch.sft import prepare_demonstrations, run_cold_start
+        from megarl.plugins import import_plugins
 
+        import_plugins(cfg.get("plugins") or [])  # user datasets, before the data is read
         run_dir = prepare_run_dir(cfg)
         dataset, eval_rows = load_datasets(cfg)
         sampler = ResumableSampler(len(dataset), seed=int(cfg.train.seed), shuffle=bool(cfg.data.shuffle))

@@ -49,11 +49,14 @@ class TrainerWorker:
                            "LOCAL_RANK": str(local_rank)})
         from omegaconf import OmegaConf
 
+        from megarl.plugins import import_plugins
         from megarl.training.build import build_trainer
 
+        cfg = OmegaConf.create(cfg_yaml)
+        import_plugins(cfg.get("plugins") or [])  # user modules, before anything is built
         # build_trainer initialises torch.distributed from RANK / WORLD_SIZE / MASTER_* (gloo on
         # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
-        self.trainer = build_trainer(OmegaConf.create(cfg_yaml))
+        self.trainer = build_trainer(cfg)
         return self.rank
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

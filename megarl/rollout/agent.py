@@ -349,16 +349,29 @@ AGENT_REGISTRY: dict[str, AgentLoop] = {"tool_agent": tool_agent, "single_turn":
 """``rollout.agent.name`` -> agent loop coroutine function."""
 
 
-def get_agent_loop(name: str) -> AgentLoop:
-    """The agent loop registered as ``name``.
+def register_agent(name: str) -> Callable[[AgentLoop], AgentLoop]:
+    """Decorator adding an agent loop (``async def loop(ctx, state)``) to :data:`AGENT_REGISTRY`.
 
     Raises:
-        ValueError: unknown name.
+        ValueError: ``name`` is already registered to another loop.
     """
-    if name not in AGENT_REGISTRY:
-        raise ValueError(f"rollout.agent.name: unknown agent loop {name!r} "
-                         f"(known: {sorted(AGENT_REGISTRY)})")
-    return AGENT_REGISTRY[name]
+    def decorator(loop: AgentLoop) -> AgentLoop:
+        if name in AGENT_REGISTRY and AGENT_REGISTRY[name] is not loop:
+            raise ValueError(f"agent loop {name!r} is already registered")
+        AGENT_REGISTRY[name] = loop
+        return loop
+    return decorator
+
+
+def get_agent_loop(name: str) -> AgentLoop:
+    """The agent loop registered as ``name``, or named by an import path (``my_pkg.agents:loop``).
+
+    Raises:
+        ValueError: unknown name or unloadable import path (:class:`megarl.plugins.PluginError`).
+    """
+    from megarl.plugins import resolve
+
+    return resolve(name, AGENT_REGISTRY, key="rollout.agent.name", kind="agent loop")
 
 
 async def run_agent(loop: AgentLoop, ctx: AgentContext, state: TrajectoryState) -> Trajectory:

@@ -1,9 +1,10 @@
-"""Tool registry: YAML ``rollout.tools`` maps registry names to constructor settings.
+"""Tool registry: YAML ``rollout.tools`` maps registry names (or import paths) to constructor settings.
 
     rollout:
       tools:
         python: {timeout_s: 5, memory_mb: 512}
         calculator: {}
+        my_pkg.tasks:SearchTool: {top_k: 3}      # an import path (see megarl.plugins)
 """
 from __future__ import annotations
 
@@ -33,20 +34,23 @@ def build_tools(settings: Mapping[str, Mapping[str, Any] | None]) -> dict[str, T
     """Instantiate the tools named in ``rollout.tools``.
 
     Args:
-        settings: registry name -> keyword arguments (None or {} for defaults).
+        settings: registry name or ``module:Class`` import path -> keyword arguments (None or {}
+            for defaults).
 
     Returns:
         Tool name (as the model calls it) -> tool instance, in the order given.
 
     Raises:
-        ValueError: an unknown tool name, or settings the tool rejects (the message names the key).
+        ValueError: an unknown tool name or import path (:class:`megarl.plugins.PluginError`), or
+            settings the tool rejects (the message names the key).
     """
+    from megarl.plugins import resolve
+
     tools: dict[str, Tool] = {}
     for name, kwargs in settings.items():
-        if name not in TOOL_REGISTRY:
-            raise ValueError(f"rollout.tools.{name}: unknown tool (known: {sorted(TOOL_REGISTRY)})")
+        factory = resolve(str(name), TOOL_REGISTRY, key=f"rollout.tools.{name}", kind="tool")
         try:
-            tool = TOOL_REGISTRY[name](**dict(kwargs or {}))
+            tool = factory(**dict(kwargs or {}))
         except TypeError as e:
             raise ValueError(f"rollout.tools.{name}: {e}") from e
         if not isinstance(tool, Tool):

@@ -1,0 +1,206 @@
+"""Plugins: user modules named in YAML register tools, rewards, agent loops and datasets; import paths
+name them directly; `megarl validate` imports and checks them, naming the YAML key of each problem."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import main as cli_main
+from megarl.config import load_config
+from megarl.plugins import PluginError, absolute_specs, import_plugins, resolve
+
+REPO = Path(__file__).resolve().parents[2]
+
+TASK = '''
+import asyncio
+from megarl.data.datasets import register_dataset
+from megarl.rollout.agent import register_agent, single_turn
+from megarl.rollout.rewards import register_reward
+from megarl.rollout.tools import register_tool
+
+
+@register_tool("{prefix}_echo")
+class Echo:
+    name = "echo"
+
+    def __init__(self, *, upper: bool = False):
+        self.upper = upper
+        self.schema = {{"type": "function", "function": {{"name": "echo", "description": "echo",
+                       "parameters": {{"type": "object", "properties": {{"text": {{"type": "string"}}}}}}}}}}
+
+    async def __call__(self, arguments):
+        return arguments["text"].upper() if self.upper else arguments["text"]
+
+
+class SyncTool:
+    name = "sync"
+    schema = {{}}
+
+    def __call__(self, arguments):
+        return "not a coroutine"
+
+
+@register_reward("{prefix}_length")
+class Length:
+    def __init__(self, *, scale: float = 1.0):
+        self.scale = scale
+
+    def __call__(self, trajectory, sample):
+        return self.scale * len(sample["question"])
+
+
+def exact(trajectory, sample, *, bonus=0.0):
+    return 1.0 + bonus
+
+
+@register_agent("{prefix}_once")
+async def once(ctx, state):
+    await single_turn(ctx, state)
+
+
+@register_dataset("{prefix}_numbers")
+def numbers(path, *, count=3):
+    return [{{"question": f"{{path}} {{i}}", "answer": str(i)}} for i in range(count)]
+'''
+
+
+def write_task(tmp_path: Path, prefix: str) -> Path:
+    path = tmp_path / "my_task.py"
+    path.write_text(TASK.format(prefix=prefix))
+    return path
+
+
+@pytest.fixture()
+def base_overrides(tiny_moe_dir):
+    data = REPO / "data" / "gsm8k"
+    return [f"model.hf_path={tiny_moe_dir}", f"data.train_path={data / 'train.jsonl'}", "data.eval_path=null",
+            "cluster.device=cpu", "train.precision=fp32", "train.global_batch_size=16",
+            "rollout.num_prompts_per_step=4", "rollout.group_size=4"]
+
+
+def validate(monkeypatch, capsys, overrides):
+    monkeypatch.chdir(REPO)
+    code = cli_main(["validate", "configs/base.yaml", *overrides])
+    return code, capsys.readouterr()
+
+
+async def test_a_plugin_file_registers_names_used_by_the_builders(tmp_path):
+    from megarl.data.datasets import load_rows
+    from megarl.rollout.agent import get_agent_loop
+    from megarl.rollout.rewards import build_reward
+    from megarl.rollout.tools import build_tools
+
+    task = write_task(tmp_path, "reg")
+    (module,) = import_plugins([str(task)])
+    assert import_plugins([str(task)]) == [module]  # idempotent: every worker may import it again
+    tools = build_tools({"reg_echo": {"upper": True}})
+    assert await tools["echo"]({"text": "hi"}) == "HI"
+    assert build_reward("reg_length", scale=2.0)(None, {"question": "abc"}) == 6.0
+    assert get_agent_loop("reg_once") is module.once
+    assert load_rows("reg_numbers", "p", count=2) == [{"question": "p 0", "answer": "0"},
+                                                      {"question": "p 1", "answer": "1"}]
+    # Import paths name objects without registering them; a reward function gets reward_kwargs.
+    assert build_reward(f"{task}:exact", bonus=0.5)(None, {}) == 1.5
+    assert await build_tools({f"{task}:Echo": {}})["echo"]({"text": "x"}) == "x"
+
+
+def test_validate_accepts_plugins_and_import_paths(tmp_path, monkeypatch, capsys, base_overrides):
+    task = write_task(tmp_path, "ok")
+    code, out = validate(monkeypatch, capsys, [*base_overrides, f"plugins=[{task}]", "rollout.tools={ok_echo: {upper: true}}",
+                                               f"rollout.reward={task}:exact", "rollout.reward_kwargs={bonus: 1.0}",
+                                               "rollout.agent.name=ok_once", "data.dataset=ok_numbers",
+                                               "data.train_path=anything"])
+    assert code == 0, out.err
+    assert out.out.startswith("OK configs/base.yaml")
+
+
+def test_validate_names_the_key_of_each_bad_name(tmp_path, monkeypatch, capsys, base_overrides):
+    task = write_task(tmp_path, "bad")
+    code, out = validate(monkeypatch, capsys, [
+        *base_overrides, f"plugins=[{task}]",
+        "rollout.tools={bad_ecoh: {}}",                              # misspelled registry name
+        f"rollout.reward={task}:exat",                               # misspelled attribute
+        "rollout.agent.name=my_pkg.agnets:loop",                     # misspelled module
+        "data.dataset=bad_numbers", "data.dataset_kwargs={cuont: 2}"])  # kwargs the reader does not take
+    assert code == 2
+    lines = out.err.splitlines()
+    assert any(ln.startswith("  - rollout.tools.bad_ecoh=") and "unknown tool 'bad_ecoh'" in ln
+               and "bad_echo" in ln for ln in lines), out.err
+    assert any(ln.startswith("  - rollout.reward=") and "has no attribute 'exat'" in ln for ln in lines), out.err
+    assert any(ln.startswith("  - rollout.agent.name=") and "no module named 'my_pkg'" in ln for ln in lines), out.err
+    assert any(ln.startswith("  - data.dataset=") and "cuont" in ln for ln in lines), out.err
+
+
+def test_validate_rejects_wrong_protocols(tmp_path, monkeypatch, capsys, base_overrides):
+    task = write_task(tmp_path, "proto")
+    code, out = validate(monkeypatch, capsys, [
+        *base_overrides, f"rollout.tools={{'{task}:SyncTool': {{}}}}",  # __call__ is not async
+        f"rollout.reward={task}:Echo",                                   # a class without reward kwargs...
+        "rollout.reward_kwargs={scale: 2}",
+        f"rollout.agent.name={task}:exact"])                             # not a coroutine function
+    assert code == 2
+    assert "SyncTool is not a Tool: it needs `async def __call__" in out.err
+    assert "rollout.reward_kwargs do not fit Echo" in out.err
+    assert "rollout.agent.name=" in out.err and "is not an agent loop" in out.err
+
+
+def test_a_plugin_that_fails_to_import_is_reported_with_its_index(tmp_path, monkeypatch, capsys, base_overrides):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import json\nraise RuntimeError('no API key')\n")
+    code, out = validate(monkeypatch, capsys, [*base_overrides, f"plugins=[json, {broken}]"])
+    assert code == 2
+    assert "plugins[1]=" in out.err and "RuntimeError: no API key" in out.err
+    with pytest.raises(PluginError, match=r"plugins\[0\]: no module named 'no_such_pkg'"):
+        import_plugins(["no_such_pkg.tasks"])
+
+
+def test_relative_plugin_files_become_absolute(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config("examples/arithmetic_tool/arithmetic_tool.yaml", [])
+    absolute_specs(cfg)
+    assert cfg.plugins == [str(REPO / "examples/arithmetic_tool/task.py")]
+    assert cfg.rollout.reward == "arithmetic_answer"  # registry names are left alone
+    with pytest.raises(PluginError, match="rollout.reward: unknown reward 'nope'"):
+        resolve("nope", {}, key="rollout.reward", kind="reward")
+
+
+@pytest.mark.timeout(120)
+async def test_the_arithmetic_example_loads_its_tool_and_reward_through_plugins(tokenizer_dir, monkeypatch):
+    """The example's own tool and reward (examples/arithmetic_tool/task.py) run in the agent loop."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from megarl.rollout.manager import RolloutManager
+
+    sys.path.insert(0, str(REPO / "tests" / "unit" / "rollout"))
+    from rollout_scripted import Reply, ScriptedEngine
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config("examples/arithmetic_tool/arithmetic_tool.yaml", [])
+    absolute_specs(cfg)
+    import_plugins(cfg.plugins)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    call = "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": "48 + 73"}}) + "\n</tool_call>"
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: Reply(call) if turn == 0 else Reply("\\boxed{121}"))
+    cfg.rollout.group_size = 2
+    cfg.rollout.num_prompts_per_step = 1
+    cfg.rollout.agent.max_context_tokens = 2048  # the example's model has a compact template; this one lists schemas
+    manager = RolloutManager(engine, tokenizer, cfg.rollout, filter_zero_variance=False)
+    try:
+        batch = await manager.generate_groups(iter([{"question": "What is (48 + 73)?", "answer": "121"}]))
+    finally:
+        await manager.close()
+    (group,) = batch.groups
+    for traj in group.trajectories:
+        assert traj.reward == 1.0 and traj.metadata["tool_calls"] == 1 and traj.metadata["tool_errors"] == 0
+        observation = tokenizer.decode(traj.response_ids[traj.loss_mask == 0].tolist())
+        assert "121" in observation
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tiny_moe_dir):
+    return tiny_moe_dir
