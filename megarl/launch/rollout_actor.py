@@ -103,8 +103,10 @@ class RolloutWorker:
         # returns every group, so the step's reward statistics cover all trajectories, and the
         # driver's filter (megarl.launch.steps) drops the zero-variance groups and counts them.
         dynamic = cfg.algorithm.filter_zero_variance_groups and cfg.rollout.over_sample_prompts > 0
+        # R3: training rollouts ask every turn for the engine's routed experts (evaluation does not train).
         self.manager = RolloutManager(engine, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
-                                      filter_zero_variance=dynamic)
+                                      filter_zero_variance=dynamic,
+                                      return_routed_experts=cfg.train.routing_replay == "r3")
         shared = dict(prompt_key=cfg.data.prompt_key, filter_zero_variance=False, tools=self.manager.ctx.tools,
                       reward_fn=self.manager.reward_fn)
         self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout), **shared)

@@ -167,7 +167,9 @@ class TrajectoryState:
     sample: dict[str, Any] = field(default_factory=dict)
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     routed_experts: torch.Tensor | None = None
-    metadata: dict[str, Any] = field(default_factory=lambda: {
+    """``[rows, L, K]`` int32 engine routes of positions ``[0, rows)`` of ``ids`` (R3), stitched
+    turn by turn by :func:`_stitch_routes`; None until the first turn returns routes."""
+ = field(default_factory=lambda: {
         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "generate_time_s": 0.0,
         "orchestration_s": 0.0, "input_tokens": 0, "cached_tokens": 0, "finish_reasons": [],
         "num_generate_calls": 0, "generated_tokens": 0, FINAL_TEXT_KEY: ""})
@@ -200,12 +202,13 @@ class TrajectoryState:
                                    if len(model_versions) > 1 else None))
 
     def _response_routes(self) -> torch.Tensor | None:
-        """``[R, L, K]`` routes of the response positions; -1 rows where none were recorded."""
+        """``[P + R, L, K]`` routes of every position; -1 rows where the engine ran no forward on
+        the token (the trajectory's last token, see :func:`_stitch_routes`)."""
         if self.routed_experts is None:
             return None
         routes = self.routed_experts
-        out = torch.full((self.response_len, *routes.shape[1:]), -1, dtype=torch.int32)
-        known = routes[self.prompt_len:self.prompt_len + self.response_len]
+        out = torch.full((len(self.ids), *routes.shape[1:]), -1, dtype=torch.int32)
+        known = routes[:len(self.ids)]
         out[:known.shape[0]] = known.to(torch.int32)
         return out
 
@@ -244,7 +247,11 @@ async def _generate_turn(ctx: AgentContext, state: TrajectoryState, params: dict
     """One generate call; its model tokens are appended to the state."""
     params = {**params, "max_new_tokens": budget}
     start = time.monotonic()
-    kwargs = {"return_routed_experts": True} if ctx.return_routed_experts else {}
+    kwargs = {}
+    if ctx.return_routed_experts:  # only the rows not yet stitched (module docstring of _stitch_routes)
+        known = 0 if state.routed_experts is None else state.routed_experts.shape[0]
+        kwargs = {"return_routed_experts": True, "routed_experts_start_len": known}
+    num_input = len(state.ids)
     out = await ctx.engine.generate(state.ids, params, session_id=state.session_id, **kwargs)
     meta = state.metadata
     meta["generate_time_s"] += time.monotonic() - start
@@ -258,11 +265,58 @@ async def _generate_turn(ctx: AgentContext, state: TrajectoryState, params: dict
     if len(out.output_ids) != len(out.output_logprobs):
         raise ValueError(f"engine returned {len(out.output_ids)} ids but "
                          f"{len(out.output_logprobs)} logprobs")
-    if out.routed_experts is not None:
-        state.routed_experts = out.routed_experts
+    if ctx.return_routed_experts:
+        _stitch_routes(state, out, num_input)
     state.append(list(out.output_ids), model=True, logprobs=[float(x) for x in out.output_logprobs],
                  version=_version(ctx, out))
     return out
+
+
+def _stitch_routes(state: TrajectoryState, out: GenerateOutput, num_input: int) -> None:
+    """Append one turn's routed experts (R3) to ``state.routed_experts``.
+
+    What route each token gets: the route of position ``t`` is the expert choice of the engine's
+    forward pass that read token ``t`` as input (SGLang returns rows ``[start, P + N - 1)`` of a call
+    with ``P`` input and ``N`` output tokens). So prompt tokens get the first turn's prefill routes;
+    a model token gets the routes of the decode step that consumed it, except the last token of a
+    turn, which no forward of that turn read: its route, and the routes of the tool-output and
+    chat-template tokens appended after the turn, come from the next turn's prefill (the engine
+    computed them there, exactly as for prompt tokens). Each call asks only for the rows from the
+    first unknown position on (``routed_experts_start_len``), so routes already stitched are never
+    re-sent, and a prefix-cache hit returns the rows captured when the cached tokens were computed.
+    The trajectory's final token is read by no forward at all: it stays -1 (the trainer routes it
+    freely; its routing affects no trained logprob, which depends on positions before it only).
+
+    Args:
+        state: the trajectory; ``routed_experts`` ``[rows, L, K]`` grows to ``num_input + N - 1`` rows.
+        out: the turn's output; ``routed_experts`` ``[num_input + N - 1 - rows, L, K]``, or None when
+            the request was aborted (SGLang collects routes of finished requests only; the resumed
+            turn asks for the same rows again).
+        num_input: tokens sent to the engine in this call.
+
+    Raises:
+        ValueError: the engine returned no routes for a finished turn, or a row count other than
+            the one asked for.
+    """
+    known = 0 if state.routed_experts is None else state.routed_experts.shape[0]
+    routes = out.routed_experts
+    if routes is None:
+        if out.finish_reason == "abort":
+            return
+        raise ValueError("the engine returned no routed_experts (R3); launch it with --enable-return-routed-experts")
+    expected = max(0, num_input + len(out.output_ids) - 1 - known)
+    if routes.shape[0] != expected:
+        raise ValueError(f"the engine returned {routes.shape[0]} routed_experts rows, expected {expected} "
+                         f"(positions [{known}, {num_input + len(out.output_ids) - 1}))")
+    routes = routes.to(torch.int32)
+    state.routed_experts = routes if state.routed_experts is None else torch.cat([state.routed_experts, routes])
+
+
+def _read_turn(ctx: AgentContext, state: TrajectoryState, turn_ids: list[int]) -> None:
+    """Record the turn's answer (``final_text``: what tool calls and rewards read) and reasoning."""
+    reasoning, answer = ctx.template.split_turn(ctx.template.decode(turn_ids), in_reasoning=state.in_reasoning)
+    state.metadata[FINAL_TEXT_KEY] = answer
+    state.metadata[REASONING_TEXT_KEY] = reasoning
 
 
 async def _run_tools(ctx: AgentContext, state: TrajectoryState, calls: list) -> list[int]:

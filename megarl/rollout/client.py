@@ -231,7 +231,8 @@ class SGLangClient:
         Returns:
             :class:`GenerateOutput` with ``output_ids [N]``, ``output_logprobs [N]`` (empty if not
             requested), ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``cached_tokens``,
-            ``weight_version`` and, if requested, ``routed_experts [P + N - 1 - start, L, K]`` int32.
+            ``weight_version`` and, if requested, ``routed_experts [P + N - 1 - start, L, K]`` int32
+            (None for an aborted request: SGLang collects the routes of finished requests only).
 
         Raises:
             EngineError: see :meth:`_request`. Cancellation aborts the request on the server.
@@ -253,13 +254,15 @@ class SGLangClient:
         meta = result["meta_info"]
         logprobs = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
         routed = None
+        finish = meta.get("finish_reason") or {}
+        aborted = (finish.get("type") if isinstance(finish, dict) else str(finish)) == "abort"
         if return_routed_experts:
-            if meta.get("routed_experts") is None:
+            if meta.get("routed_experts") is not None:
+                num_layers, topk = await self._routed_experts_layout()
+                routed = decode_routed_experts(meta["routed_experts"], num_layers, topk)
+            elif not aborted:  # SGLang collects routes of finished requests only, not of aborted ones
                 raise EngineRequestError("/generate", 200, "no routed_experts in the response; "
                                          "launch the engine with --enable-return-routed-experts")
-            num_layers, topk = await self._routed_experts_layout()
-            routed = decode_routed_experts(meta["routed_experts"], num_layers, topk)
-        finish = meta.get("finish_reason") or {}
         return GenerateOutput(
             output_ids=list(result["output_ids"]), output_logprobs=logprobs,
             finish_reason=finish.get("type", "abort") if isinstance(finish, dict) else str(finish),

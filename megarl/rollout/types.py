@@ -42,8 +42,9 @@ class Trajectory:
         num_turns: generate calls made.
         policy_version: the policy version that generated the first model token; see
             ``token_policy_versions`` for partial rollouts spanning weight updates.
-        routed_experts: ``[R, L, K]`` int32 HF expert ids chosen by the engine for each response
-            token (Rollout Routing Replay), or None.
+        routed_experts: ``[P + R, L, K]`` int32 HF expert ids the engine chose for every position of
+            prompt + response (Rollout Routing Replay), -1 rows where no engine forward read the
+            token (the last one); see ``megarl.rollout.agent._stitch_routes``. None without R3.
         group_id: index of the prompt (group) this trajectory belongs to.
         sample: the dataset row (prompt, reference answer, ...), given to the reward function.
         metadata: free-form per-trajectory statistics (tool calls, tool errors, timings, engine).
@@ -71,9 +72,10 @@ class Trajectory:
             if getattr(self, name).shape[0] != r:
                 raise ValueError(f"Trajectory.{name} has length {getattr(self, name).shape[0]}, "
                                  f"response_ids has {r}")
-        if self.routed_experts is not None and self.routed_experts.shape[0] != r:
+        p = self.prompt_ids.shape[0]
+        if self.routed_experts is not None and self.routed_experts.shape[0] != p + r:
             raise ValueError(f"Trajectory.routed_experts has {self.routed_experts.shape[0]} rows, "
-                             f"response_ids has {r}")
+                             f"prompt + response have {p} + {r}")
 
     @property
     def num_response_tokens(self) -> int:
@@ -107,7 +109,8 @@ class GenerateOutput:
         output_ids: ``[N]`` generated token ids (list of int).
         output_logprobs: ``[N]`` engine logprob of each generated token.
         finish_reason: ``stop`` | ``length`` | ``abort``.
-        routed_experts: ``[P + N - 1, L, K]`` int32 (or only output rows when requested so), or None.
+        routed_experts: ``[P + N - 1 - start, L, K]`` int32 routes of positions ``[start, P + N - 1)``
+            (``routed_experts_start_len``), or None.
         cached_tokens: prompt tokens served from the engine's prefix cache.
         weight_version: the engine's weight version when the request finished.
         engine_id: which engine served it.
@@ -131,7 +134,10 @@ class RolloutEngine(Protocol):
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *,
                        return_routed_experts: bool = False,
-                       session_id: str | None = None) -> GenerateOutput: ...
+                       session_id: str | None = None, **kwargs: Any) -> GenerateOutput:
+        """One turn; ``kwargs`` may carry ``routed_experts_start_len`` (first position whose routes
+        are returned; ``megarl.rollout.client.SGLangClient.generate``)."""
+        ...
 
     async def pause(self, mode: str = "retract") -> None: ...
 

@@ -10,7 +10,7 @@ marks where each sequence starts. Per-token fields are indexed by the token they
   token of every sequence has no context, its entry is 0 and its ``loss_mask`` must be 0.
 - ``routed_experts[t, l, k]``: the ``k``-th expert (global, HF numbering) layer ``l`` routed
   token ``t`` to; a row of ``-1`` means "not recorded" (the router chooses freely for that token),
-  which is what the prompt rows of an R3 batch hold when the engine returned response rows only.
+  which is what the last token of each R3 trajectory holds (no engine forward read it).
 
 The trainer shards a `TrainBatch` over data-parallel ranks itself (every rank receives the whole
 batch; see `megarl.training.batching`), so the driver never needs to know the parallel layout.
@@ -148,8 +148,8 @@ class TrainBatch:
             advantages: ``[B]`` float, one per trajectory (e.g. from `megarl.algorithms.advantages`).
 
         Returns:
-            The packed batch. ``routed_experts`` is set when the trajectories carry R3 routes: the
-            prompt rows (and only they) are -1 (not recorded; the engine returns response rows).
+            The packed batch. ``routed_experts`` is set when the trajectories carry R3 routes
+            (``[P + R, L, K]`` each: prompt and response positions, as the engine routed them).
 
         Raises:
             ValueError: on an empty list, a length mismatch, an empty prompt, or when some
@@ -181,20 +181,27 @@ class TrainBatch:
 
 
 def _pack_routed_experts(trajectories: Sequence[Trajectory]) -> Tensor | None:
-    """``[T_total, L, K]`` int32 with -1 prompt rows, or None when no trajectory has routes."""
+    """``[T_total, L, K]`` int32 (each trajectory's ``[P + R, L, K]`` in order), or None when no
+    trajectory has routes."""
     have = [t.routed_experts is not None for t in trajectories]
     if not any(have):
         return None
-    if not all(have):
-        raise ValueError(f"trajectory {have.index(False)} has no routed_experts while trajectory "
+    # A trajectory that never reached the engine (truncated before its first turn) has no routes
+    # and nothing to train: its rows route freely. Any other trajectory without routes is an error.
+    missing = [i for i, t in enumerate(trajectories) if not have[i] and t.num_model_tokens > 0]
+    if missing:
+        raise ValueError(f"trajectory {missing[0]} has no routed_experts while trajectory "
                          f"{have.index(True)} has them; routing replay needs them for every trajectory")
-    shape = tuple(trajectories[0].routed_experts.shape[1:])
+    shape = tuple(trajectories[have.index(True)].routed_experts.shape[1:])
     parts = []
     for i, traj in enumerate(trajectories):
+        rows = traj.prompt_ids.numel() + traj.response_ids.numel()
         routes = traj.routed_experts
-        if routes.dim() != 3 or tuple(routes.shape[1:]) != shape:
-            raise ValueError(f"trajectory {i} routed_experts has shape {tuple(routes.shape)}, expected [R, {shape[0]}, {shape[1]}]")
-        parts.append(torch.full((traj.prompt_ids.numel(), *shape), -1, dtype=torch.int32))
+        if routes is None:
+            routes = torch.full((rows, *shape), -1, dtype=torch.int32)
+        if routes.dim() != 3 or tuple(routes.shape) != (rows, *shape):
+            raise ValueError(f"trajectory {i} routed_experts has shape {tuple(routes.shape)}, "
+                             f"expected [P + R = {rows}, {shape[0]}, {shape[1]}]")
         parts.append(routes.to(torch.int32))
     return torch.cat(parts)
 

@@ -135,13 +135,14 @@ async def test_forced_tool_call_trajectory_matches_template_and_transformers(sgl
     diffs = [abs(x - y) for x, y in zip(engine_lp, forced_ref + free_ref)]
     assert len(diffs) == len(positions) and max(diffs) < TOLERANCE, max(diffs)
 
-    # Routed experts: row r is the routing of response position r (as the trainer's input token);
-    # the last token was never fed to the engine (-1). Compare with transformers' router top-k.
+    # Routed experts: row t is the routing of position t of prompt + response (as the trainer's
+    # input token), stitched over both turns; the last token was never fed to the engine (-1).
+    # Compare with transformers' router top-k.
     routes = traj.routed_experts
     k = model.config.num_experts_per_tok
-    assert routes.shape == (len(response), model.config.num_hidden_layers, k)
+    assert routes.shape == (len(full), model.config.num_hidden_layers, k)
     assert routes[-1].eq(-1).all() and routes[:-1].ge(0).all()
     hf_topk = torch.stack([layer.float().topk(k, -1).indices for layer in hf.router_logits], 1)
-    hf_routes = hf_topk[prompt_len:prompt_len + len(response) - 1].sort(-1).values
+    hf_routes = hf_topk[:len(full) - 1].sort(-1).values
     agree = (routes[:-1].sort(-1).values == hf_routes).all(-1).float().mean().item()
     assert agree > 0.99, agree

@@ -11,6 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from megarl.rollout.types import GenerateOutput
 
 
@@ -39,8 +41,13 @@ class ScriptedEngine:
     def logprob(self, position: int) -> float:
         return -0.01 * (position % 97) - 0.001
 
+    @staticmethod
+    def route(position: int, num_layers: int = 2, topk: int = 2) -> list[list[int]]:
+        """Made-up routes ``[L, K]`` of a position, distinct per position (to check alignment)."""
+        return [[(position * num_layers + layer) * topk + k for k in range(topk)] for layer in range(num_layers)]
+
     async def generate(self, input_ids, sampling_params, *, return_routed_experts=False,
-                       session_id=None):
+                       session_id=None, routed_experts_start_len=0):
         turn = self.turns.get(session_id, 0)
         self.turns[session_id] = turn + 1
         self.calls.append({"input_ids": list(input_ids), "params": dict(sampling_params),
@@ -60,8 +67,14 @@ class ScriptedEngine:
         if len(ids) > limit:
             ids, finish = ids[:limit], "length"
         start = len(input_ids)
+        self.calls[-1]["routed_experts_start_len"] = routed_experts_start_len if return_routed_experts else None
+        routes = None
+        if return_routed_experts and finish != "abort":  # as SGLang: rows [start_len, P + N - 1)
+            end = start + len(ids) - 1
+            routes = torch.tensor([self.route(p) for p in range(routed_experts_start_len, end)],
+                                  dtype=torch.int32).reshape(-1, 2, 2)
         return GenerateOutput(output_ids=ids, output_logprobs=[self.logprob(start + k) for k in range(len(ids))],
-                              finish_reason=finish, cached_tokens=max(0, start - 8),
+                              finish_reason=finish, cached_tokens=max(0, start - 8), routed_experts=routes,
                               weight_version=reply.weight_version, engine_id="scripted")
 
     async def pause(self, mode="retract"):

@@ -1,4 +1,5 @@
 """Agent loop: incremental tokenisation equals the full rendering, masks, stops, malformed calls."""
+import asyncio
 import json
 
 import pytest
@@ -215,15 +216,54 @@ async def test_single_turn(tokenizer, scripted_engine):
 
 
 @pytest.mark.timeout(60)
-async def test_routed_experts_rows_follow_positions(tokenizer, scripted_engine):
+async def test_routed_experts_are_stitched_per_turn_by_position(tokenizer, scripted_engine):
+    """R3: each turn asks only for the rows not yet known; prompt, model and tool tokens all get the
+    route of the engine forward that read them; the final token (never read) stays -1."""
+    turns = [call("calculator", expression="48 / 2"), "The answer is \\boxed{24}."]
+    engine = scripted_engine(lambda ids, k: Reply(turns[k]))
+    ctx = make_ctx(tokenizer, engine, return_routed_experts=True)
+    traj = await run(ctx)
+    assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 2 and traj.metadata["tool_calls"] == 1
+    total = traj.prompt_ids.numel() + traj.response_ids.numel()
+    expected = torch.tensor([engine.route(p) for p in range(total - 1)], dtype=torch.int32)
+    assert traj.routed_experts.shape == (total, 2, 2)
+    assert torch.equal(traj.routed_experts[:-1], expected) and traj.routed_experts[-1].eq(-1).all()
+    first, second = engine.calls
+    assert first["routed_experts_start_len"] == 0
+    # turn 2 starts at turn 1's last token: its route (and the tool tokens') come from turn 2's prefill
+    turn1_end = len(first["input_ids"]) + len(tokenizer.encode(turns[0], add_special_tokens=False)) + 1
+    assert second["routed_experts_start_len"] == turn1_end - 1 < len(second["input_ids"])
+
+
+@pytest.mark.timeout(60)
+async def test_routed_experts_resume_after_an_aborted_turn(tokenizer, scripted_engine):
+    """An aborted turn returns no routes (SGLang collects them for finished requests only); the
+    resumed turn asks again from the first unknown position."""
+    engine = scripted_engine(lambda ids, k: Reply("The answer is \\boxed{24}.", delay_s=5.0 if k == 0 else 0.0))
+    ctx = make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True)
+    state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, group_id=0)
+    task = asyncio.create_task(run_agent(single_turn, ctx, state))
+    await asyncio.sleep(0.2)
+    await engine.pause("abort")
+    assert (await task).status == RolloutStatus.ABORTED and state.routed_experts is None
+    await engine.resume()
+    traj = await run_agent(single_turn, ctx, state)
+    assert engine.calls[1]["routed_experts_start_len"] == 0
+    total = traj.prompt_ids.numel() + traj.response_ids.numel()
+    expected = torch.tensor([engine.route(p) for p in range(total - 1)], dtype=torch.int32)
+    assert torch.equal(traj.routed_experts[:-1], expected) and traj.routed_experts[-1].eq(-1).all()
+
+
+@pytest.mark.timeout(60)
+async def test_routed_experts_row_count_mismatch_is_an_error(tokenizer, scripted_engine):
     engine = scripted_engine(lambda ids, k: Reply("\\boxed{1}"))
-    ctx = make_ctx(tokenizer, engine, tool_names=())
-    state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, 0)
-    rows = state.prompt_len + 3  # pretend the engine recorded positions [0, P + 3)
-    state.routed_experts = torch.arange(rows * 2 * 2, dtype=torch.int32).reshape(rows, 2, 2)
-    state.append([5, 6, 7, 8, 9], model=True, logprobs=[0.0] * 5, version=0)
-    state.status = RolloutStatus.COMPLETED
-    routes = state.to_trajectory().routed_experts
-    assert routes.shape == (5, 2, 2)
-    assert torch.equal(routes[:3], state.routed_experts[state.prompt_len:])
-    assert routes[3:].eq(-1).all()
+    generate = engine.generate
+
+    async def short_routes(*args, **kwargs):
+        out = await generate(*args, **kwargs)
+        out.routed_experts = out.routed_experts[1:]
+        return out
+
+    engine.generate = short_routes
+    traj = await run(make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True), loop=single_turn)
+    assert traj.status == RolloutStatus.ERROR and "routed_experts rows" in traj.metadata["error"]

@@ -28,19 +28,25 @@ def test_from_trajectories_packs_prompt_and_response():
 
 
 @pytest.mark.timeout(30)
-def test_routed_experts_prompt_rows_are_unrecorded():
-    routes = torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.int32)  # [R=2, L=1, K=2]
-    batch = TrainBatch.from_trajectories([_traj([9, 9, 9], [1, 2], [1, 1], routes=routes)], [1.0])
-    assert batch.routed_experts.shape == (5, 1, 2)
-    assert (batch.routed_experts[:3] == -1).all()
-    assert batch.routed_experts[3:].tolist() == routes.tolist()
+def test_routed_experts_cover_prompt_and_response_rows():
+    routes = torch.arange(5 * 2, dtype=torch.int32).reshape(5, 1, 2)  # [P + R = 5, L=1, K=2]
+    other = torch.tensor([[[0, 1]], [[-1, -1]]], dtype=torch.int32)
+    batch = TrainBatch.from_trajectories([_traj([9, 9, 9], [1, 2], [1, 1], routes=routes),
+                                          _traj([4], [5], [1], routes=other)], [1.0, 0.0])
+    assert batch.routed_experts.shape == (7, 1, 2)
+    assert batch.routed_experts.tolist() == routes.tolist() + other.tolist()
+    with pytest.raises(ValueError, match="Trajectory.routed_experts has 2 rows"):
+        _traj([9, 9, 9], [1, 2], [1, 1], routes=routes[3:])  # response rows only: the prompt's are missing
 
 
 @pytest.mark.timeout(30)
 def test_mixed_routed_experts_rejected():
-    routes = torch.zeros(1, 1, 2, dtype=torch.int32)
+    routes = torch.tensor([[[0, 1]], [[-1, -1]]], dtype=torch.int32)
     with pytest.raises(ValueError, match="trajectory 1 has no routed_experts"):
         TrainBatch.from_trajectories([_traj([1], [2], [1], routes), _traj([1], [2], [1])], [0.0, 0.0])
+    # a trajectory cut before its first turn (nothing trained) routes freely
+    batch = TrainBatch.from_trajectories([_traj([1], [2], [1], routes), _traj([1, 3], [], [])], [0.0, 0.0])
+    assert batch.routed_experts[2:].eq(-1).all() and batch.routed_experts.shape[0] == 4
 
 
 @pytest.mark.timeout(30)
