@@ -198,9 +198,10 @@ class RolloutWorker:
                 self.router.mark_dead(client.engine_id, "health check failed")
         return out
 
-    def set_alive(self, engine_id: str) -> None:
-        """Put a restarted, re-synced engine back into service."""
-        self.router.mark_alive(engine_id)
+    async def set_alive(self, engine_id: str, weight_version: str) -> bool:
+        """Put a restarted, re-synced engine back into service once it reports ``weight_version``
+        (see :meth:`megarl.rollout.router.Router.admit`); returns whether it was admitted."""
+        return await self.router.admit(engine_id, weight_version)
 
     async def weight_versions(self) -> dict[str, str | None]:
         """``{engine_id: weight_version}`` of the live engines."""

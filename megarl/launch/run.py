@@ -239,9 +239,11 @@ class Run:
         weight_sync_step.connect(self)  # the old update groups included the dead engines
         self.sync_weights(self.state.policy_version)
         for eid in dead:
-            ray.get(self.rollout.set_alive.remote(eid), timeout=60)
+            if not ray.get(self.rollout.set_alive.remote(eid, str(self.synced_version)), timeout=60):
+                raise RuntimeError(f"{eid} was restarted and re-synced but does not report weight version "
+                                   f"{self.synced_version}; it would serve other weights than the policy's")
             logger.warning("%s restarted and re-synced to policy version %d; back in service",
-                           eid, self.state.policy_version)
+                           eid, self.synced_version)
         return dead
 
     def evaluate(self) -> dict[str, float]:

@@ -102,6 +102,26 @@ class Router:
         """Put a (restarted, weight-synced) engine back into service."""
         self._slot(engine).alive = True
 
+    async def admit(self, engine: int | str, weight_version: str) -> bool:
+        """Put an engine back into service only once it reports ``weight_version``.
+
+        A restarted engine, or one whose weight push failed, may answer with the weights it was
+        launched with (or half-updated ones); it serves nothing until its own ``weight_version``
+        confirms the current policy. Returns whether it was admitted (it stays out otherwise).
+        """
+        slot = self._slot(engine)
+        try:
+            reported = await slot.client.get_weight_version()
+        except Exception as e:  # noqa: BLE001 - an engine that cannot say is not admitted
+            reported = f"<unreachable: {type(e).__name__}>"
+        if str(reported) != str(weight_version):
+            log.warning("router: engine %s reports weight_version %s, not %s: kept out of service",
+                        slot.client.engine_id, reported, weight_version)
+            slot.alive = False
+            return False
+        slot.alive = True
+        return True
+
     def end_session(self, session_id: str) -> None:
         """Forget a finished trajectory's affinity entry."""
         self._sessions.pop(session_id, None)

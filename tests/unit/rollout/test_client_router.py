@@ -144,3 +144,25 @@ async def test_pause_broadcast_marks_unreachable_engines_dead():
     router = Router([a, b])
     await router.pause("abort")
     assert a.paused == ["abort"] and router.alive_clients() == [a]
+
+
+async def test_an_engine_is_admitted_only_when_it_reports_the_current_weight_version():
+    a, b = EngineDouble("a"), EngineDouble("b")
+    versions = {"a": "7", "b": "3"}  # b restarted: it serves its launch weights
+
+    async def version_of(engine):
+        return versions[engine.engine_id]
+
+    for engine in (a, b):
+        engine.get_weight_version = lambda engine=engine: version_of(engine)
+    router = Router([a, b])
+    router.mark_dead("b", "restarting")
+    assert not await router.admit("b", "7")
+    await asyncio.gather(*(router.generate([1], {}, session_id=f"s{i}") for i in range(4)))
+    assert len(b.calls) == 0 and len(a.calls) == 4  # nothing served with stale weights
+    versions["b"] = "7"  # re-synced
+    assert await router.admit("b", "7")
+    await asyncio.gather(*(router.generate([1], {}, session_id=f"t{i}") for i in range(4)))
+    assert len(b.calls) > 0
+    versions["a"] = "6"  # a confirmed version that is not current takes it out of service too
+    assert not await router.admit("a", "7") and router.metrics()["router/alive_engines"] == 1
