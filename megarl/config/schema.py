@@ -187,8 +187,16 @@ class AgentConfig:
     """Prompt + response limit; stop (truncated) before exceeding it."""
     system_prompt: Optional[str] = None
     """System message prepended to every prompt."""
-    tool_call_parser: str = "qwen25"
-    """SGLang FunctionCallParser name (``qwen25`` covers Qwen2.5 and Qwen3)."""
+    tool_call_parser: str = "auto"
+    """SGLang FunctionCallParser name (``qwen25`` covers Qwen2.5 and Qwen3, ``deepseekv3``, ``glm45``);
+    ``auto`` = the model family's (``model_type`` in config.json, see megarl/rollout/reasoning.py)."""
+    reasoning_parser: str = "auto"
+    """SGLang ReasoningParser name (``qwen3``, ``deepseek-v3``, ``glm45``) splitting each turn into
+    reasoning and answer (tool calls and rewards read the answer only); ``auto`` = the model
+    family's; ``none`` = no separation."""
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Passed to every chat-template render: the prompt, each observation suffix with its generation
+    prompt, and the SFT demonstrations (e.g. ``enable_thinking: false`` for Qwen3 / GLM-4.5)."""
     max_tool_output_chars: int = 2048
     """Tool observations longer than this are truncated."""
     tool_timeout_s: float = 60.0

@@ -1,85 +1,188 @@
 """Supervised demonstrations (SFT cold start) tokenised the way rollouts are.
 
 A demonstration is a list of chat messages (system, user, assistant with ``tool_calls``, tool,
-assistant, ...). It becomes a :class:`~megarl.rollout.types.Trajectory` whose token ids are laid
-out exactly as the agent loop lays out a rollout: the prompt rendered once with the generation
-prompt, then, segment by segment, what the model would generate (assistant text up to and including
-the end-of-turn token, ``loss_mask`` 1) and what the agent loop appends (the rest of the template
-and tool observations, ``loss_mask`` 0). Each segment is tokenised on its own, as the agent loop
-tokenises only the appended suffix — so the SFT'd policy sees the same token boundaries in RL.
+assistant, ...). It becomes a :class:`~megarl.rollout.types.Trajectory` built turn by turn exactly as
+the agent loop builds a rollout, with the same :class:`~megarl.rollout.agent.ChatTemplate` (and so the
+same ``chat_template_kwargs``): the prompt rendered once with the generation prompt; per assistant
+message the text the model would generate after what precedes it, and the end-of-turn token it
+stops on (``loss_mask`` 1); after it the template's tool messages and next generation prompt,
+rendered as the loop renders them (:meth:`ChatTemplate.observation_text`, ``loss_mask`` 0). The
+history is never re-rendered, so templates that re-render earlier turns differently (Qwen3,
+DeepSeek-R1) work, and the SFT'd policy sees exactly the token boundaries it meets in RL.
+
+What the model generates for an assistant message is the template's own rendering of that message as
+the newest turn, minus the generation prompt before it and the template text after it. Reasoning
+(``reasoning_content``, or ``<think>...</think>`` in ``content``) is trained as the template writes
+it; a template that writes an empty think block for a turn without reasoning (Qwen3 and GLM-4.5
+with thinking on) trains that block, as the model emits it when answering without thinking (with
+``enable_thinking: false`` the block is in the generation prompt instead and is not trained). When
+the generation prompt itself opens the reasoning (DeepSeek-R1's ``<think>\n``) the turn is the
+reasoning, ``\n</think>\n\n``, then the rendered answer.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import json
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from megarl.rollout.types import RolloutStatus, Trajectory
 
+_ANCHOR = "\u2063megarl-demonstration-anchor\u2063"
+
 
 class DemonstrationError(ValueError):
-    """A demonstration does not render as a sequence of growing prefixes of the chat template."""
+    """A demonstration cannot be laid out as the agent loop lays out a rollout."""
 
 
-def _render(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None, gen_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                         tokenize=False, add_generation_prompt=gen_prompt)
+def _with_other_argument_form(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with tool-call arguments switched between JSON string and object (GLM-4.5's
+    template needs objects, DeepSeek-R1's strings)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = dict(call.get("function", call))
+        args = fn.get("arguments")
+        fn["arguments"] = json.loads(args) if isinstance(args, str) else json.dumps(args)
+        calls.append({**call, "function": fn} if "function" in call else fn)
+    return {**message, "tool_calls": calls}
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False) if text else []
+def _render_after(template: Any, context: list[dict[str, Any]], message: dict[str, Any]) -> str:
+    """The template's text of ``context + [message]`` after the anchor (arguments form retried)."""
+    try:
+        text = template.render(context + [message])
+    except Exception as first:  # noqa: BLE001 - jinja raises TypeError / UndefinedError / TemplateError
+        if not message.get("tool_calls"):
+            raise DemonstrationError(f"the chat template cannot render {message!r}: {first}") from first
+        try:
+            text = template.render(context + [_with_other_argument_form(message)])
+        except Exception:  # noqa: BLE001
+            raise DemonstrationError(f"the chat template cannot render {message!r}: {first}") from first
+    return text[text.rindex(_ANCHOR) + len(_ANCHOR):]
+
+
+def _reasoning_of(message: Mapping[str, Any], think_end: str) -> str:
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"].strip()
+    content = message.get("content") or ""
+    return content.split(think_end)[0].split("<think>")[-1].strip() if think_end in content else ""
+
+
+def _after_anchor(template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    return text[text.rindex(_ANCHOR) + len(_ANCHOR):]
+
+
+def _model_turn(template: Any, context: list[dict[str, Any]], message: dict[str, Any],
+                observations: list[str], k: int) -> tuple[str, int]:
+    """The text the model generates for assistant ``message`` and the end-of-turn id it stops on.
+
+    Args:
+        template: the rollout's chat template.
+        context: messages standing for what precedes the turn, the last holding the anchor: the
+            prompt (a user turn) or, after tool output, an assistant turn and its tool messages.
+        message: the demonstrated assistant message.
+        observations: the tool messages that answer it ([] for the final turn).
+        k: the message's index (for errors).
+    """
+    generation_prompt = _after_anchor(template, context, add_generation_prompt=True)
+    body = _render_after(template, context, message)
+    anchor_turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ANCHOR}]
+    tail = _after_anchor(template, anchor_turn)  # template text after an assistant turn
+    if tail and not body.endswith(tail):
+        raise DemonstrationError(f"message {k}: the template does not end an assistant turn with {tail!r}")
+    body = body[:len(body) - len(tail)]
+    reasoning = template.reasoning
+    if body.startswith(generation_prompt):
+        text = body[len(generation_prompt):]
+    elif (reasoning is not None and reasoning.leaves_open(generation_prompt)
+          and body.startswith(head := generation_prompt[:generation_prompt.rindex(reasoning.think_start)])):
+        # The prompt opened the reasoning (DeepSeek-R1) and the template renders turns without it.
+        thought = _reasoning_of(message, reasoning.think_end)
+        answer = body[len(head):]
+        answer = answer.split(reasoning.think_end)[-1] if reasoning.think_end in answer else answer
+        text = (thought + "\n" if thought else "\n") + reasoning.think_end + "\n\n" + answer.lstrip("\n")
+    else:
+        raise DemonstrationError(
+            f"message {k}: the chat template renders this assistant message so that it does not follow "
+            f"its own generation prompt {generation_prompt!r} (e.g. reasoning with thinking off, or a "
+            "template that writes tool calls after tool output under another header)")
+    # The end-of-turn token: the stop token the template writes right after the turn (Qwen's
+    # <|im_end|>, DeepSeek's EOS, GLM-4.5's <|observation|> before tool output and <|user|> after).
+    following = _after_anchor(template, anchor_turn + ([{"role": "tool", "content": o} for o in observations]
+                                                       or [{"role": "user", "content": "?"}]))
+    for token_id in sorted(template.eos_token_ids):
+        end_text = template.tokenizer.decode([token_id])
+        if end_text and following.startswith(end_text):
+            return text, token_id
+    raise DemonstrationError(f"message {k}: no end-of-turn token starts {following[:40]!r}")
 
 
 def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any]], *,
-                                tools: Sequence[dict] | None = None, end_of_turn: str | None = None,
-                                group_id: int = 0) -> Trajectory:
-    """Tokenise one demonstration into a trajectory with a loss mask on the assistant's tokens.
+                                tools: Sequence[dict] | None = None,
+                                chat_template_kwargs: Mapping[str, Any] | None = None,
+                                template: Any = None, group_id: int = 0) -> Trajectory:
+    """Tokenise one demonstration into a trajectory laid out as the agent loop lays out rollouts.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
-        messages: chat messages; the first assistant message starts the response.
+        messages: chat messages: a prompt (system, user), then assistant turns, each followed by the
+            tool messages answering it (the agent loop appends nothing else between turns).
         tools: OpenAI-style tool schemas rendered into the system prompt (as in rollouts).
-        end_of_turn: the token that ends a model turn (default ``tokenizer.eos_token``); it is
-            trained (loss_mask 1), the template text after it is not.
+        chat_template_kwargs: passed to every render (``rollout.agent.chat_template_kwargs``).
+        template: the rollout's :class:`~megarl.rollout.agent.ChatTemplate` (default: one built from
+            the arguments above, with the model family's reasoning format).
         group_id: stored on the trajectory.
 
     Returns:
-        A trajectory: ``prompt_ids [P]``, ``response_ids [R]``, ``loss_mask [R]`` (1 on assistant
-        tokens), ``rollout_logprobs [R]`` zeros, ``reward`` 0, ``metadata["sft"] = True``.
+        A trajectory: ``prompt_ids [P]``, ``response_ids [R]``, ``loss_mask [R]`` (1 on the tokens the
+        model generates, end-of-turn tokens included), ``rollout_logprobs [R]`` zeros,
+        ``metadata["sft"] = True``.
 
     Raises:
-        DemonstrationError: no assistant message, or the template is not prefix-stable.
+        DemonstrationError: no assistant message, a user/system message after the first assistant
+            message, two assistant messages without tool messages between them, or a message the
+            template cannot lay out turn by turn (the message names its index).
     """
+    if template is None:
+        from megarl.rollout.agent import ChatTemplate
+        from megarl.rollout.reasoning import FAMILY_PARSERS, ReasoningFormat, model_type_of
+
+        reasoning = FAMILY_PARSERS.get(model_type_of(tokenizer) or "", (None, None))[0]
+        template = ChatTemplate(tokenizer, list(tools or []), chat_template_kwargs=chat_template_kwargs,
+                                reasoning=ReasoningFormat(reasoning) if reasoning else None)
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise DemonstrationError("a demonstration needs at least one assistant message")
-    eot = end_of_turn or tokenizer.eos_token
     first = roles.index("assistant")
-    prompt_text = _render(tokenizer, messages[:first], tools, True)
-    prev = prompt_text
+    prompt_ids = template.prompt_ids(list(messages[:first]))
+    context = [{"role": "user", "content": _ANCHOR}]
     response: list[int] = []
     mask: list[int] = []
-    for k in range(first, len(messages)):
-        gen_prompt = k + 1 < len(messages) and roles[k + 1] == "assistant"
-        text = _render(tokenizer, messages[:k + 1], tools, gen_prompt)
-        if not text.startswith(prev):
-            raise DemonstrationError(f"message {k}: the chat template re-renders earlier messages "
-                                     "differently; cannot split into turns")
-        delta, prev = text[len(prev):], text
-        if roles[k] == "assistant":
-            cut = delta.find(eot)
-            if cut < 0:
-                raise DemonstrationError(f"message {k}: assistant turn has no end-of-turn {eot!r}")
-            model_part, rest = delta[:cut + len(eot)], delta[cut + len(eot):]
-            ids = _encode(tokenizer, model_part)
-            response += ids
-            mask += [1] * len(ids)
-            delta = rest
-        ids = _encode(tokenizer, delta)
+    k = first
+    while k < len(messages):
+        if roles[k] != "assistant":
+            raise DemonstrationError(f"message {k}: a {roles[k]} message after the first assistant message "
+                                     "(the agent loop appends only tool messages between model turns)")
+        j = k + 1
+        while j < len(messages) and roles[j] == "tool":
+            j += 1
+        observations = [str(m["content"]) for m in messages[k + 1:j]]
+        if j < len(messages) and not observations:
+            raise DemonstrationError(f"message {j}: two assistant messages without tool messages between them")
+        text, end_id = _model_turn(template, context, dict(messages[k]), observations, k)
+        ids = template.encode(text) + [end_id]
         response += ids
-        mask += [0] * len(ids)
+        mask += [1] * len(ids)
+        if observations:  # appended exactly as the agent loop appends them
+            ids = template.observation_ids(observations, end_id)
+            response += ids
+            mask += [0] * len(ids)
+            context = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ANCHOR},
+                       *({"role": "tool", "content": o} for o in observations)]
+        k = j
     return Trajectory(
-        prompt_ids=torch.tensor(_encode(tokenizer, prompt_text), dtype=torch.int64),
+        prompt_ids=torch.tensor(prompt_ids, dtype=torch.int64),
         response_ids=torch.tensor(response, dtype=torch.int64),
         loss_mask=torch.tensor(mask, dtype=torch.int64),
         rollout_logprobs=torch.zeros(len(response), dtype=torch.float32),

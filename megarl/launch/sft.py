@@ -83,7 +83,7 @@ def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
     """The SFT demonstrations as trajectories (empty when ``sft.num_steps`` is 0); runs before Ray.
 
     Demonstrations are tokenised exactly as the agent loop lays out rollouts (same chat template,
-    system prompt and tool schemas; see :mod:`megarl.data.sft`).
+    ``chat_template_kwargs``, system prompt and tool schemas; see :mod:`megarl.data.sft`).
 
     Raises:
         ValueError: no usable demonstrations (names ``sft.demonstrations``).
@@ -91,18 +91,19 @@ def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
     from transformers import AutoTokenizer
 
     from megarl.data.sft import demonstration_to_trajectory, load_demonstrations
+    from megarl.rollout.agent import build_template
     from megarl.rollout.tools import build_tools
 
     sft = cfg.sft
     if sft.num_steps <= 0:
         return []
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
-    schemas = [t.schema for t in build_tools(dict(cfg.rollout.tools)).values()] \
-        if cfg.rollout.agent.name != "single_turn" else []
+    tools = build_tools(dict(cfg.rollout.tools)) if cfg.rollout.agent.name != "single_turn" else {}
+    template, _ = build_template(tokenizer, cfg.rollout.agent, tools)  # the rollouts' template and kwargs
     demos = load_demonstrations(sft.demonstrations, dataset.rows, system_prompt=cfg.rollout.agent.system_prompt,
                                 tool_fraction=float(sft.tool_fraction), seed=int(cfg.train.seed),
                                 limit=int(sft.max_demonstrations))
-    return [demonstration_to_trajectory(tokenizer, m, tools=schemas) for m in demos]
+    return [demonstration_to_trajectory(tokenizer, m, template=template) for m in demos]
 
 
 def run_cold_start(run: Any, trajectories: list) -> bool:

@@ -1,8 +1,9 @@
 """Agent loops: one coroutine per trajectory, token ids in and token ids out (docs/architecture.md).
 
 A loop renders the prompt with the chat template once (tool schemas included), then per turn:
-generate on the engine (token ids + logprobs) -> parse tool calls with SGLang's ``FunctionCallParser``
--> run the tools concurrently -> append the observation tokens and the chat-template tokens around
+generate on the engine (token ids + logprobs) -> split the turn into reasoning and answer with the
+family's SGLang reasoning parser -> parse tool calls from the answer only with SGLang's
+``FunctionCallParser`` detector of the family -> run the tools concurrently -> append the observation tokens and the chat-template tokens around
 them (``loss_mask`` 0, ``rollout_logprobs`` 0.0). Only the appended suffix is ever tokenised (see
 :class:`ChatTemplate`): the history is never re-rendered or re-tokenised, so a turn costs the same
 at 1k and 32k tokens of history, and the model's own token ids are kept exactly as sampled.
@@ -18,21 +19,38 @@ Registry: ``tool_agent`` (multi-turn with tools), ``single_turn`` (one generate 
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 
-from megarl.rollout.rewards import FINAL_TEXT_KEY
+from megarl.rollout.reasoning import ReasoningFormat, resolve_parsers
+from megarl.rollout.rewards import FINAL_TEXT_KEY, REASONING_TEXT_KEY
 from megarl.rollout.tools.calls import ToolCallParser, run_tool_calls
+from megarl.rollout.tools.sessions import release_sessions, sessions_of
 from megarl.rollout.types import GenerateOutput, RolloutEngine, RolloutStatus, Tool, Trajectory
 
 logger = logging.getLogger(__name__)
 
 _SENTINEL = "\u2063megarl-end-of-model-turn\u2063"
+
+
+def _stop_token_ids(tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS and the ``eos_token_id`` list of ``generation_config.json`` beside it (the
+    ids SGLang stops on)."""
+    ids = {tokenizer.eos_token_id}
+    try:
+        config = json.loads((Path(str(tokenizer.name_or_path)) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return ids
+    eos = config.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
 
 
 class ChatTemplate:
@@ -43,36 +61,54 @@ class ChatTemplate:
     two-message anchor conversation whose assistant content is a sentinel, plus the new tool
     messages, and taking the text after the sentinel. Its cost depends on the observations only.
 
+    Every turn is split into reasoning and answer by ``reasoning`` (the family's SGLang reasoning
+    parser): tool calls and the final answer are read from the answer only.
+
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         tool_schemas: OpenAI-style schemas rendered into the system prompt ([] for no tools).
         system_prompt: optional system message.
-        eos_token_ids: ids that end an assistant turn (default: the tokenizer's EOS).
+        eos_token_ids: ids that end an assistant turn (default: the tokenizer's EOS and the
+            ``eos_token_id`` of the model's ``generation_config.json``, e.g. GLM-4.5's
+            ``<|observation|>`` and ``<|user|>``).
+        chat_template_kwargs: passed to every render (e.g. ``{"enable_thinking": False}``): the
+            prompt, each observation suffix and its generation prompt.
+        reasoning: the family's reasoning format (None: no reasoning separation).
 
     Raises:
         ValueError: the template does not render the anchor's assistant content verbatim.
     """
 
     def __init__(self, tokenizer: Any, tool_schemas: list[dict[str, Any]],
-                 system_prompt: str | None = None, eos_token_ids: set[int] | None = None) -> None:
+                 system_prompt: str | None = None, eos_token_ids: set[int] | None = None, *,
+                 chat_template_kwargs: Mapping[str, Any] | None = None,
+                 reasoning: ReasoningFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.tool_schemas = tool_schemas or None
         self.system_prompt = system_prompt
-        self.eos_token_ids = set(eos_token_ids or {tokenizer.eos_token_id})
-        self.eos_text = tokenizer.eos_token or ""
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.reasoning = reasoning
+        self.eos_token_ids = set(eos_token_ids or _stop_token_ids(tokenizer))
         self._anchor = [{"role": "user", "content": "?"},
                         {"role": "assistant", "content": _SENTINEL}]
         if _SENTINEL not in self.render(self._anchor):
             raise ValueError("chat template does not render assistant content verbatim; "
                              "incremental tokenisation needs it")
+        # The generation prompt alone (text after the last user message), e.g. Qwen3's
+        # "<|im_start|>assistant\n" or DeepSeek-R1's "<｜Assistant｜><think>\n".
+        gen = self.render([{"role": "user", "content": _SENTINEL}], add_generation_prompt=True)
+        self.generation_prompt = gen[gen.rindex(_SENTINEL) + len(_SENTINEL):]
+        self.prompt_opens_reasoning = bool(reasoning) and reasoning.leaves_open(self.generation_prompt)
+        """The first model turn starts inside reasoning (the generation prompt opened it)."""
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages`` (with the system prompt and tool schemas)."""
+        """The template's text for ``messages`` (with the system prompt, tool schemas and
+        ``chat_template_kwargs``)."""
         if self.system_prompt is not None and (not messages or messages[0]["role"] != "system"):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return self.tokenizer.apply_chat_template(
             messages, tools=self.tool_schemas, add_generation_prompt=add_generation_prompt,
-            tokenize=False)
+            tokenize=False, **self.chat_template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS/EOS added; special-token strings become their ids)."""
@@ -82,26 +118,56 @@ class ChatTemplate:
         """Render the prompt once, ending with the assistant header."""
         return self.encode(self.render(messages, add_generation_prompt=True))
 
-    def observation_ids(self, observations: list[str], turn_ended_with_eos: bool) -> list[int]:
-        """Token ids appended after a model turn: tool messages and the next assistant header.
+    def observation_text(self, observations: list[str], end_token_id: int | None) -> str:
+        """Text appended after a model turn: tool messages and the next generation prompt.
 
         Args:
             observations: the tool results of the turn, in call order.
-            turn_ended_with_eos: the model's last token was an EOS (the end-of-turn marker is then
-                already in the ids and is not appended again).
+            end_token_id: the EOS the model ended its turn with (None: it ended without one). When
+                the template's text after the turn starts with that token (Qwen's ``<|im_end|>``,
+                GLM-4.5's ``<|observation|>``), it is already in the ids and is not appended again.
         """
         tool_messages = [{"role": "tool", "content": text} for text in observations]
         rendered = self.render(self._anchor + tool_messages, add_generation_prompt=True)
         suffix = rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
-        if turn_ended_with_eos and self.eos_text and suffix.startswith(self.eos_text):
-            suffix = suffix[len(self.eos_text):]
-        return self.encode(suffix)
+        end_text = self.tokenizer.decode([end_token_id]) if end_token_id is not None else ""
+        if end_text and suffix.startswith(end_text):
+            suffix = suffix[len(end_text):]
+        return suffix
+
+    def observation_ids(self, observations: list[str], end_token_id: int | None) -> list[int]:
+        """Token ids of :meth:`observation_text`."""
+        return self.encode(self.observation_text(observations, end_token_id))
+
+    def split_turn(self, text: str, *, in_reasoning: bool) -> tuple[str, str]:
+        """``(reasoning, answer)`` of a decoded model turn (``("", text)`` without a reasoning format)."""
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.split(text, in_reasoning=in_reasoning)
 
     def decode(self, ids: list[int]) -> str:
         """Text of model tokens, special tokens kept (``<tool_call>`` may be one), EOS dropped."""
         if ids and ids[-1] in self.eos_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def build_template(tokenizer: Any, agent: Any, tools: Mapping[str, Tool],
+                   eos_token_ids: set[int] | None = None) -> tuple[ChatTemplate, ToolCallParser | None]:
+    """The chat template and tool-call parser of ``rollout.agent`` (an ``AgentConfig``) for a model.
+
+    ``reasoning_parser`` / ``tool_call_parser`` ``auto`` resolve from the model family
+    (:func:`megarl.rollout.reasoning.resolve_parsers`); ``chat_template_kwargs`` go to every render.
+
+    Raises:
+        ValueError: a parser name SGLang does not know, or ``auto`` for an unknown family.
+    """
+    reasoning, tool_parser = resolve_parsers(tokenizer, getattr(agent, "reasoning_parser", "auto"),
+                                             getattr(agent, "tool_call_parser", "auto"))
+    template = ChatTemplate(tokenizer, [t.schema for t in tools.values()], agent.system_prompt,
+                            eos_token_ids, chat_template_kwargs=dict(getattr(agent, "chat_template_kwargs", {}) or {}),
+                            reasoning=ReasoningFormat(reasoning) if reasoning else None)
+    return template, (ToolCallParser(tools, tool_parser) if tools else None)
 
 
 @dataclass(kw_only=True)
@@ -162,17 +228,21 @@ class TrajectoryState:
     pending_tools: bool = False
     """The last model turn finished (stop) and its tool calls have not been run yet."""
     turn_ended_with_eos: bool = False
+    in_reasoning: bool = False
+    """The current model turn starts inside a reasoning block the appended text opened."""
     status: RolloutStatus | None = None
     group_id: int = 0
     sample: dict[str, Any] = field(default_factory=dict)
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     routed_experts: torch.Tensor | None = None
+    tool_sessions: Any = None
+    """Sessions of the stateful tools this trajectory called (:mod:`megarl.rollout.tools.sessions`)."""
     """``[rows, L, K]`` int32 engine routes of positions ``[0, rows)`` of ``ids`` (R3), stitched
     turn by turn by :func:`_stitch_routes`; None until the first turn returns routes."""
- = field(default_factory=lambda: {
+    metadata: dict[str, Any] = field(default_factory=lambda: {
         "tool_calls": 0, "tool_errors": 0, "tool_time_s": 0.0, "generate_time_s": 0.0,
         "orchestration_s": 0.0, "input_tokens": 0, "cached_tokens": 0, "finish_reasons": [],
-        "num_generate_calls": 0, "generated_tokens": 0, FINAL_TEXT_KEY: ""})
+        "num_generate_calls": 0, "generated_tokens": 0, FINAL_TEXT_KEY: "", REASONING_TEXT_KEY: ""})
 
     @property
     def response_len(self) -> int:
@@ -217,7 +287,7 @@ def new_state(ctx: AgentContext, prompt_ids: list[int], sample: dict[str, Any],
               group_id: int) -> TrajectoryState:
     """A fresh trajectory for an already rendered prompt (shared by the G members of a group)."""
     return TrajectoryState(prompt_len=len(prompt_ids), ids=list(prompt_ids), sample=sample,
-                           group_id=group_id)
+                           group_id=group_id, in_reasoning=ctx.template.prompt_opens_reasoning)
 
 
 def _version(ctx: AgentContext, out: GenerateOutput) -> int:
@@ -319,16 +389,17 @@ def _read_turn(ctx: AgentContext, state: TrajectoryState, turn_ids: list[int]) -
     state.metadata[REASONING_TEXT_KEY] = reasoning
 
 
-async def _run_tools(ctx: AgentContext, state: TrajectoryState, calls: list) -> list[int]:
-    """Run the turn's tool calls concurrently; the ids to append (observations + template)."""
+async def _run_tools(ctx: AgentContext, state: TrajectoryState, calls: list) -> str:
+    """Run the turn's tool calls concurrently; the text to append (observations + template)."""
     start = time.monotonic()
-    results = await run_tool_calls(calls, ctx.tools, timeout_s=ctx.tool_timeout_s,
+    results = await run_tool_calls(calls, sessions_of(state).bind(ctx.tools), timeout_s=ctx.tool_timeout_s,
                                    max_output_chars=ctx.max_tool_output_chars)
     meta = state.metadata
     meta["tool_time_s"] += time.monotonic() - start
     meta["tool_calls"] += len(results)
     meta["tool_errors"] += sum(r.is_error for r in results)
-    return ctx.template.observation_ids([r.text for r in results], state.turn_ended_with_eos)
+    end_token = state.ids[-1] if state.turn_ended_with_eos else None
+    return ctx.template.observation_text([r.text for r in results], end_token)
 
 
 async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
@@ -346,12 +417,14 @@ async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
             if state.num_turns >= ctx.max_turns:  # calls left unanswered: no turn to read them
                 state.status = RolloutStatus.TRUNCATED
                 return
-            suffix = await _run_tools(ctx, state, calls)
+            suffix_text = await _run_tools(ctx, state, calls)
+            suffix = ctx.template.encode(suffix_text)
             if (state.response_len + len(suffix) >= ctx.max_response_tokens
                     or len(state.ids) + len(suffix) >= ctx.max_context_tokens):
                 state.status = RolloutStatus.TRUNCATED  # no room for another model turn after it
                 return
             state.append(suffix, model=False, version=state.versions[-1])
+            state.in_reasoning = bool(ctx.template.reasoning) and ctx.template.reasoning.leaves_open(suffix_text)
             state.turn_start = state.response_len
             state.pending_tools = False
         if ctx.stop_requested:
@@ -373,7 +446,7 @@ async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
             state.status = RolloutStatus.ABORTED
             return
         turn = state.ids[state.prompt_len + state.turn_start:]
-        state.metadata[FINAL_TEXT_KEY] = ctx.template.decode(turn)
+        _read_turn(ctx, state, turn)
         if out.finish_reason == "length":  # no EOS: the turn is cut, nothing may follow it
             state.status = RolloutStatus.TRUNCATED
             return
@@ -393,7 +466,7 @@ async def single_turn(ctx: AgentContext, state: TrajectoryState) -> None:
         return
     state.num_turns = 1
     out = await _generate_turn(ctx, state, params, budget)
-    state.metadata[FINAL_TEXT_KEY] = ctx.template.decode(state.ids[state.prompt_len:])
+    _read_turn(ctx, state, state.ids[state.prompt_len:])
     state.status = {"abort": RolloutStatus.ABORTED, "length": RolloutStatus.TRUNCATED}.get(
         out.finish_reason, RolloutStatus.COMPLETED)
 
@@ -445,6 +518,7 @@ async def run_agent(loop: AgentLoop, ctx: AgentContext, state: TrajectoryState) 
         state.status = RolloutStatus.ERROR
         meta["error"] = f"{type(e).__name__}: {e}"
     finally:
+        pass  # TEMP await release_sessions(state)  # stateful tools: released however the trajectory ended
         end_session = getattr(ctx.engine, "end_session", None)  # router affinity bookkeeping
         if end_session is not None and state.status is not RolloutStatus.ABORTED:
             end_session(state.session_id)

@@ -25,12 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from megarl.rollout.agent import (AgentContext, ChatTemplate, TrajectoryState, get_agent_loop,
+from megarl.rollout.agent import (AgentContext, TrajectoryState, build_template, get_agent_loop,
                                   new_state, run_agent)
 from megarl.rollout.metrics import throughput_metrics, trajectory_metrics
 from megarl.rollout.rewards import build_reward, compute_reward
 from megarl.rollout.tools import build_tools
-from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.types import (RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory,
                                   TrajectoryGroup)
 
@@ -101,11 +100,9 @@ class RolloutManager:
         self.filter_zero_variance = filter_zero_variance and self.group_size > 1
         self.abort_timeout_s = abort_timeout_s
         self.reward_fn = reward_fn or build_reward(rollout.reward, **dict(rollout.reward_kwargs))
-        template = ChatTemplate(tokenizer, [t.schema for t in tools.values()], agent.system_prompt,
-                                eos_token_ids)
+        template, parser = build_template(tokenizer, agent, tools, eos_token_ids)
         self.ctx = AgentContext(
-            engine=engine, template=template, tools=tools,
-            parser=ToolCallParser(tools, agent.tool_call_parser) if tools else None,
+            engine=engine, template=template, tools=tools, parser=parser,
             sampling_params=sampling_params_from_config(rollout.sampling),
             max_turns=int(agent.max_turns), max_response_tokens=int(agent.max_response_tokens),
             max_context_tokens=int(agent.max_context_tokens),

@@ -94,6 +94,10 @@ class TinyModelSpec:
     dtype: str = "float32"
     """``float32`` or ``bfloat16`` weights."""
     seed: int = 0
+    chat_template: str = "tiny"
+    """``tiny`` (the append-only template below) or an official one from
+    :mod:`megarl.rollout.chat_templates` (``qwen3``, ``deepseek_v3``, ``glm4_moe``), whose special
+    tokens are then added to the tokenizer and whose end-of-turn tokens become the EOS ids."""
 
 
 def _gsm8k_dir() -> Path:
@@ -150,8 +154,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return _wrap_tokenizer(tok)
 
 
-def _wrap_tokenizer(tok):
-    """A ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with megarl's special tokens and template."""
+def _wrap_tokenizer(tok, chat_template: str = "tiny"):
+    """A ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with megarl's special tokens and
+    template, or with an official template and its special tokens (added after the trained vocabulary)."""
     from transformers import PreTrainedTokenizerFast
 
     hf_tok = PreTrainedTokenizerFast(
@@ -159,7 +164,23 @@ def _wrap_tokenizer(tok):
         bos_token=None, unk_token=None, additional_special_tokens=SPECIAL_TOKENS[3:],
         clean_up_tokenization_spaces=False)
     hf_tok.chat_template = CHAT_TEMPLATE
+    if chat_template != "tiny":
+        from megarl.rollout.chat_templates import TEMPLATE_TOKENS, load_template
+
+        hf_tok.chat_template = load_template(chat_template)
+        tokens = TEMPLATE_TOKENS[chat_template]
+        hf_tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:] + list(tokens.special)})
+        hf_tok.eos_token, hf_tok.bos_token = tokens.eos, tokens.bos
     return hf_tok
+
+
+def _stop_token_ids(tok, chat_template: str) -> list[int]:
+    """EOS ids of ``generation_config.json``: the tokenizer's EOS and the template's other stops."""
+    if chat_template == "tiny":
+        return [tok.eos_token_id]
+    from megarl.rollout.chat_templates import TEMPLATE_TOKENS
+
+    return [tok.eos_token_id] + tok.convert_tokens_to_ids(list(TEMPLATE_TOKENS[chat_template].extra_stop))
 
 
 @functools.lru_cache(maxsize=4)
@@ -278,15 +299,16 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     from tokenizers import Tokenizer
 
     tok = _wrap_tokenizer(Tokenizer.from_str(
-        _gsm8k_tokenizer_json(spec.vocab_size, str(gsm8k_dir) if gsm8k_dir else None)))
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+        _gsm8k_tokenizer_json(spec.vocab_size, str(gsm8k_dir) if gsm8k_dir else None)), spec.chat_template)
+    eos_id = tok.eos_token_id
     cfg, model_cls = _hf_config(spec, len(tok), eos_id, tok.pad_token_id)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
     torch.manual_seed(spec.seed)
     model = model_cls(cfg).to(dtype)
     if spec.family in ("deepseek_v3", "glm4_moe"):
         _randomize_constant_tensors(model, spec.seed)
-    model.generation_config.eos_token_id = eos_id
+    stop_ids = _stop_token_ids(tok, spec.chat_template)
+    model.generation_config.eos_token_id = stop_ids if len(stop_ids) > 1 else eos_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -372,6 +394,11 @@ def parse_tiny_uri(uri: str) -> TinyModelSpec:
             raise ValueError(f"model.hf_path: tiny-model field {key}={raw!r}: {e}") from e
     if kwargs["family"] not in FAMILIES:
         raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} (known: {', '.join(FAMILIES)})")
+    from megarl.rollout.chat_templates import TEMPLATE_TOKENS
+
+    if kwargs.get("chat_template", "tiny") not in ("tiny", *TEMPLATE_TOKENS):
+        raise ValueError(f"model.hf_path: unknown tiny-model chat_template {kwargs['chat_template']!r} "
+                         f"(known: tiny, {', '.join(TEMPLATE_TOKENS)})")
     return TinyModelSpec(**kwargs)
 
 
@@ -387,7 +414,10 @@ def resolve_model_path(hf_path: str) -> str:
     if not hf_path.startswith(TINY_SCHEME):
         return hf_path
     spec = parse_tiny_uri(hf_path)
-    key = hashlib.sha256(json.dumps(dataclasses.asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
+    fields = dataclasses.asdict(spec)
+    if fields["chat_template"] == "tiny":  # keys of models built before the field existed stay valid
+        del fields["chat_template"]
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     out = _cache_root() / "tiny" / f"{spec.family}-{key}"
     if not (out / "config.json").is_file():
         make_tiny_model(out, spec, overwrite=False)

@@ -12,8 +12,13 @@ if TYPE_CHECKING:
     from megarl.rollout.types import RewardFn, Trajectory
 
 FINAL_TEXT_KEY = "final_text"
-"""``Trajectory.metadata`` key holding the decoded text of the last model turn (set by the agent
-loops; what text-based rewards score)."""
+"""``Trajectory.metadata`` key holding the answer of the last model turn: its decoded text outside
+the reasoning block (set by the agent loops; what text-based rewards score, so nothing written while
+thinking earns a reward)."""
+
+REASONING_TEXT_KEY = "reasoning_text"
+"""``Trajectory.metadata`` key holding the reasoning of the last model turn ("" when it has none);
+for format terms of a reward, never for its answer."""
 
 REWARD_REGISTRY: dict[str, Callable[..., "RewardFn"]] = {}
 """Registry name -> reward class (or factory) taking ``rollout.reward_kwargs`` as keyword arguments."""

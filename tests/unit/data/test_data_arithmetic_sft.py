@@ -47,9 +47,10 @@ def test_sft_trajectory_matches_the_rendered_conversation(tiny_dense_dir):
     row = make_arithmetic_rows(1, seed=0)[0]
     messages = demonstration(row, use_tool=True, system_prompt="Use the calculator.")
     traj = demonstration_to_trajectory(tok, messages, tools=[CALC_SCHEMA])
-    # Reference 1: the whole conversation rendered at once by the chat template.
+    # Reference 1: the whole conversation rendered at once by the (append-only) tiny template; the
+    # trajectory ends, as a rollout does, at the final end-of-turn token (the template adds "\n").
     full = tok.apply_chat_template(messages, tools=[CALC_SCHEMA], tokenize=False)
-    assert tok.decode(traj.prompt_ids.tolist() + traj.response_ids.tolist()) == full
+    assert tok.decode(traj.prompt_ids.tolist() + traj.response_ids.tolist()) + "\n" == full
     assert tok.decode(traj.prompt_ids.tolist()).endswith("<|im_start|>assistant\n")
     # Reference 2: the trained tokens are exactly the two assistant turns, each ending at <|im_end|>.
     ids, mask = traj.response_ids.tolist(), traj.loss_mask.tolist()
@@ -60,6 +61,7 @@ def test_sft_trajectory_matches_the_rendered_conversation(tiny_dense_dir):
         elif cur:
             spans.append(tok.decode(cur))
             cur = []
+    spans += [tok.decode(cur)] if cur else []
     assert spans == [
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call><|im_end|>'
         % row["expression"], "\\boxed{%s}<|im_end|>" % row["answer"]]

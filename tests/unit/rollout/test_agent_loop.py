@@ -1,4 +1,6 @@
-"""Agent loop: incremental tokenisation equals the full rendering, masks, stops, malformed calls."""
+"""Agent loop: engine inputs are prefixes of the final sequence, masks, stops, malformed calls.
+
+Official templates (Qwen3, DeepSeek-V3/R1, GLM-4.5) and reasoning: test_agent_families.py."""
 import asyncio
 import json
 
@@ -12,6 +14,7 @@ from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.types import RolloutStatus
 
 from rollout_scripted import Reply
+from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 QUESTION = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many?"}]
 
@@ -34,22 +37,6 @@ async def run(ctx, loop=tool_agent, messages=QUESTION):
     return await run_agent(loop, ctx, state)
 
 
-def reference_ids(tokenizer, tools, messages):
-    """Independent reference: render the whole conversation with the HF template, then tokenise."""
-    text = tokenizer.apply_chat_template(messages, tools=[t.schema for t in tools.values()] or None,
-                                         tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def assert_matches_full_rendering(tokenizer, ctx, traj, messages):
-    ids = traj.prompt_ids.tolist() + traj.response_ids.tolist()
-    ref = reference_ids(tokenizer, ctx.tools, messages)
-    assert ref[:len(ids)] == ids
-    # What the full rendering has beyond the trajectory: only the template's newline after the
-    # final end-of-turn token.
-    assert tokenizer.decode(ref[len(ids):]) == "\n"
-
-
 def model_token_positions(tokenizer, traj, turn_texts):
     """Expected loss_mask from the scripted turns: each turn's canonical ids + EOS, in order."""
     response = traj.response_ids.tolist()
@@ -70,16 +57,17 @@ async def test_multi_turn_ids_equal_full_rendering_and_masks(tokenizer, scripted
     turns = [call("calculator", expression="48 / 2"),
              "Now both months. " + call("calculator", expression="48 + 24") + "\n" + call("calculator", expression="2 ** 3"),
              "The answer is \\boxed{72}."]
-    engine = scripted_engine(lambda ids, k: Reply(turns[k]))
+    engine = record_outputs(scripted_engine(lambda ids, k: Reply(turns[k])))
     ctx = make_ctx(tokenizer, engine)
     traj = await run(ctx)
     assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 3
-    messages = QUESTION + [
-        {"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "24"},
-        {"role": "assistant", "content": turns[1]}, {"role": "tool", "content": str(48 + 24)},
-        {"role": "tool", "content": str(2 ** 3)}, {"role": "assistant", "content": turns[2]}]
-    assert_matches_full_rendering(tokenizer, ctx, traj, messages)
+    assert_engine_inputs_are_prefixes(engine, traj)
     assert traj.loss_mask.tolist() == model_token_positions(tokenizer, traj, turns)
+    # What the loop appended between turns: the template's tool messages and assistant header.
+    appended = tokenizer.decode(traj.response_ids[traj.loss_mask == 0].tolist())
+    assert appended == ("\n<|im_start|>user\n<tool_response>\n24\n</tool_response><|im_end|>\n"
+                        "<|im_start|>assistant\n\n<|im_start|>user\n<tool_response>\n72\n</tool_response>\n"
+                        "<tool_response>\n8\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     # Engine logprobs on model tokens, exactly 0.0 elsewhere.
     prompt_len = traj.prompt_ids.numel()
     for r, (m, lp) in enumerate(zip(traj.loss_mask.tolist(), traj.rollout_logprobs.tolist())):
@@ -116,15 +104,13 @@ async def test_malformed_tool_calls_become_observations(tokenizer, scripted_engi
 @pytest.mark.timeout(60)
 async def test_stop_without_eos_appends_end_of_turn_as_agent_token(tokenizer, scripted_engine):
     # A turn ended by a stop string (no EOS): the template's end-of-turn marker is appended with
-    # loss_mask 0, and the ids still equal the full rendering.
+    # loss_mask 0.
     turns = [Reply(call("calculator", expression="1 + 1"), eos=False), Reply("\\boxed{2}")]
-    engine = scripted_engine(lambda ids, k: turns[k])
+    engine = record_outputs(scripted_engine(lambda ids, k: turns[k]))
     ctx = make_ctx(tokenizer, engine)
     traj = await run(ctx)
-    messages = QUESTION + [{"role": "assistant", "content": turns[0].text}, {"role": "tool", "content": "2"},
-                           {"role": "assistant", "content": turns[1].text}]
     assert traj.status == RolloutStatus.COMPLETED
-    assert_matches_full_rendering(tokenizer, ctx, traj, messages)
+    assert_engine_inputs_are_prefixes(engine, traj)
     eos_positions = (traj.response_ids == tokenizer.eos_token_id).nonzero().flatten().tolist()
     # End of the model's first turn (appended), end of the tool turn (template), the final EOS (model).
     assert [traj.loss_mask[p].item() for p in eos_positions] == [0, 0, 1]
@@ -203,14 +189,13 @@ async def test_engine_error_marks_trajectory(tokenizer, scripted_engine):
 
 @pytest.mark.timeout(60)
 async def test_single_turn(tokenizer, scripted_engine):
-    engine = scripted_engine(lambda ids, k: Reply(call("calculator", expression="1") + " \\boxed{1}"))
+    engine = record_outputs(scripted_engine(lambda ids, k: Reply(call("calculator", expression="1") + " \\boxed{1}")))
     ctx = make_ctx(tokenizer, engine, tool_names=())
     assert get_agent_loop("single_turn") is single_turn
     traj = await run(ctx, loop=single_turn)
     assert traj.status == RolloutStatus.COMPLETED and traj.num_turns == 1 and len(engine.calls) == 1
     assert traj.loss_mask.all() and traj.metadata["final_text"].endswith("\\boxed{1}")
-    assert_matches_full_rendering(tokenizer, ctx, traj, QUESTION + [
-        {"role": "assistant", "content": traj.metadata["final_text"]}])
+    assert_engine_inputs_are_prefixes(engine, traj)
     with pytest.raises(ValueError, match="rollout.agent.name"):
         get_agent_loop("nope")
 

@@ -1,0 +1,114 @@
+"""Model families' reasoning and tool-call formats, read with SGLang's own parsers.
+
+Each family writes its reasoning in a known format (SGLang's ``ReasoningParser`` names it) and its
+tool calls in another (SGLang's ``FunctionCallParser`` detector names it). The agent loop splits every
+model turn into reasoning and answer with the family's reasoning parser and reads tool calls and the
+final answer from the answer only, so a draft call written while thinking is never run and a
+``\\boxed{}`` written while thinking is never scored.
+
+``auto`` (the config default) selects both from the model's family (``model_type`` in its
+``config.json``); either can be set explicitly (``rollout.agent.reasoning_parser``,
+``rollout.agent.tool_call_parser``), ``none`` turning reasoning separation off.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FAMILY_PARSERS: dict[str, tuple[str | None, str]] = {
+    # model_type: (SGLang reasoning parser, SGLang tool-call parser)
+    "qwen2": (None, "qwen25"),
+    "qwen2_moe": (None, "qwen25"),
+    "qwen3": ("qwen3", "qwen25"),          # <think>...</think>; <tool_call>{json}</tool_call>
+    "qwen3_moe": ("qwen3", "qwen25"),
+    # DeepSeek-V3 / R1: <think>...</think> (the R1 template opens it in the prompt);
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name ```json ...``` ...
+    "deepseek_v3": ("deepseek-v3", "deepseekv3"),
+    "glm4_moe": ("glm45", "glm45"),        # <think>...</think>; <tool_call>name <arg_key>k</arg_key>...
+}
+"""HF ``model_type`` -> (reasoning parser, tool-call parser), SGLang names."""
+
+
+def model_type_of(tokenizer: Any) -> str | None:
+    """``model_type`` from the ``config.json`` beside the tokenizer (None when there is none)."""
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_parsers(tokenizer: Any, reasoning_parser: str | None = "auto",
+                    tool_call_parser: str = "auto") -> tuple[str | None, str]:
+    """The SGLang parser names to use: explicit names as given, ``auto`` from the model family.
+
+    Args:
+        tokenizer: the policy's tokenizer (its directory holds ``config.json``).
+        reasoning_parser: a ``ReasoningParser`` name, ``none``/None (no reasoning separation) or ``auto``.
+        tool_call_parser: a ``FunctionCallParser`` name or ``auto``.
+
+    Returns:
+        ``(reasoning_parser or None, tool_call_parser)``.
+
+    Raises:
+        ValueError: ``auto`` for a family not in :data:`FAMILY_PARSERS` (names the config key), or a
+            name SGLang does not know.
+    """
+    family = None
+    if "auto" in (reasoning_parser, tool_call_parser):
+        model_type = model_type_of(tokenizer)
+        family = FAMILY_PARSERS.get(model_type or "")
+        if family is None:
+            key = "reasoning_parser" if reasoning_parser == "auto" else "tool_call_parser"
+            raise ValueError(
+                f"rollout.agent.{key}: auto has no default for model family {model_type!r} "
+                f"(known: {', '.join(FAMILY_PARSERS)}); set rollout.agent.reasoning_parser and "
+                "rollout.agent.tool_call_parser to SGLang parser names")
+    reasoning = family[0] if reasoning_parser == "auto" else reasoning_parser
+    tools = family[1] if tool_call_parser == "auto" else tool_call_parser
+    reasoning = None if reasoning in (None, "", "none") else reasoning
+    if reasoning is not None:
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        if reasoning.lower() not in ReasoningParser.DetectorMap:
+            raise ValueError(f"rollout.agent.reasoning_parser: SGLang has no reasoning parser {reasoning!r}")
+    return reasoning, tools
+
+
+class ReasoningFormat:
+    """Split a model turn into reasoning and answer with SGLang's reasoning parser ``name``.
+
+    Whether a turn starts inside reasoning is not guessed from the family: the text the loop appended
+    before the turn says it (DeepSeek-R1's generation prompt ends in an open ``<think>\\n``; Qwen3's
+    with ``enable_thinking: false`` in a closed empty block; after tool output none is open), see
+    :meth:`leaves_open`.
+
+    Args:
+        name: an SGLang ``ReasoningParser`` name (``qwen3``, ``deepseek-v3``, ``glm45``, ...).
+    """
+
+    def __init__(self, name: str) -> None:
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        self.name = name
+        self._parser_cls = ReasoningParser
+        detector = ReasoningParser(name, stream_reasoning=False).detector
+        self.think_start = detector.think_start_token
+        self.think_end = detector.think_end_token
+
+    def leaves_open(self, text: str) -> bool:
+        """Whether ``text`` (a generation prompt or an appended suffix) ends inside reasoning."""
+        start = text.rfind(self.think_start)
+        return start >= 0 and text.rfind(self.think_end) < start
+
+    def split(self, text: str, *, in_reasoning: bool) -> tuple[str, str]:
+        """``(reasoning, answer)`` of one turn's text (SGLang's one-shot parse).
+
+        Args:
+            text: the turn as decoded (special tokens kept, final EOS dropped).
+            in_reasoning: the turn started inside an open reasoning block.
+        """
+        parser = self._parser_cls(self.name, stream_reasoning=False, force_reasoning=in_reasoning)
+        reasoning, answer = parser.parse_non_stream(text)
+        return reasoning or "", answer or ""
