@@ -518,7 +518,7 @@ async def run_agent(loop: AgentLoop, ctx: AgentContext, state: TrajectoryState) 
         state.status = RolloutStatus.ERROR
         meta["error"] = f"{type(e).__name__}: {e}"
     finally:
-        pass  # TEMP await release_sessions(state)  # stateful tools: released however the trajectory ended
+        await release_sessions(state)  # stateful tools: released however the trajectory ended
         end_session = getattr(ctx.engine, "end_session", None)  # router affinity bookkeeping
         if end_session is not None and state.status is not RolloutStatus.ABORTED:
             end_session(state.session_id)
