@@ -5,6 +5,7 @@ rewards run concurrently). This package imports no torch so that reward worker p
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -38,16 +39,34 @@ def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return decorator
 
 
-def build_reward(name: str, **kwargs: Any) -> "RewardFn":
-    """Instantiate the reward named ``rollout.reward`` with ``rollout.reward_kwargs``.
+def reward_factory(name: str) -> Callable[..., "RewardFn"]:
+    """What ``rollout.reward`` names, as a factory taking ``rollout.reward_kwargs``.
+
+    A registry name gives its registered factory. An import path (``my_pkg.tasks:ExactMatch``)
+    gives a class (instantiated with the keyword arguments) or a function that is itself the reward
+    (``fn(trajectory, sample, **reward_kwargs)``).
 
     Raises:
-        ValueError: unknown name, or keyword arguments the reward does not take.
+        megarl.plugins.PluginError: unknown name, or an import path that cannot be loaded.
     """
-    if name not in REWARD_REGISTRY:
-        raise ValueError(f"rollout.reward: unknown reward {name!r} (known: {sorted(REWARD_REGISTRY)})")
+    from megarl.plugins import resolve
+
+    obj = resolve(name, REWARD_REGISTRY, key="rollout.reward", kind="reward")
+    if name in REWARD_REGISTRY or inspect.isclass(obj):
+        return obj
+    return lambda **kwargs: functools.partial(obj, **kwargs) if kwargs else obj
+
+
+def build_reward(name: str, **kwargs: Any) -> "RewardFn":
+    """Instantiate the reward named ``rollout.reward`` (registry name or import path) with
+    ``rollout.reward_kwargs``.
+
+    Raises:
+        ValueError: unknown name or import path, or keyword arguments the reward does not take.
+    """
+    factory = reward_factory(name)
     try:
-        return REWARD_REGISTRY[name](**kwargs)
+        return factory(**kwargs)
     except TypeError as e:
         raise ValueError(f"rollout.reward_kwargs: {e}") from e
 
@@ -61,6 +80,7 @@ async def compute_reward(fn: "RewardFn", trajectory: "Trajectory", sample: dict[
 
 
 from megarl.rollout.rewards import gsm8k  # noqa: E402,F401  (registers "gsm8k")  isort: skip
-from megarl.rollout.rewards import composite, terms  # noqa: E402,F401  isort: skip
+from megarl.rollout.rewards import composite, judge, terms  # noqa: E402,F401  isort: skip
 
-__all__ = ["FINAL_TEXT_KEY", "REWARD_REGISTRY", "build_reward", "compute_reward", "register_reward"]
+__all__ = ["FINAL_TEXT_KEY", "REWARD_REGISTRY", "build_reward", "compute_reward", "register_reward",
+           "reward_factory"]
