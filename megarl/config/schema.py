@@ -41,6 +41,10 @@ class ModelConfig:
     """Grouped GEMM for experts; None = on with CUDA/Transformer Engine, off on CPU."""
     recompute_granularity: Optional[str] = None
     """Activation recomputation: None, ``selective`` or ``full`` (Megatron's names)."""
+    megatron_overrides: Dict[str, Any] = field(default_factory=dict)
+    """Any Megatron-Core ``TransformerConfig`` or ``DistributedDataParallelConfig`` field, applied
+    last over megarl's choices (``{moe_permute_fusion: false, bucket_size: 40000000}``); names are
+    checked against Megatron's own dataclass fields by ``megarl validate``."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities (0 for RL)."""
     hidden_dropout: float = 0.0
@@ -67,6 +71,11 @@ class ParallelConfig:
     """Megatron sequence parallelism (requires TP > 1; required for MoE with TP > 1)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: decoder layers on the first stage (Megatron's field); None = even split."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Uneven pipeline: decoder layers on the last stage; the middle stages share the rest evenly
+    (DeepSeek-V3's 61 layers on PP=8: first 7, last 6, six middle stages of 8)."""
 
 
 @dataclass

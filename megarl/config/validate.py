@@ -8,8 +8,9 @@ YAML) and checked against the parallel layout.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -318,9 +319,14 @@ def _check_model(c: _Checker) -> None:
     c.check(groups % tp == 0, "parallel.tensor_model_parallel_size",
             f"num_key_value_heads (query groups)={groups} (config.json) must be divisible by TP")
     chunks = pp * (p.virtual_pipeline_model_parallel_size or 1)
-    c.check(hf.num_hidden_layers % chunks == 0, "parallel.pipeline_model_parallel_size",
-            f"num_hidden_layers={hf.num_hidden_layers} (config.json) must be divisible by "
-            f"PP*VPP = {chunks}")
+    first, last = p.get("num_layers_in_first_pipeline_stage"), p.get("num_layers_in_last_pipeline_stage")
+    if first is None and last is None:
+        c.check(hf.num_hidden_layers % chunks == 0, "parallel.pipeline_model_parallel_size",
+                f"num_hidden_layers={hf.num_hidden_layers} (config.json) must be divisible by "
+                f"PP*VPP = {chunks} (or set parallel.num_layers_in_first/last_pipeline_stage)")
+    else:
+        c.check(_uneven_stage_error(p, hf.num_hidden_layers) is None, "parallel.num_layers_in_first_pipeline_stage",
+                str(_uneven_stage_error(p, hf.num_hidden_layers)))
     experts = num_experts_of(hf)
     ep = p.expert_model_parallel_size
     if experts:
@@ -332,9 +338,42 @@ def _check_model(c: _Checker) -> None:
         c.check(ep == 1, "parallel.expert_model_parallel_size", "the model has no experts: use 1")
         c.check(cfg.train.routing_replay == "none", "train.routing_replay",
                 "routing replay needs an MoE model")
+    engine_ep = cfg.rollout.engine.expert_parallel_size
+    if experts:
+        c.check(engine_ep < 1 or experts % engine_ep == 0, "rollout.engine.expert_parallel_size",
+                f"num_moe_experts={experts} (config.json) must be divisible by the engine EP")
+    else:
+        c.check(engine_ep == 1, "rollout.engine.expert_parallel_size", "the model has no experts: use 1")
     etp = cfg.rollout.engine.tensor_parallel_size
     c.check(heads % etp == 0, "rollout.engine.tensor_parallel_size",
             f"num_attention_heads={heads} (config.json) must be divisible by the engine TP")
+
+
+def _uneven_stage_error(p: DictConfig, num_layers: int) -> str | None:
+    """Why ``parallel.num_layers_in_first/last_pipeline_stage`` cannot split ``num_layers``, or None.
+
+    The layer assignment is the weight-sync layout's (``TrainerLayout``), which is tested against
+    Megatron's ``get_transformer_layer_offset`` / ``get_num_layers_to_build``.
+    """
+    from megarl.weight_sync.layout import LayoutError, TrainerLayout
+
+    first, last = p.get("num_layers_in_first_pipeline_stage"), p.get("num_layers_in_last_pipeline_stage")
+    for name, value in (("first", first), ("last", last)):
+        if value is not None and value < 1:
+            return f"num_layers_in_{name}_pipeline_stage must be >= 1"
+    middle_stages = p.pipeline_model_parallel_size - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_stages > 0) != (middle_layers > 0):  # Megatron's own rule
+        return (f"first/last stage layers ({first}, {last}) leave {middle_layers} of num_hidden_layers="
+                f"{num_layers} (config.json) for {max(middle_stages, 0)} middle pipeline stages")
+    try:
+        TrainerLayout(pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+                      virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+                      num_layers_in_first_pipeline_stage=first,
+                      num_layers_in_last_pipeline_stage=last).layer_location(0, num_layers)
+    except LayoutError as err:
+        return f"{err} (num_hidden_layers={num_layers} from config.json)"
+    return None
 
 
 def _check_paths(c: _Checker) -> None:
@@ -355,6 +394,186 @@ def _check_plugins(c: _Checker) -> None:
 
     for key, message, value in plugin_issues(c.cfg):
         c.check(False, key, message, value=value)
+
+
+NUMERIC_RANGES: dict[str, tuple[float | None, float | None, str]] = {
+    "model.attention_dropout": (0, 1, "[)"), "model.hidden_dropout": (0, 1, "[)"),
+    "model.make_vocab_size_divisible_by": (1, None, "[]"),
+    "train.adam_beta1": (0, 1, "[)"), "train.adam_beta2": (0, 1, "[)"), "train.adam_eps": (0, None, "()"),
+    "algorithm.advantage_eps": (0, None, "()"),
+    "rollout.engine.mem_fraction_static": (0, 1, "()"),
+    "rollout.engine.base_port": (1, 65535, "[]"), "cluster.master_port": (0, 65535, "[]"),
+    "retrieval.port": (0, 65535, "[]"),
+    "rollout.sampling.top_p": (0, 1, "(]"),
+    "rollout.sampling.top_k": (-1, None, "[]"),  # -1 = off (SGLang); 0 is refused below
+    "sft.tool_fraction": (0, 1, "[]"),
+    "weight_sync.verify_tolerance": (0, None, "()"),
+    "cluster.distributed_timeout_minutes": (1, None, "[]"),
+}
+"""Numeric fields with a range of their own: ``(low, high, bounds)``, ``bounds`` two characters
+``[``/``(`` and ``]``/``)`` (closed / open), None = unbounded. Every other numeric field of the schema
+gets a default range by its name (:func:`numeric_range`); the algorithm's clip fields are checked in
+``_check_algorithm``."""
+_RANGES_ELSEWHERE = ("algorithm.clip_low", "algorithm.clip_high", "algorithm.clip_c",
+                     "algorithm.rollout_correction_clip", "algorithm.rollout_correction_low")
+
+
+def numeric_fields() -> dict[str, type]:
+    """Every int / float (or Optional) field of :class:`~megarl.config.schema.MegarlConfig`, by dotted key."""
+    import dataclasses
+    import typing
+
+    from megarl.config.schema import MegarlConfig
+
+    out: dict[str, type] = {}
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                walk(kind, f"{prefix}{f.name}.")
+                continue
+            args = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+            if len(args) == 1 and args[0] in (int, float):
+                out[prefix + f.name] = args[0]
+
+    walk(MegarlConfig, "")
+    return out
+
+
+def numeric_range(key: str) -> tuple[float | None, float | None, str]:
+    """The range of a numeric field: :data:`NUMERIC_RANGES`, else >= 1 for sizes (:data:`POSITIVE_INTS`,
+    ``*_size``, ``*_nodes``, ``*_per_node``), > 0 for timeouts (``*timeout_s``), else >= 0 (counts
+    such as ``sft.num_steps`` use 0 for "off")."""
+    if key in NUMERIC_RANGES:
+        return NUMERIC_RANGES[key]
+    name = key.rsplit(".", 1)[-1]
+    if key in POSITIVE_INTS or name.endswith(("_size", "_nodes", "_per_node")):
+        return 1, None, "[]"
+    if name.endswith("timeout_s"):
+        return 0, None, "()"
+    return 0, None, "[]"
+
+
+def _in_range(value: float, low, high, bounds: str) -> bool:
+    if low is not None and (value < low or (bounds[0] == "(" and value == low)):
+        return False
+    return not (high is not None and (value > high or (bounds[1] == ")" and value == high)))
+
+
+def _check_ranges(c: _Checker) -> None:
+    """Every numeric field of the schema against its range (one table, :func:`numeric_range`)."""
+    for key in numeric_fields():
+        if key in _RANGES_ELSEWHERE or key in POSITIVE_INTS or key in NON_NEGATIVE:
+            continue  # reported by their own checks (no duplicate issue)
+        try:
+            value = _get(c.cfg, key)
+        except Exception:  # noqa: BLE001 - a section another command does not load
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        low, high, bounds = numeric_range(key)
+        shown = f"{bounds[0]}{'-inf' if low is None else low}, {'inf' if high is None else high}{bounds[1]}"
+        c.check(_in_range(value, low, high, bounds), key, f"must be in {shown}")
+    c.check(c.cfg.rollout.sampling.top_k != 0, "rollout.sampling.top_k", "must be -1 (off) or >= 1")
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two features that cannot run together: ``applies(cfg)`` is True when ``cfg`` combines them."""
+
+    key: str
+    """The key the error names (the one to change)."""
+    message: str
+    applies: Callable[[DictConfig], bool]
+
+
+CONFLICTS: list[Conflict] = [
+    Conflict("rollout.engine.expert_parallel_size",
+             "SGLang splits each engine's experts over EP and the rest of its TP (moe_tp = tp / ep): "
+             "rollout.engine.expert_parallel_size must divide rollout.engine.tensor_parallel_size",
+             lambda cfg: cfg.rollout.engine.tensor_parallel_size % max(cfg.rollout.engine.expert_parallel_size, 1) != 0),
+    Conflict("model.moe_grouped_gemm",
+             "grouped GEMM runs through Transformer Engine on CUDA; set it to null (auto) or false on CPU",
+             lambda cfg: cfg.model.moe_grouped_gemm is True and _device_is_cpu(cfg)),
+]
+"""Cross-feature conflicts checked before anything starts, one row each. Conflicts that need the
+model's config.json (engine EP vs the number of experts) are in ``_check_model``; FP8 recipe vs
+device in ``_check_fp8_recipe``; colocated placement vs transport in ``_check_cluster``."""
+
+
+def _check_conflicts(c: _Checker) -> None:
+    for conflict in CONFLICTS:
+        try:
+            bad = conflict.applies(c.cfg)
+        except Exception:  # noqa: BLE001 - a malformed value is reported by its own field check
+            continue
+        c.check(not bad, conflict.key, conflict.message)
+
+
+MEGARL_OWNED_MEGATRON_FIELDS = {
+    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size": "parallel.expert_model_parallel_size",
+    "expert_tensor_parallel_size": "parallel.expert_tensor_parallel_size",
+    "context_parallel_size": "parallel.context_parallel_size", "sequence_parallel": "parallel.sequence_parallel",
+    "use_distributed_optimizer": "parallel.use_distributed_optimizer",
+    "num_layers_in_first_pipeline_stage": "parallel.num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage": "parallel.num_layers_in_last_pipeline_stage",
+    "params_dtype": "train.precision", "bf16": "train.precision", "fp16": "train.precision",
+    "fp8": "train.fp8", "fp8_recipe": "train.fp8_recipe", "moe_grouped_gemm": "model.moe_grouped_gemm",
+    "recompute_granularity": "model.recompute_granularity",
+    "num_layers": "config.json", "hidden_size": "config.json", "num_attention_heads": "config.json",
+    "num_query_groups": "config.json", "ffn_hidden_size": "config.json", "kv_channels": "config.json",
+    "num_moe_experts": "config.json", "moe_ffn_hidden_size": "config.json", "moe_router_topk": "config.json",
+}
+"""Megatron fields megarl derives from its own sections (or the model's config.json): an override
+would desynchronise the parallel state, the weight-sync plan or the checkpoint mapping."""
+
+
+def _check_megatron_overrides(c: _Checker) -> None:
+    """``model.megatron_overrides``: Megatron's own dataclass fields only, none that megarl owns."""
+    overrides = c.cfg.model.get("megatron_overrides") or {}
+    if not overrides:
+        return
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    known = {f.name for cls in (MLATransformerConfig, DistributedDataParallelConfig) for f in dataclasses.fields(cls)}
+    for name in overrides:
+        key = f"model.megatron_overrides.{name}"
+        if not c.check(name in known, key, "not a field of Megatron-Core's TransformerConfig or "
+                       "DistributedDataParallelConfig (megatron/core/transformer/transformer_config.py, "
+                       "megatron/core/distributed/distributed_data_parallel_config.py)"):
+            continue
+        owner = MEGARL_OWNED_MEGATRON_FIELDS.get(name)
+        c.check(owner is None, key, f"megarl sets this from {owner}; set it there")
+
+
+def _check_engine_packing(c: _Checker) -> None:
+    """Each engine fits on one node, and the engines pack onto the nodes whole."""
+    cfg = c.cfg
+    cl, r = cfg.cluster, cfg.rollout
+    if r.external_engine_urls:
+        return
+    tp = r.engine.tensor_parallel_size
+    if cl.placement == "disaggregated":
+        nodes, per_node, where = cl.rollout_nodes, cl.rollout_devices_per_node, "cluster.rollout_devices_per_node"
+    else:
+        nodes, per_node, where = cl.trainer_nodes, cl.trainer_devices_per_node, "cluster.trainer_devices_per_node"
+    if tp < 1 or per_node < 1:
+        return  # reported by the field checks
+    if not c.check(tp <= per_node, "rollout.engine.tensor_parallel_size",
+                   f"an engine runs on one node: its {tp} devices exceed {where}={per_node}"):
+        return
+    per_node_engines = per_node // tp
+    c.check(r.num_engines <= nodes * per_node_engines, "rollout.num_engines",
+            f"{per_node_engines} engine(s) of TP {tp} fit on each of the {nodes} node(s) ({where}={per_node}, "
+            f"engines never straddle nodes): at most {nodes * per_node_engines} engines")
 
 
 def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:
@@ -383,6 +602,10 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:
     _check_precision(c)
     _check_cluster(c)
     _check_plugins(c)
+    _check_ranges(c)
+    _check_conflicts(c)
+    _check_engine_packing(c)
+    _check_megatron_overrides(c)
     if check_paths:
         _check_model(c)
         _check_paths(c)

@@ -69,13 +69,15 @@ def build_trainer(cfg: MegarlConfig, *, parallel: ParallelState | None = None):
     Returns:
         `megarl.training.trainer.Trainer`.
     """
+    from megarl.training.model import split_megatron_overrides
     from megarl.training.optimizer import build_ddp, build_optimizer, build_scheduler
     from megarl.training.trainer import Trainer
 
     parallel = parallel or build_parallel_state(cfg)
     chunks, hf_config = build_model_chunks(cfg, parallel)
     use_dist_opt = cfg.parallel.use_distributed_optimizer
-    ddp_chunks = build_ddp(chunks, use_distributed_optimizer=use_dist_opt)
+    _, ddp_overrides = split_megatron_overrides(dict(getattr(cfg.model, "megatron_overrides", None) or {}))
+    ddp_chunks = build_ddp(chunks, use_distributed_optimizer=use_dist_opt, overrides=ddp_overrides)
     optimizer = build_optimizer(cfg.train, ddp_chunks, use_distributed_optimizer=use_dist_opt)
     scheduler = build_scheduler(cfg.train, optimizer,
                                 total_steps=cfg.train.num_steps * optimizer_steps_per_rl_step(cfg))

@@ -60,7 +60,9 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
         device: ``cpu``, ``cuda`` or ``meta`` (meta: no memory, used by the converters).
         use_te: the Transformer Engine spec is used (enables grouped GEMM by default).
         extra_config: further ``TransformerConfig`` fields (e.g. FP8, ``calculate_per_token_loss``),
-            applied last.
+            applied before ``model.megatron_overrides`` (which are applied last).
+
+    Fusions follow :func:`fusion_settings` (on under the TE spec, off on the local spec).
 
     Raises:
         ValueError: unknown precision, layers not divisible over pipeline stages, MoE with TP > 1
@@ -76,10 +78,13 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
     family = get_family(hf_config)
     arch = family.architecture(hf_config)
     p = parallel_cfg
+    first = getattr(p, "num_layers_in_first_pipeline_stage", None)
+    last = getattr(p, "num_layers_in_last_pipeline_stage", None)
     stages = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-    if arch["num_hidden_layers"] % stages:
+    if first is None and last is None and arch["num_hidden_layers"] % stages:
         raise ValueError(f"num_hidden_layers={arch['num_hidden_layers']} (HF config) is not divisible by "
-                         f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {stages}")
+                         f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {stages} "
+                         "(uneven stages: parallel.num_layers_in_first/last_pipeline_stage)")
     is_moe = any(arch["moe_layers"])
     if not is_moe and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or 1) > 1):
         raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size > 1 need an MoE "
@@ -95,12 +100,15 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         context_parallel_size=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
+        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=precision == "bf16", fp16=precision == "fp16",
         hidden_dropout=model_cfg.hidden_dropout, attention_dropout=model_cfg.attention_dropout,
         use_cpu_initialization=device != "cuda", perform_initialization=device != "meta",
-        # Fusions need CUDA kernels (TE/apex); off on CPU, left off on GPU until measured.
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, bias_activation_fusion=False)
+        masked_softmax_fusion=False)  # local attention's fused softmax (apex); TE attention fuses its own
+    fusions, _ = fusion_settings(use_te=use_te, is_moe=any(arch["moe_layers"]),
+                                 multi_latent_attention=bool(kwargs.get("multi_latent_attention")),
+                                 grad_accum_kernel=_grad_accum_kernel_available())
+    kwargs.update(fusions)
     if model_cfg.recompute_granularity is not None:
         kwargs.update(recompute_granularity=model_cfg.recompute_granularity)
         if model_cfg.recompute_granularity == "full":
@@ -112,12 +120,85 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
         kwargs.update(
             moe_router_dtype=model_cfg.moe_router_dtype, moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if model_cfg.moe_aux_loss_coeff > 0 else "none",
-            moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type, moe_grouped_gemm=grouped,
-            moe_permute_fusion=False)
+            moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type, moe_grouped_gemm=grouped)
     kwargs.update(extra_config or {})
+    config_overrides, _ = split_megatron_overrides(getattr(model_cfg, "megatron_overrides", None) or {})
+    kwargs.update(config_overrides)  # the user's Megatron fields win over every choice above
     # Multi-latent attention (DeepSeek-V3) needs Megatron's MLA config class (q/kv LoRA ranks, YaRN).
     config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
     return config_class(**kwargs)
+
+
+FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+           "moe_permute_fusion", "persist_layer_norm")
+"""Megatron-Core fusions megarl sets (``TransformerConfig`` fields, all default False in Megatron-Core)."""
+
+
+def _grad_accum_kernel_available() -> bool:
+    """Megatron's local linears (the output layer, even under the TE spec) need apex's
+    ``fused_weight_gradient_mlp_cuda`` for ``gradient_accumulation_fusion`` (``tensor_parallel/layers.py``
+    raises at construction without it)."""
+    try:
+        from megatron.core.tensor_parallel import layers
+    except ImportError:
+        return False
+    return bool(getattr(layers, "_grad_accum_fusion_available", False))
+
+
+def fusion_settings(*, use_te: bool, is_moe: bool, multi_latent_attention: bool,
+                    grad_accum_kernel: bool) -> tuple[dict[str, bool], dict[str, str]]:
+    """Megatron's fusions for a layer spec, as Megatron-LM runs them on GPU: every one of
+    :data:`FUSIONS` on under the Transformer Engine spec, off on the local spec (CPU), with the reason
+    for each one left off.
+
+    Args:
+        use_te: the TE layer spec is used (CUDA).
+        is_moe: the model has experts (``moe_permute_fusion``: TE's fused permute, TE >= 2.1).
+        multi_latent_attention: MLA (Megatron-Core 0.16.1 marks RoPE fusion for MLA experimental,
+            training-only, so it stays off).
+        grad_accum_kernel: apex's ``fused_weight_gradient_mlp_cuda`` is importable (needed by the
+            local output layer; TE linears accumulate into ``main_grad`` themselves).
+
+    Returns:
+        ``({field: bool}, {field: why it is off})``; ``model.megatron_overrides`` can change any of them.
+    """
+    if not use_te:
+        why = "local layer spec (CPU): the fused kernels are CUDA-only (Transformer Engine / apex)"
+        return {name: False for name in FUSIONS}, {name: why for name in FUSIONS}
+    on = {name: True for name in FUSIONS}
+    off = {}
+    if not grad_accum_kernel:
+        off["gradient_accumulation_fusion"] = "apex fused_weight_gradient_mlp_cuda is not installed"
+    if multi_latent_attention:
+        off["apply_rope_fusion"] = "RoPE fusion for MLA is experimental and training-only in Megatron-Core 0.16.1"
+    if not is_moe:
+        off["moe_permute_fusion"] = "dense model"
+    on.update({name: False for name in off})
+    return on, off
+
+
+def split_megatron_overrides(overrides: dict) -> tuple[dict, dict]:
+    """``model.megatron_overrides`` split into ``TransformerConfig`` and ``DistributedDataParallelConfig`` fields.
+
+    A name both dataclasses have goes to both. MLA fields (``MLATransformerConfig``) count as
+    ``TransformerConfig`` fields.
+
+    Raises:
+        ValueError: a name neither dataclass has (names it).
+    """
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config_fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    ddp_fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
+    unknown = sorted(set(overrides) - config_fields - ddp_fields)
+    if unknown:
+        raise ValueError(f"model.megatron_overrides.{unknown[0]}: not a field of Megatron-Core's TransformerConfig "
+                         f"or DistributedDataParallelConfig (unknown: {unknown})")
+    return ({k: v for k, v in overrides.items() if k in config_fields},
+            {k: v for k, v in overrides.items() if k in ddp_fields})
 
 
 def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,

@@ -37,7 +37,8 @@ def freeze_router(model_chunks: Sequence[torch.nn.Module]) -> int:
     return frozen
 
 
-def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimizer: bool) -> list[torch.nn.Module]:
+def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimizer: bool,
+              overrides: dict | None = None) -> list[torch.nn.Module]:
     """Wrap each model chunk in Megatron ``DistributedDataParallel``.
 
     Gradients are reduced in fp32 (``grad_reduce_in_fp32``) without overlap: one reduction after
@@ -49,14 +50,17 @@ def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimi
         model_chunks: this rank's ``GPTModel`` chunks (one per virtual pipeline stage).
         use_distributed_optimizer: ``parallel.use_distributed_optimizer``; the gradient buffers
             are then reduce-scattered instead of all-reduced.
+        overrides: ``DistributedDataParallelConfig`` fields from ``model.megatron_overrides``,
+            applied last.
 
     Returns:
         The wrapped chunks, in order.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(**{
+        "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+        "use_distributed_optimizer": use_distributed_optimizer, **(overrides or {})})
     wrapped = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
                                        disable_bucketing=index > 0)
                for index, chunk in enumerate(model_chunks)]

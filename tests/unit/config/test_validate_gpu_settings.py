@@ -22,7 +22,10 @@ def _issues(overrides) -> dict[str, str]:
     try:
         validate(load_config(REPO / "configs" / "base.yaml", overrides))
     except ConfigError as err:
-        return {issue.key: str(issue) for issue in err.issues}
+        out: dict[str, str] = {}
+        for issue in err.issues:  # every message about a key, joined
+            out[issue.key] = (out[issue.key] + " | " if issue.key in out else "") + str(issue)
+        return out
     return {}
 
 
@@ -47,3 +50,96 @@ def test_fp8_recipe_checked_against_the_visible_gpu(base, monkeypatch):
     monkeypatch.setattr(fp8, "installed_te_version", lambda: "2.9.0")
     issues = _issues(base + ["cluster.device=cuda", "train.precision=bf16", "train.fp8=e4m3"])
     assert "train.fp8_recipe" in issues and "8.9 or higher" in issues["train.fp8_recipe"]
+
+
+def test_megatron_overrides_checked_against_megatron_dataclasses(base):
+    ok = _issues(base + ["model.megatron_overrides={moe_permute_fusion: false, bucket_size: 1000000}"])
+    assert not [k for k in ok if k.startswith("model.megatron_overrides")], ok
+    bad = _issues(base + ["model.megatron_overrides={moe_permute_fusoin: false, tensor_model_parallel_size: 2}"])
+    assert "not a field" in bad["model.megatron_overrides.moe_permute_fusoin"]
+    assert "parallel.tensor_model_parallel_size" in bad["model.megatron_overrides.tensor_model_parallel_size"]
+
+
+def test_uneven_pipeline_stages(base, tmp_path):
+    """A 5-layer model on PP=2 (not divisible) is valid with first=2 / last=3; each bad split names its key."""
+    from megarl.testing.tiny_model import TinyModelSpec, _hf_config
+
+    hf_config = _hf_config(TinyModelSpec(family="qwen3_moe", num_hidden_layers=5), 2048, 0, 1)[0]
+    hf_config.save_pretrained(tmp_path)
+    pp2 = [o for o in base if not o.startswith(("model.hf_path", "parallel.expert_model"))] + [
+        f"model.hf_path={tmp_path}", "parallel.pipeline_model_parallel_size=2"]
+    assert "parallel.pipeline_model_parallel_size" in _issues(pp2)  # 5 layers, PP=2, even split
+    assert _issues(pp2 + ["parallel.num_layers_in_first_pipeline_stage=2"]) == {}
+    assert _issues(pp2 + ["parallel.num_layers_in_last_pipeline_stage=3"]) == {}
+    assert "parallel.num_layers_in_first_pipeline_stage" in _issues(
+        pp2 + ["parallel.num_layers_in_first_pipeline_stage=2", "parallel.num_layers_in_last_pipeline_stage=2"])
+    assert "parallel.num_layers_in_first_pipeline_stage" in _issues(
+        pp2 + ["parallel.num_layers_in_first_pipeline_stage=5"])  # nothing left for the last stage
+
+
+def test_uneven_pipeline_stages_build_megatrons_layer_assignment():
+    """The Megatron config megarl builds assigns layers as Megatron's own offset function says
+    (DeepSeek-V3's 61 layers on PP=8 with first 7 / last 6), and the divisibility check is lifted."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.testing.tiny_model import TinyModelSpec, _hf_config
+    from megarl.training.model import build_transformer_config
+
+    hf_config = _hf_config(TinyModelSpec(family="qwen3", num_hidden_layers=61), 2048, 0, 1)[0]
+    par = ParallelConfig(pipeline_model_parallel_size=8, num_layers_in_first_pipeline_stage=7,
+                         num_layers_in_last_pipeline_stage=6)
+    cfg = build_transformer_config(hf_config, par, ModelConfig(), device="meta")
+    sizes = [get_num_layers_to_build(cfg, None, pp) for pp in range(8)]
+    offsets = [get_transformer_layer_offset(cfg, None, pp) for pp in range(8)]
+    assert sizes == [7, 8, 8, 8, 8, 8, 8, 6] and offsets == [0, 7, 15, 23, 31, 39, 47, 55]
+    with pytest.raises(ValueError, match="not divisible"):
+        build_transformer_config(hf_config, ParallelConfig(pipeline_model_parallel_size=8), ModelConfig(),
+                                 device="meta")
+
+
+def test_every_numeric_field_has_a_range_and_it_is_enforced(base):
+    """Table-driven: a value just outside each field's range is an error naming that key."""
+    from megarl.config.validate import (NON_NEGATIVE, POSITIVE_INTS, _RANGES_ELSEWHERE, numeric_fields,
+                                        numeric_range)
+
+    fields = numeric_fields()
+    assert {"train.adam_beta1", "rollout.sampling.top_p", "cluster.master_port", "weight_sync.timeout_s"} <= set(fields)
+    outside = {}
+    for key, kind in fields.items():
+        if key in _RANGES_ELSEWHERE or key in POSITIVE_INTS or key in NON_NEGATIVE:
+            continue
+        low, high, bounds = numeric_range(key)
+        if high is not None:
+            value = high + (0 if bounds[1] == ")" else (1 if kind is int else 1e-3))
+        else:
+            value = low - (0 if bounds[0] == "(" else (1 if kind is int else 1e-3))
+        outside[key] = int(value) if kind is int else value
+    assert len(outside) > 30
+    overrides = base + [f"{key}={value}" for key, value in outside.items()]
+    issues = _issues(overrides)
+    missing = sorted(key for key in outside if key not in issues)
+    assert not missing, missing
+
+
+def test_cross_feature_conflicts(base):
+    assert "rollout.engine.expert_parallel_size" in _issues(
+        base + ["rollout.engine.tensor_parallel_size=2", "rollout.engine.expert_parallel_size=4",
+                "cluster.rollout_devices_per_node=2"])
+    assert "model.moe_grouped_gemm" in _issues(base + ["model.moe_grouped_gemm=true"])
+    assert "rollout.engine.expert_parallel_size" in _issues(
+        base + ["rollout.engine.tensor_parallel_size=3", "rollout.engine.expert_parallel_size=3",
+                "cluster.rollout_devices_per_node=3"])  # 8 experts not divisible by engine EP 3
+
+
+def test_engines_fit_and_pack_per_node(base):
+    # 2 nodes x 4 devices, engine TP 3: one engine per node (the 4th device idles), so at most 2
+    two_nodes = base + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=4",
+                        "rollout.engine.tensor_parallel_size=1"]
+    assert _issues(two_nodes + ["rollout.num_engines=8"]) == {}
+    issues = _issues(two_nodes + ["rollout.num_engines=8", "rollout.engine.tensor_parallel_size=2"])
+    assert "rollout.num_engines" in issues  # 8 x TP2 = 16 devices > 8
+    issues = _issues(base + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=4",
+                             "rollout.engine.tensor_parallel_size=8", "rollout.num_engines=1"])
+    assert "one node" in issues["rollout.engine.tensor_parallel_size"]
