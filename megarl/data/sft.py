@@ -161,13 +161,13 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
     mask: list[int] = []
     k = first
     while k < len(messages):
-        if roles[k] != "assistant":
-            raise DemonstrationError(f"message {k}: a {roles[k]} message after the first assistant message "
-                                     "(the agent loop appends only tool messages between model turns)")
         j = k + 1
         while j < len(messages) and roles[j] == "tool":
             j += 1
         observations = [str(m["content"]) for m in messages[k + 1:j]]
+        if j < len(messages) and roles[j] != "assistant":
+            raise DemonstrationError(f"message {j}: a {roles[j]} message after the first assistant message "
+                                     "(the agent loop appends only tool messages between model turns)")
         if j < len(messages) and not observations:
             raise DemonstrationError(f"message {j}: two assistant messages without tool messages between them")
         text, end_id = _model_turn(template, context, dict(messages[k]), observations, k)
