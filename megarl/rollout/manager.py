@@ -245,8 +245,8 @@ class RolloutManager:
                                           wall_s=time.monotonic() - start))
         metrics.update({f"rollout/{k}": float(v) for k, v in counts.items()})
         metrics["rollout/num_groups"] = float(len(accepted))
-        for tool in self.ctx.tools.values():  # tools with their own counters (e.g. search/*)
-            drain = getattr(tool, "drain_metrics", None)
+        for source in (*self.ctx.tools.values(), self.reward_fn):  # own counters: search/*, judge/*
+            drain = getattr(source, "drain_metrics", None)
             if drain is not None:
                 metrics.update(drain())
         return RolloutBatch(groups=accepted, metrics=metrics)

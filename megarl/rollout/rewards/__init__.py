@@ -80,7 +80,7 @@ async def compute_reward(fn: "RewardFn", trajectory: "Trajectory", sample: dict[
 
 
 from megarl.rollout.rewards import gsm8k  # noqa: E402,F401  (registers "gsm8k")  isort: skip
-from megarl.rollout.rewards import composite, terms  # noqa: E402,F401  isort: skip
+from megarl.rollout.rewards import composite, judge, terms  # noqa: E402,F401  isort: skip
 
 __all__ = ["FINAL_TEXT_KEY", "REWARD_REGISTRY", "build_reward", "compute_reward", "register_reward",
            "reward_factory"]

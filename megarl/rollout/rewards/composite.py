@@ -126,6 +126,15 @@ class CompositeReward:
         trajectory.metadata[WEIGHTS_KEY] = weights
         return float(sum(weights[t.name] * v for t, v in zip(self.terms, values)))
 
+    def drain_metrics(self) -> dict[str, float]:
+        """The terms' own counters (e.g. ``judge/*``) since the last call."""
+        out: dict[str, float] = {}
+        for t in self.terms:
+            drain = getattr(t.fn, "drain_metrics", None)
+            if drain is not None:
+                out.update(drain())
+        return out
+
     async def close(self) -> None:
         for t in self.terms:
             close = getattr(t.fn, "close", None)
