@@ -234,13 +234,27 @@ class Trainer:
 
     def _replay_routes(self, batch: TrainBatch, *, required: bool = True) -> Tensor | None:
         """The batch's validated routes when replay is on, else None (also when not ``required``
-        and the batch has none: R2's recording pass routes freely)."""
+        and the batch has none: R2's recording pass routes freely).
+
+        Rows of dense layers (no router: DeepSeek-V3's / GLM-4.5's first layers) are set to -1
+        first: SGLang's capture buffer leaves them zero-filled, which is no valid top-k.
+        """
         if self.replay is None or (not required and batch.routed_experts is None):
             return None
-        validate_routed_experts(batch.routed_experts, num_layers=self.num_layers,
+        routes = batch.routed_experts
+        dense = [layer for layer in range(self.num_layers) if not self._is_moe_layer(layer)]
+        if dense and routes is not None and routes.dim() == 3 and routes.shape[1] == self.num_layers:
+            routes = routes.clone()
+            routes[:, dense] = -1
+        validate_routed_experts(routes, num_layers=self.num_layers,
                                 num_experts=self.config.num_moe_experts, topk=self.config.moe_router_topk,
                                 cu_seqlens=batch.cu_seqlens)
-        return batch.routed_experts
+        return routes
+
+    def _is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based global layer ``layer`` has a router (Megatron's ``moe_layer_freq``)."""
+        freq = getattr(self.config, "moe_layer_freq", 1)
+        return bool(freq[layer]) if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
 
     @contextlib.contextmanager
     def _weights(self, reference: bool):
