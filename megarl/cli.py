@@ -65,10 +65,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megarl.launch.preemption import EXIT_PREEMPTED, Preempted, record_run_dir, resume_overrides
+
+    args.overrides = [*args.overrides, *resume_overrides()]  # $MEGARL_RESUME_FILE: continue the recorded run
     cfg = prepare_config(args.config, args.overrides)
     from megarl.launch.driver import train
 
-    train(cfg)
+    cfg.logging.run_dir = str(cfg.logging.run_dir)  # ${now:...} resolved once: the recorded dir is the one used
+    record_run_dir(cfg.logging.run_dir)
+    try:
+        train(cfg)
+    except Preempted as e:  # SIGUSR1 / SIGTERM / train.max_wall_time_s: checkpoint saved
+        print(f"megarl train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

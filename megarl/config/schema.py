@@ -124,6 +124,9 @@ class TrainConfig:
     ``r3`` (replay the rollout engine's routes, Rollout Routing Replay, arXiv:2510.11370)."""
     seed: int = 1234
     """Seed of the trainer, the data order and the rollout sampling."""
+    max_wall_time_s: Optional[float] = None
+    """Stop cleanly before this many seconds of ``megarl train``: after the step whose successor
+    would not fit, save a checkpoint and exit with code 75 (as on SIGUSR1 / SIGTERM); None = no limit."""
 
 
 @dataclass

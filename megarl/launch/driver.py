@@ -28,6 +28,7 @@ import ray
 
 from megarl.launch.metrics import StageTimer, save_plots
 from megarl.launch.pipeline import pipeline_depth, staleness_bound, sync_due
+from megarl.launch.preemption import Preempted, StopGuard
 from megarl.launch.run import PendingRollout, Run
 from megarl.launch.steps import build_train_batch, logprob_mismatch, mean_metrics, rollout_metrics, split_batch
 
@@ -44,19 +45,26 @@ def train(cfg: Any) -> dict[str, float]:
         logger.warning("rollout.async_mode trains on slightly stale rollouts: using "
                        "algorithm.rollout_correction=tis (set it explicitly to silence this)")
         cfg.algorithm.rollout_correction = "tis"
-    run = Run.build(cfg)
+    stop = StopGuard(cfg.train.get("max_wall_time_s")).install()  # SIGUSR1 / SIGTERM / wall-time budget
     try:
-        last = run_loop(run)
+        run = Run.build(cfg)
+        try:
+            last = run_loop(run, stop)
+        finally:
+            run.close()
     finally:
-        run.close()
+        stop.uninstall()
     if cfg.logging.plots:
         for path in save_plots(run.run_dir):
             logger.info("wrote %s", path)
+    if stop.reason is not None and run.state.step < cfg.train.num_steps:
+        raise Preempted(stop.reason, run.state.step)
     return last
 
 
-def run_loop(run: Run) -> dict[str, float]:
-    """The loop itself; returns the last step's metrics."""
+def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
+    """The loop itself; returns the last step's metrics. ``stop`` ends it early, after the step in
+    flight, with a checkpoint (:mod:`megarl.launch.preemption`)."""
     cfg, state = run.cfg, run.state
     every = int(cfg.weight_sync.every_n_steps)
     bound = staleness_bound(cfg.rollout.async_mode, cfg.rollout.max_staleness, every)
@@ -95,6 +103,9 @@ def run_loop(run: Run) -> dict[str, float]:
         progress.update(1)
         progress.set_postfix(reward=f"{last.get('rollout/reward_mean', float('nan')):.3f}",
                              version=state.policy_version)
+        if stop is not None and stop.should_stop() and state.step < cfg.train.num_steps:
+            logger.warning("stopping after step %d (%s); saving a checkpoint", state.step, stop.reason)
+            break
     progress.close()
     if cfg.checkpoint.save_interval == 0 or state.step % cfg.checkpoint.save_interval:
         run.save_checkpoint(pending)

@@ -8,6 +8,7 @@
 MEGARL_EXIT_INVALID=2     # the config does not fit the allocation (validation, before Ray)
 MEGARL_EXIT_RAY_START=3   # the Ray cluster did not form (a node's step failed or did not join)
 MEGARL_EXIT_NODE_LOST=4   # a node's Ray step ended while the driver ran
+MEGARL_EXIT_PREEMPTED=75  # the driver stopped early on SIGUSR1/SIGTERM with a checkpoint (megarl.launch.preemption)
 
 megarl_log() { echo "[megarl slurm $(date +%H:%M:%S) +$((SECONDS - MEGARL_T0))s] $*"; }
 
@@ -56,7 +57,21 @@ megarl_init() {  # environment, job directory, defaults; must run first
   DRIVER_PID=""
   MEGARL_TORN_DOWN=0
   trap 'megarl_log "caught a signal: stopping"; megarl_teardown; exit 143' TERM INT
+  # Slurm's early warning (#SBATCH --signal=B:USR1@SECONDS): the driver finishes its step, saves a
+  # checkpoint and exits 75; the job then requeues itself. The run directory is recorded in
+  # MEGARL_RESUME_FILE, so the requeued job (same id, same file) continues the run without flags.
+  trap 'megarl_forward_stop USR1' USR1
+  export MEGARL_RESUME_FILE=${MEGARL_RESUME_FILE:-$JOB_DIR/resume_run_dir}
   megarl_log "job $SLURM_JOB_ID: logs in $JOB_DIR"
+}
+
+megarl_forward_stop() {  # SIGNAL: ask the driver to checkpoint and stop after its step
+  if [[ -n $DRIVER_PID ]]; then
+    megarl_log "caught SIG$1: asking the driver (pid $DRIVER_PID) to save a checkpoint and stop"
+    kill -"$1" "$DRIVER_PID" 2>/dev/null || true
+  else
+    megarl_log "caught SIG$1 before the driver started: ignored"
+  fi
 }
 
 megarl_node_srun() {  # INDEX CMD...: run CMD as a one-task step on plan node INDEX
@@ -297,6 +312,10 @@ megarl_main() {  # CONFIG OVERRIDES...: the whole job; exits with the driver's s
   megarl_start_ray
   megarl_run_driver "$config" "${overrides[@]}" "cluster.ray_address=$MEGARL_RAY_HEAD" || rc=$?
   megarl_teardown
+  if ((rc == MEGARL_EXIT_PREEMPTED)) && [[ ${MEGARL_REQUEUE:-1} == 1 ]]; then
+    megarl_log "the driver saved a checkpoint and stopped early: requeueing job $SLURM_JOB_ID (restart $((${SLURM_RESTART_COUNT:-0} + 1)))"
+    scontrol requeue "$SLURM_JOB_ID" || megarl_log "scontrol requeue failed: resubmit with MEGARL_RESUME_FILE=$MEGARL_RESUME_FILE to continue"
+  fi
   megarl_log "done: exit status $rc"
   exit "$rc"
 }

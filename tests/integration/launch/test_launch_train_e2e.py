@@ -175,3 +175,44 @@ def test_killed_engine_is_restarted_and_sigkill_resume_reproduces_the_run(refere
     for step in range(1, NUM_STEPS + 1):
         for key in COMPARED:
             assert got[step][key] == pytest.approx(expected[step][key], rel=1e-3, abs=1e-6), (step, key)
+
+
+@pytest.fixture(scope="module")
+def preempted_run(tmp_path_factory) -> tuple[Path, int, str]:
+    """Run C: SIGUSR1 to the driver during step 2 (Slurm's ``--signal``); then the same command again,
+    with no resume flag: ``MEGARL_RESUME_FILE`` (set by slurm/train.sbatch) makes it continue."""
+    from megarl.launch.preemption import EXIT_PREEMPTED, RESUME_FILE_ENV
+
+    run_dir = tmp_path_factory.mktemp("e2e_preempt") / "run_c"
+    os.environ[RESUME_FILE_ENV] = str(run_dir.parent / "resume_run_dir")
+    try:
+        log = run_dir / "train.log"
+        proc = _start(run_dir)
+        try:
+            _wait_for(lambda: log.exists() and f"step 1/{NUM_STEPS}" in log.read_text(), RUN_TIMEOUT_S, proc,
+                      "step 1")
+            os.kill(proc.pid, signal.SIGUSR1)  # the driver only: it must finish the step and save
+            first = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            _reap(proc)
+        stopped_at = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert first == EXIT_PREEMPTED, (run_dir.parent / "run_c.console.log").read_text()[-5000:]
+        code = _finish(_start(run_dir))
+        assert code == 0, (run_dir.parent / "run_c.console.log").read_text()[-5000:]
+    finally:
+        del os.environ[RESUME_FILE_ENV]
+    return run_dir, first, stopped_at
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+def test_stop_signal_checkpoints_and_the_same_command_resumes_the_run(reference_run, preempted_run):
+    run_dir, _, stopped_at = preempted_run
+    log = (run_dir / "train.log").read_text()
+    assert "received SIGUSR1" in log and "saving a checkpoint" in log
+    step = int(stopped_at.removeprefix("step_"))
+    assert 1 <= step < NUM_STEPS and f"resumed at step {step}, policy version {step}" in log
+    expected, got = _metrics(reference_run), _metrics(run_dir)
+    assert sorted(got) == sorted(expected)
+    for s in range(1, NUM_STEPS + 1):
+        for key in COMPARED:
+            assert got[s][key] == pytest.approx(expected[s][key], rel=1e-3, abs=1e-6), (s, key)
