@@ -433,8 +433,9 @@ class RetrievalConfig:
     """The corpus file the index must have been built from (SHA-256 compared at start); None = no check."""
     url: Optional[str] = None
     """An already running service to use instead of starting one (then ``index`` is ignored)."""
-    host: str = "127.0.0.1"
-    """Address the service binds; ``auto`` = the address of the node it runs on (multi-node runs)."""
+    host: str = "auto"
+    """Address the service binds: ``auto`` = 127.0.0.1, or in a Slurm job (nodes advertising
+    ``megarl_node_<i>``) the address of the first rollout node, where the service is placed."""
     port: Optional[int] = None
     """HTTP port; None = a free one."""
     max_batch_queries: int = 64

@@ -34,7 +34,7 @@ class RetrievalActor:
         from megarl.retrieval.service import RetrievalProcess
 
         host = settings["host"]
-        if host == "auto":
+        if host == "node":  # the address of the node Ray placed this actor on
             host = ray.util.get_node_ip_address()
         self.process = RetrievalProcess(settings["index"], backend=settings["backend"],
                                         corpus=settings.get("corpus"), host=host,
@@ -94,7 +94,10 @@ def start_retrieval(cfg: Any, log_dir: Any) -> Any:
     actor, url = None, r.url
     if url is None and r.index:
         settings = OmegaConf.to_container(r, resolve=True)
-        actor = RetrievalActor.options(**_placement_options(cfg)).remote(
+        options = _placement_options(cfg)
+        if settings["host"] == "auto":  # loopback on one host; the node's address when pinned to one
+            settings["host"] = "node" if options else "127.0.0.1"
+        actor = RetrievalActor.options(**options).remote(
             settings, str(log_dir / "retrieval.log"))
         try:
             url = ray.get(actor.start.remote(float(r.startup_timeout_s)))
