@@ -26,7 +26,7 @@ from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecE
 MIB = 1 << 20
 SGLANG_VOCAB_PADDING = 64
 """SGLang 0.5.23 ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``)."""
-TRANSPORTS = ("distributed", "shard", "tensor", "disk")
+TRANSPORTS = ("distributed", "p2p", "shard", "tensor", "disk")
 
 
 class PlanError(ValueError):
@@ -153,11 +153,11 @@ class WeightSyncPlan:
         """Bytes each engine rank (of one engine) receives per sync with ``transport``.
 
         ``distributed`` broadcasts and ``tensor``/``disk`` hand over whole tensors, so every rank
-        receives everything; ``shard`` delivers exactly each rank's slices.
+        receives everything; ``shard`` and ``p2p`` deliver exactly each rank's slices.
         """
         if transport not in TRANSPORTS:
             raise PlanError(f"unknown transport {transport!r} (known: {', '.join(TRANSPORTS)})")
-        if transport == "shard":
+        if transport in ("shard", "p2p"):
             return self.engine_shard_bytes()
         return [self.total_bytes] * self.engine_layout.tp_size
 

@@ -25,8 +25,9 @@ import os
 
 log = logging.getLogger(__name__)
 
-CUSTOM_WEIGHT_LOADERS = ["megarl.weight_sync.sglang_loader.load_presharded"]
-"""What an engine that may receive ``shard`` updates passes to ``--custom-weight-loader``."""
+CUSTOM_WEIGHT_LOADERS = ["megarl.weight_sync.sglang_loader.load_presharded",
+                         "megarl.weight_sync.receiver.receive_shards"]
+"""What an engine that may receive ``shard`` or ``p2p`` updates passes to ``--custom-weight-loader``."""
 STATS_DIR_ENV = "MEGARL_WEIGHT_SYNC_STATS_DIR"
 
 

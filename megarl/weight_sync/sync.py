@@ -120,8 +120,11 @@ class WeightSynchronizer:
         on_cpu = all(t.device.type == "cpu" for t in local_params.values())
         gatherer = StageGatherer(self.plan, self.rank, local_params, self.placement, group=self.group,
                                  ring=self._ring if on_cpu else None)
-        stats = self._push(gatherer, version)  # 2. push
-        self._barrier()
+        try:
+            stats, failure = self._push(gatherer, version), None  # 2. push
+        except WeightSyncError as err:  # every rank must learn it (the others finished their part)
+            stats, failure = {}, err
+        self._raise_if_failed(failure)
         if self.is_coordinator:
             self.transport.finish(version)
             if self.transport.needs_session:
@@ -134,16 +137,31 @@ class WeightSynchronizer:
         stats["weight_sync_s"] = time.perf_counter() - start
         return self._reduce(stats)
 
+    def _raise_if_failed(self, failure: Optional[WeightSyncError]) -> None:
+        """Barrier that raises on every rank when ``failure`` is set on any (collective).
+
+        The engines stay paused (and in their update session): a refused bucket was never loaded,
+        but earlier buckets may have been; the caller decides (retry the sync, or reload from disk).
+        """
+        from megarl.training.collectives import all_reduce
+
+        flag = all_reduce(torch.tensor([1.0 if failure is not None else 0.0], dtype=torch.float64),
+                          op=dist.ReduceOp.MAX, group=self.group)
+        if failure is not None:
+            raise failure
+        if flag.item() > 0:
+            raise WeightSyncError("the weight sync failed on another trainer rank (a stage sender); see its error")
+
     def _flush(self) -> None:
         from megarl.rollout.client import EngineRequestError
 
         try:
-            self.engines.call_all("flush_cache")
+            self.engines.call_all("flush_cache", paused=True)  # requests may be retracted, in flight
         except EngineRequestError as err:
             raise WeightSyncError(
-                f"an engine refused to flush its prefix cache after the weight update ({err}); with "
-                f"weight_sync.pause_mode={self.pause_mode!r} requests that keep running hold old-policy KV "
-                f"(use retract or abort)") from err
+                f"an engine refused to flush its prefix cache after the weight update ({err})"
+                + ("; with weight_sync.pause_mode='in_place' requests that keep running hold old-policy KV "
+                   "(use retract or abort)" if self.pause_mode == "in_place" else "")) from err
 
     def verify(self, probes, trainer_logprobs, *, tolerance: float) -> dict[str, float]:
         """Compare the engines' logprobs on ``probes`` with the trainer's (collective; all ranks raise).

@@ -1,0 +1,169 @@
+"""Engine side of the ``p2p`` transport: a custom SGLang weight loader that receives its own shards.
+
+Registered at engine launch (``--custom-weight-loader megarl.weight_sync.receiver.receive_shards``,
+see :data:`megarl.weight_sync.sglang_loader.CUSTOM_WEIGHT_LOADERS`) and named as ``load_format``
+of ``/update_weights_from_tensor``. SGLang 0.5.23 hands each TP rank only its own payload and calls
+the loader on that rank's scheduler thread; the payload holds one control ticket
+(:mod:`megarl.weight_sync.wire`), and the loader does what it says:
+
+- ``connect``: join the stage sender's process group (sender = rank 0, engine ``i`` rank ``r`` =
+  ``1 + i * T + r``; NCCL on GPU, gloo on CPU: the same code) and keep it for every later sync;
+- ``bucket``: receive this rank's bytes of one bucket from rank 0 (point to point), check every
+  tensor against the sender's checksum and against the served checkpoint (name known, dtype equal,
+  shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
+  only if every rank of every engine is content does any rank load the bucket (pre-sharded
+  loading, :func:`megarl.weight_sync.sglang_loader.load_presharded`). A failed vote leaves every
+  engine's weights untouched and tells the sender which tensor failed where;
+- ``finish``: vote once more with any loading error since the last ``finish``;
+- ``close``: destroy the group.
+
+Nothing here raises into SGLang (an exception in a loader takes the server down): every failure
+becomes a status in the vote. The bytes received are counted here, from the message that crossed
+the wire, and reported in the vote (and, with ``MEGARL_WEIGHT_SYNC_STATS_DIR``, in
+``rank{r}.jsonl`` like the ``shard`` loader).
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.weight_sync import wire
+
+log = logging.getLogger(__name__)
+
+RECEIVER = "megarl.weight_sync.receiver.receive_shards"
+"""``--custom-weight-loader`` / ``load_format`` of the ``p2p`` transport."""
+
+_GROUPS: dict[str, dict[str, Any]] = {}
+"""group name -> {"group", "rank", "world", "device", "load_errors"} (this scheduler process)."""
+_MANIFESTS: dict[str, dict] = {}
+
+
+def receive_shards(model, named_tensors) -> None:
+    """SGLang custom-loader entry point (see module docstring); never raises."""
+    from sglang.srt.runtime_context import get_parallel
+
+    tp_rank = get_parallel().tp_rank
+    try:
+        (name, _), = named_tensors
+        ticket = wire.decode_ticket(name)
+    except Exception:  # noqa: BLE001 - a loader must not raise (it would kill the server)
+        log.error("p2p receiver: payload is not one ticket: %s", traceback.format_exc())
+        return
+    op = ticket.get("op")
+    try:
+        if op == "connect":
+            _connect(ticket, tp_rank)
+        elif op == "bucket":
+            _bucket(model, ticket)
+        elif op == "finish":
+            state = _GROUPS[ticket["group"]]
+            errors, state["load_errors"] = state["load_errors"], []
+            _vote(state, (7, errors[0], 0, -1) if errors else (0, 0, 0, -1))
+        elif op == "close":
+            state = _GROUPS.pop(ticket["group"], None)
+            if state is not None:
+                dist.destroy_process_group(state["group"])
+        else:
+            log.error("p2p receiver: unknown op %r", op)
+    except Exception:  # noqa: BLE001
+        log.error("p2p receiver: %s failed: %s", op, traceback.format_exc())
+
+
+def _connect(ticket: dict, tp_rank: int) -> None:
+    from megarl.weight_sync.sglang_compat import init_custom_process_group
+
+    rank = int(ticket["rank_offset"]) + tp_rank
+    backend = ticket["backend"]
+    group = init_custom_process_group(
+        backend=backend, init_method=f"tcp://{ticket['address']}:{ticket['port']}", world_size=int(ticket["world"]),
+        rank=rank, group_name=ticket["group"], timeout=timedelta(seconds=float(ticket["timeout_s"])))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    _GROUPS[ticket["group"]] = {"group": group, "rank": rank, "world": int(ticket["world"]), "device": device,
+                                "load_errors": []}
+
+
+def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
+    """All-reduce one status row per group rank; True when every rank reported status 0."""
+    votes = torch.zeros(state["world"], wire.VOTE_FIELDS, dtype=torch.int64, device=state["device"])
+    votes[state["rank"]] = torch.tensor(row, dtype=torch.int64)
+    dist.all_reduce(votes, group=state["group"])
+    return not bool(votes[:, 0].any())
+
+
+def _bucket(model, ticket: dict) -> None:
+    state = _GROUPS[ticket["group"]]
+    nbytes = int(ticket["nbytes"])
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=state["device"])
+    received = 0
+    if nbytes:
+        dist.recv(buffer, src=0, group=state["group"])
+        received = nbytes
+    try:
+        status, index, named = _check(buffer, ticket)
+    except Exception:  # noqa: BLE001 - still vote, or the sender and the other ranks would wait forever
+        log.error("p2p receiver: checking bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
+        status, index, named = 6, 0, []
+    if not _vote(state, (status, index, received, int(ticket["bucket"]))):
+        log.error("p2p receiver: bucket %s not loaded (status %s at tensor %s here, or another rank refused)",
+                  ticket["bucket"], status, index)
+        return
+    if not named:
+        return
+    from megarl.weight_sync.sglang_loader import load_presharded
+
+    try:
+        load_presharded(model, named)
+    except Exception:  # noqa: BLE001
+        log.error("p2p receiver: loading bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
+        state["load_errors"].append(0)
+
+
+def _check(buffer: torch.Tensor, ticket: dict) -> tuple[int, int, list]:
+    """``(status, tensor index, [(name, view)])`` of one received bucket (status 0 = all good)."""
+    from megarl.weight_sync.gather import torch_dtype
+
+    manifest = _manifest()
+    views, offset = [], 0
+    for index, (name, dtype, shape, expected) in enumerate(ticket["tensors"]):
+        if manifest is None or name not in manifest:
+            return 2, index, []
+        full_shape, full_dtype = manifest[name]
+        if dtype != full_dtype:
+            return 4, index, []
+        if len(shape) != len(full_shape) or any(s <= 0 or f % s for s, f in zip(shape, full_shape)):
+            return 3, index, []
+        element = torch_dtype(dtype)
+        size = torch.Size(shape).numel() * torch.empty(0, dtype=element).element_size()
+        if offset + size > buffer.numel():
+            return 5, index, []
+        raw = buffer[offset:offset + size]
+        if wire.checksum(raw, ticket["algo"]) != expected:
+            return 1, index, []
+        views.append((name, raw.view(element).view(shape)))
+        offset += size
+    if offset != buffer.numel():
+        return 5, max(len(views) - 1, 0), []
+    return 0, 0, views
+
+
+def _manifest() -> Optional[dict]:
+    """The served checkpoint's tensors (``read_manifest`` of the engine's model path), cached."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from megarl.weight_sync.validate import read_manifest
+
+    path = get_server_args().model_path
+    if path not in _MANIFESTS:
+        try:
+            _MANIFESTS[path] = read_manifest(path)
+        except Exception:  # noqa: BLE001
+            log.error("p2p receiver: cannot read the served checkpoint's tensors at %s: %s", path,
+                      traceback.format_exc())
+            return None
+    return _MANIFESTS[path]

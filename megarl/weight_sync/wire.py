@@ -1,0 +1,105 @@
+"""What the ``p2p`` transport puts on the wire, shared by the sender and the engine-side receiver.
+
+Per bucket and engine rank, the sender packs that rank's slices of the bucket's HF tensors back to
+back (the bucket's wire order, decreasing element size, so every view is aligned) and sends them
+as one ``uint8`` message over the stage's process group. The control message that tells the rank
+what to expect travels as the *name* of the only entry of its ``/update_weights_from_tensor``
+payload (the tensor is empty, pickled by value: no shared memory, so it crosses hosts)::
+
+    megarl.p2p/{"op": "bucket", "group": ..., "bucket": 3, "nbytes": 1048576, "algo": "crc32",
+                "tensors": [[hf_name, dtype, shape, checksum], ...]}
+
+Checksums are per tensor (so a mismatch names the tensor): ``crc32`` (zlib) for CPU buffers and
+``sum64`` for CUDA buffers (computed where the bytes are). ``sum64`` of bytes ``x_0 .. x_{n-1}``
+is the pair ``(sum x_i, sum (i + 1) x_i) mod 2**64``: a changed byte changes the first sum, a
+moved byte the second; it is an integrity check against corruption and misplacement, not a
+cryptographic hash.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+import torch
+
+TICKET_PREFIX = "megarl.p2p/"
+_SUM64_CHUNK = 1 << 24
+"""Bytes per chunk of ``sum64``: ``255 * 2**24 * 2**24 < 2**63``, so no partial sum overflows."""
+_MASK64 = (1 << 64) - 1
+
+
+def encode_ticket(ticket: dict[str, Any]) -> str:
+    """The payload entry name carrying ``ticket``."""
+    return TICKET_PREFIX + json.dumps(ticket, separators=(",", ":"))
+
+
+def decode_ticket(name: str) -> dict[str, Any]:
+    """The ticket in a payload entry name.
+
+    Raises:
+        ValueError: ``name`` is not a p2p ticket.
+    """
+    if not name.startswith(TICKET_PREFIX):
+        raise ValueError(f"not a megarl p2p ticket: {name[:80]!r}")
+    return json.loads(name[len(TICKET_PREFIX):])
+
+
+def checksum_algo(device: torch.device) -> str:
+    """The checksum computed where the bytes live: ``crc32`` on CPU, ``sum64`` elsewhere."""
+    return "crc32" if device.type == "cpu" else "sum64"
+
+
+def checksum(data: torch.Tensor, algo: str) -> str:
+    """Checksum of a tensor's bytes.
+
+    Args:
+        data: any contiguous tensor (its bytes in memory order are checked).
+        algo: ``crc32`` or ``sum64`` (see module docstring).
+
+    Returns:
+        Hex string.
+
+    Raises:
+        ValueError: unknown ``algo``.
+    """
+    raw = data.detach().contiguous().view(-1).view(torch.uint8) if data.numel() else data.new_empty(0, dtype=torch.uint8)
+    if algo == "crc32":
+        return f"{zlib.crc32(raw.cpu().numpy()):08x}"
+    if algo == "sum64":
+        return _sum64(raw)
+    raise ValueError(f"unknown checksum algorithm {algo!r} (crc32, sum64)")
+
+
+def _sum64(raw: torch.Tensor) -> str:
+    weights = None
+    total, weighted = 0, 0
+    for start in range(0, raw.numel(), _SUM64_CHUNK):
+        chunk = raw[start:start + _SUM64_CHUNK].to(torch.int64)
+        if weights is None or weights.numel() < chunk.numel():
+            weights = torch.arange(1, chunk.numel() + 1, dtype=torch.int64, device=raw.device)
+        part = int(chunk.sum())
+        total += part
+        weighted += int((chunk * weights[:chunk.numel()]).sum()) + start * part
+    return f"{total & _MASK64:016x}{weighted & _MASK64:016x}"
+
+
+def payload(ticket: dict[str, Any]) -> str:
+    """One rank's ``serialized_named_tensors`` entry holding only ``ticket``.
+
+    A plain pickle (not SGLang's ForkingPickler, which would put even an empty CPU tensor in a
+    shared-memory file of this host): SGLang's ``SafeUnpickler`` accepts it on any host.
+    """
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps([(encode_ticket(ticket), torch.empty(0, dtype=torch.uint8))])).decode("ascii")
+
+
+VOTE_FIELDS = 4
+"""One row per group rank in a vote: ``(status, tensor index, bytes received, bucket index)``."""
+STATUS = {0: "ok", 1: "checksum mismatch (corrupted on the wire)", 2: "name unknown to the engine's checkpoint",
+          3: "shape is not a shard of the engine checkpoint's tensor", 4: "dtype differs from the engine's checkpoint",
+          5: "byte count differs from its tensors'", 6: "receiver error (see the engine's log)",
+          7: "loading failed on the engine (see the engine's log)"}
+"""Status codes the receiver reports (the sender turns them into a :class:`WeightSyncError`)."""
