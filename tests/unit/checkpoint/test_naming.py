@@ -108,10 +108,11 @@ def _walk(spec, cfg, prefix: str, leaves: dict, *, bias: bool = False) -> list[s
 def _model_names(hf_config, te: bool, te_ext, grouped) -> list[str]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 
-    from megarl.training.model import build_transformer_config
+    from megarl.training.model import FUSIONS, build_transformer_config
 
-    cfg = build_transformer_config(hf_config, ParallelConfig(), ModelConfig(moe_grouped_gemm=grouped),
-                                   device="meta", use_te=te)
+    # The TE fusions' kernels are checked when the config is built; only the spec tree is needed here.
+    model_cfg = ModelConfig(moe_grouped_gemm=grouped, megatron_overrides={name: False for name in FUSIONS})
+    cfg = build_transformer_config(hf_config, ParallelConfig(), model_cfg, device="meta", use_te=te)
     layers = get_gpt_decoder_layer_specs(cfg, use_transformer_engine=te, normalization="RMSNorm")
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     for i, layer in enumerate(layers):
