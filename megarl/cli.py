@@ -5,6 +5,7 @@
     megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]
     megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]
     megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
+    megarl plan-sync CONFIG [key.sub=value ...] [--intra-gbps X --inter-gbps Y]   weight sync on paper
 
 Every command that takes a config validates it first and reports all problems at once.
 """
@@ -119,6 +120,12 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan_sync(args: argparse.Namespace) -> int:
+    from megarl.weight_sync.predict import cmd_plan_sync as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-size", type=int, default=256)
     sub.add_parser("make-tiny-model", help="write a tiny random HF model (see tools/make_tiny_model.py)",
                    add_help=False)
+    from megarl.weight_sync.predict import add_plan_sync_parser
+    add_plan_sync_parser(sub)
     return parser
 
 
@@ -159,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
-                "index": cmd_index}[args.command](args)
+                "index": cmd_index, "plan-sync": cmd_plan_sync}[args.command](args)
     except ConfigError as e:
         print(f"megarl {args.command}: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,176 @@
+"""A weight sync on paper: bytes per link and per engine rank, and a predicted time (``megarl plan-sync``).
+
+From metadata alone (the model's ``config.json`` and the run config's layouts) the plan gives, for
+each pipeline stage, the bytes its sender gathers from the other trainer ranks of the stage and the
+bytes it sends to the engines, and for each engine rank the bytes it receives. The time model:
+
+- a stage sender gathers over NVLink from ranks on its node (``intra_gbps``) and over the network
+  from the others (``inter_gbps``), and sends over its own network link (``inter_gbps``); the
+  gather of bucket ``b + 1`` overlaps the send of ``b``, so a stage takes
+  ``max(gather_s, send_s)``;
+- stages push one after another (both transports share the engines' collectives):
+  ``predicted_s = sum over stages``;
+- ``p2p``: the sender's link carries each engine rank's shard once per engine
+  (``num_engines * sum_r shard_r``); ``distributed``: a pipelined (ring / tree) NCCL broadcast
+  carries the stage's bytes once per link whatever the number of receivers, but every engine rank
+  receives all of them.
+
+Not modelled: HTTP / ticket latency per bucket, the engines' load time, conversion copies on the
+sender, link contention with training traffic. A lower bound to compare designs, not a promise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.weight_sync.plan import WeightSyncPlan
+
+GB = 1e9
+
+
+@dataclass
+class StagePrediction:
+    pp_rank: int
+    sender_rank: int
+    hf_bytes: int
+    """HF bytes of the stage's buckets."""
+    gather_intra_bytes: int
+    gather_inter_bytes: int
+    send_bytes: int
+    """Bytes on the sender's network link."""
+    seconds: float
+
+
+@dataclass
+class SyncPrediction:
+    transport: str
+    stages: list[StagePrediction] = field(default_factory=list)
+    engine_rank_bytes: list[int] = field(default_factory=list)
+    """Bytes each rank of one engine receives."""
+    engine_shard_bytes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, intra_gbps: float,
+                 inter_gbps: float) -> SyncPrediction:
+    """Bytes per link and per engine rank and the predicted seconds of one sync (module docstring).
+
+    Args:
+        plan: the sync plan (``engine_layout.num_engines`` engines).
+        transport: ``p2p`` or ``distributed``.
+        ranks_per_node: trainer GPUs per node (ranks ``[k * n, (k + 1) * n)`` share node ``k``).
+        intra_gbps / inter_gbps: NVLink and network bandwidth per GPU, GB/s (1e9 bytes).
+
+    Raises:
+        ValueError: another transport, or non-positive bandwidths / ranks per node.
+    """
+    if transport not in ("p2p", "distributed"):
+        raise ValueError(f"plan-sync predicts p2p or distributed, not {transport!r}")
+    if min(intra_gbps, inter_gbps) <= 0 or ranks_per_node < 1:
+        raise ValueError("bandwidths must be > 0 GB/s and ranks_per_node >= 1")
+    tp = plan.engine_layout.tp_size
+    num_engines = plan.engine_layout.num_engines
+    out = SyncPrediction(transport, engine_rank_bytes=plan.engine_rank_bytes(transport),
+                         engine_shard_bytes=plan.engine_shard_bytes())
+    for pp_rank in sorted({b.pp_rank for b in plan.buckets}):
+        buckets = plan.stage_buckets(pp_rank)
+        sender = buckets[0].sender_rank
+        intra = inter = 0
+        for bucket in buckets:
+            for rank, nbytes in bucket.gather_bytes().items():
+                if rank // ranks_per_node == sender // ranks_per_node:
+                    intra += nbytes
+                else:
+                    inter += nbytes
+        hf_bytes = sum(b.nbytes for b in buckets)
+        if transport == "p2p":
+            shard = [0] * tp
+            for bucket in buckets:
+                for tensor in bucket.hf_tensors:
+                    for rank, sl in plan.engine_slices_of(tensor).items():
+                        shard[rank] += _numel(sl.shape(tensor.shape)) * tensor.itemsize
+            send = num_engines * sum(shard)
+        else:
+            send = hf_bytes
+        gather_s = intra / (intra_gbps * GB) + inter / (inter_gbps * GB)
+        seconds = max(gather_s, send / (inter_gbps * GB))
+        out.stages.append(StagePrediction(pp_rank, sender, hf_bytes, intra, inter, send, seconds))
+        out.seconds += seconds
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *, intra_gbps: float,
+                      inter_gbps: float) -> str:
+    """The ``megarl plan-sync`` report: one block per transport, bytes in GB (1e9)."""
+    t, e = plan.trainer_layout, plan.engine_layout
+    lines = [f"trainer TP{t.tp_size} PP{t.pp_size} EP{t.ep_size} ETP{t.etp_size} DP{t.data_parallel_size} "
+             f"(world {t.world_size}) -> {e.num_engines} engine(s) TP{e.tp_size} EP{e.ep_size}; "
+             f"{plan.total_bytes / GB:.2f} GB of HF tensors in {len(plan.buckets)} buckets; "
+             f"links: intra-node {intra_gbps:g} GB/s, inter-node {inter_gbps:g} GB/s"]
+    for p in predictions:
+        ratio = max(r / s for r, s in zip(p.engine_rank_bytes, p.engine_shard_bytes) if s)
+        lines.append(f"[{p.transport}] predicted {p.seconds:.2f} s; per engine rank received "
+                     f"{max(p.engine_rank_bytes) / GB:.2f} GB (max), shard {max(p.engine_shard_bytes) / GB:.2f} GB, "
+                     f"received/shard {ratio:.2f}")
+        lines.append("  stage  sender  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB  seconds")
+        for s in p.stages:
+            lines.append(f"  {s.pp_rank:5d}  {s.sender_rank:6d}  {s.hf_bytes / GB:8.2f}  {s.gather_intra_bytes / GB:15.2f}"
+                         f"  {s.gather_inter_bytes / GB:15.2f}  {s.send_bytes / GB:14.2f}  {s.seconds:7.2f}")
+    return "\n".join(lines)
+
+
+def plan_from_config(cfg):
+    """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
+    from megarl.config.validate import resolved_precision
+    from megarl.training.model import load_hf_config
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
+    from megarl.weight_sync.plan import build_plan
+
+    p, cl, engine = cfg.parallel, cfg.cluster, cfg.rollout.engine
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
+    trainer = TrainerLayout.from_world_size(
+        int(cl.trainer_nodes) * int(cl.trainer_devices_per_node),
+        tensor_model_parallel_size=int(p.tensor_model_parallel_size),
+        pipeline_model_parallel_size=int(p.pipeline_model_parallel_size),
+        expert_model_parallel_size=int(p.expert_model_parallel_size),
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=p.get("virtual_pipeline_model_parallel_size"),
+        context_parallel_size=int(p.context_parallel_size),
+        num_layers_in_first_pipeline_stage=p.get("num_layers_in_first_pipeline_stage"),
+        num_layers_in_last_pipeline_stage=p.get("num_layers_in_last_pipeline_stage"))
+    specs = param_specs_from_hf_config(load_hf_config(str(cfg.model.hf_path)), tensor_model_parallel_size=trainer.tp_size,
+                                       make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
+                                       dtype=dtype)
+    engines = EngineLayout(tensor_parallel_size=int(engine.tensor_parallel_size),
+                           expert_parallel_size=int(engine.expert_parallel_size),
+                           num_engines=int(cfg.rollout.num_engines))
+    return build_plan(trainer, engines, specs, bucket_size_mb=cfg.weight_sync.bucket_size_mb)
+
+
+def cmd_plan_sync(args) -> int:
+    """``megarl plan-sync CONFIG [overrides] --intra-gbps X --inter-gbps Y`` (see module docstring)."""
+    from megarl.cli import prepare_config
+
+    cfg = prepare_config(args.config, args.overrides)
+    plan = plan_from_config(cfg)
+    predictions = [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
+                                intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+                   for t in ("p2p", "distributed")]
+    print(format_prediction(plan, predictions, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps))
+    return 0
+
+
+def add_plan_sync_parser(sub) -> None:
+    """The ``plan-sync`` subcommand's arguments."""
+    p = sub.add_parser("plan-sync", help="bytes per link / engine rank and predicted weight-sync time, on paper")
+    p.add_argument("config", help="YAML run config (model.hf_path needs only config.json)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.add_argument("--intra-gbps", type=float, default=200.0, help="NVLink GB/s per GPU (default 200)")
+    p.add_argument("--inter-gbps", type=float, default=50.0, help="network GB/s per GPU (default 50 = 400 Gb/s)")
