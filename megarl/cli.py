@@ -2,6 +2,7 @@
 
     megarl train CONFIG [key.sub=value ...]       run RL training (validates first)
     megarl validate CONFIG [key.sub=value ...]    check a config without starting anything
+      --cpu-scale: either one on this CPU host, scaled down (megarl.launch.cpu_scale)
     megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]
     megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]
     megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
@@ -23,8 +24,9 @@ from megarl.config import ConfigError, load_config, validate
 log = logging.getLogger("megarl")
 
 
-def prepare_config(path: str, overrides: Sequence[str]) -> DictConfig:
-    """Load, resolve ``tiny:`` model paths, and validate a config.
+def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = False) -> DictConfig:
+    """Load, optionally scale down to one CPU host (`megarl.launch.cpu_scale`, its ``cpu-scale:``
+    lines printed), resolve ``tiny:`` model paths, and validate a config.
 
     Raises:
         ConfigError: every problem found in the config.
@@ -32,6 +34,15 @@ def prepare_config(path: str, overrides: Sequence[str]) -> DictConfig:
     from megarl.testing.tiny_model import resolve_model_path
 
     cfg = load_config(path, overrides)
+    if cpu_scale:
+        from megarl.launch import cpu_scale as scale
+
+        try:
+            cfg, notes = scale.cpu_scale(cfg)
+        except ValueError as e:
+            from megarl.config import ConfigIssue
+            raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
+        scale.print_notes(notes)
     from megarl.plugins import absolute_specs
 
     absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
@@ -60,7 +71,7 @@ def _summary(cfg: DictConfig) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    cfg = prepare_config(args.config, args.overrides)
+    cfg = prepare_config(args.config, args.overrides, cpu_scale=args.cpu_scale)
     print(f"OK {args.config}: {_summary(cfg)}")
     return 0
 
@@ -69,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megarl.launch.preemption import EXIT_PREEMPTED, Preempted, record_run_dir, resume_overrides
 
     args.overrides = [*args.overrides, *resume_overrides()]  # $MEGARL_RESUME_FILE: continue the recorded run
-    cfg = prepare_config(args.config, args.overrides)
+    cfg = prepare_config(args.config, args.overrides, cpu_scale=args.cpu_scale)
     from megarl.launch.driver import train
 
     cfg.logging.run_dir = str(cfg.logging.run_dir)  # ${now:...} resolved once: the recorded dir is the one used
@@ -134,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("config", help="YAML file (may `extends:` others)")
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        p.add_argument("--cpu-scale", action="store_true",
+                       help="scale the recipe down to one CPU host, features kept (megarl.launch.cpu_scale)")
     conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints")
     conv.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
     conv.add_argument("src")

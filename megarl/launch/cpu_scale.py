@@ -1,0 +1,151 @@
+"""`cpu_scale`: the one mechanism that shrinks any recipe to a first RL step on one CPU host.
+
+``megarl train --cpu-scale RECIPE`` (and ``megarl validate --cpu-scale``) run a recipe written for a
+GPU cluster on this machine, keeping every feature it turns on, so CI can check that each recipe in
+``configs/`` and ``examples/`` starts and completes its first step. What changes, and why:
+
+| section | becomes | why |
+|---|---|---|
+| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``) | same architecture family, seconds to build |
+| ``model.tokenizer_path`` | the tiny model's | it belongs to the replaced model |
+| ``model.moe_grouped_gemm`` | off | grouped GEMM kernels are CUDA-only |
+| ``train.fp8`` | off | Transformer Engine FP8 needs a GPU |
+| ``train.precision`` | ``fp32`` | CPU compute |
+| ``parallel`` | world size 2: TP 2 (with SP) if the recipe uses TP, else PP 2 if it uses PP, else DP 2; EP ``min(EP, 2)``, ETP 1 with EP; CP 1 | two CPU ranks |
+| ``cluster`` | CPU, one node, 2 trainer devices, 1 rollout device; placement kept | one host |
+| ``rollout`` | 1 engine, engine TP/EP 1, fp32, small KV cache; 2 prompts x group 2; short turns | two cores |
+| ``train`` | 1 RL step, one optimizer step | the first step |
+| ``sft``, ``data`` | at most 1 SFT step; no evaluation rollouts | the same code paths, short |
+| ``algorithm.filter_zero_variance_groups`` | off | a random tiny model's rewards rarely vary; the step must still train |
+| ``checkpoint`` | no periodic saves or HF exports | the run has one step |
+
+Kept as the recipe says: routing replay (R2/R3), activation recomputation, the algorithm and its
+rollout correction, async mode and staleness, partial rollouts, deterministic sampling, the
+weight-sync transport and its verification, placement (disaggregated / colocated), tools, reward,
+agent loop and plugins. Every change that switches a recipe's feature off (or drops a parallel
+dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
+the CLI prints them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+WORLD_SIZE = 2
+"""Trainer ranks of a CPU-scaled run."""
+TINY_FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
+"""HF ``model_type`` -> ``tiny:`` family of `megarl.testing.tiny_model`."""
+
+
+def _tiny_model(hf_path: str) -> tuple[str, str | None]:
+    """``(tiny uri, note)`` for the recipe's model (``note`` when the family had to be guessed)."""
+    if hf_path.startswith("tiny:"):
+        return hf_path, None
+    config = Path(hf_path) / "config.json"
+    if not config.is_file():
+        return "tiny:qwen3_moe", (f"cpu-scale: model.hf_path {hf_path} has no config.json here: using tiny:qwen3_moe "
+                                  "(megarl's reference family)")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in TINY_FAMILIES:
+        raise ValueError(f"model.hf_path: model_type {model_type!r} has no tiny family for --cpu-scale "
+                         f"(known: {', '.join(TINY_FAMILIES)})")
+    return f"tiny:{TINY_FAMILIES[model_type]}", None
+
+
+def _parallel(p: DictConfig, notes: list[str]) -> None:
+    tp, pp, ep = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size), int(p.expert_model_parallel_size)
+    if tp > 1:
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = WORLD_SIZE, 1
+        if pp > 1:
+            notes.append(f"cpu-scale: parallel.pipeline_model_parallel_size {pp} -> 1 (world size {WORLD_SIZE} "
+                         "keeps tensor parallelism)")
+    elif pp > 1:
+        p.pipeline_model_parallel_size = WORLD_SIZE
+    p.virtual_pipeline_model_parallel_size = None if int(p.pipeline_model_parallel_size) == 1 else \
+        p.virtual_pipeline_model_parallel_size
+    if int(p.context_parallel_size) > 1:
+        notes.append(f"cpu-scale: parallel.context_parallel_size {p.context_parallel_size} -> 1 "
+                     "(context parallelism needs Transformer Engine attention, CUDA)")
+        p.context_parallel_size = 1
+    p.expert_model_parallel_size = min(ep, WORLD_SIZE)
+    p.expert_tensor_parallel_size = 1 if int(p.expert_model_parallel_size) > 1 else None
+    if int(p.tensor_model_parallel_size) == 1:
+        p.sequence_parallel = False
+
+
+def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
+    """The recipe ``cfg`` scaled down to one CPU host (see the module docstring for every change).
+
+    Args:
+        cfg: a loaded recipe (``megarl.config.load_config``), before ``tiny:`` paths are resolved.
+
+    Returns:
+        ``(scaled, notes)``: a new config (``cfg`` is not modified) and the ``cpu-scale:`` lines
+        naming each feature switched off or reduced beyond size.
+
+    Raises:
+        ValueError: the recipe's model family has no tiny counterpart.
+    """
+    cfg = copy.deepcopy(cfg)
+    notes: list[str] = []
+    m, t, r, c = cfg.model, cfg.train, cfg.rollout, cfg.cluster
+    if str(c.device) != "cpu":
+        notes.append(f"cpu-scale: cluster.device {c.device} -> cpu (Transformer Engine layer spec -> Megatron's "
+                     "local spec, CUDA kernels off)")
+    m.hf_path, note = _tiny_model(str(m.hf_path))
+    notes += [note] if note else []
+    m.tokenizer_path = None
+    if m.moe_grouped_gemm:
+        notes.append("cpu-scale: model.moe_grouped_gemm true -> false (grouped GEMM is CUDA-only)")
+        m.moe_grouped_gemm = False
+    if t.fp8 is not None:
+        notes.append(f"cpu-scale: train.fp8 {t.fp8} ({t.fp8_recipe}) -> off (Transformer Engine FP8 needs a GPU)")
+        t.fp8 = None
+    if t.precision not in ("fp32", "auto"):
+        notes.append(f"cpu-scale: train.precision {t.precision} -> fp32 (CPU)")
+    t.precision = "fp32"
+    _parallel(cfg.parallel, notes)
+    c.device, c.trainer_nodes, c.trainer_devices_per_node = "cpu", 1, WORLD_SIZE
+    c.rollout_nodes, c.rollout_devices_per_node = 1, 1
+    r.num_engines, r.external_engine_urls = 1, []
+    e = r.engine
+    e.tensor_parallel_size, e.expert_parallel_size, e.dtype = 1, 1, "float32"
+    e.mem_fraction_static, e.max_total_tokens, e.host = 0.05, 16384, "127.0.0.1"
+    r.num_prompts_per_step, r.group_size, r.over_sample_prompts = 2, 2, min(int(r.over_sample_prompts), 1)
+    r.sampling.max_new_tokens = min(int(r.sampling.max_new_tokens), 32)
+    a = r.agent
+    a.max_turns = min(int(a.max_turns), 2)
+    a.max_response_tokens = min(int(a.max_response_tokens), 96)
+    a.max_context_tokens = min(int(a.max_context_tokens), 1024)
+    t.num_steps, t.global_batch_size = 1, 4
+    t.max_tokens_per_microbatch = 2048 if t.max_tokens_per_microbatch is not None else None
+    cfg.sft.num_steps = min(int(cfg.sft.num_steps), 1)
+    cfg.sft.batch_size = min(int(cfg.sft.batch_size), 4)
+    d = cfg.data
+    d.max_prompt_tokens = min(int(d.max_prompt_tokens), 512)
+    d.max_eval_samples = 2 if d.max_eval_samples is None else min(int(d.max_eval_samples), 2)
+    d.eval_samples_per_prompt = min(int(d.eval_samples_per_prompt), 1)
+    if int(d.eval_interval) > 0:
+        notes.append(f"cpu-scale: data.eval_interval {d.eval_interval} -> 0 (no evaluation rollouts; the run "
+                     "is its first RL step)")
+        d.eval_interval = 0
+    if cfg.algorithm.filter_zero_variance_groups:
+        notes.append("cpu-scale: algorithm.filter_zero_variance_groups -> false (a random tiny model's rewards "
+                     "rarely vary within a group of 2; the first step must still train)")
+        cfg.algorithm.filter_zero_variance_groups = False
+    cfg.checkpoint.save_interval, cfg.checkpoint.hf_export_interval = 0, 0
+    cfg.weight_sync.bucket_size_mb = min(int(cfg.weight_sync.bucket_size_mb), 64)
+    lg = cfg.logging
+    lg.progress_bar, lg.wandb, lg.plots = False, False, False
+    return cfg, notes
+
+
+def print_notes(notes: list[str]) -> None:
+    """Print the ``cpu-scale:`` lines (stdout, so they land in the run's console log)."""
+    for line in notes:
+        print(line, flush=True)
+    if not notes:
+        print("cpu-scale: nothing switched off", flush=True)
