@@ -21,6 +21,9 @@ from megarl.testing.tiny_model import CHAT_TEMPLATE, TinyModelSpec, make_tiny_mo
 
 _TOOLS_START = "{{- '# Tools\\n\\n"
 _TOOLS_END = "</tool_call><|im_end|>\\n' }}"
+# The same block in the official Qwen3 template (double-quoted there).
+_QWEN3_TOOLS_START = '{{- "# Tools\\n\\n'
+_QWEN3_TOOLS_END = '</tool_call><|im_end|>\\n" }}'
 COMPACT_TOOLS = "{{- '# Tools:' }}{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}" \
                 "{{- '<|im_end|>\\n' }}"
 
@@ -31,23 +34,29 @@ def compact_template(template: str = CHAT_TEMPLATE) -> str:
     Raises:
         ValueError: the template's tools block was not found (the tiny-model template changed).
     """
-    start = template.find(_TOOLS_START)
-    end = template.find(_TOOLS_END, start)
-    if start < 0 or end < 0:
-        raise ValueError("the tiny-model chat template has no recognisable tools block")
-    return template[:start] + COMPACT_TOOLS + template[end + len(_TOOLS_END):]
+    for tools_start, tools_end in ((_TOOLS_START, _TOOLS_END), (_QWEN3_TOOLS_START, _QWEN3_TOOLS_END)):
+        start = template.find(tools_start)
+        end = template.find(tools_end, start)
+        if start >= 0 and end >= 0:
+            return template[:start] + COMPACT_TOOLS + template[end + len(tools_end):]
+    raise ValueError("the chat template has no recognisable tools block")
 
 
-def make_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the demo model into ``out_dir`` (skipped when it already holds one)."""
+def make_model(out_dir: str | Path, seed: int = 0, chat_template: str = "tiny") -> Path:
+    """Write the demo model into ``out_dir`` (skipped when it already holds one).
+
+    ``chat_template``: ``tiny`` (megarl's append-only template) or ``qwen3`` (the official Qwen3
+    template, megarl/rollout/chat_templates/qwen3.jinja: <think> handling, ``enable_thinking``);
+    either with the compact tools block.
+    """
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    make_tiny_model(out, TinyModelSpec(family="qwen3_moe", rope_theta=10000.0, seed=seed))
+    make_tiny_model(out, TinyModelSpec(family="qwen3_moe", rope_theta=10000.0, seed=seed, chat_template=chat_template))
     tokenizer = AutoTokenizer.from_pretrained(out)
-    tokenizer.chat_template = compact_template()
+    tokenizer.chat_template = compact_template(tokenizer.chat_template)
     tokenizer.save_pretrained(out)
     return out
 
@@ -56,5 +65,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat-template", default="tiny", choices=["tiny", "qwen3"])
     args = parser.parse_args()
-    print(make_model(args.out_dir, args.seed))
+    print(make_model(args.out_dir, args.seed, args.chat_template))

@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """The CPU learning demonstration: SFT cold start, then GSPO, for several seeds; held-out reward before/after.
 
-    python examples/arithmetic_tool/run_demo.py [--seeds 1,2,3] [--out runs/arithmetic_demo] [override ...]
+    python examples/arithmetic_tool/run_demo.py [--seeds 1,2,3] [--out runs/arithmetic_demo]
+        [--chat-template tiny|qwen3] [override ...]
+
+``--chat-template qwen3`` builds the model on the official Qwen3 template and runs with thinking off
+(``rollout.agent.chat_template_kwargs.enable_thinking=false``: every prompt, observation suffix and
+SFT demonstration gets Qwen3's empty think block).
 
 Each seed is one ``megarl train examples/arithmetic_tool/arithmetic_tool.yaml train.seed=S`` run: the
 held-out evaluation (greedy, ``data.eval_path``) is logged at step 0 (after the SFT cold start,
@@ -69,6 +74,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=[1, 2, 3],
                         help="comma-separated seeds (default 1,2,3)")
     parser.add_argument("--out", default="runs/arithmetic_demo")
+    parser.add_argument("--chat-template", default="tiny", choices=["tiny", "qwen3"],
+                        help="the model's chat template (qwen3: official, thinking off)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
     out = Path(args.out)
@@ -76,8 +83,11 @@ def main() -> int:
     sys.path.insert(0, str(CONFIG.parent))
     from make_model import make_model
 
-    model = make_model(out / "model").resolve()
-    results = [run_seed(seed, out, [f"model.hf_path={model}", *args.overrides]) for seed in args.seeds]
+    model = make_model(out / "model", chat_template=args.chat_template).resolve()
+    overrides = [f"model.hf_path={model}", *args.overrides]
+    if args.chat_template == "qwen3":
+        overrides.insert(1, "rollout.agent.chat_template_kwargs={enable_thinking: false}")
+    results = [run_seed(seed, out, overrides) for seed in args.seeds]
     summary = summarize(results)
     (out / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
     text = table(results, summary)
