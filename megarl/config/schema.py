@@ -364,6 +364,14 @@ class ClusterConfig:
 
 
 @dataclass
+    distributed_timeout_minutes: int = 30
+    """Timeout of the trainer's ``torch.distributed`` groups (the default group and Megatron's): a
+    collective that waits longer raises instead of hanging."""
+    trainer_setup_timeout_s: float = 900.0
+    """Seconds every trainer rank may take to start and build its model, DDP and optimizer."""
+    trainer_call_timeout_s: float = 1200.0
+    """Seconds one trainer call (old logprobs, a train step, a weight sync, a checkpoint) may take on
+    every rank before the group is killed and the run stops."""
 class CheckpointConfig:
     """Trainer checkpoints and resume."""
 

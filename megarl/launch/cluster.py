@@ -7,8 +7,15 @@ Placement (docs/architecture.md):
   group has one bundle per engine holding all of that engine's devices (``{"CPU": 1, "GPU": tp*ep}``),
   so the engine's SGLang server sees exactly its GPUs. Trainer and engines never share a device.
 - ``colocated``: one placement group (the trainer's); engine ``i`` sits in the bundle of trainer
-  rank ``i * devices_per_engine`` with a fractional GPU share, and the driver releases engine memory
-  around every train step (``/release_memory_occupation`` / ``/resume_memory_occupation``).
+  rank ``i * devices_per_engine`` with a fractional GPU share, and its SGLang server is given the GPUs
+  of trainer ranks ``i * devices_per_engine ... (i + 1) * devices_per_engine - 1``
+  (``CUDA_VISIBLE_DEVICES``; Ray gives an actor GPUs of one bundle only). The engines run with
+  ``--enable-memory-saver`` and the driver releases their memory around every train step
+  (:mod:`megarl.launch.colocated`).
+
+Rank order: Ray's ``PACK`` strategy does not order bundles by node, so trainer rank ``r`` takes the
+``r``-th bundle after sorting them by node and GPU id (:func:`bundle_order`): consecutive ranks (a
+tensor-parallel group, a colocated engine's GPUs) then share a node, which is checked on CUDA.
 
 On CPU the bundles hold only ``CPU`` and stand for processes; Ray local mode is started with at least
 as many logical CPUs as the bundles need (they are a scheduling count, not a core reservation).
@@ -18,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,10 @@ def worker_env(cuda: bool) -> dict[str, str]:
     if not cuda:
         # One intra-op thread per process: several ranks and engines share a few cores on CPU.
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    elif "OMP_NUM_THREADS" in os.environ:
+        # Ray would set 1 (an actor's CPU count); on CUDA the trainer group otherwise picks
+        # the node's cores over its ranks (megarl.launch.trainer_group.omp_threads).
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     for key in ("MEGARL_GSM8K_DIR", "PYTHONPATH", "RAY_AUTH_MODE"):
         if key in os.environ:
             env[key] = os.environ[key]
@@ -97,12 +108,14 @@ class Placement:
     """Where each trainer rank and each engine goes.
 
     Attributes:
-        trainer_pg: placement group of the trainer ranks (bundle ``r`` = rank ``r``).
+        trainer_pg: placement group of the trainer ranks.
         rollout_pg: placement group of the engines (bundle ``i`` = engine ``i``); the trainer's
             group when colocated.
         engine_bundles: bundle index of each engine inside ``rollout_pg``.
         trainer_num_gpus, engine_num_gpus: GPU share each actor requests in its bundle (0 on CPU).
         colocated: trainer and engines share devices (and bundles: each then asks half a CPU).
+        trainer_bundles: bundle index of each trainer rank (:func:`bundle_order`); None = rank order.
+        engine_devices: colocated on CUDA: the GPU ids each engine's server sees; else empty.
     """
 
     trainer_pg: Any
@@ -111,6 +124,8 @@ class Placement:
     trainer_num_gpus: float
     engine_num_gpus: float
     colocated: bool
+    trainer_bundles: list[int] | None = None
+    engine_devices: list[list[str]] = dataclasses.field(default_factory=list)
 
     @property
     def _num_cpus(self) -> float:
@@ -118,12 +133,20 @@ class Placement:
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
         """``.options(**...)`` for the actor of trainer rank ``rank``."""
-        return _pg_options(self.trainer_pg, rank, self._num_cpus, self.trainer_num_gpus)
+        bundle = rank if self.trainer_bundles is None else self.trainer_bundles[rank]
+        return _pg_options(self.trainer_pg, bundle, self._num_cpus, self.trainer_num_gpus)
 
     def engine_options(self, engine_index: int) -> dict[str, Any]:
         """``.options(**...)`` for the actor that owns engine ``engine_index``."""
         return _pg_options(self.rollout_pg, self.engine_bundles[engine_index], self._num_cpus,
                            self.engine_num_gpus)
+
+    def engine_env(self, engine_index: int) -> dict[str, str]:
+        """Environment of engine ``engine_index``'s server: colocated on CUDA, the GPUs of its
+        trainer ranks (Ray set the actor's own ``CUDA_VISIBLE_DEVICES`` to one of them only)."""
+        if not self.engine_devices:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[engine_index])}
 
     def remove(self) -> None:
         """Release the placement groups."""
@@ -140,6 +163,56 @@ def _pg_options(pg: Any, bundle: int, num_cpus: float, num_gpus: float) -> dict[
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle,
                 placement_group_capture_child_tasks=True)}
+
+
+def bundle_order(nodes: Sequence[str], gpus: Sequence[str | int | None]) -> list[int]:
+    """Bundle indices in rank order: grouped by node, GPU id ascending within a node.
+
+    Nodes keep the order of their first bundle (rank 0's node is bundle 0's). Ray's ``PACK``
+    strategy may interleave nodes (bundle 0 on node A, 1 on B, 2 on A, ...); without this order a
+    tensor-parallel group of consecutive ranks could straddle two nodes.
+
+    Args:
+        nodes: node id of each bundle.
+        gpus: GPU id of each bundle (None on CPU).
+    """
+    first: dict[str, int] = {}
+    for node in nodes:
+        first.setdefault(node, len(first))
+    return sorted(range(len(nodes)), key=lambda b: (first[nodes[b]], -1 if gpus[b] is None else int(gpus[b]), b))
+
+
+def check_groups_on_one_node(rank_nodes: Sequence[str], group_size: int, what: str) -> None:
+    """Raise unless every group of ``group_size`` consecutive ranks sits on one node.
+
+    Raises:
+        ValueError: names ``what`` (the config key sizing the group), the group and its nodes.
+    """
+    for start in range(0, len(rank_nodes), group_size):
+        nodes = list(dict.fromkeys(rank_nodes[start:start + group_size]))
+        if len(nodes) > 1:
+            raise ValueError(f"{what}={group_size}: ranks {start}..{start + group_size - 1} span nodes {nodes}; "
+                             f"make the devices per node a multiple of {group_size}")
+
+
+def _bundle_locations(pg: Any, num_bundles: int, cuda: bool) -> tuple[list[str], list[str | None]]:
+    """(node id, GPU id) of each bundle of a ready placement group (a tiny probe task per bundle on CUDA)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    nodes = [table[b] for b in range(num_bundles)]
+    if not cuda:
+        return nodes, [None] * num_bundles
+    probe = ray.remote(_gpu_ids)
+    refs = [probe.options(**_pg_options(pg, b, 0, 0.01)).remote() for b in range(num_bundles)]
+    return nodes, [ids[0] for ids in ray.get(refs, timeout=120)]
+
+
+def _gpu_ids() -> list[str]:
+    import ray
+
+    return [str(g) for g in ray.get_gpu_ids()]
 
 
 def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
@@ -185,4 +258,28 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
             f"placement groups not ready after {timeout_s:.0f}s: trainer {world} x {trainer_bundle}, "
             f"{num_engines} engines x {per_engine} devices ({cfg.cluster.placement}); cluster has "
             f"{ray.cluster_resources()}") from e
+    _order_trainer_bundles(placement, cfg, cuda=cuda, world=world, per_engine=per_engine)
     return placement
+
+
+def _order_trainer_bundles(placement: Placement, cfg: Any, *, cuda: bool, world: int, per_engine: int) -> None:
+    """Rank -> bundle by node and GPU; colocated engines' bundles and GPUs follow (module docstring).
+
+    Raises:
+        ValueError: on CUDA, a tensor-parallel group or a colocated engine would span two nodes.
+    """
+    nodes, gpus = _bundle_locations(placement.trainer_pg, world, cuda)
+    order = bundle_order(nodes, gpus)
+    placement.trainer_bundles = order
+    rank_nodes = [nodes[b] for b in order]
+    if cuda:
+        check_groups_on_one_node(rank_nodes, int(cfg.parallel.tensor_model_parallel_size),
+                                 "parallel.tensor_model_parallel_size")
+    if placement.colocated:
+        num_engines = len(placement.engine_bundles)
+        placement.engine_bundles = [order[min(i * per_engine, world - 1)] for i in range(num_engines)]
+        if cuda:
+            check_groups_on_one_node(rank_nodes[:num_engines * per_engine], per_engine,
+                                     "rollout.engine.tensor_parallel_size (colocated engine GPUs)")
+            placement.engine_devices = [[str(gpus[b]) for b in order[i * per_engine:(i + 1) * per_engine]]
+                                        for i in range(num_engines)]

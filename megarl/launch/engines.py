@@ -17,6 +17,8 @@ import ray
 logger = logging.getLogger(__name__)
 
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+MEMORY_SAVER_FLAG = "--enable-memory-saver"
+"""Colocated on CUDA: lets ``/release_memory_occupation`` free the engine's GPU memory for training."""
 """SGLang honours a request's ``sampling_seed`` only with this server flag (GPU attention backends)."""
 SEEDING_SHIM_DIR = Path(__file__).resolve().parent / "sglang_seeding"
 """CPU: a ``sitecustomize`` that makes the server honour ``sampling_seed`` (the flag above refuses
@@ -38,6 +40,8 @@ def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str
     extra = list(ecfg.extra_args)
     if cfg.rollout.get("deterministic_sampling", False) and device != "cpu" and DETERMINISTIC_FLAG not in extra:
         extra.append(DETERMINISTIC_FLAG)
+    if cfg.cluster.placement == "colocated" and device != "cpu" and MEMORY_SAVER_FLAG not in extra:
+        extra.append(MEMORY_SAVER_FLAG)
     return dict(host=ecfg.host, tp_size=int(ecfg.tensor_parallel_size),
                 ep_size=int(ecfg.expert_parallel_size), device=device, dtype=ecfg.dtype,
                 mem_fraction_static=ecfg.mem_fraction_static, max_total_tokens=ecfg.max_total_tokens,
@@ -75,7 +79,8 @@ class EngineGroup:
         self.ids = [f"engine{i}" for i in range(int(cfg.rollout.num_engines))]
         for i, engine_id in enumerate(self.ids):
             kwargs = engine_kwargs(cfg, device=device, log_path=str(log_dir / f"{engine_id}.log"),
-                                   engine_id=engine_id, custom_weight_loaders=custom_weight_loaders, env=env)
+                                   engine_id=engine_id, custom_weight_loaders=custom_weight_loaders,
+                                   env={**(env or {}), **placement.engine_env(i)})  # colocated: its GPUs
             # One thread: the server's parent-death signal is tied to the thread that started it.
             options = dict(placement.engine_options(i))
             if seeding_env(cfg, device):

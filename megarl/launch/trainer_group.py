@@ -2,7 +2,10 @@
 
 Each actor is one torch.distributed process: before the trainer is built it gets ``MASTER_ADDR``,
 ``MASTER_PORT`` (rank 0's node and a free port there), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
-(its index among the ranks on its node) and ``OMP_NUM_THREADS``. Every call fans out to all ranks
+(its index among the ranks on its node) and ``OMP_NUM_THREADS`` (CUDA: the node's cores over its
+ranks, :func:`omp_threads`, unless set by the user; Ray would leave 1). The CUDA device a rank uses
+is the one Ray gave it (:func:`megarl.training.devices.local_device_index`), never
+``LOCAL_RANK``. Every call fans out to all ranks
 with the same arguments (the batch travels through the Ray object store once); the trainer shards
 it over data-parallel ranks itself. If one rank fails, the group kills every rank instead of letting
 the others hang in a collective, and raises.
@@ -35,18 +38,46 @@ class TrainerWorker:
         self.trainer: Any = None
         self.syncer: Any = None
 
-    def node_info(self, preferred_port: int = 0) -> tuple[str, str, int]:
-        """(node id, node IP, ``preferred_port`` if free on this node, else a free TCP port)."""
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port(preferred_port)
+    def node_info(self, preferred_port: int = 0) -> tuple[str, str, int, int]:
+        """(node id, node IP, ``preferred_port`` if free on this node, else a free TCP port, CPU cores
+        this process may run on)."""
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port(preferred_port),
+                len(os.sched_getaffinity(0)))
 
-    def setup(self, master_addr: str, master_port: int, local_rank: int, cfg_yaml: str) -> int:
+    def device_info(self) -> dict[str, Any]:
+        """What this rank sees: ``CUDA_VISIBLE_DEVICES``, Ray's GPU ids, and the device index it selects."""
+        from megarl.training.devices import select_device_index
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:  # what CUDA will enumerate (also on a node with logical GPUs only)
+            count = len([d for d in visible.split(",") if d.strip()])
+        else:
+            import torch
+
+            count = torch.cuda.device_count()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return {"visible": visible, "gpu_ids": gpu_ids, "node": ray.get_runtime_context().get_node_id(),
+                "device_index": select_device_index(visible_devices=visible, assigned_gpu_ids=gpu_ids,
+                                                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                                                    device_count=count) if count else None}
+
+    def setup(self, master_addr: str, master_port: int, local_rank: int, cfg_yaml: str,
+              num_threads: int | None = None) -> int:
         """Set the rendezvous variables and build the trainer (initialises torch.distributed).
+
+        Args:
+            num_threads: ``OMP_NUM_THREADS`` / torch intra-op threads of this rank (None: keep).
 
         Returns:
             The rank, once its trainer is built.
         """
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
                            "LOCAL_RANK": str(local_rank)})
+        if num_threads:
+            import torch
+
+            os.environ["OMP_NUM_THREADS"] = str(num_threads)
+            torch.set_num_threads(num_threads)
         from omegaconf import OmegaConf
 
         from megarl.plugins import import_plugins
@@ -122,20 +153,22 @@ class TrainerGroup:
         cfg: the resolved run config (DictConfig).
         placement: where the ranks go (:class:`megarl.launch.cluster.Placement`).
         env: extra environment for every rank.
-        setup_timeout_s: seconds to wait for every rank to build its trainer.
+        setup_timeout_s: seconds to wait for every rank to build its trainer (default
+            ``cluster.trainer_setup_timeout_s``); calls wait ``cluster.trainer_call_timeout_s``.
 
     Raises:
         TrainerGroupError: a rank failed to start.
     """
 
     def __init__(self, cfg: Any, placement: Any, env: dict[str, str] | None = None,
-                 setup_timeout_s: float = 900.0) -> None:
+                 setup_timeout_s: float | None = None) -> None:
         from omegaconf import OmegaConf
 
-        from megarl.launch.cluster import trainer_world_size
+        from megarl.launch.cluster import trainer_world_size, use_cuda
 
         self.world_size = trainer_world_size(cfg.cluster)
-        self.timeout_s = float(cfg.weight_sync.timeout_s) * 2
+        self.timeout_s = float(cfg.cluster.trainer_call_timeout_s)
+        setup_timeout_s = float(cfg.cluster.trainer_setup_timeout_s if setup_timeout_s is None else setup_timeout_s)
         env = dict(env or {})
         self.workers = [TrainerWorker.options(**placement.trainer_options(r), name=None)
                         .remote(r, self.world_size, env) for r in range(self.world_size)]
@@ -145,8 +178,12 @@ class TrainerGroup:
         local_ranks = _local_ranks([info[0] for info in infos])
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         logger.info("trainer group: %d ranks, rendezvous %s:%d", self.world_size, master_ip, master_port)
-        self._gather([w.setup.remote(master_ip, master_port, lr, cfg_yaml)
-                      for w, lr in zip(self.workers, local_ranks)], setup_timeout_s)
+        threads = [None] * self.world_size
+        if use_cuda(cfg.cluster.device) and "OMP_NUM_THREADS" not in os.environ:
+            per_node = {node: local_ranks[r] + 1 for r, (node, *_) in enumerate(infos)}  # ranks per node
+            threads = [omp_threads(info[3], per_node[info[0]]) for info in infos]
+        self._gather([w.setup.remote(master_ip, master_port, lr, cfg_yaml, n)
+                      for w, lr, n in zip(self.workers, local_ranks, threads)], setup_timeout_s)
 
     def _gather(self, refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
         """``ray.get`` of one call per rank; on the first failure or timeout, kill the group and raise."""
@@ -200,6 +237,14 @@ class TrainerGroup:
 
 def _is_large(value: Any) -> bool:
     return not isinstance(value, (int, float, str, bool, type(None)))
+
+
+def omp_threads(node_cpus: int, ranks_on_node: int) -> int:
+    """Intra-op threads of one trainer rank: the node's cores shared by its ranks (at least 1).
+
+    Ray sets ``OMP_NUM_THREADS`` to an actor's CPU request (1), which starves a GPU rank's host work
+    (data packing, optimizer on CPU, checkpoint I/O)."""
+    return max(1, node_cpus // max(1, ranks_on_node))
 
 
 def _local_ranks(node_ids: Sequence[str]) -> list[int]:

@@ -116,6 +116,10 @@ class EngineActor:
         """Stop the server."""
         self.engine.stop()
 
+    def visible_devices(self) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of the server process (what its TP ranks will see)."""
+        return self.engine.environment().get("CUDA_VISIBLE_DEVICES")
+
     def log_tail(self) -> str:
         """The end of the server log (for the driver's error messages)."""
         return self.engine.log_tail()

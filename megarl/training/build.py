@@ -25,7 +25,8 @@ def build_parallel_state(cfg: MegarlConfig) -> ParallelState:
     if needed), seeded with ``train.seed``."""
     from megarl.training.parallel_state import initialize_parallel
 
-    return initialize_parallel(cfg.parallel, backend="auto", seed=cfg.train.seed)
+    return initialize_parallel(cfg.parallel, backend="auto", seed=cfg.train.seed,
+                               timeout_minutes=int(cfg.cluster.distributed_timeout_minutes))
 
 
 def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState) -> tuple[list, object]:

@@ -4,7 +4,7 @@ A process group supports the device types of its backends: ``gloo`` CPU (and CUD
 only, a ``cpu:gloo,cuda:nccl`` group both. Call sites do not pick a device themselves; they call
 :func:`all_reduce` / :func:`on_group_device` here, which move a tensor the group cannot take to the
 group's device (CUDA: this process's current device, see
-:func:`megarl.training.parallel_state.local_device_index`) and hand the result back on the caller's
+:func:`megarl.training.devices.local_device_index`) and hand the result back on the caller's
 device. Control-plane hand-offs (barriers, turn tokens) go over a gloo group instead
 (:func:`control_group`): under NCCL a ``recv`` returns before the host has the token.
 """

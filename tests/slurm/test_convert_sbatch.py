@@ -45,3 +45,15 @@ def test_one_task_runs_megarl_convert_and_returns_its_status(job_env, tmp_path):
     assert r.rc == 1, r.output
     assert "no HF config" in (r.job_dir / "convert.log").read_text()
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.timeout(200)
+def test_one_task_in_a_container_reaches_srun(job_env, tmp_path):
+    """Issue 18 item 12: with MEGARL_CONTAINER_IMAGE the one-task path runs `megarl convert` in the
+    container on the batch node (``srun --nodelist=HOSTS[0] --container-image=...``); it stopped
+    on an unbound HOSTS before. The local Slurm has no pyxis, so srun then refuses the option."""
+    env = {**job_env, "MEGARL_CONTAINER_IMAGE": "megarl-test-image"}
+    r = submit(env, "slurm/convert.sbatch", ["megatron-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
+    log = r.output + (r.job_dir / "convert.log").read_text() if (r.job_dir / "convert.log").exists() else r.output
+    assert "unbound variable" not in log, log
+    assert r.rc != 0 and "container-image" in log, log

@@ -71,6 +71,8 @@ BROKEN = [
      "rollout.engine.tensor_parallel_size"),  # 4 heads not divisible by engine TP 3
     (["weight_sync.transport=tensor"], "weight_sync.transport"),  # needs colocated
     (["weight_sync.transport=nccl"], "weight_sync.transport"),
+    (["cluster.placement=colocated", "cluster.device=cuda", "weight_sync.transport=distributed"],
+     "weight_sync.transport"),  # NCCL refuses two ranks on one GPU (issue 18 item 8)
     (["weight_sync.bucket_size_mb=0"], "weight_sync.bucket_size_mb"),
     (["cluster.placement=spread"], "cluster.placement"),
     (["rollout.reward=nonexistent_reward"], "rollout.reward"),

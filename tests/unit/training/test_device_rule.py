@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.training.collectives import collective_device
-from megarl.training.parallel_state import select_device_index
+from megarl.training.devices import select_device_index
 
 
 @pytest.mark.timeout(30)

@@ -1,0 +1,51 @@
+"""Colocated placement: the engines give their GPU memory to the trainer while it trains.
+
+Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.launch.engines.MEMORY_SAVER_FLAG`).
+Around each train step (synchronous mode; the engines are idle once the step's rollout is done):
+
+1. :func:`release` — ``/release_memory_occupation`` of ``kv_cache`` and ``cuda_graph``, and of
+   ``weights`` when the step ends with a weight sync (released weights come back uninitialised;
+   the sync rewrites every one of them): the trainer computes logprobs and trains;
+2. :func:`resume` — ``/resume_memory_occupation`` of ``weights`` first, then of the rest, before
+   the weight sync (it flushes the prefix cache, and its verification runs the engines' forward);
+3. the weight sync, then the next rollout.
+
+SGLang's scheduler refuses a release while it has requests and a resume of a tag that was not
+released (it keeps the set of released tags), so the two resumes must follow one release.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+WEIGHT_TAGS = ("weights",)
+REST_TAGS = ("kv_cache", "cuda_graph")
+"""With ``weights``, SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang.srt.constants``)."""
+
+
+def release(engine_urls: Sequence[str], *, weights: bool) -> tuple[str, ...]:
+    """Free every engine's KV cache and CUDA graphs (and weights); engines must be idle.
+
+    Returns:
+        The tags released (what :func:`resume` takes).
+    """
+    tags = (WEIGHT_TAGS if weights else ()) + REST_TAGS
+    _call(engine_urls, "release_memory_occupation", tags)
+    return tags
+
+
+def resume(engine_urls: Sequence[str], tags: Sequence[str]) -> None:
+    """Re-allocate what :func:`release` freed: weights first (the largest, and the sync's target),
+    then the KV cache and CUDA graphs."""
+    weights = [t for t in tags if t in WEIGHT_TAGS]
+    if weights:
+        _call(engine_urls, "resume_memory_occupation", weights)
+    rest = [t for t in tags if t not in WEIGHT_TAGS]
+    if rest:
+        _call(engine_urls, "resume_memory_occupation", rest)
+
+
+def _call(engine_urls: Sequence[str], method: str, tags: Sequence[str]) -> None:
+    from megarl.weight_sync.engines import EngineGroup
+
+    with EngineGroup(list(engine_urls)) as engines:
+        engines.call_all(method, list(tags))
