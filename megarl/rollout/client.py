@@ -92,8 +92,10 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
 
     CPU tensors are shared with the server through named shared-memory files (torch's
     ``file_system`` strategy, set process-wide here): the default file-descriptor strategy needs a
-    multiprocessing connection the server does not have. Keep the tensors alive until the update
-    request has returned.
+    multiprocessing connection the server does not have. CUDA tensors travel as CUDA IPC handles
+    keyed by their device's UUID (:func:`device_uuid_args`): the server's ranks see other
+    ``CUDA_VISIBLE_DEVICES`` than this process, so a device index would name another GPU there.
+    Keep the tensors alive until the update request has returned.
     """
     import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
@@ -101,11 +103,43 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     if any(t.device.type == "cpu" for _, t in named_tensors):
         tmp.set_sharing_strategy("file_system")
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(list(named_tensors))
+    pickler = ForkingPickler(buf)
+    if any(t.is_cuda for _, t in named_tensors):
+        pickler.dispatch_table = {**pickler.dispatch_table, torch.Tensor: _reduce_tensor_by_uuid,
+                                  torch.nn.Parameter: _reduce_tensor_by_uuid}
+    pickler.dump(list(named_tensors))
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class SGLangClient:
+REBUILD_CUDA_DEVICE_ARG = 6
+"""Position of ``storage_device`` in ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s
+arguments (the index SGLang's ``sglang.srt.utils.patch_torch`` rewrites too)."""
+
+
+def device_uuid_args(args: tuple, uuid_of) -> tuple:
+    """``rebuild_cuda_tensor`` arguments with the device index replaced by ``uuid_of(index)``.
+
+    SGLang's server rebuilds such a tensor on the local device with that UUID (it patches
+    ``rebuild_cuda_tensor`` before reading ``update_weights_from_tensor`` payloads). A UUID already
+    there (a sender that applied SGLang's patch itself) is kept.
+    """
+    device = args[REBUILD_CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        return args
+    return args[:REBUILD_CUDA_DEVICE_ARG] + (uuid_of(device),) + args[REBUILD_CUDA_DEVICE_ARG + 1:]
+
+
+def _reduce_tensor_by_uuid(tensor: torch.Tensor):
+    """torch's ForkingPickler reducer, CUDA storages named by device UUID (:func:`device_uuid_args`)."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        args = device_uuid_args(args, lambda index: str(torch.cuda.get_device_properties(index).uuid))
+    return rebuild, args
+
+
     """Async client of one SGLang server; implements :class:`megarl.rollout.types.RolloutEngine`.
 
     Args:

@@ -71,3 +71,25 @@ def test_cpu_routes_replay_on_a_cuda_router():
     assert ids.device.type == "cuda" and ids[0].tolist() == [1, 0]
     probs.sum().backward()
     assert scores.grad is not None
+
+
+@pytest.mark.timeout(60)
+def test_cuda_ipc_payload_names_the_device_by_uuid():
+    """The server's ranks see other CUDA_VISIBLE_DEVICES: the payload must carry the UUID."""
+    import base64
+    import io
+    import pickle
+
+    from megarl.rollout.client import REBUILD_CUDA_DEVICE_ARG, serialize_named_tensors
+
+    captured = []
+
+    class Capture(pickle.Unpickler):
+        def find_class(self, module, name):
+            if name == "rebuild_cuda_tensor":
+                return lambda *args: captured.append(args)
+            return super().find_class(module, name)
+
+    tensor = torch.arange(8.0, device="cuda")
+    Capture(io.BytesIO(base64.b64decode(serialize_named_tensors([("w", tensor)])))).load()
+    assert captured[0][REBUILD_CUDA_DEVICE_ARG] == str(torch.cuda.get_device_properties(tensor.device).uuid)
