@@ -162,10 +162,14 @@ def build_template(tokenizer: Any, agent: Any, tools: Mapping[str, Tool],
     Raises:
         ValueError: a parser name SGLang does not know, or ``auto`` for an unknown family.
     """
+    from omegaconf import OmegaConf
+
     reasoning, tool_parser = resolve_parsers(tokenizer, getattr(agent, "reasoning_parser", "auto"),
                                              getattr(agent, "tool_call_parser", "auto"))
+    kwargs = getattr(agent, "chat_template_kwargs", None) or {}
+    kwargs = OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else dict(kwargs)
     template = ChatTemplate(tokenizer, [t.schema for t in tools.values()], agent.system_prompt,
-                            eos_token_ids, chat_template_kwargs=dict(getattr(agent, "chat_template_kwargs", {}) or {}),
+                            eos_token_ids, chat_template_kwargs=kwargs,
                             reasoning=ReasoningFormat(reasoning) if reasoning else None)
     return template, (ToolCallParser(tools, tool_parser) if tools else None)
 

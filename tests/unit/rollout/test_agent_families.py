@@ -140,3 +140,23 @@ async def test_reward_scores_the_answer_not_the_reasoning(family_tokenizers, cas
     assert "\\boxed{" in traj.metadata["reasoning_text"]
     score = await Gsm8kReward(executor="inline", format_weight=0.5)(traj, {"answer": "... #### 72"})
     assert score == reward
+
+
+def test_tiny_models_take_an_official_template(official_template_tokenizers):
+    from pathlib import Path
+
+    from megarl.testing.tiny_model import parse_tiny_uri
+
+    assert parse_tiny_uri("tiny:qwen3_moe?chat_template=qwen3").chat_template == "qwen3"
+    with pytest.raises(ValueError, match="chat_template"):
+        parse_tiny_uri("tiny:qwen3?chat_template=llama3")
+    # GLM-4.5's stop tokens are EOS ids of generation_config.json, as in the released model.
+    glm = official_template_tokenizers["glm4_moe"]
+    stops = json.loads((Path(glm.name_or_path) / "generation_config.json").read_text())["eos_token_id"]
+    assert glm.convert_ids_to_tokens(stops) == ["<|endoftext|>", "<|user|>", "<|observation|>"]
+    # The templates' special tokens are single tokens (DeepSeek's BOS is written by the template).
+    deepseek = official_template_tokenizers["deepseek_v3"]
+    ids = deepseek.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    ids = deepseek.encode(ids, add_special_tokens=False)
+    assert deepseek.convert_ids_to_tokens(ids[:2]) == ["<｜begin▁of▁sentence｜>", "<｜User｜>"]
+    assert deepseek.convert_ids_to_tokens(ids[-3:-1]) == ["<｜Assistant｜>", "<think>"]
