@@ -112,6 +112,17 @@ def make_data(out: str | Path, *, num_train: int = 3000, num_test: int = 200, se
     return out
 
 
+def read_split(path: str) -> list[dict]:
+    """``data.dataset`` reader: make the data beside ``path`` on first use, then read its rows.
+
+    With ``data.dataset: examples/search_r1/make_data.py:read_split`` a plain ``megarl train
+    examples/search_r1/search_r1.yaml`` prepares everything (corpus, index, questions, demonstrations)
+    before the SFT demonstrations are read and the retrieval service starts.
+    """
+    make_data(Path(path).parent)
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
