@@ -21,76 +21,12 @@ per-rank shards (``gather_tp`` is what a weight sync applies to shards it all-ga
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-
-class Transform(str, enum.Enum):
-    """How the HF tensors of one entry become the full Megatron tensor."""
-
-    COPY = "copy"
-    """One HF tensor, identical."""
-    QKV = "qkv"
-    """HF ``[q, k, v]`` projections interleaved per query group into ``linear_qkv``."""
-    GLU = "glu"
-    """HF ``[gate, up]`` concatenated along rows into ``linear_fc1``."""
-    VOCAB = "vocab"
-    """One HF ``[V, H]`` tensor, rows zero-padded to the padded vocabulary."""
-
-
-class TPSplit(str, enum.Enum):
-    """How a full Megatron tensor is split over its tensor-parallel group."""
-
-    NONE = "none"
-    """Replicated on every TP rank (norms, router)."""
-    COLUMN = "column"
-    """Rows (dim 0) split into equal contiguous chunks (column-parallel linear, vocab)."""
-    ROW = "row"
-    """Columns (dim 1) split into equal chunks (row-parallel linear)."""
-    GLU = "glu"
-    """Column-parallel GLU ``[gate; up]``: each rank holds ``[gate_r; up_r]``."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One row of a family's mapping table."""
-
-    hf: tuple[str, ...]
-    """HF name templates (``{L}`` layer, ``{E}`` expert), in the transform's argument order."""
-    transform: Transform
-    tp_split: TPSplit
-    expert: bool = False
-    """Expert weight: sharded by expert parallelism and split over the expert-TP group (ETP)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelLayout:
-    """The dimensions the mapping needs, from the HF config (see ``families``)."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    vocab_size: int
-    """HF vocabulary size (``config.vocab_size``); exported embeddings have exactly this many rows."""
-    padded_vocab_size: int
-    """Megatron's padded vocabulary (multiple of make_vocab_size_divisible_by x TP)."""
-    num_experts: int = 0
-    """Routed experts per MoE layer (0 = dense model)."""
-    moe_layers: tuple[bool, ...] = ()
-    """Per layer: True = MoE MLP, False = dense MLP."""
-    tie_word_embeddings: bool = False
-
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
-    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp_size``."""
-    multiple = make_vocab_size_divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
+# The table's types live in a leaf module (the families import them without importing this one).
+from megarl.checkpoint.table import Entry, ModelLayout, TPSplit, Transform, padded_vocab_size  # noqa: F401
 
 
 def _grouped_kind(part: str) -> str:

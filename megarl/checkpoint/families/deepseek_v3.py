@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from megarl.checkpoint.families import Family, hf_get, rope_settings
 from megarl.checkpoint.families.qwen3_moe import DENSE_MLP_TABLE, GLOBAL_TABLE, MOE_TABLE
-from megarl.checkpoint.mapping import Entry, TPSplit, Transform
+from megarl.checkpoint.table import Entry, TPSplit, Transform
 
 logger = logging.getLogger(__name__)
 

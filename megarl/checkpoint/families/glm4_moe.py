@@ -14,7 +14,7 @@ from megarl.checkpoint.families import Family, rope_settings
 from megarl.checkpoint.families import qwen3_moe as qwen
 from megarl.checkpoint.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
                                                     router_architecture, router_config_kwargs)
-from megarl.checkpoint.mapping import Entry, TPSplit, Transform
+from megarl.checkpoint.table import Entry, TPSplit, Transform
 
 HF = "model.layers.{L}."
 MC = "decoder.layers.{L}."

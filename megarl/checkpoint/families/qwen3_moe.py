@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from megarl.checkpoint.families import Family, hf_get, rope_settings
-from megarl.checkpoint.mapping import Entry, TPSplit, Transform
+from megarl.checkpoint.table import Entry, TPSplit, Transform
 
 C, G, Q, V = Transform.COPY, Transform.GLU, Transform.QKV, Transform.VOCAB
 HF = "model.layers.{L}."
