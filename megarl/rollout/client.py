@@ -21,6 +21,7 @@ import base64
 import io
 import json
 import logging
+import time
 import uuid
 from typing import Any, Sequence
 
@@ -362,14 +363,34 @@ def _reduce_tensor_by_uuid(tensor: torch.Tensor):
         """Continue generation after :meth:`pause`."""
         await self._post("/continue_generation", {})
 
-    async def flush_cache(self, timeout_s: float = 30.0) -> None:
+    async def flush_cache(self, timeout_s: float = 30.0, *, paused: bool = False) -> None:
         """Empty the prefix (radix) cache, waiting up to ``timeout_s`` for running requests.
+
+        Args:
+            timeout_s: how long the engine may wait for its running requests to end.
+            paused: generation is paused (a weight update). SGLang 0.5.23's deferred flush
+                (``timeout > 0``) waits for an empty *waiting* queue too, which a ``retract`` pause
+                keeps full (the retracted requests wait there, without KV, to resume): it would time
+                out whenever requests are in flight (async RL). Its immediate flush (``timeout=0``)
+                ignores the waiting queue of a paused engine, so a paused engine is flushed with
+                immediate attempts, retried until the running batch has drained or ``timeout_s``.
 
         Raises:
             EngineRequestError: the engine refused (requests still running after ``timeout_s``).
         """
-        await self._request("POST", f"/flush_cache?timeout={timeout_s}", None,
-                            timeout_s=timeout_s + 30.0, expect_json=False)
+        if not paused:
+            await self._request("POST", f"/flush_cache?timeout={timeout_s}", None,
+                                timeout_s=timeout_s + 30.0, expect_json=False)
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self._request("POST", "/flush_cache?timeout=0", None, timeout_s=30.0, expect_json=False)
+                return
+            except EngineRequestError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
         """Release weights and/or KV cache memory (``tags``: ``weights``, ``kv_cache``; None = all)."""
