@@ -87,6 +87,28 @@ async def test_abort_by_rid_and_on_cancel(sglang_engine):
         await client.flush_cache(timeout_s=20.0)
 
 
+async def test_flush_while_a_request_is_retracted_then_it_continues(sglang_engine):
+    """Async RL: a weight sync pauses (retract) with requests in flight and flushes the cache.
+    SGLang's deferred flush waits for an empty waiting queue, where the retracted request sits, so
+    it times out; the paused flush (immediate attempts) succeeds and the request then finishes."""
+    from megarl.rollout.client import EngineRequestError
+
+    params = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
+    async with SGLangClient(sglang_engine.url) as client:
+        task = asyncio.ensure_future(client.generate(PROMPT, params))
+        await _wait_running(sglang_engine, client, task)
+        assert not task.done()
+        await client.pause("retract")
+        try:
+            with pytest.raises(EngineRequestError, match="idle"):
+                await client.flush_cache(timeout_s=2.0)  # the deferred path: what megarl avoids
+            await client.flush_cache(timeout_s=20.0, paused=True)
+        finally:
+            await client.resume()
+        out = await asyncio.wait_for(task, 120)
+    assert out.finish_reason == "length" and len(out.output_ids) == params["max_new_tokens"]
+
+
 async def test_flush_cache_empties_prefix_cache(sglang_url):
     prompt = list(range(300, 420))
     async with SGLangClient(sglang_url) as client:
