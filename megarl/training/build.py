@@ -78,7 +78,9 @@ def build_trainer(cfg: MegarlConfig, *, parallel: ParallelState | None = None):
     chunks, hf_config = build_model_chunks(cfg, parallel)
     use_dist_opt = cfg.parallel.use_distributed_optimizer
     _, ddp_overrides = split_megatron_overrides(dict(getattr(cfg.model, "megatron_overrides", None) or {}))
-    ddp_chunks = build_ddp(chunks, use_distributed_optimizer=use_dist_opt, overrides=ddp_overrides)
+    cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"
+    # GPU: overlap gradient reduction and (distributed optimizer) parameter all-gather, as Megatron-LM runs.
+    ddp_chunks = build_ddp(chunks, use_distributed_optimizer=use_dist_opt, overrides=ddp_overrides, overlap=cuda)
     optimizer = build_optimizer(cfg.train, ddp_chunks, use_distributed_optimizer=use_dist_opt)
     scheduler = build_scheduler(cfg.train, optimizer,
                                 total_steps=cfg.train.num_steps * optimizer_steps_per_rl_step(cfg))

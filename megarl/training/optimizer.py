@@ -38,13 +38,23 @@ def freeze_router(model_chunks: Sequence[torch.nn.Module]) -> int:
 
 
 def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimizer: bool,
-              overrides: dict | None = None) -> list[torch.nn.Module]:
+              overrides: dict | None = None, overlap: bool = False) -> list[torch.nn.Module]:
     """Wrap each model chunk in Megatron ``DistributedDataParallel``.
 
-    Gradients are reduced in fp32 (``grad_reduce_in_fp32``) without overlap: one reduction after
-    the last micro batch, by Megatron's ``finalize_model_grads``, which this function installs as
-    the model config's ``finalize_model_grads_func``. Only the first chunk uses buckets, as in
-    Megatron-LM (later virtual-pipeline chunks are reduced as one buffer).
+    Gradients are reduced in fp32 (``grad_reduce_in_fp32``) by Megatron's ``finalize_model_grads``,
+    which this function installs as the model config's ``finalize_model_grads_func``. Only the
+    first chunk uses buckets, as in Megatron-LM (later virtual-pipeline chunks are reduced as one
+    buffer).
+
+    With ``overlap`` (megarl's GPU default) the hooks are wired as Megatron-LM's ``training.py``
+    does: ``overlap_grad_reduce`` reduces each bucket as soon as its gradients of the last micro
+    batch are ready (``config.no_sync_func`` = the chunks' ``no_sync`` holds the reduction off
+    during the earlier micro batches; ``grad_sync_func`` = ``start_grad_sync``, Megatron-LM's
+    ``--align-grad-reduce`` default, lets pipeline schedules start each chunk's reduction); with the
+    distributed optimizer, ``overlap_param_gather`` all-gathers the
+    updated parameters bucket by bucket in the next forward's pre-hooks instead of in the
+    optimizer step. Code that reads parameters outside a forward (weight sync, checkpoints) must
+    first call :func:`gather_params`.
 
     Args:
         model_chunks: this rank's ``GPTModel`` chunks (one per virtual pipeline stage).
@@ -52,6 +62,8 @@ def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimi
             are then reduce-scattered instead of all-reduced.
         overrides: ``DistributedDataParallelConfig`` fields from ``model.megatron_overrides``,
             applied last.
+        overlap: default of ``overlap_grad_reduce`` and (with the distributed optimizer)
+            ``overlap_param_gather``.
 
     Returns:
         The wrapped chunks, in order.
@@ -59,17 +71,43 @@ def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimi
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_config = DistributedDataParallelConfig(**{
-        "grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
+        "grad_reduce_in_fp32": True, "overlap_grad_reduce": overlap,
+        "overlap_param_gather": overlap and use_distributed_optimizer,
         "use_distributed_optimizer": use_distributed_optimizer, **(overrides or {})})
     wrapped = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
                                        disable_bucketing=index > 0)
                for index, chunk in enumerate(model_chunks)]
+
+    def hooks(name: str) -> list | object:  # one callable per chunk, or the callable itself for one chunk
+        funcs = [getattr(chunk, name) for chunk in wrapped]
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    config = model_chunks[0].config  # shared by every chunk
+    config.no_sync_func = hooks("no_sync") if ddp_config.overlap_grad_reduce else None
+    # Megatron-LM's --align-grad-reduce (default on; not a DDP config field in Megatron-Core 0.16.1).
+    config.grad_sync_func = hooks("start_grad_sync") if ddp_config.overlap_grad_reduce else None
+    config.param_sync_func = (hooks("start_param_sync")
+                              if ddp_config.overlap_param_gather and ddp_config.align_param_gather else None)
     for chunk in model_chunks:
         # The schedules call this after the last micro batch: DP (and expert-DP) gradient
         # reduction, and the TP all-reduce of sequence-parallel norm weights. Without it every
         # rank would step on its own gradient.
         chunk.config.finalize_model_grads_func = finalize_model_grads
     return wrapped
+
+
+def gather_params(ddp_chunks: Sequence[torch.nn.Module]) -> None:
+    """Make every rank's parameters current after an optimizer step (collective over data-parallel ranks).
+
+    With ``overlap_param_gather`` the distributed optimizer updates only this rank's shard of the
+    parameter buffer and leaves the all-gather to the next forward's pre-hooks; a reader outside
+    a forward (weight sync, checkpoint) would see other shards' old values. Megatron's
+    ``start_param_sync(force_sync=True)`` waits for an outstanding gather or runs one now. A no-op
+    without ``overlap_param_gather``.
+    """
+    for chunk in ddp_chunks:
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_optimizer(train_cfg: TrainConfig, ddp_chunks: Sequence[torch.nn.Module], *,

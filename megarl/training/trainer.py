@@ -262,6 +262,11 @@ class Trainer:
         if not reference:
             yield
             return
+        from megarl.training.optimizer import gather_params
+
+        # A pending overlap_param_gather would write the policy over the reference weights in the
+        # forward's pre-hooks (and the snapshot would hold stale shards): finish it first.
+        gather_params(self.model_chunks)
         policy = _snapshot(self.model_chunks)
         _restore(self.model_chunks, self.ref_weights)
         try:
@@ -394,7 +399,9 @@ class Trainer:
             whole on every TP rank: `megarl.checkpoint.loader.iter_sync_params`).
         """
         from megarl.checkpoint.loader import iter_sync_params
+        from megarl.training.optimizer import gather_params
 
+        gather_params(self.model_chunks)  # overlap_param_gather leaves the last step's all-gather pending
         yield from iter_sync_params(self.model_chunks, self.parallel, self.layout)
 
     @functools.cached_property
@@ -407,7 +414,9 @@ class Trainer:
     def save_checkpoint(self, directory: str) -> None:
         """Save model, optimizer, scheduler, RNG and step with ``dist_checkpointing`` (all ranks call)."""
         from megarl.training.checkpointing import save_trainer_state
+        from megarl.training.optimizer import gather_params
 
+        gather_params(self.model_chunks)  # see named_parameters_for_sync
         save_trainer_state(directory, self)
 
     def load_checkpoint(self, directory: str) -> None:
