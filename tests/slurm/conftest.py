@@ -45,6 +45,11 @@ class LocalSlurm:
         conf = (self.dir / "etc" / "slurm.conf").read_text()
         return re.search(rf"^NodeName={node} .*NodeAddr=(\S+)", conf, re.M).group(1)
 
+    def node_netns(self, node: str) -> str:
+        """The network namespace of ``node`` (multi-host layout)."""
+        names = (self.dir / "run" / "netns.created").read_text().split()
+        return next(name for name in names if name.endswith(f"-{node}"))
+
     @property
     def multihost(self) -> bool:
         """Each node is its own emulated host (start.sh recorded one namespace per node)."""

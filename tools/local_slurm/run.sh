@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run one command against a fresh local Slurm, then stop it (trap), keeping the command's status.
 #
-#   MEGARL_NODE_IP=127.0.0.1 tools/local_slurm/run.sh sbatch --wait --nodes=2 slurm/train.sbatch configs/cpu_gsm8k.yaml
+#   tools/local_slurm/run.sh sbatch --wait --nodes=2 slurm/train.sbatch configs/cpu_gsm8k.yaml
 #   LOCAL_SLURM_GPUS=2 tools/local_slurm/run.sh .venv/bin/python -m pytest -m slurm tests/slurm
 #
 # The same environment variables as start.sh apply (LOCAL_SLURM_DIR, LOCAL_SLURM_NODES, ...); the
