@@ -32,7 +32,7 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
     Raises:
         ConfigError: every problem found in the config.
     """
-    from megarl.testing.tiny_model import resolve_model_path
+    from megarl.models.tiny import resolve_model_path
 
     cfg = load_config(path, overrides)
     if cpu_scale:

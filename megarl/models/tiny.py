@@ -1,0 +1,424 @@
+"""Tiny Hugging Face models, made locally, for tests, benchmarks and the CPU demo.
+
+No model hub is reachable on CPU test machines, so tests and the CPU recipe build their policy here:
+random weights (seeded), a byte-level BPE tokenizer trained on the GSM8K text with the ``tokenizers``
+library, Qwen-style special tokens and a chat template that renders system / user / assistant / tool
+messages and ``<tool_call>{json}</tool_call>`` blocks. The directory loads with
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and is servable by SGLang on CPU.
+
+Weights are written as checkpoint-style safetensors (per-expert names
+``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``), which is what real Qwen3-MoE
+checkpoints contain and what SGLang's loader accepts.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>", "<think>", "</think>",
+]
+
+# Qwen2.5/Qwen3-style template (no thinking section). Assistant turns render their content verbatim
+# and then any structured tool_calls, as Qwen's own template does; tool results are wrapped in
+# <tool_response> inside a user turn, consecutive tool messages sharing one user turn.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{%- if loop.first and message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set args = tc.function.arguments %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + tc.function.name + '\\\", \\\"arguments\\\": ' }}"
+    "{{- args if args is string else args | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(kw_only=True)
+class TinyModelSpec:
+    """Sizes of a tiny model. Defaults: a 2-layer Qwen3-MoE with 8 experts, top-2."""
+
+    family: str = "qwen3_moe"
+    """``qwen3_moe`` (Qwen3MoeForCausalLM), ``qwen3`` (dense Qwen3ForCausalLM), ``deepseek_v3``
+    (DeepseekV3ForCausalLM: MLA, YaRN, grouped sigmoid router) or ``glm4_moe``
+    (Glm4MoeForCausalLM: GQA with partial rotary, q/k norm, qkv bias, sigmoid router)."""
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    """Dense MLP width (dense family)."""
+    moe_intermediate_size: int = 32
+    """Per-expert MLP width (MoE family)."""
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    first_k_dense_replace: int = 1
+    """Leading dense layers before the MoE layers (``deepseek_v3``, ``glm4_moe``)."""
+    n_shared_experts: int = 1
+    """Shared experts per MoE layer (``deepseek_v3``, ``glm4_moe``)."""
+    vocab_size: int = 2048
+    """Target BPE vocabulary size including special tokens; config.vocab_size = len(tokenizer)."""
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"
+    """``float32`` or ``bfloat16`` weights."""
+    seed: int = 0
+    chat_template: str = "tiny"
+    """``tiny`` (the append-only template below) or an official one from
+    :mod:`megarl.rollout.chat_templates` (``qwen3``, ``deepseek_v3``, ``glm4_moe``), whose special
+    tokens are then added to the tokenizer and whose end-of-turn tokens become the EOS ids."""
+
+
+def _gsm8k_dir() -> Path:
+    env = os.environ.get("MEGARL_GSM8K_DIR")
+    if env:
+        return Path(env)
+    shipped = Path(__file__).resolve().parents[2] / "data" / "gsm8k"  # the repository's copy
+    if (shipped / "train.jsonl").is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"GSM8K not found at {shipped}: set MEGARL_GSM8K_DIR to a directory with train.jsonl and test.jsonl")
+
+
+def gsm8k_texts(gsm8k_dir: str | os.PathLike | None = None) -> Iterator[str]:
+    """Yield every question and answer of GSM8K (train and test).
+
+    Raises:
+        FileNotFoundError: no GSM8K directory was found.
+    """
+    root = Path(gsm8k_dir) if gsm8k_dir else _gsm8k_dir()
+    for split in ("train.jsonl", "test.jsonl"):
+        with open(root / split, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                yield row["question"]
+                yield row["answer"]
+
+
+_EXTRA_CORPUS = [
+    '<tool_call>\n{"name": "python", "arguments": {"code": "print(12 * 7)"}}\n</tool_call>',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4 * 2"}}\n</tool_call>',
+    "You are a helpful assistant. Use the tools when they help. The final answer is \\boxed{42}.",
+    "# Tools\n\nYou may call one or more functions to assist with the user query.",
+    "def solve():\n    return sum(range(10))\nprint(solve())\nTraceback (most recent call last): Error",
+]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Byte-level pre-tokenisation without a prefix space makes ``decode(encode(text)) == text`` for
+    every string.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return _wrap_tokenizer(tok)
+
+
+def _wrap_tokenizer(tok, chat_template: str = "tiny"):
+    """A ``tokenizers.Tokenizer`` as a ``PreTrainedTokenizerFast`` with megarl's special tokens and
+    template, or with an official template and its special tokens (added after the trained vocabulary)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None, unk_token=None, additional_special_tokens=SPECIAL_TOKENS[3:],
+        clean_up_tokenization_spaces=False)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    if chat_template != "tiny":
+        from megarl.rollout.chat_templates import TEMPLATE_TOKENS, load_template
+
+        hf_tok.chat_template = load_template(chat_template)
+        tokens = TEMPLATE_TOKENS[chat_template]
+        hf_tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[3:] + list(tokens.special)})
+        hf_tok.eos_token, hf_tok.bos_token = tokens.eos, tokens.bos
+    return hf_tok
+
+
+def _stop_token_ids(tok, chat_template: str) -> list[int]:
+    """EOS ids of ``generation_config.json``: the tokenizer's EOS and the template's other stops."""
+    if chat_template == "tiny":
+        return [tok.eos_token_id]
+    from megarl.rollout.chat_templates import TEMPLATE_TOKENS
+
+    return [tok.eos_token_id] + tok.convert_tokens_to_ids(list(TEMPLATE_TOKENS[chat_template].extra_stop))
+
+
+@functools.lru_cache(maxsize=4)
+def _gsm8k_tokenizer_json(vocab_size: int, gsm8k_dir: str | None) -> str:
+    """The GSM8K-trained tokenizer as ``tokenizers`` JSON, cached per process: training takes
+    seconds and gives the same tokenizer for the same corpus and size."""
+    texts = list(gsm8k_texts(gsm8k_dir)) + _EXTRA_CORPUS * 20
+    return train_tokenizer(texts, vocab_size).backend_tokenizer.to_str()
+
+
+def _hf_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int):
+    common = dict(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, rope_theta=spec.rope_theta,
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, rms_norm_eps=1e-6)
+    if spec.family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        cfg = Qwen3MoeConfig(
+            intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+            num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+            decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], **common)
+        return cfg, Qwen3MoeForCausalLM
+    if spec.family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        return Qwen3Config(intermediate_size=spec.intermediate_size, **common), Qwen3ForCausalLM
+    if spec.family in ("deepseek_v3", "glm4_moe"):
+        return _sigmoid_moe_config(spec, common)
+    raise ValueError(f"family: unknown tiny-model family {spec.family!r} (known: {', '.join(FAMILIES)})")
+
+
+FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe")
+
+
+def _sigmoid_moe_config(spec: TinyModelSpec, common: dict):
+    """DeepSeek-V3 / GLM-4.5 configs shaped like the released models, scaled down.
+
+    DeepSeek-V3: MLA with q/kv LoRA ranks hidden/2, rope head dim head_dim/2, YaRN (factor 4,
+    mscale_all_dim 1), interleaved rope, and group-limited routing (4 groups, top-k/2 groups) when
+    top-k is even. GLM-4.5: partial rotary 0.5, q/k norm, q/k/v bias. Both: sigmoid router with
+    ``e_score_correction_bias``, routed scaling 2.5, ``n_shared_experts`` shared experts, no MTP layer.
+    """
+    moe = dict(
+        intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        n_shared_experts=spec.n_shared_experts, first_k_dense_replace=spec.first_k_dense_replace,
+        routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0)
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "head_dim")}
+    if spec.family == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.5}
+        return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,
+                             attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    k = spec.num_experts_per_tok
+    grouped = k % 2 == 0 and spec.num_experts % 4 == 0 and spec.num_experts >= 8
+    rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": 4.0,
+            "original_max_position_embeddings": spec.max_position_embeddings // 4,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    common["num_key_value_heads"] = spec.num_attention_heads  # MLA: every head has its own key and value
+    cfg = DeepseekV3Config(
+        q_lora_rank=spec.hidden_size // 2, kv_lora_rank=spec.hidden_size // 2,
+        qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.head_dim // 2, v_head_dim=spec.head_dim,
+        n_group=4 if grouped else 1, topk_group=k // 2 if grouped else 1, rope_interleave=True,
+        rope_parameters=rope, **moe, **common,
+        # Fields of the released config.json that transformers ignores and SGLang reads.
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
+    return cfg, DeepseekV3ForCausalLM
+
+
+def _randomize_constant_tensors(model, seed: int) -> None:
+    """Replace HF's constant initial values (RMSNorm weights 1, ``e_score_correction_bias`` 0) by
+    seeded random ones, as in trained checkpoints, so a conversion that swaps two same-shaped
+    norms (q/kv latent norms, q/k norms) or drops the router bias changes the logits. The bias
+    is kept in float32, as HF keeps it."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                module.e_score_correction_bias = torch.nn.Buffer(
+                    0.05 * torch.randn(bias.shape, generator=gen, dtype=torch.float32))
+            if type(module).__name__.endswith("RMSNorm"):
+                noise = torch.randn(module.weight.shape, generator=gen)
+                module.weight.copy_(1.0 + 0.1 * noise.to(module.weight.dtype))
+
+
+def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
+                    gsm8k_dir: str | os.PathLike | None = None, *, overwrite: bool = True) -> Path:
+    """Write a tiny random-init HF model directory (config, safetensors, tokenizer, chat template).
+
+    Args:
+        out_dir: destination; created (parents too) if missing; written atomically (temp dir + rename).
+        spec: sizes and family; defaults to :class:`TinyModelSpec`.
+        gsm8k_dir: GSM8K directory for the tokenizer corpus (default: found from the repository).
+        overwrite: replace an existing ``out_dir``; if False and another process finished first,
+            keep theirs (safe for concurrent callers).
+
+    Returns:
+        The output directory.
+
+    Raises:
+        ValueError: unknown family.
+        FileNotFoundError: GSM8K not found.
+    """
+    import shutil
+    import tempfile
+
+    import torch
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    from tokenizers import Tokenizer
+
+    tok = _wrap_tokenizer(Tokenizer.from_str(
+        _gsm8k_tokenizer_json(spec.vocab_size, str(gsm8k_dir) if gsm8k_dir else None)), spec.chat_template)
+    eos_id = tok.eos_token_id
+    cfg, model_cls = _hf_config(spec, len(tok), eos_id, tok.pad_token_id)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+    torch.manual_seed(spec.seed)
+    model = model_cls(cfg).to(dtype)
+    if spec.family in ("deepseek_v3", "glm4_moe"):
+        _randomize_constant_tensors(model, spec.seed)
+    stop_ids = _stop_token_ids(tok, spec.chat_template)
+    model.generation_config.eos_token_id = stop_ids if len(stop_ids) > 1 else eos_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tok.save_pretrained(tmp)
+        # transformers 5 keeps MoE experts fused in memory but saves checkpoint-style per-expert
+        # names through its conversion mapping; verified by tests/unit/test_tiny_model.py.
+        model.save_pretrained(tmp, safe_serialization=True)
+        if out.exists() and overwrite:
+            shutil.rmtree(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if overwrite or not (out / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True) -> Path:
+    """Add a multi-token-prediction layer to a tiny DeepSeek-V3 / GLM-4.5 directory, in place, as
+    the released checkpoints carry one: tensors ``model.layers.{num_hidden_layers}.*`` (a copy of
+    the last decoder layer plus ``eh_proj``, ``enorm``, ``hnorm``) in a second safetensors shard with
+    an index, and ``num_nextn_predict_layers = 1`` in config.json when ``declare``.
+
+    Returns:
+        The directory.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    num_layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    if declare:
+        cfg["num_nextn_predict_layers"] = 1
+        (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    base = load_file(hf_dir / "model.safetensors")
+    last, mtp_prefix = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    mtp = {k.replace(last, mtp_prefix): v.clone() for k, v in base.items() if k.startswith(last)}
+    mtp.update({mtp_prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
+                mtp_prefix + "enorm.weight": torch.ones(hidden), mtp_prefix + "hnorm.weight": torch.ones(hidden)})
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    (hf_dir / "model.safetensors").rename(hf_dir / shards[0])
+    save_file(mtp, hf_dir / shards[1], metadata={"format": "pt"})
+    weight_map = {**{k: shards[0] for k in base}, **{k: shards[1] for k in mtp}}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf_dir
+
+
+TINY_SCHEME = "tiny:"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MEGARL_CACHE_DIR", Path.home() / ".cache" / "megarl"))
+
+
+def parse_tiny_uri(uri: str) -> TinyModelSpec:
+    """Parse ``tiny:<family>[?field=value&...]`` into a :class:`TinyModelSpec`.
+
+    Raises:
+        ValueError: not a tiny URI, unknown field, or a value of the wrong type (message names it).
+    """
+    import dataclasses
+    from urllib.parse import parse_qsl
+
+    if not uri.startswith(TINY_SCHEME):
+        raise ValueError(f"model.hf_path: {uri!r} is not a {TINY_SCHEME}<family> URI")
+    family, _, query = uri[len(TINY_SCHEME):].partition("?")
+    kwargs: dict = {"family": family or "qwen3_moe"}
+    fields = {f.name: f for f in dataclasses.fields(TinyModelSpec)}
+    for key, raw in parse_qsl(query, keep_blank_values=True):
+        if key not in fields:
+            raise ValueError(f"model.hf_path: unknown tiny-model field {key!r} (known: {', '.join(fields)})")
+        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(
+            str(fields[key].type), str)
+        try:
+            kwargs[key] = kind(raw)
+        except ValueError as e:
+            raise ValueError(f"model.hf_path: tiny-model field {key}={raw!r}: {e}") from e
+    if kwargs["family"] not in FAMILIES:
+        raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} (known: {', '.join(FAMILIES)})")
+    from megarl.rollout.chat_templates import TEMPLATE_TOKENS
+
+    if kwargs.get("chat_template", "tiny") not in ("tiny", *TEMPLATE_TOKENS):
+        raise ValueError(f"model.hf_path: unknown tiny-model chat_template {kwargs['chat_template']!r} "
+                         f"(known: tiny, {', '.join(TEMPLATE_TOKENS)})")
+    return TinyModelSpec(**kwargs)
+
+
+def resolve_model_path(hf_path: str) -> str:
+    """Turn ``tiny:<family>[?...]`` into a directory (built once, cached); other paths pass through.
+
+    The cache lives under ``$MEGARL_CACHE_DIR`` (default ``~/.cache/megarl``), keyed by the spec,
+    so every process of a run (and every run) resolves the same URI to the same weights.
+    """
+    import dataclasses
+    import hashlib
+
+    if not hf_path.startswith(TINY_SCHEME):
+        return hf_path
+    spec = parse_tiny_uri(hf_path)
+    fields = dataclasses.asdict(spec)
+    if fields["chat_template"] == "tiny":  # keys of models built before the field existed stay valid
+        del fields["chat_template"]
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    out = _cache_root() / "tiny" / f"{spec.family}-{key}"
+    if not (out / "config.json").is_file():
+        make_tiny_model(out, spec, overwrite=False)
+    return str(out)
