@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +26,13 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def _kill_with_parent() -> None:
+    # Runs in the child between fork and exec: SIGKILL when the parent dies.
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 class RetrievalStartupError(RuntimeError):
@@ -88,10 +96,15 @@ class RetrievalProcess:
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # The service dies with its owner (a killed driver or Ray actor must not leave it serving).
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits: only set it from the main thread.
+        on_main_thread = threading.current_thread() is threading.main_thread()
         with open(self.log_path, "ab") as log_file:
             self._proc = subprocess.Popen(self.command(), env=env, stdin=subprocess.DEVNULL,
                                           stdout=log_file, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=_kill_with_parent if on_main_thread
+                                          and sys.platform == "linux" else None)
         log.info("retrieval service starting at %s (log %s)", self.url, self.log_path)
         return self
 

@@ -120,3 +120,29 @@ def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(c
             start_retrieval(bad, tmp_path)
     finally:
         ray.shutdown()
+
+
+def test_service_dies_with_its_owner(corpus_and_index):
+    """A killed driver or Ray actor must not leave the service serving (it did before PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time\nfrom megarl.retrieval.service import RetrievalProcess\n"
+            "p = RetrievalProcess(sys.argv[1]).start().wait_ready(60)\nprint(p._proc.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(corpus_and_index[1])], stdout=subprocess.PIPE, text=True)
+    service_pid = int(owner.stdout.readline())
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(service_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(service_pid, signal.SIGKILL)
+    pytest.fail("the retrieval service outlived its owner")
