@@ -12,6 +12,7 @@ than ``retrieval.backend``) fail the run before any rollout, with the service's 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -94,6 +95,9 @@ def start_retrieval(cfg: Any, log_dir: Any) -> Any:
     actor, url = None, r.url
     if url is None and r.index:
         settings = OmegaConf.to_container(r, resolve=True)
+        for key in ("index", "corpus"):  # the actor's working directory may not be the driver's
+            if settings.get(key):
+                settings[key] = str(Path(settings[key]).resolve())
         options = _placement_options(cfg)
         if settings["host"] == "auto":  # loopback on one host; the node's address when pinned to one
             settings["host"] = "node" if options else "127.0.0.1"
