@@ -13,7 +13,7 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 | ``train.precision`` | ``fp32`` | CPU compute |
 | ``parallel`` | world size 2: TP 2 (with SP) if the recipe uses TP, else PP 2 if it uses PP, else DP 2; EP ``min(EP, 2)``, ETP 1 with EP; CP 1 | two CPU ranks |
 | ``cluster`` | CPU, one node, 2 trainer devices, 1 rollout device; placement kept | one host |
-| ``rollout`` | 1 engine, engine TP/EP 1, fp32, small KV cache; 2 prompts x group 2; short turns | two cores |
+| ``rollout`` | 1 engine, engine TP/EP 1, fp32, small KV cache; 2 prompts x group 2; at most 2 turns of 32 tokens; prompt 512 and context 1024 tokens (the tiny template renders the tools' JSON schemas) | two cores |
 | ``train`` | 1 RL step, one optimizer step | the first step |
 | ``sft``, ``data`` | at most 1 SFT step; no evaluation rollouts | the same code paths, short |
 | ``algorithm.filter_zero_variance_groups`` | off | a random tiny model's rewards rarely vary; the step must still train |
@@ -119,13 +119,13 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     a = r.agent
     a.max_turns = min(int(a.max_turns), 2)
     a.max_response_tokens = min(int(a.max_response_tokens), 96)
-    a.max_context_tokens = min(int(a.max_context_tokens), 1024)
+    a.max_context_tokens = 1024  # the tiny model's template renders the tools' JSON schemas (~400 tokens)
     t.num_steps, t.global_batch_size = 1, 4
     t.max_tokens_per_microbatch = 2048 if t.max_tokens_per_microbatch is not None else None
     cfg.sft.num_steps = min(int(cfg.sft.num_steps), 1)
     cfg.sft.batch_size = min(int(cfg.sft.batch_size), 4)
     d = cfg.data
-    d.max_prompt_tokens = min(int(d.max_prompt_tokens), 512)
+    d.max_prompt_tokens = 512
     d.max_eval_samples = 2 if d.max_eval_samples is None else min(int(d.max_eval_samples), 2)
     d.eval_samples_per_prompt = min(int(d.eval_samples_per_prompt), 1)
     if int(d.eval_interval) > 0:
