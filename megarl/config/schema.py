@@ -361,9 +361,6 @@ class ClusterConfig:
     """torch.distributed rendezvous port of the trainer group on rank 0's node; 0 (default): a free
     port the OS picks there (a fixed default port makes two runs started at once on one machine
     race for it); a fixed port that is taken is replaced by a free one."""
-
-
-@dataclass
     distributed_timeout_minutes: int = 30
     """Timeout of the trainer's ``torch.distributed`` groups (the default group and Megatron's): a
     collective that waits longer raises instead of hanging."""
@@ -372,6 +369,9 @@ class ClusterConfig:
     trainer_call_timeout_s: float = 1200.0
     """Seconds one trainer call (old logprobs, a train step, a weight sync, a checkpoint) may take on
     every rank before the group is killed and the run stops."""
+
+
+@dataclass
 class CheckpointConfig:
     """Trainer checkpoints and resume."""
 
