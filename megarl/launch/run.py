@@ -157,7 +157,10 @@ class Run:
         self.started_ray = init_ray(cfg)
         self.placement = build_placement(cfg)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
-        self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir)
+        from megarl.weight_sync.transports import engine_custom_weight_loaders
+
+        self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
+                                   custom_weight_loaders=engine_custom_weight_loaders(cfg.weight_sync.transport))
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
         self.trainer = TrainerGroup(cfg, self.placement)
         self.engine_urls = self.engines.wait_ready()

@@ -18,12 +18,20 @@ process tree for the sync) is the steadier efficiency number; both are reported.
 server keeps up to one core busy (its scheduler polls; ``engine_idle_cpu_fraction``, measured
 first), which the sync's CPU time includes and which competes with the trainer ranks for cores.
 
+Side by side (``--transports p2p,distributed --engine-tp 2``): one engine at TP=2 and, in the same
+run and interleaved, each transport's sync and a raw transfer of exactly each engine rank's own
+bytes (its shard, from the plan) from trainer rank 0 to one extra plain process per engine rank
+over gloo, in buckets of the same size (``raw_shard_s``): the floor a shard-to-shard transport can
+reach on this machine. Reported per transport: medians, ``ratio_over_raw_shard = raw_shard_s /
+sync_s``, the receivers' bytes / shard, and ``speedup_over_distributed``.
+
 Part 2 (plan only): for Qwen3-235B-A22B- and DeepSeek-V3-shaped metadata, trainer TP x PP4 x EP16,
 engines TP8 / TP16 with and without EP: bytes received per engine rank / its shard, for the
 ``distributed`` (full tensors broadcast) and ``shard`` transports.
 
 usage: python tools/benchmarks/weight_sync.py [--size-gb 1.1] [--repeats 3] [--transport distributed]
-       [--bucket-mb 256] [--workdir /tmp/megarl_ws_bench] [--skip-engine] [--out result.json]
+       [--transports p2p,distributed --engine-tp 2] [--bucket-mb 256] [--workdir /tmp/megarl_ws_bench]
+       [--skip-engine] [--out result.json]
 """
 from __future__ import annotations
 
@@ -73,7 +81,7 @@ def plan_ratios() -> dict:
             key = f"{name} trainer TP{tp}xPP4xEP16 -> engine TP{engine_tp} EP{engine_ep}"
             out[key] = {"model_gb": plan.total_bytes / 1e9, "buckets": len(plan.buckets),
                         "shard_gb_max": max(shard) / 1e9}
-            for transport in ("distributed", "shard"):
+            for transport in ("distributed", "p2p"):
                 received = plan.engine_rank_bytes(transport)
                 out[key][f"{transport}_bytes_over_shard_max"] = max(r / s for r, s in zip(received, shard))
     return out
@@ -197,6 +205,116 @@ def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, engine_pid: 
             "engine_idle_cpu_fraction": idle}
 
 
+def raw_shards_s(shard_bytes: list[int], bucket_bytes: int, rank: int, group) -> float:
+    """Seconds for rank 0 to send engine rank ``r``'s ``shard_bytes[r]`` to group rank ``2 + r``
+    (all receivers at once, ``bucket_bytes`` per message, gloo point to point); ranks 2.. receive."""
+    import torch.distributed as dist
+
+    buffer = torch.empty(bucket_bytes, dtype=torch.uint8)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    if rank == 0:
+        sent = [0] * len(shard_bytes)
+        while any(s < n for s, n in zip(sent, shard_bytes)):
+            works = []
+            for r, n in enumerate(shard_bytes):
+                k = min(bucket_bytes, n - sent[r])
+                if k > 0:
+                    works.append(dist.isend(buffer[:k], 2 + r, group=group))
+                    sent[r] += k
+            for w in works:
+                w.wait()
+    elif rank >= 2:
+        got, n = 0, shard_bytes[rank - 2]
+        while got < n:
+            k = min(bucket_bytes, n - got)
+            dist.recv(buffer[:k], 0, group=group)
+            got += k
+    dist.barrier(group=group)
+    return time.perf_counter() - start
+
+
+def side_by_side_worker(rank: int, world_size: int, hf_dir: str, url: str, engine_tp: int, transports: list[str],
+                        bucket_mb: float, repeats: int) -> dict | None:
+    """Ranks 0-1: the TP2 trainer; ranks 2..: one raw receiver per engine rank (see module docstring)."""
+    import torch.distributed as dist
+
+    from megarl.checkpoint.families import get_family
+    from megarl.training.model import load_hf_config
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
+    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.plan import build_plan
+    from megarl.weight_sync.sync import WeightSynchronizer
+    from megarl.weight_sync.validate import read_manifest
+
+    hf_config = load_hf_config(hf_dir)
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
+    plan = build_plan(TrainerLayout(tensor_model_parallel_size=2), EngineLayout(tensor_parallel_size=engine_tp),
+                      specs, bucket_size_mb=bucket_mb)
+    trainer_group = dist.new_group([0, 1], backend="gloo")
+    everyone = dist.new_group(list(range(world_size)), backend="gloo")
+    syncers = {}
+    if rank < 2:
+        shards = local_shards(hf_dir, plan, rank)
+        placement = Placement(get_family(hf_config).layout(hf_config, tp_size=2))
+        for t in transports:
+            syncers[t] = WeightSynchronizer(plan, t, [url], rank=rank, placement=placement, group=trainer_group,
+                                            manifest=read_manifest(hf_dir))
+    shard_bytes = plan.engine_shard_bytes()
+    raw, syncs = [], {t: [] for t in transports}
+    try:
+        for i in range(repeats):  # interleaved, so every variant sees the same machine load
+            raw.append(raw_shards_s(shard_bytes, plan.bucket_size_bytes, rank, everyone))
+            for t in transports:
+                if rank < 2:
+                    syncs[t].append(syncers[t].sync(shards, policy_version=i + 1))
+                dist.barrier(group=everyone)
+    finally:
+        for syncer in syncers.values():
+            syncer.close()
+    if rank != 0:
+        return None
+    return {"bytes": plan.total_bytes, "buckets": len(plan.buckets), "shard_bytes": shard_bytes,
+            "raw_shard_s": raw, "sync": syncs}
+
+
+def side_by_side(hf_dir: Path, workdir: Path, engine_tp: int, transports: list[str], bucket_mb: float,
+                 repeats: int) -> dict:
+    from megarl.rollout.engine import EngineProcess
+    from megarl.testing.multiproc import run_ranks
+    from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
+
+    engine = EngineProcess(hf_dir, device="cpu", dtype="bfloat16", tp_size=engine_tp, mem_fraction_static=0.2,
+                           max_total_tokens=2048, grammar_backend="none",
+                           custom_weight_loaders=CUSTOM_WEIGHT_LOADERS, env={"OMP_NUM_THREADS": "1"},
+                           log_path=workdir / "engine_tp.log")
+    engine.start()
+    try:
+        engine.wait_healthy(900)
+        out = run_ranks(side_by_side_worker, 2 + engine_tp, timeout_s=3000, env={"OMP_NUM_THREADS": "1"},
+                        args=(str(hf_dir), engine.url, engine_tp, transports, bucket_mb, repeats))[0]
+        check = engine_check(engine.url, str(hf_dir))
+    finally:
+        engine.stop(grace_s=0)
+    raw = statistics.median(out["raw_shard_s"])
+    result = {"model_gb": out["bytes"] / 1e9, "buckets": out["buckets"], "engine_tp": engine_tp,
+              "bucket_mb": bucket_mb, "shard_gb": [b / 1e9 for b in out["shard_bytes"]],
+              "raw_shard_s": out["raw_shard_s"], "engine_check": check}
+    for t, metrics in out["sync"].items():
+        times = [m["timing/weight_sync_s"] for m in metrics]
+        result[t] = {"sync_s": times, "median_s": statistics.median(times),
+                     "ratio_over_raw_shard": raw / statistics.median(times),
+                     "engine_bytes_over_shard_max": metrics[-1]["weight_sync/engine_bytes_over_shard_max"],
+                     "split_last_sync_s": {k.split("/")[-1]: metrics[-1][k] for k in (
+                         "weight_sync/gather_s", "weight_sync/convert_s", "weight_sync/transfer_s",
+                         "weight_sync/engine_load_s")}}
+    if "distributed" in out["sync"]:
+        for t in out["sync"]:
+            result[t]["speedup_over_distributed"] = result["distributed"]["median_s"] / result[t]["median_s"]
+    return result
+
+
 def engine_check(url: str, hf_dir: str) -> dict:
     """Engine logprobs on probes vs transformers on the same (bf16) weights: the sync delivered them."""
     from transformers import AutoModelForCausalLM
@@ -222,6 +340,9 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=1.1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transport", default="distributed")
+    parser.add_argument("--transports", default=None,
+                        help="comma-separated, e.g. p2p,distributed: side by side at --engine-tp with the raw shard transfer")
+    parser.add_argument("--engine-tp", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--workdir", default="/tmp/megarl_ws_bench")
     parser.add_argument("--skip-engine", action="store_true", help="only the plan-level byte ratios")
@@ -229,7 +350,11 @@ def main() -> None:
     args = parser.parse_args()
 
     result = {"plan_bytes_per_engine_rank": plan_ratios()}
-    if not args.skip_engine:
+    if args.transports and not args.skip_engine:
+        workdir = Path(args.workdir)
+        result["side_by_side"] = side_by_side(make_model(workdir, args.size_gb), workdir, args.engine_tp,
+                                              args.transports.split(","), args.bucket_mb, args.repeats)
+    elif not args.skip_engine:
         from megarl.rollout.engine import EngineProcess
         from megarl.testing.multiproc import run_ranks
         from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
