@@ -33,7 +33,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
     "algorithm.rollout_correction": ("none", "tis", "mis", "icepop", "decoupled"),
     "algorithm.rollout_correction_level": ("token", "sequence"),
-    "weight_sync.transport": ("distributed", "shard", "tensor", "disk"),
+    "weight_sync.transport": ("auto", "p2p", "distributed", "shard", "tensor", "disk"),
     "weight_sync.backend": ("auto", "nccl", "gloo"),
     "weight_sync.pause_mode": ("retract", "abort", "in_place"),
     "weight_sync.verify": ("off", "first", "always"),
