@@ -92,6 +92,7 @@ def test_service_refuses_an_index_of_another_corpus(corpus_and_index, tmp_path):
         proc.wait_ready(timeout_s=60)
 
 
+@pytest.mark.slow  # Ray start-up: 18 s on a quiet machine, 38 s under load
 def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(corpus_and_index, tmp_path):
     import ray
 
