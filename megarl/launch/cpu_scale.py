@@ -14,7 +14,7 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 | ``parallel`` | world size 2: TP 2 (with SP) if the recipe uses TP, else PP 2 if it uses PP, else DP 2; EP ``min(EP, 2)``, ETP 1 with EP; CP 1 | two CPU ranks |
 | ``cluster`` | CPU, one node, 2 trainer devices, 1 rollout device; placement kept | one host |
 | ``rollout`` | 1 engine, engine TP/EP 1, fp32, small KV cache; 2 prompts x group 2; at most 2 turns of 32 tokens; prompt 512 and context 1024 tokens (the tiny template renders the tools' JSON schemas) | two cores |
-| ``train`` | 1 RL step, one optimizer step | the first step |
+| ``train`` | 1 RL step, one optimizer step, no LR warm-up | the first step |
 | ``sft``, ``data`` | at most 1 SFT step; no evaluation rollouts | the same code paths, short |
 | ``algorithm.filter_zero_variance_groups`` | off | a random tiny model's rewards rarely vary; the step must still train |
 | ``checkpoint`` | no periodic saves or HF exports | the run has one step |
@@ -121,6 +121,9 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     a.max_response_tokens = min(int(a.max_response_tokens), 96)
     a.max_context_tokens = 1024  # the tiny model's template renders the tools' JSON schemas (~400 tokens)
     t.num_steps, t.global_batch_size = 1, 4
+    if int(t.lr_warmup_steps) > 0:
+        notes.append(f"cpu-scale: train.lr_warmup_steps {t.lr_warmup_steps} -> 0 (the run has one optimizer step)")
+        t.lr_warmup_steps = 0
     t.max_tokens_per_microbatch = 2048 if t.max_tokens_per_microbatch is not None else None
     cfg.sft.num_steps = min(int(cfg.sft.num_steps), 1)
     cfg.sft.batch_size = min(int(cfg.sft.batch_size), 4)
