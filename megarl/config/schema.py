@@ -288,8 +288,10 @@ class WeightSyncConfig:
     """Trainer -> engine weight transfer after optimizer steps."""
 
     transport: str = "distributed"
-    """``distributed`` (process group with the engines), ``shard`` (per-rank payloads, same host),
-    ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""
+    """``distributed`` (process group with the engines), ``auto`` (``p2p`` where it applies, else
+    ``distributed``; see ``megarl.weight_sync.transports.resolve_auto``), ``p2p`` (each engine rank
+    receives exactly its shard over a process group, any host), ``shard`` (per-rank payloads, same
+    host), ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""
     bucket_size_mb: int = 512
     """Bucket size for flattened transfers, in MiB."""
     backend: str = "auto"
