@@ -15,7 +15,8 @@
   exactly its slices (``plan.engine_slice``), loaded pre-sharded by the custom loader
   :func:`megarl.weight_sync.sglang_loader.load_presharded`; the tensors travel as shared memory,
   so ``shard`` is same-host only (``p2p`` is its cross-host form).
-- ``auto`` (the default): ``p2p`` where it applies, else ``distributed`` (:func:`resolve_auto`).
+- ``auto``: ``p2p`` where it applies, else ``distributed`` (:func:`resolve_auto`); opt-in for now
+  (``weight_sync.transport`` defaults to ``distributed``).
 - ``tensor``: colocated whole tensors through ``/update_weights_from_tensor`` (CUDA IPC on GPU,
   shared memory on CPU); SGLang slices them.
 - ``disk``: safetensors files + ``/update_weights_from_disk``: the fallback and the reference.
