@@ -219,6 +219,8 @@ def _check_precision(c: _Checker) -> None:
     if _device_is_cpu(c.cfg):
         c.check(t.precision in ("fp32", "auto"), "train.precision",
                 "CPU training runs in fp32 (Megatron-Core's CPU path); set train.precision=fp32")
+
+
 def _check_fp8_recipe(c: _Checker) -> None:
     """FP8 recipe vs the algorithm and, where a GPU is visible, vs the device, torch and TE."""
     from megarl.training.fp8 import HISTORY_FREE_RECIPES, fp8_support_error_here
@@ -232,8 +234,6 @@ def _check_fp8_recipe(c: _Checker) -> None:
     if recipe in CHOICES["train.fp8_recipe"] and not _device_is_cpu(c.cfg):
         error = fp8_support_error_here(recipe)  # None where no GPU is visible: checked again at build
         c.check(error is None, "train.fp8_recipe", str(error))
-
-
 
 
 def _check_cluster(c: _Checker) -> None:

@@ -76,6 +76,8 @@ class PendingRollout:
     step: int
     rows: list[dict]
     result: Any
+    policy_version: int = 0
+    """The engines' weight version when the rollout started."""
 
     def wait(self) -> Any:
         """The :class:`~megarl.rollout.manager.RolloutBatch` (blocks while in flight)."""

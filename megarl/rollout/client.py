@@ -112,7 +112,6 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-class SGLangClient:
 REBUILD_CUDA_DEVICE_ARG = 6
 """Position of ``storage_device`` in ``torch.multiprocessing.reductions.rebuild_cuda_tensor``'s
 arguments (the index SGLang's ``sglang.srt.utils.patch_torch`` rewrites too)."""
@@ -141,6 +140,7 @@ def _reduce_tensor_by_uuid(tensor: torch.Tensor):
     return rebuild, args
 
 
+class SGLangClient:
     """Async client of one SGLang server; implements :class:`megarl.rollout.types.RolloutEngine`.
 
     Args:
