@@ -124,7 +124,7 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
 
     cfg = OmegaConf.create({"rollout": {"engine": {**OmegaConf.to_container(OmegaConf.structured(RolloutConfig).engine),
                                                    "tensor_parallel_size": 4, "expert_parallel_size": 4}},
-                            "train": {"routing_replay": "r3"}})
+                            "train": {"routing_replay": "r3"}, "cluster": {"placement": "disaggregated"}})
     engine = EngineProcess("/models/m", port=31000, device="cuda",
                            **{k: v for k, v in engine_kwargs(cfg, device="cuda", log_path=None, engine_id="e0").items()
                               if k not in ("device", "log_path", "engine_id")})
