@@ -22,36 +22,13 @@ from typing import Any
 from megarl.rollout.rewards import register_reward
 from megarl.rollout.rewards.gsm8k import Gsm8kReward
 from megarl.rollout.tools import register_tool
-from megarl.rollout.tools.calculator import CalculatorError, calculate, format_number
+from megarl.rollout.tools.calculator import CalculatorTool
 
 
 @register_tool("arithmetic_calculator")
-class ArithmeticCalculator:
-    """``{"expression": str}`` -> the value as text, or ``Error: ...`` (never raises)."""
-
-    name = "calculator"
-
-    def __init__(self) -> None:
-        self.schema: dict[str, Any] = {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": "Evaluate an arithmetic expression (+ - * / // % ** and "
-                               "abs, round, min, max, sqrt).",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"expression": {"type": "string",
-                                                  "description": "e.g. (3 + 4) * 2 / 7"}},
-                    "required": ["expression"],
-                },
-            },
-        }
-
-    async def __call__(self, arguments: dict[str, Any]) -> str:
-        try:
-            return format_number(calculate(arguments["expression"]))
-        except (CalculatorError, ZeroDivisionError, OverflowError, TypeError, ValueError) as e:
-            return f"Error: {e}"
+class ArithmeticCalculator(CalculatorTool):
+    """``{"expression": str}`` -> the value as text, or ``Error: ...`` (never raises): megarl's
+    ``calculator`` tool (same name, schema and evaluator) registered under this task's own name."""
 
 
 @register_reward("arithmetic_answer")
