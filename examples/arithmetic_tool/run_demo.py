@@ -28,11 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = ("eval/accuracy", "eval/sampled_reward_mean", "eval/tool_calls_mean")
 
 
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
-    """Train one seed; its eval metrics before (step 0) and after (last step), and its wall time."""
+def run_seed(seed: int, out: Path, overrides: list[str], *, config: Path = CONFIG) -> dict:
+    """Train one seed of ``config``; its eval metrics before (step 0) and after (last step), and
+    its wall time (examples/search_r1/run_demo.py runs its own recipe through this too)."""
     run_dir = out / f"seed{seed}"
     start = time.monotonic()
-    cmd = [str(Path(sys.executable).parent / "megarl"), "train", str(CONFIG), f"train.seed={seed}",
+    cmd = [str(Path(sys.executable).parent / "megarl"), "train", str(config), f"train.seed={seed}",
            f"logging.run_dir={run_dir}", "logging.progress_bar=false", *overrides]
     with open(out / f"seed{seed}.console.log", "wb") as log:
         code = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -15,31 +15,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "search_r1.yaml"
 REPO = HERE.parents[1]
 KEYS = ("eval/accuracy", "eval/sampled_reward_mean", "eval/tool_calls_mean")
-
-
-def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
-    """Train one seed; its eval metrics before (step 0) and after (last step), and its wall time."""
-    run_dir = out / f"seed{seed}"
-    start = time.monotonic()
-    cmd = [str(Path(sys.executable).parent / "megarl"), "train", str(CONFIG), f"train.seed={seed}",
-           f"logging.run_dir={run_dir}", "logging.progress_bar=false", *overrides]
-    with open(out / f"seed{seed}.console.log", "wb") as log:
-        code = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise SystemExit(f"seed {seed} failed (exit {code}); see {out / f'seed{seed}.console.log'}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if "eval/accuracy" in r]
-    return {"seed": seed, "before": {k: evals[0][k] for k in KEYS}, "after": {k: evals[-1][k] for k in KEYS},
-            "steps": int(evals[-1]["step"]), "wall_s": time.monotonic() - start}
 
 
 def main() -> int:
@@ -65,7 +47,7 @@ def main() -> int:
     paths = [f"model.hf_path={model}", f"sft.demonstrations={data / 'demos.jsonl'}",
              f"retrieval.index={data / 'index'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
              f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}"]
-    results = [run_seed(seed, out, [*paths, *args.overrides]) for seed in args.seeds]
+    results = [arithmetic.run_seed(seed, out, [*paths, *args.overrides], config=CONFIG) for seed in args.seeds]
     summary = summarize(results)
     (out / "summary.json").write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
     text = table(results, summary)
