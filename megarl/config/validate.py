@@ -254,14 +254,21 @@ def _check_cluster(c: _Checker) -> None:
     if cfg.weight_sync.transport == "tensor":
         c.check(cl.placement == "colocated", "weight_sync.transport",
                 "the tensor transport shares memory: it needs cluster.placement=colocated")
-    if cl.placement == "colocated" and cfg.weight_sync.transport == "distributed":
+    if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p", "auto"):
         from megarl.launch.cluster import use_cuda
 
         nccl = cfg.weight_sync.backend == "nccl" or (cfg.weight_sync.backend == "auto" and use_cuda(cl.device))
         c.check(not nccl, "weight_sync.transport",
-                "the distributed transport over NCCL cannot connect a trainer rank to the engine rank on "
-                "its own GPU (NCCL refuses two ranks on one device); colocated runs use "
-                "weight_sync.transport=tensor (CUDA IPC)")
+                f"the {cfg.weight_sync.transport} transport connects trainer and engine ranks over NCCL, which "
+                "cannot connect a trainer rank to the engine rank on its own GPU (NCCL refuses two ranks on "
+                "one device); colocated runs use weight_sync.transport=tensor (CUDA IPC)")
+    if cl.placement == "colocated" and cfg.rollout.async_mode:
+        from megarl.launch.cluster import use_cuda
+
+        c.check(not use_cuda(cl.device), "rollout.async_mode",
+                "colocated engines share their GPUs with the trainer: they lend it their memory only while "
+                "they are idle, so generation cannot run during training; use cluster.placement=disaggregated "
+                "for async RL")
     alloc_nodes = os.environ.get("MEGARL_ALLOC_NODES")
     if alloc_nodes:
         need = cl.trainer_nodes + (cl.rollout_nodes if cl.placement == "disaggregated" else 0)

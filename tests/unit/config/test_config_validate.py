@@ -73,6 +73,10 @@ BROKEN = [
     (["weight_sync.transport=nccl"], "weight_sync.transport"),
     (["cluster.placement=colocated", "cluster.device=cuda", "weight_sync.transport=distributed"],
      "weight_sync.transport"),  # NCCL refuses two ranks on one GPU (issue 18 item 8)
+    (["cluster.placement=colocated", "cluster.device=cuda", "weight_sync.transport=p2p"],
+     "weight_sync.transport"),  # the same for the shard-to-shard transport's process group
+    (["cluster.placement=colocated", "cluster.device=cuda", "weight_sync.transport=tensor",
+      "rollout.async_mode=true", "rollout.max_staleness=1"], "rollout.async_mode"),  # engines idle only
     (["weight_sync.bucket_size_mb=0"], "weight_sync.bucket_size_mb"),
     (["cluster.placement=spread"], "cluster.placement"),
     (["rollout.reward=nonexistent_reward"], "rollout.reward"),
