@@ -87,7 +87,8 @@ def save_driver_state(ckpt_dir: Path, state: RunState, config_yaml: str) -> None
     """Write ``driver_state.pt`` and ``config.yaml`` into ``ckpt_dir`` (created)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_dir / (DRIVER_STATE + ".tmp")
-    torch.save(dataclasses.asdict(state), tmp)
+    # Shallow: dataclasses.asdict would also turn the saved in-flight TrajectoryGroups into dicts.
+    torch.save({f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, tmp)
     os.replace(tmp, ckpt_dir / DRIVER_STATE)
     (ckpt_dir / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
 

@@ -42,3 +42,20 @@ def test_a_checkpoint_interrupted_before_commit_is_not_used(tmp_path):
     (tmp_path / "latest").write_text("step_000002")
     with pytest.raises(FileNotFoundError, match="driver_state"):
         find_latest(tmp_path)
+
+
+def test_in_flight_rollouts_come_back_as_trajectory_groups(tmp_path):
+    """Async checkpoints hold the rollouts in flight; a resumed driver sorts them by group_id."""
+    import torch
+
+    from megarl.rollout.types import Trajectory, TrajectoryGroup
+
+    traj = Trajectory(prompt_ids=torch.tensor([1, 2]), response_ids=torch.tensor([3]),
+                      loss_mask=torch.tensor([1]), rollout_logprobs=torch.tensor([-0.5]), reward=1.0)
+    pending = [{"step": 3, "rows": [{"question": "q"}], "groups": [TrajectoryGroup(group_id=7, trajectories=[traj])],
+                "metrics": {"rollout/reward_mean": 1.0}, "policy_version": 2}]
+    d = step_dir(tmp_path, 2)
+    save_driver_state(d, RunState(step=2, policy_version=2, pending_rollouts=pending), "")
+    (group,) = load_driver_state(d).pending_rollouts[0]["groups"]
+    assert isinstance(group, TrajectoryGroup) and group.group_id == 7
+    assert torch.equal(group.trajectories[0].response_ids, traj.response_ids)
