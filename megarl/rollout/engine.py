@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -73,9 +74,28 @@ def local_host(host: str) -> str:
     return LOOPBACK if host == AUTO_HOST else host
 
 
+def _below_ephemeral_range() -> tuple[int, int]:
+    """A port window below the kernel's ephemeral range (``ip_local_port_range``), where the source
+    port of an outgoing connection is never assigned."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (max(1024, low - 12000), max(1025, low))
+
+
 def find_free_port(host: str = "127.0.0.1", start: int | None = None) -> int:
-    """A TCP port free on ``host`` now: the first free one at or above ``start``, else any."""
-    candidates = range(start, min(start + 1000, 65536)) if start else [0]
+    """A TCP port free on ``host`` now: the first free one at or above ``start``.
+
+    Without ``start`` the search begins at a random port below the kernel's ephemeral range: a port
+    the kernel hands out for ``bind(0)`` is one it may give, before the caller binds it again, to an
+    outgoing connection as its source port (a rendezvous then fails with EADDRINUSE; seen with
+    Ray, engines and trainer ranks on one host).
+    """
+    if start is None:
+        low, high = _below_ephemeral_range()
+        start = random.randrange(low, high)
+    candidates = range(start, min(start + 1000, 65536))
     for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

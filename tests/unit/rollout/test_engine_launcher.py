@@ -138,3 +138,17 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [4, 4, True]
     with pytest.raises(ValueError, match="ep_size"):
         EngineProcess("/models/m", tp_size=4, ep_size=3)
+
+
+def test_free_ports_are_taken_below_the_ephemeral_range():
+    """A rendezvous port must not be one the kernel may hand to an outgoing connection meanwhile
+    (the EADDRINUSE a weight-sync group hit with Ray and engines on one host)."""
+    import socket
+
+    from megarl.rollout.engine import find_free_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = {find_free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))  # free indeed
