@@ -119,10 +119,13 @@ class Transport:
         self.stats.bytes_sent += sum(per_rank_bytes) * len(self.engines)
 
 
-class DistributedTransport(Transport):
-    """Broadcast flat buckets over a group with all engine ranks (see module docstring)."""
+class _GroupTransport(Transport):
+    """A transport over a process group of this stage's sender (rank 0) and every engine rank.
 
-    name = "distributed"
+    Args (beyond `Transport`'s): backend: ``auto`` (nccl with CUDA, else gloo), ``nccl`` or
+    ``gloo``; master_address: the sender's address, which the engines connect to.
+    """
+
     ordered_stages = True
 
     def __init__(self, plan, engines, *, backend: str = "auto", master_address: str = "127.0.0.1",
@@ -131,7 +134,16 @@ class DistributedTransport(Transport):
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self.master_address = master_address
         self.group = None
-        self.group_name = None
+        self.group_name: Optional[str] = None
+
+
+class DistributedTransport(_GroupTransport):
+    """Broadcast flat buckets over a group with all engine ranks (see module docstring)."""
+
+    name = "distributed"
+
+    def __init__(self, plan, engines, **kwargs) -> None:
+        super().__init__(plan, engines, **kwargs)
         self._broadcast: Optional[tuple] = None
         self._requests: list = []
 
@@ -266,7 +278,7 @@ class TensorTransport(_TensorPayloadTransport):
         return [whole] * self.plan.engine_layout.tp_size, [size] * self.plan.engine_layout.tp_size
 
 
-class P2PTransport(Transport):
+class P2PTransport(_GroupTransport):
     """Shard-to-shard over a process group with every engine rank, any host (see module docstring).
 
     Per bucket: each engine rank's slices are packed (no copy when a rank holds every tensor
@@ -283,15 +295,9 @@ class P2PTransport(Transport):
     """
 
     name = "p2p"
-    ordered_stages = True
 
-    def __init__(self, plan, engines, *, backend: str = "auto", master_address: str = "127.0.0.1",
-                 timeout_s: float = 600.0) -> None:
-        super().__init__(plan, engines, timeout_s=timeout_s)
-        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-        self.master_address = master_address
-        self.group = None
-        self.group_name: Optional[str] = None
+    def __init__(self, plan, engines, **kwargs) -> None:
+        super().__init__(plan, engines, **kwargs)
         self.tamper = None
         self._pool: dict[tuple[int, int], torch.Tensor] = {}  # (slot, engine rank) -> packing buffer, kept across syncs
         self._pending: Optional[dict] = None
