@@ -30,8 +30,7 @@ class ScriptedRun:
     def __init__(self, cfg):
         self.cfg, self.state = cfg, RunState()
         self.synced_version, self.engine_weight_version = 0, 0.0
-        self.started, self.syncs, self.trained_token_staleness = [], [], []
-        self.in_flight_when_training, self.saved = [], []
+        self.started, self.syncs, self.saved, self.logged = [], [], [], []
         self._ids = itertools.count()
         self.trainer = self
         self.metrics = self
@@ -55,7 +54,6 @@ class ScriptedRun:
     # trainer
     def run(self, method, batch):
         if method == "prepare_batch":
-            self.in_flight_when_training.append(None)
             return [batch.replace(old_logprobs=batch.rollout_logprobs)]
         return [{"loss/policy": 0.0}]
 
@@ -80,8 +78,7 @@ class ScriptedRun:
         self.saved.append([p.step for p in pending])
 
     def log(self, step, metrics):
-        self.last_metrics = dict(metrics)
-        self.logged = getattr(self, "logged", []) + [dict(metrics)]
+        self.logged.append(dict(metrics))
         return dict(metrics)
 
 
