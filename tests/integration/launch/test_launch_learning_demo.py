@@ -1,4 +1,7 @@
-"""The CPU learning demonstration (slow): SFT cold start then GSPO raises held-out reward, 3 seeds.
+"""The CPU learning demonstration: SFT cold start then GSPO raises held-out reward.
+
+CI runs one seed (``slow``, ~7 min on a quiet 2-core machine); the 3-seed demonstration is marked
+``demo`` (CI leaves it out: ``bash tools/test.sh -m demo`` runs it, ~25 min).
 
 Runs ``examples/arithmetic_tool/run_demo.py`` (one ``megarl train`` per seed, everything real: Megatron
 ranks, SGLang, calculator tool, weight sync) and compares each run's held-out evaluation after its
@@ -19,20 +22,39 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 SEEDS = (1, 2, 3)
-MIN_MEAN_GAIN = 0.03  # measured 0.070 (+0.105, +0.053, +0.051); ~2.5 standard errors of a 3-seed mean
+MIN_MEAN_GAIN = 0.03  # measured 0.070 (+0.105, +0.053, +0.051) and 0.083 (+0.085, +0.096, +0.068)
+MIN_ONE_SEED_GAIN = 0.02  # seed 1 measured +0.105, +0.085; the two evaluations share prompts and seeds
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_gspo_raises_held_out_reward_over_three_seeds(tmp_path):
-    out = tmp_path / "demo"
+def _run_demo(out: Path, seeds: tuple[int, ...], timeout_s: float) -> dict:
     proc = subprocess.run([sys.executable, "examples/arithmetic_tool/run_demo.py", "--out", str(out),
-                           "--seeds", ",".join(map(str, SEEDS))], cwd=REPO, capture_output=True, text=True,
-                          timeout=1750)
+                           "--seeds", ",".join(map(str, seeds))], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "summary.json").read_text())
     print((out / "summary.md").read_text())
-    assert [run["seed"] for run in result["runs"]] == list(SEEDS)
+    assert [run["seed"] for run in result["runs"]] == list(seeds)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gspo_raises_held_out_reward_on_one_seed(tmp_path):
+    out = tmp_path / "demo"
+    result = _run_demo(out, SEEDS[:1], timeout_s=1150)
+    run = result["runs"][0]
+    before, after = run["before"], run["after"]
+    assert before["eval/tool_calls_mean"] > 0.9, "the SFT cold start taught the tool call"
+    assert after["eval/sampled_reward_mean"] >= before["eval/sampled_reward_mean"] + MIN_ONE_SEED_GAIN, run
+    log = (out / f"seed{run['seed']}" / "train.log").read_text()
+    assert "SFT cold start" in log and f"step {run['steps']}/{run['steps']}" in log
+
+
+@pytest.mark.demo
+@pytest.mark.timeout(3600)
+def test_gspo_raises_held_out_reward_over_three_seeds(tmp_path):
+    out = tmp_path / "demo"
+    result = _run_demo(out, SEEDS, timeout_s=3500)
     for run in result["runs"]:
         before, after = run["before"], run["after"]
         assert after["eval/sampled_reward_mean"] > before["eval/sampled_reward_mean"], run

@@ -1,16 +1,21 @@
-"""`megarl train configs/cpu_gsm8k.yaml` end to end, a killed engine, and SIGKILL + resume.
+"""`megarl train configs/cpu_gsm8k.yaml` end to end; a killed engine, a scheduler signal and SIGKILL + resume.
 
 Everything is real: the CLI in a subprocess, Ray (local), two Megatron-Core ranks over gloo, an SGLang
 CPU server, the sandboxed python tool, weight sync over a gloo group. Two runs of the same recipe
 (deterministic sampling, checkpoints every 2 steps):
 
 - run A, uninterrupted: the reference;
-- run B: its SGLang engine is SIGKILLed right after the first weight sync (the run must restart it,
-  re-sync it and say so), and the driver is SIGKILLed once the step-2 checkpoint is committed; then
-  ``checkpoint.resume=true`` finishes it.
+- run B, every failure in one run (one start each, to keep CI short), always the same command with
+  ``MEGARL_RESUME_FILE`` set as ``slurm/train.sbatch`` sets it:
+  1. its SGLang engine is SIGKILLed right after the first weight sync (the run must restart it,
+     re-sync it and say so), and the driver gets SIGUSR1 (Slurm's ``--signal``) during step 2: it
+     finishes the step, saves a checkpoint and exits with ``EXIT_PREEMPTED``;
+  2. the same command continues the run with no resume flag; its driver is SIGKILLed during the
+     step after the one it resumed at (the steps since the checkpoint are lost);
+  3. the same command finishes the run.
 
 B's steps must reproduce A's metrics (the engine failure is recovered by generating the step again
-with the same prompts and seeds; the resume restores trainer, sampler and policy version).
+with the same prompts and seeds; each resume restores trainer, sampler and policy version).
 """
 from __future__ import annotations
 
@@ -101,25 +106,41 @@ def reference_run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def faulty_run(tmp_path_factory) -> Path:
+def faulty_run(tmp_path_factory) -> tuple[Path, int]:
+    """Run B (module docstring); its run directory and the first start's exit status."""
+    from megarl.launch.preemption import RESUME_FILE_ENV
+
     run_dir = tmp_path_factory.mktemp("e2e_faults") / "run_b"
     log = run_dir / "train.log"
-    proc = _start(run_dir)
+    text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
+    os.environ[RESUME_FILE_ENV] = str(run_dir.parent / "resume_run_dir")
     try:
-        text = lambda: log.read_text() if log.exists() else ""  # noqa: E731
-        _wait_for(lambda: "weight sync -> policy version 0" in text(), RUN_TIMEOUT_S, proc, "the first sync")
-        port = int(re.search(r"engine0 ready at http://[\d.]+:(\d+)", text()).group(1))
-        os.killpg(_engine_server(port).pid, signal.SIGKILL)  # the engine this run started
-        latest = run_dir / "checkpoints" / "latest"
-        _wait_for(lambda: latest.exists() and latest.read_text().strip() == "step_000002", RUN_TIMEOUT_S, proc,
-                  "the step-2 checkpoint")
-        os.kill(proc.pid, signal.SIGKILL)  # the driver only; Ray and the engine must not outlive it
-        proc.wait(timeout=60)
+        proc = _start(run_dir)
+        try:
+            _wait_for(lambda: "weight sync -> policy version 0" in text(), RUN_TIMEOUT_S, proc, "the first sync")
+            port = int(re.search(r"engine0 ready at http://[\d.]+:(\d+)", text()).group(1))
+            os.killpg(_engine_server(port).pid, signal.SIGKILL)  # the engine this run started
+            _wait_for(lambda: f"step 1/{NUM_STEPS}" in text(), RUN_TIMEOUT_S, proc, "step 1")
+            os.kill(proc.pid, signal.SIGUSR1)  # the driver only: it must finish the step and save
+            first = proc.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            _reap(proc)
+        assert first != 0, (run_dir.parent / "run_b.console.log").read_text()[-5000:]
+        resumed = text().count("resumed at step")
+        proc = _start(run_dir)  # the same command: $MEGARL_RESUME_FILE continues the run
+        try:
+            _wait_for(lambda: text().count("resumed at step") > resumed, RUN_TIMEOUT_S, proc, "the resume")
+            step = int(re.findall(r"resumed at step (\d+)", text())[-1])
+            _wait_for(lambda: f"step {step + 1}/{NUM_STEPS}" in text(), RUN_TIMEOUT_S, proc, f"step {step + 1}")
+            os.kill(proc.pid, signal.SIGKILL)  # the driver only; Ray and the engine must not outlive it
+            proc.wait(timeout=60)
+        finally:
+            _reap(proc)
+        code = _finish(_start(run_dir))
+        assert code == 0, (run_dir.parent / "run_b.console.log").read_text()[-5000:]
     finally:
-        _reap(proc)
-    code = _finish(_start(run_dir, "checkpoint.resume=true"))
-    assert code == 0, (run_dir.parent / "run_b.console.log").read_text()[-5000:]
-    return run_dir
+        del os.environ[RESUME_FILE_ENV]
+    return run_dir, first
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
@@ -165,54 +186,18 @@ def test_hf_export_every_n_steps_loads_with_transformers(reference_run):
 
 
 
-@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
-def test_killed_engine_is_restarted_and_sigkill_resume_reproduces_the_run(reference_run, faulty_run):
-    log = (faulty_run / "train.log").read_text()
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_engine_kill_signal_and_sigkill_resumes_reproduce_the_run(reference_run, faulty_run):
+    from megarl.launch.preemption import EXIT_PREEMPTED
+
+    run_dir, first_exit = faulty_run
+    log = (run_dir / "train.log").read_text()
     assert "engine0 stopped answering" in log and "engine0 restarted and re-synced" in log
-    assert "resuming from" in log and "resumed at step 2, policy version 2" in log
-    expected, got = _metrics(reference_run), _metrics(faulty_run)
+    assert first_exit == EXIT_PREEMPTED and "received SIGUSR1" in log and "saving a checkpoint" in log
+    resumed_at = [int(s) for s in re.findall(r"resumed at step (\d+), policy version \1", log)]
+    assert len(resumed_at) == 2 and 1 <= resumed_at[0] < NUM_STEPS, resumed_at  # after the signal, after SIGKILL
+    expected, got = _metrics(reference_run), _metrics(run_dir)
     assert sorted(got) == sorted(expected)
     for step in range(1, NUM_STEPS + 1):
         for key in COMPARED:
             assert got[step][key] == pytest.approx(expected[step][key], rel=1e-3, abs=1e-6), (step, key)
-
-
-@pytest.fixture(scope="module")
-def preempted_run(tmp_path_factory) -> tuple[Path, int, str]:
-    """Run C: SIGUSR1 to the driver during step 2 (Slurm's ``--signal``); then the same command again,
-    with no resume flag: ``MEGARL_RESUME_FILE`` (set by slurm/train.sbatch) makes it continue."""
-    from megarl.launch.preemption import EXIT_PREEMPTED, RESUME_FILE_ENV
-
-    run_dir = tmp_path_factory.mktemp("e2e_preempt") / "run_c"
-    os.environ[RESUME_FILE_ENV] = str(run_dir.parent / "resume_run_dir")
-    try:
-        log = run_dir / "train.log"
-        proc = _start(run_dir)
-        try:
-            _wait_for(lambda: log.exists() and f"step 1/{NUM_STEPS}" in log.read_text(), RUN_TIMEOUT_S, proc,
-                      "step 1")
-            os.kill(proc.pid, signal.SIGUSR1)  # the driver only: it must finish the step and save
-            first = proc.wait(timeout=RUN_TIMEOUT_S)
-        finally:
-            _reap(proc)
-        stopped_at = (run_dir / "checkpoints" / "latest").read_text().strip()
-        assert first == EXIT_PREEMPTED, (run_dir.parent / "run_c.console.log").read_text()[-5000:]
-        code = _finish(_start(run_dir))
-        assert code == 0, (run_dir.parent / "run_c.console.log").read_text()[-5000:]
-    finally:
-        del os.environ[RESUME_FILE_ENV]
-    return run_dir, first, stopped_at
-
-
-@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
-def test_stop_signal_checkpoints_and_the_same_command_resumes_the_run(reference_run, preempted_run):
-    run_dir, _, stopped_at = preempted_run
-    log = (run_dir / "train.log").read_text()
-    assert "received SIGUSR1" in log and "saving a checkpoint" in log
-    step = int(stopped_at.removeprefix("step_"))
-    assert 1 <= step < NUM_STEPS and f"resumed at step {step}, policy version {step}" in log
-    expected, got = _metrics(reference_run), _metrics(run_dir)
-    assert sorted(got) == sorted(expected)
-    for s in range(1, NUM_STEPS + 1):
-        for key in COMPARED:
-            assert got[s][key] == pytest.approx(expected[s][key], rel=1e-3, abs=1e-6), (s, key)
