@@ -326,6 +326,11 @@ def _check_model(c: _Checker) -> None:
         return
     family_error = _family_error(hf)
     c.check(family_error is None, "model.hf_path", f"config.json: {family_error}")
+    from megarl.rollout.reasoning import parser_issues
+
+    agent = cfg.rollout.agent
+    for key, message in parser_issues(getattr(hf, "model_type", None), agent.reasoning_parser, agent.tool_call_parser):
+        c.check(False, key, message)
     p = cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     heads, groups = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)

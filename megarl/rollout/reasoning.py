@@ -76,6 +76,40 @@ def resolve_parsers(tokenizer: Any, reasoning_parser: str | None = "auto",
     return reasoning, tools
 
 
+def parser_issues(model_type: str | None, reasoning_parser: str | None,
+                  tool_call_parser: str) -> list[tuple[str, str]]:
+    """What :func:`resolve_parsers` would refuse, found before any process starts (``megarl validate``).
+
+    Args:
+        model_type: ``model_type`` of the model's ``config.json`` (None when unknown: ``auto`` is then
+            not checked).
+        reasoning_parser / tool_call_parser: ``rollout.agent``'s values.
+
+    Returns:
+        ``[(config key, message)]``, empty when both resolve. SGLang's parser tables are imported only
+        for names set explicitly (``auto`` and ``none`` need no import).
+    """
+    issues = []
+    family = FAMILY_PARSERS.get(model_type or "")
+    for key, value in (("reasoning_parser", reasoning_parser), ("tool_call_parser", tool_call_parser)):
+        if value == "auto" and model_type is not None and family is None:
+            issues.append((f"rollout.agent.{key}", f"auto has no default for model family {model_type!r} "
+                           f"(known: {', '.join(FAMILY_PARSERS)}); set it to an SGLang parser name"))
+    if reasoning_parser not in (None, "", "none", "auto"):
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        if str(reasoning_parser).lower() not in ReasoningParser.DetectorMap:
+            issues.append(("rollout.agent.reasoning_parser", f"SGLang has no reasoning parser {reasoning_parser!r} "
+                           f"(known: {', '.join(sorted(ReasoningParser.DetectorMap))}, or none)"))
+    if tool_call_parser != "auto":
+        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+        if tool_call_parser not in FunctionCallParser.ToolCallParserEnum:
+            issues.append(("rollout.agent.tool_call_parser", f"SGLang has no tool-call parser {tool_call_parser!r} "
+                           f"(known: {', '.join(sorted(FunctionCallParser.ToolCallParserEnum))})"))
+    return issues
+
+
 class ReasoningFormat:
     """Split a model turn into reasoning and answer with SGLang's reasoning parser ``name``.
 

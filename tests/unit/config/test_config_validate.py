@@ -88,6 +88,8 @@ BROKEN = [
     (["model.unknown_field=1"], "model.unknown_field"),  # unknown key
     (["parallel.tensor_model_parallel_size=two"], "parallel.tensor_model_parallel_size"),  # wrong type
     (["nosuchsection.x=1"], "nosuchsection"),
+    (["rollout.agent.tool_call_parser=qwen4"], "rollout.agent.tool_call_parser"),  # not an SGLang detector
+    (["rollout.agent.reasoning_parser=qwen4"], "rollout.agent.reasoning_parser"),
 ]
 
 
@@ -153,3 +155,20 @@ def test_unsupported_model_type(tmp_path, good_overrides, tiny_dense_dir):
     with pytest.raises(ConfigError, match="model.hf_path.*'llama' is not supported"):
         validate(load_config(REPO / "configs" / "base.yaml",
                              good_overrides + [f"model.hf_path={other}", "parallel.expert_model_parallel_size=1"]))
+
+
+def test_parser_names_resolve_like_the_agent_loop(good_overrides):
+    """``megarl validate`` accepts exactly the parser names the agent loop's own resolution accepts."""
+    from megarl.rollout.reasoning import parser_issues
+    from sglang.srt.function_call.function_call_parser import FunctionCallParser
+    from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    for name in ("glm45", "deepseekv3", "qwen25"):
+        assert name in FunctionCallParser.ToolCallParserEnum
+        validate(load_config(REPO / "configs" / "base.yaml", good_overrides + [f"rollout.agent.tool_call_parser={name}"]))
+    for name in ("none", "deepseek-r1", "glm45"):
+        assert name == "none" or name in ReasoningParser.DetectorMap
+        validate(load_config(REPO / "configs" / "base.yaml", good_overrides + [f"rollout.agent.reasoning_parser={name}"]))
+    issues = dict(parser_issues("llama", "auto", "auto"))  # a family with no default: both keys named
+    assert set(issues) == {"rollout.agent.reasoning_parser", "rollout.agent.tool_call_parser"}
+    assert parser_issues("llama", "none", "llama3") == [] and parser_issues(None, "auto", "auto") == []
