@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
 TINY_FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
-"""HF ``model_type`` -> ``tiny:`` family of `megarl.testing.tiny_model`."""
+"""HF ``model_type`` -> ``tiny:`` family of `megarl.models.tiny`."""
 
 
 def _tiny_model(hf_path: str) -> tuple[str, str | None]:
