@@ -214,3 +214,56 @@ class RoutingReplay:
             if layer >= routes.shape[1]:
                 raise RoutingReplayError(f"routes have {routes.shape[1]} layers, the model has MoE layer {layer}")
             slot.mode, slot.target, slot.recorded = "replay", routes[:, layer, :], []
+
+
+def is_moe_layer(config, layer: int) -> bool:
+    """Whether 0-based global layer ``layer`` has a router (Megatron's ``moe_layer_freq``: an int
+    period or a per-layer 0/1 list)."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    return bool(freq[layer]) if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
+
+
+def replay_routes(batch, config, num_layers: int, *, enabled: bool, required: bool = True) -> Tensor | None:
+    """The batch's validated routes ``[T, L, K]`` when replay is ``enabled``, else None (also when not
+    ``required`` and the batch has none: R2's recording pass routes freely).
+
+    Rows of dense layers (no router: DeepSeek-V3's / GLM-4.5's first layers) are set to -1 in a copy
+    first: SGLang's capture buffer leaves them zero-filled, which is no valid top-k.
+
+    Args:
+        batch: a :class:`~megarl.training.batch.TrainBatch` (``routed_experts``, ``cu_seqlens``).
+        config: the Megatron ``TransformerConfig`` (``num_moe_experts``, ``moe_router_topk``,
+            ``moe_layer_freq``).
+
+    Raises:
+        RoutingReplayError: see :func:`validate_routed_experts`.
+    """
+    if not enabled or (not required and batch.routed_experts is None):
+        return None
+    routes = batch.routed_experts
+    dense = [layer for layer in range(num_layers) if not is_moe_layer(config, layer)]
+    if dense and routes is not None and routes.dim() == 3 and routes.shape[1] == num_layers:
+        routes = routes.clone()
+        routes[:, dense] = -1
+    validate_routed_experts(routes, num_layers=num_layers, num_experts=config.num_moe_experts,
+                            topk=config.moe_router_topk, cu_seqlens=batch.cu_seqlens)
+    return routes
+
+
+def store_routes(buffer: Tensor, mb, taken: dict[int, Tensor], parallel) -> None:
+    """Write one stage's recorded routes ``{layer: [N, K]}`` of micro-batch ``mb`` into ``buffer``
+    (``[T, L, K]`` int32, the batch's tokens) as expert ids + 1 (0 = none recorded).
+
+    With sequence parallelism each TP rank routed its own slice of tokens and writes it; otherwise
+    every TP rank saw all tokens and only TP rank 0 writes. Padding positions are skipped.
+    """
+    p = parallel
+    if not (p.sequence_parallel and p.tp_size > 1) and p.tp_rank != 0:
+        return
+    flat_to_token = torch.full((mb.flat_size,), -1, dtype=torch.int64)
+    flat_to_token[mb.flat_index.cpu()] = mb.token_index.cpu()
+    tokens = flat_to_token[mb.router_positions(tp_rank=p.tp_rank, tp_size=p.tp_size,
+                                               sequence_parallel=p.sequence_parallel).cpu()]
+    keep = tokens >= 0
+    for layer, ids in taken.items():
+        buffer[tokens[keep], layer] = ids.cpu()[keep].to(torch.int32) + 1

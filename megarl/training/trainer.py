@@ -24,7 +24,6 @@ the CP group (`megarl.training.context_parallel`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 
@@ -42,7 +41,8 @@ from megarl.training.collectives import all_reduce
 from megarl.training.fp8 import fp8_token_multiple
 from megarl.training.micro_batch import PackedMicroBatch, pack_micro_batch
 from megarl.training.parallel_state import ParallelState
-from megarl.training.routing_replay import RoutingReplay, validate_routed_experts
+from megarl.training.reference import reference_weights, snapshot
+from megarl.training.routing_replay import RoutingReplay, replay_routes, store_routes
 
 
 class Trainer:
@@ -73,7 +73,7 @@ class Trainer:
         self.replay = RoutingReplay(model_chunks) if cfg.train.routing_replay != "none" else None
         # With activation recomputation the recomputed router replays its forward's routes
         # (megarl.training.routing_replay, "Activation recomputation").
-        self.ref_weights = _snapshot(model_chunks) if cfg.algorithm.kl_coef > 0 else None
+        self.ref_weights = snapshot(model_chunks) if cfg.algorithm.kl_coef > 0 else None
         self._tp_group = fwd.tp_group_of(parallel)
         dispatcher = getattr(self.config, "moe_token_dispatcher_type", "alltoall")
         moe = getattr(self.config, "num_moe_experts", None)
@@ -186,7 +186,8 @@ class Trainer:
             raise ValueError("reference logprobs need algorithm.kl_coef > 0 (no reference weights kept)")
         routes = None
         if not reference and not record_routes:  # R3 replays the engine's routes in the old pass too
-            routes = self._replay_routes(batch, required=self.cfg.train.routing_replay == "r3")
+            routes = replay_routes(batch, self.config, self.num_layers, enabled=self.replay is not None,
+                                   required=self.cfg.train.routing_replay == "r3")
         mbs, _ = self.micro_batches(batch)
         temperature = self.cfg.rollout.sampling.temperature if temperature is None else temperature
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float32)
@@ -199,7 +200,7 @@ class Trainer:
                 self.replay.record(chunk=model)
             output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
             if record_routes:
-                self._store_routes(recorded, mb, self.replay.take_recorded(chunk=model))
+                store_routes(recorded, mb, self.replay.take_recorded(chunk=model), self.parallel)
 
             def loss_func(output_tensor):
                 lp, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
@@ -209,7 +210,7 @@ class Trainer:
                 return output_tensor.new_zeros(()), {}
             return output, loss_func
 
-        with self._weights(reference):
+        with reference_weights(self.model_chunks, self.ref_weights if reference else None):
             self._run(step_func, mbs, forward_only=True)
         if self.replay is not None:
             self.replay.off()
@@ -218,61 +219,6 @@ class Trainer:
             all_reduce(recorded)
             recorded -= 1
         return logprobs, recorded
-
-    def _store_routes(self, buffer: Tensor, mb: PackedMicroBatch, taken: dict[int, Tensor]) -> None:
-        """Write one stage's recorded ``{layer: [N, K]}`` into ``buffer`` as ids + 1 (0 = none)."""
-        p = self.parallel
-        if not (p.sequence_parallel and p.tp_size > 1) and p.tp_rank != 0:
-            return  # every TP rank saw all tokens; one of them reports
-        flat_to_token = torch.full((mb.flat_size,), -1, dtype=torch.int64)
-        flat_to_token[mb.flat_index.cpu()] = mb.token_index.cpu()
-        tokens = flat_to_token[mb.router_positions(tp_rank=p.tp_rank, tp_size=p.tp_size,
-                                                   sequence_parallel=p.sequence_parallel).cpu()]
-        keep = tokens >= 0  # padding positions are not recorded
-        for layer, ids in taken.items():
-            buffer[tokens[keep], layer] = ids.cpu()[keep].to(torch.int32) + 1
-
-    def _replay_routes(self, batch: TrainBatch, *, required: bool = True) -> Tensor | None:
-        """The batch's validated routes when replay is on, else None (also when not ``required``
-        and the batch has none: R2's recording pass routes freely).
-
-        Rows of dense layers (no router: DeepSeek-V3's / GLM-4.5's first layers) are set to -1
-        first: SGLang's capture buffer leaves them zero-filled, which is no valid top-k.
-        """
-        if self.replay is None or (not required and batch.routed_experts is None):
-            return None
-        routes = batch.routed_experts
-        dense = [layer for layer in range(self.num_layers) if not self._is_moe_layer(layer)]
-        if dense and routes is not None and routes.dim() == 3 and routes.shape[1] == self.num_layers:
-            routes = routes.clone()
-            routes[:, dense] = -1
-        validate_routed_experts(routes, num_layers=self.num_layers,
-                                num_experts=self.config.num_moe_experts, topk=self.config.moe_router_topk,
-                                cu_seqlens=batch.cu_seqlens)
-        return routes
-
-    def _is_moe_layer(self, layer: int) -> bool:
-        """Whether 0-based global layer ``layer`` has a router (Megatron's ``moe_layer_freq``)."""
-        freq = getattr(self.config, "moe_layer_freq", 1)
-        return bool(freq[layer]) if isinstance(freq, (list, tuple)) else layer % int(freq) == 0
-
-    @contextlib.contextmanager
-    def _weights(self, reference: bool):
-        """Run with the reference weights copied in (policy weights restored afterwards)."""
-        if not reference:
-            yield
-            return
-        from megarl.training.optimizer import gather_params
-
-        # A pending overlap_param_gather would write the policy over the reference weights in the
-        # forward's pre-hooks (and the snapshot would hold stale shards): finish it first.
-        gather_params(self.model_chunks)
-        policy = _snapshot(self.model_chunks)
-        _restore(self.model_chunks, self.ref_weights)
-        try:
-            yield
-        finally:
-            _restore(self.model_chunks, policy)
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, batch: TrainBatch, loss_fn, *, entropy: str = "none", routes: Tensor | None = None,
@@ -366,7 +312,7 @@ class Trainer:
         start = time.perf_counter()
         batch = self.prepare_batch(batch)
         prepared = time.perf_counter()
-        routes = self._replay_routes(batch)
+        routes = replay_routes(batch, self.config, self.num_layers, enabled=self.replay is not None)
         algo = self.cfg.algorithm
         inputs, correction_metrics = fwd.loss_inputs(batch, algo, device=self.device,
                                                      max_response_tokens=self.cfg.rollout.agent.max_response_tokens)
@@ -425,14 +371,3 @@ class Trainer:
 
         load_trainer_state(directory, self)
 
-
-def _snapshot(model_chunks: list) -> list[Tensor]:
-    """Detached host copies of every parameter of the chunks, in ``parameters()`` order."""
-    return [param.detach().to("cpu", copy=True) for chunk in model_chunks for param in chunk.parameters()]
-
-
-@torch.no_grad()
-def _restore(model_chunks: list, weights: list[Tensor]) -> None:
-    params = [param for chunk in model_chunks for param in chunk.parameters()]
-    for param, value in zip(params, weights, strict=True):
-        param.copy_(value, non_blocking=True)

@@ -110,19 +110,16 @@ def test_dense_layer_rows_of_engine_routes_are_not_replayed():
     import types
 
     from megarl.training.batch import TrainBatch
-    from megarl.training.trainer import Trainer
+    from megarl.training.routing_replay import replay_routes
 
     routes = torch.tensor([[[0, 0], [1, 2]], [[0, 0], [3, 0]]], dtype=torch.int32)  # layer 0 dense
     batch = TrainBatch(input_ids=torch.tensor([1, 2]), cu_seqlens=torch.tensor([0, 2]),
                        loss_mask=torch.tensor([False, True]), advantages=torch.zeros(1),
                        rollout_logprobs=torch.zeros(2), routed_experts=routes)
-    trainer = types.SimpleNamespace(replay=object(), num_layers=2,
-                                    config=types.SimpleNamespace(moe_layer_freq=[0, 1], num_moe_experts=4,
-                                                                 moe_router_topk=2))
-    trainer._is_moe_layer = types.MethodType(Trainer._is_moe_layer, trainer)
-    replayed = Trainer._replay_routes(trainer, batch)
+    config = types.SimpleNamespace(moe_layer_freq=[0, 1], num_moe_experts=4, moe_router_topk=2)
+    replayed = replay_routes(batch, config, 2, enabled=True)
     assert replayed[:, 0].eq(-1).all() and torch.equal(replayed[:, 1], routes[:, 1])
     assert torch.equal(batch.routed_experts, routes)  # the batch is not modified
-    trainer.config.moe_layer_freq = 1  # every layer MoE: the zero rows are invalid routes
+    config.moe_layer_freq = 1  # every layer MoE: the zero rows are invalid routes
     with pytest.raises(RoutingReplayError, match="repeated"):
-        Trainer._replay_routes(trainer, batch)
+        replay_routes(batch, config, 2, enabled=True)
