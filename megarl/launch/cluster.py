@@ -74,6 +74,38 @@ def worker_env(cuda: bool) -> dict[str, str]:
     return env
 
 
+LOCAL_RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray 2.x's switch (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``) that, when ``0``, makes
+``ray._private.services.get_node_ip_address`` answer the loopback address instead of the machine's
+interface address. Ray meant it for laptops; megarl sets it for the private single-host instance it
+starts itself, so that GCS, raylet, workers and every rendezvous megarl takes from Ray's node address
+(trainer group, weight sync, retrieval) bind and advertise 127.0.0.1 and nothing listens on the
+machine's network. ``ray.init(_node_ip_address="127.0.0.1")`` does not do it: Ray rewrites a
+loopback address to the interface address (``services.resolve_ip_for_localhost``)."""
+
+
+def use_loopback_ray() -> None:
+    """Make a Ray instance started by this process (and its children) live on 127.0.0.1 (see
+    :data:`LOCAL_RAY_LOOPBACK_ENV`); call before ``ray.init`` starts a local instance.
+
+    Raises:
+        RuntimeError: the installed Ray no longer has the switch (the shim needs revisiting).
+    """
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        raise RuntimeError(f"ray {_ray_version()}: ray_constants.ENABLE_RAY_CLUSTER is gone; megarl's "
+                           "loopback switch for a local Ray instance needs updating (megarl.launch.cluster)")
+    os.environ[LOCAL_RAY_LOOPBACK_ENV] = "0"  # Ray's own processes, started from this environment
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process, whose ray_constants is already imported
+
+
+def _ray_version() -> str:
+    import ray
+
+    return ray.__version__
+
+
 def init_ray(cfg: Any) -> bool:
     """Connect to ``cluster.ray_address`` or start a local Ray; reuse one already initialised.
 
@@ -97,7 +129,8 @@ def init_ray(cfg: Any) -> bool:
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     needed = trainer_world_size(cfg.cluster) + int(cfg.rollout.num_engines) + 2
     num_cpus = max(os.cpu_count() or 1, needed)
-    logger.info("starting a local Ray instance (%d logical CPUs)", num_cpus)
+    logger.info("starting a local Ray instance (%d logical CPUs) on 127.0.0.1", num_cpus)
+    use_loopback_ray()
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
              log_to_driver=True, logging_level=logging.WARNING)
     return True

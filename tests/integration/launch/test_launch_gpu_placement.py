@@ -26,8 +26,15 @@ NUM_GPUS = 8
 def logical_gpu_ray():
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process")
-    ray.init(num_cpus=16, num_gpus=NUM_GPUS, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    from ray._private import ray_constants
+
+    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
+
+    with pytest.MonkeyPatch.context() as mp:  # a single-host Ray on 127.0.0.1 (megarl.launch.cluster)
+        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        ray.init(num_cpus=16, num_gpus=NUM_GPUS, include_dashboard=False, logging_level="WARNING",
+                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         yield
     finally:

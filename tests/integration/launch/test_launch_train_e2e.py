@@ -155,6 +155,7 @@ def test_cpu_gsm8k_recipe_end_to_end(reference_run):
     assert max(rows[s]["rollout/turns_mean"] for s in rows if s) > 1.0  # multi-turn tool rollouts
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[NUM_STEPS]
     log = (reference_run / "train.log").read_text()
+    assert "rendezvous 127.0.0.1:" in log  # a single-host run binds and advertises loopback only
     assert len(re.findall(r"engine weight_version \d+ \| logprob mismatch: rollouts [\d.e+-]+, after sync [\d.e+-]+",
                           log)) == NUM_STEPS
     for png in ("reward.png", "mismatch.png"):

@@ -93,7 +93,7 @@ def test_service_refuses_an_index_of_another_corpus(corpus_and_index, tmp_path):
 
 
 @pytest.mark.slow  # Ray start-up: 18 s on a quiet machine, 38 s under load
-def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(corpus_and_index, tmp_path):
+def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(corpus_and_index, tmp_path, monkeypatch):
     import ray
 
     from megarl.config import load_config
@@ -106,6 +106,12 @@ def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(c
     base = Path(__file__).resolve().parents[3] / "configs" / "base.yaml"
     cfg = load_config(base, ["rollout.tools.search={}", f"retrieval.index={index}",
                              f"retrieval.corpus={corpus}"])
+    from ray._private import ray_constants
+
+    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
+
+    monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")  # a single-host Ray on 127.0.0.1 (megarl.launch.cluster)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         actor = start_retrieval(cfg, tmp_path)

@@ -1,0 +1,46 @@
+"""A single-host run's private Ray instance binds and advertises 127.0.0.1 only.
+
+Without megarl's switch (`megarl.launch.cluster.use_loopback_ray`) Ray 2.60 takes the machine's
+interface address for its node (GCS, raylet and workers listen on it, some on 0.0.0.0) and every
+rendezvous megarl takes from Ray's node address (trainer group, weight sync) advertises it.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SCRIPT = r"""
+import json, os, psutil, ray
+from megarl.config import load_config
+from megarl.launch.cluster import init_ray
+
+assert init_ray(load_config("configs/cpu_gsm8k.yaml", []))
+
+@ray.remote
+def worker_ip():
+    return ray.util.get_node_ip_address()
+
+listening = set()
+for proc in psutil.Process(os.getpid()).children(recursive=True):
+    try:
+        listening |= {c.laddr.ip for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    except psutil.Error:
+        pass
+print(json.dumps({"driver": ray.util.get_node_ip_address(), "worker": ray.get(worker_ip.remote()),
+                  "nodes": [n["NodeManagerAddress"] for n in ray.nodes()], "listening": sorted(listening)}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_local_ray_instance_lives_on_loopback():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["driver"] == seen["worker"] == "127.0.0.1" and seen["nodes"] == ["127.0.0.1"], seen
+    assert seen["listening"] and set(seen["listening"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, seen
