@@ -141,7 +141,8 @@ def _top_up(run: Run, in_flight: collections.deque[PendingRollout], next_step: i
 
 def _take_rollout(run: Run, in_flight: collections.deque[PendingRollout], step: int) -> Any:
     """This step's rollouts; in async mode the pipeline is topped up first (the next rollouts start
-    before this step trains). Engines that died are restarted and re-synced; if that cost
+    before this step trains). Engines out of service are put back (re-admitted, or restarted and
+    re-synced: `Run.heal_engines`); if that cost
     trajectories, the step is generated again from the same prompts."""
     current = in_flight.popleft() if in_flight else run.start_rollout(step)
     if current.step != step:

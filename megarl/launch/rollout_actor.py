@@ -198,6 +198,10 @@ class RolloutWorker:
                 self.router.mark_dead(client.engine_id, "health check failed")
         return out
 
+    def out_of_service(self) -> list[str]:
+        """Ids of the engines the router sends nothing to (found dead, or not yet admitted)."""
+        return [s.client.engine_id for s in self.router.slots if not s.alive]
+
     async def set_alive(self, engine_id: str, weight_version: str) -> bool:
         """Put a restarted, re-synced engine back into service once it reports ``weight_version``
         (see :meth:`megarl.rollout.router.Router.admit`); returns whether it was admitted."""

@@ -226,17 +226,33 @@ class Run:
             self.engine_memory_released = ()
 
     def heal_engines(self) -> list[str]:
-        """Restart engines that stopped answering, re-sync them, put them back in service.
+        """Put every engine back into service: one the router took out of service although it still
+        answers (a dropped connection while it was paused or busy) returns once it reports the
+        synced policy version (weight syncs address every engine, in service or not); one that does
+        not answer, or reports another version, is restarted, re-synced and then put back.
 
         Returns:
-            The ids of the engines restarted (logged as a warning each).
+            The ids of the engines put back (restarted or re-admitted; a warning each).
+
+        Raises:
+            RuntimeError: a restarted, re-synced engine does not report the synced version.
         """
         from megarl.launch import weight_sync_step
 
         health = ray.get(self.rollout.engine_health.remote(), timeout=120)
         dead = [eid for eid, ok in health.items() if not ok]
+        readmitted = []
+        for eid in ray.get(self.rollout.out_of_service.remote(), timeout=60):
+            if eid in dead:
+                continue
+            if ray.get(self.rollout.set_alive.remote(eid, str(self.synced_version)), timeout=60):
+                logger.warning("%s was out of service but answers and reports policy version %d; back in "
+                               "service", eid, self.synced_version)
+                readmitted.append(eid)
+            else:
+                dead.append(eid)
         if not dead:
-            return []
+            return readmitted
         for eid in dead:
             logger.warning("%s stopped answering; its requests were re-routed to the live engines. "
                            "Restarting it", eid)
@@ -249,7 +265,7 @@ class Run:
                                    f"{self.synced_version}; it would serve other weights than the policy's")
             logger.warning("%s restarted and re-synced to policy version %d; back in service",
                            eid, self.synced_version)
-        return dead
+        return readmitted + dead
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out rows (empty when there are none)."""

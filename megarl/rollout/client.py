@@ -239,6 +239,21 @@ class SGLangClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
+    async def reachable(self, timeout_s: float = 5.0) -> bool:
+        """The server process answers HTTP (``/model_info``, 200) within ``timeout_s``; never raises.
+
+        Unlike :meth:`health` this needs no generation: SGLang 0.5.23's ``/health`` runs a one-token
+        request and waits for the scheduler (at least 1 s), so a paused engine (a weight update in
+        async mode) or a busy one fails it although it is alive. The router decides "dead" with this.
+        """
+        try:
+            session = self._get_session()
+            async with session.get(self.url + "/model_info",
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
     async def model_info(self) -> dict:
         """``/model_info``: model_path, weight_version, tool_call_parser, ..."""
         return await self._request("GET", "/model_info", timeout_s=30.0)

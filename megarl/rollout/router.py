@@ -7,14 +7,18 @@ Policy:
 - **Least outstanding requests.** A new session goes to the live engine with the fewest requests
   in flight (ties: round robin).
 - **Draining dead engines.** When a request to an engine fails because the connection was refused
-  or lost, the router asks the engine's ``/health``; if it does not answer, the engine is marked
-  dead and gets no further requests. Each unfinished turn it held is sent again to a live engine
+  or lost, the router asks whether the server still answers HTTP
+  (:meth:`~megarl.rollout.client.SGLangClient.reachable`; not SGLang's ``/health``, which needs a
+  generation and so fails on a paused or busy engine); if it does not, the engine is marked dead and
+  gets no further requests. Each unfinished turn it held is sent again to a live engine
   (its session is re-pinned there). A turn is only re-sent after its previous attempt has failed
   without a result, so each ``generate`` call returns exactly one output: nothing is lost and
   nothing is duplicated. If the engine is still healthy (a dropped connection), the old request is
   aborted on it before the turn is re-sent.
-- A dead engine comes back only through :meth:`Router.mark_alive`, called by whoever restarted it
-  *and* brought its weights up to date (a restarted SGLang server serves its launch weights).
+- A dead engine comes back only through :meth:`Router.mark_alive` / :meth:`Router.admit`, called by
+  whoever restarted it *and* brought its weights up to date (a restarted SGLang server serves its
+  launch weights), or found it answering again with the current ``weight_version``
+  (``megarl.launch.run.Run.heal_engines``).
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ class Router:
         clients: one client per engine.
         max_attempts: attempts per turn before the error is raised (default: engines + 1).
         max_sessions: affinity entries kept (least recently used are forgotten beyond this).
-        health_timeout_s: ``/health`` timeout when deciding whether a failing engine is dead.
+        health_timeout_s: reachability timeout when deciding whether a failing engine is dead.
     """
 
     def __init__(self, clients: Sequence[SGLangClient], *, max_attempts: int | None = None,
@@ -200,7 +204,7 @@ class Router:
         """Decide whether a failed turn may be re-sent; mark the engine dead if it is."""
         if not slot.alive:
             return True  # another request already found it dead
-        if await slot.client.health(timeout_s=self.health_timeout_s):
+        if await slot.client.reachable(timeout_s=self.health_timeout_s):  # not /health: see reachable
             if isinstance(exc, EngineTimeoutError):
                 return False  # a healthy engine that is merely slow: the caller decides
             try:  # the engine lives: make sure the lost attempt stops before re-sending the turn

@@ -52,6 +52,20 @@ async def test_pause_retract_holds_new_requests_until_resume(sglang_url):
     assert out.finish_reason == "length" and len(out.output_ids) == 8
 
 
+async def test_a_paused_engine_fails_health_but_is_reachable(sglang_url):
+    """Why the router decides "dead" with ``reachable`` (``/model_info``) and not SGLang's ``/health``:
+    the latter generates a token, so it fails on a paused engine that is alive (async weight updates)."""
+    async with SGLangClient(sglang_url) as client:
+        assert await client.health(timeout_s=10.0) and await client.reachable(timeout_s=10.0)
+        await client.pause("retract")
+        try:
+            assert not await client.health(timeout_s=4.0)
+            assert await client.reachable(timeout_s=4.0)
+        finally:
+            await client.resume()
+        assert await client.health(timeout_s=30.0)
+
+
 async def test_pause_abort_returns_running_requests(sglang_engine):
     async with SGLangClient(sglang_engine.url) as client:
         task = asyncio.ensure_future(client.generate(PROMPT, LONG))

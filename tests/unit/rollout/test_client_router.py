@@ -22,6 +22,7 @@ class EngineDouble:
         self.engine_id = engine_id
         self.delay_s = delay_s
         self.healthy = True
+        self.generating = True  # SGLang's /health generates a token: it fails while generation is paused
         self.fail_next: list[Exception] = []
         self.calls: list[tuple[list[int], str]] = []
         self.aborted: list[str] = []
@@ -40,6 +41,9 @@ class EngineDouble:
                               finish_reason="stop", engine_id=self.engine_id)
 
     async def health(self, timeout_s=5.0):
+        return self.healthy and self.generating
+
+    async def reachable(self, timeout_s=5.0):
         return self.healthy
 
     async def abort(self, rid=None, *, abort_all=False):
@@ -166,3 +170,14 @@ async def test_an_engine_is_admitted_only_when_it_reports_the_current_weight_ver
     assert len(b.calls) > 0
     versions["a"] = "6"  # a confirmed version that is not current takes it out of service too
     assert not await router.admit("a", "7") and router.metrics()["router/alive_engines"] == 1
+
+
+async def test_lost_connection_to_a_paused_engine_does_not_mark_it_dead():
+    """A paused engine (weight update in async mode) fails SGLang's /health, which generates a token;
+    the router decides on reachability, so the engine stays in service and the turn is re-sent."""
+    a = EngineDouble("a")
+    a.generating = False
+    a.fail_next = [EngineConnectionLost("write failed on a closing keep-alive connection")]
+    router = Router([a])
+    out = await router.generate([1], {}, session_id="s")
+    assert out.engine_id == "a" and router.metrics()["router/alive_engines"] == 1
