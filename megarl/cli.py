@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from megarl.logging_setup import install as filter_known_noise
+
+    filter_known_noise()
     parser = build_parser()
     if argv and argv[0] == "make-tiny-model":
         return cmd_make_tiny_model(argparse.Namespace(), argv[1:])

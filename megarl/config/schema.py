@@ -295,6 +295,12 @@ class LoggingConfig:
     """Show a progress bar on the console."""
     plots: bool = True
     """Save reward and mismatch curves as PNG at the end."""
+    save_rollouts: bool = True
+    """Write every step's trajectories (decoded prompt and response, token counts, tool calls,
+    reward and its terms, policy version, group id) to ``run_dir/rollouts/step_N.jsonl``."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one trainer device for ``perf/mfu`` (default: looked up by GPU name,
+    ``megarl.launch.mfu.PEAK_TFLOPS``; a CPU or unknown GPU logs NaN)."""
     level: str = "INFO"
     """Python logging level."""
 

@@ -121,7 +121,7 @@ def init_ray(cfg: Any) -> bool:
     env = worker_env(cuda)
     if cfg.cluster.ray_address:
         logger.info("connecting to the Ray cluster at %s", cfg.cluster.ray_address)
-        ray.init(address=cfg.cluster.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        ray.init(address=cfg.cluster.ray_address, runtime_env=_runtime_env(env), log_to_driver=True)
         return True
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance
     # Ray's memory monitor kills the most recent worker when the *machine* is nearly full, whoever
@@ -131,9 +131,17 @@ def init_ray(cfg: Any) -> bool:
     num_cpus = max(os.cpu_count() or 1, needed)
     logger.info("starting a local Ray instance (%d logical CPUs) on 127.0.0.1", num_cpus)
     use_loopback_ray()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=_runtime_env(env),
              log_to_driver=True, logging_level=logging.WARNING)
     return True
+
+
+def _runtime_env(env: dict[str, str]) -> dict[str, Any]:
+    """The job's runtime env: ``env`` in every worker, and megarl's filter of known third-party
+    console noise installed in each worker at start (:mod:`megarl.logging_setup`)."""
+    from megarl.logging_setup import RAY_SETUP_HOOK
+
+    return {"env_vars": env, "worker_process_setup_hook": RAY_SETUP_HOOK}
 
 
 @dataclasses.dataclass

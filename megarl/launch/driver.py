@@ -99,7 +99,12 @@ def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
         else:
             logger.warning("step %d: no trainable group (all filtered); policy unchanged", step)
         state.step = step + 1
+        mfu = _mfu(run, metrics, rollout.groups)
+        if mfu == mfu:  # NaN (a CPU, an unknown GPU without logging.peak_tflops): not logged
+            metrics["perf/mfu"] = mfu
         last = _end_step(run, step, {**metrics, **timer.metrics()}, pending)
+        if cfg.logging.get("save_rollouts", True):
+            _save_rollouts(run, step + 1, rollout.groups)
         progress.update(1)
         progress.set_postfix(reward=f"{last.get('rollout/reward_mean', float('nan')):.3f}",
                              version=state.policy_version)
@@ -173,10 +178,11 @@ def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> d
     metrics.setdefault("engine/weight_version", run.engine_weight_version)
     logged = run.metrics.log(state.step, metrics)
     logger.info("step %d/%d | reward %.3f | engine weight_version %s | logprob mismatch: rollouts %s, "
-                "after sync %s | %s%s", state.step, cfg.train.num_steps, logged.get("rollout/reward_mean", float("nan")),
+                "after sync %s | %s | %s%s", state.step, cfg.train.num_steps, logged.get("rollout/reward_mean", float("nan")),
                 _version_text(logged), _num(logged.get("mismatch/log_ratio_abs_mean")),
                 _num(logged.get("weight_sync/verify_logprob_diff_mean")),
                 _fmt(logged, "timing/", ("rollout_s", "logprobs_s", "train_s", "weight_sync_s")),
+                _fmt(logged, "perf/", ("tokens_per_s", "mfu")),
                 (" | " + _fmt(logged, "eval/")) if "eval/accuracy" in logged else "")
     return logged
 
@@ -196,7 +202,48 @@ def _fmt(m: dict[str, float], prefix: str, keys: tuple[str, ...] | None = None) 
 
 
 def _progress_bar(cfg: Any, start: int) -> Any:
+    """A step bar on stderr only when it is a terminal (a log file or pipe gets the step lines only)."""
+    import sys
+
     from tqdm import tqdm
 
     return tqdm(total=cfg.train.num_steps, initial=start, desc="megarl", unit="step",
-                disable=not cfg.logging.progress_bar)
+                disable=not (cfg.logging.progress_bar and sys.stderr.isatty()))
+
+
+def _save_rollouts(run: Run, step: int, groups: Any) -> None:
+    """``run_dir/rollouts/step_{step}.jsonl`` (:mod:`megarl.launch.rollout_log`); the tokenizer is
+    loaded once, on first use."""
+    from megarl.launch.rollout_log import write_rollouts
+
+    tok = getattr(run, "_rollout_tokenizer", None)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = run._rollout_tokenizer = AutoTokenizer.from_pretrained(run.cfg.model.tokenizer_path
+                                                                     or run.cfg.model.hf_path)
+    write_rollouts(run.run_dir, step, groups, tok, prompt_key=run.cfg.data.prompt_key)
+
+
+def _mfu(run: Run, metrics: dict[str, float], groups: Any) -> float:
+    """``perf/mfu`` of the step (:mod:`megarl.launch.mfu`); NaN (and so not logged) on a CPU or an
+    unlisted GPU without ``logging.peak_tflops``."""
+    import json
+    from pathlib import Path
+
+    from megarl.launch.cluster import trainer_world_size
+    from megarl.launch.rollout_log import mean_seq_len, step_mfu
+
+    cfg = run.cfg
+    if not hasattr(run, "_model_config"):
+        path = Path(str(cfg.model.hf_path)) / "config.json"
+        run._model_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    from megarl.launch.cluster import use_cuda
+
+    device = ""
+    if use_cuda(cfg.cluster.device):
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return step_mfu(run._model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), device,
+                    cfg.logging.get("peak_tflops"))

@@ -157,6 +157,9 @@ class Run:
     def _start_processes(self) -> None:
         cfg = self.cfg
         self.started_ray = init_ray(cfg)
+        from megarl.logging_setup import link_ray_logs
+
+        link_ray_logs(self.run_dir)  # run_dir/ray_logs -> this Ray session's worker logs
         self.placement = build_placement(cfg)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
         from megarl.weight_sync.transports import engine_custom_weight_loaders
