@@ -162,6 +162,14 @@ def test_cpu_gsm8k_recipe_end_to_end(reference_run):
         assert (reference_run / png).stat().st_size > 5000
     assert list((reference_run / "tensorboard").glob("events.out.tfevents.*"))
     assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{NUM_STEPS:06d}"
+    # a readable console: megarl's lines only (megarl.logging_setup filters the known third-party noise)
+    console = (reference_run.parent / "run_a.console.log").read_text(errors="replace")
+    noise = re.findall(r".*(?:UserWarning|FutureWarning|DeprecationWarning|sglang\.srt\.function_call).*", console)
+    assert not noise, "\n".join(noise[:10])
+    trajectories = [json.loads(line) for line in (reference_run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert len(trajectories) == rows[1]["rollout/num_trajectories"]
+    assert all(t["response"] and t["response_tokens"] > 0 and t["policy_version"] == 0 for t in trajectories)
+    assert (reference_run / "ray_logs").is_dir()  # the Ray session's worker logs, linked from the run
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
