@@ -239,11 +239,9 @@ def _mfu(run: Run, metrics: dict[str, float], groups: Any) -> float:
         path = Path(str(cfg.model.hf_path)) / "config.json"
         run._model_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     from megarl.launch.cluster import use_cuda
+    from megarl.launch.rollout_log import gpu_name
 
-    device = ""
-    if use_cuda(cfg.cluster.device):
-        import torch
-
-        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    return step_mfu(run._model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), device,
+    if not hasattr(run, "_device_name"):
+        run._device_name = gpu_name() if use_cuda(cfg.cluster.device) else ""
+    return step_mfu(run._model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), run._device_name,
                     cfg.logging.get("peak_tflops"))

@@ -54,6 +54,19 @@ def mean_seq_len(groups: Iterable[Any]) -> float:
     return sum(lens) / len(lens) if lens else math.nan
 
 
+def gpu_name() -> str:
+    """The first GPU's name from ``nvidia-smi`` ("" when it is absent or fails): no CUDA context is
+    made in the driver (in a colocated run its GPU memory belongs to the engines and trainer)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0].strip() if out.strip() else ""
+
+
 def step_mfu(model_config: dict | None, metrics: dict[str, float], seq_len: float, num_devices: int,
              device_name: str, override: float | None) -> float:
     """``perf/mfu`` of a step from ``perf/tokens_per_s``; NaN without a model config, a throughput,
