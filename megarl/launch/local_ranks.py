@@ -56,6 +56,9 @@ def _child(fn, rank: int, world_size: int, args: tuple, store_path: str, backend
            env: dict, results) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    from megarl.logging_setup import install as filter_known_noise
+
+    filter_known_noise()  # a fresh process: megarl's filter of known third-party console noise
     try:
         import torch
         import torch.distributed as dist

@@ -1,7 +1,11 @@
 """Imported once by the :mod:`megarl.launch.local_ranks` fork server, so that rank processes start
 with torch, Megatron-Core, torch.distributed.checkpoint and the HF config classes of the supported
 model families already imported (each costs seconds; forked ranks share them)."""
-import torch  # noqa: F401
+from megarl.logging_setup import install as _filter_known_noise
+
+_filter_known_noise()  # before Megatron's imports warn about TE/apex (megarl.logging_setup)
+
+import torch  # noqa: F401, E402
 import torch.distributed  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 
