@@ -103,7 +103,7 @@ def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
         if mfu == mfu:  # NaN (a CPU, an unknown GPU without logging.peak_tflops): not logged
             metrics["perf/mfu"] = mfu
         last = _end_step(run, step, {**metrics, **timer.metrics()}, pending)
-        if cfg.logging.get("save_rollouts", True):
+        if cfg.logging.get("save_rollouts", True) and _model_dir(cfg):
             _save_rollouts(run, step + 1, rollout.groups)
         progress.update(1)
         progress.set_postfix(reward=f"{last.get('rollout/reward_mean', float('nan')):.3f}",
@@ -211,6 +211,13 @@ def _progress_bar(cfg: Any, start: int) -> Any:
                 disable=not (cfg.logging.progress_bar and sys.stderr.isatty()))
 
 
+def _model_dir(cfg: Any) -> str | None:
+    """``model.hf_path``, or None where it is unset (driver tests with stand-in processes)."""
+    from omegaconf import OmegaConf
+
+    return None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
+
+
 def _save_rollouts(run: Run, step: int, groups: Any) -> None:
     """``run_dir/rollouts/step_{step}.jsonl`` (:mod:`megarl.launch.rollout_log`); the tokenizer is
     loaded once, on first use."""
@@ -221,7 +228,7 @@ def _save_rollouts(run: Run, step: int, groups: Any) -> None:
         from transformers import AutoTokenizer
 
         tok = run._rollout_tokenizer = AutoTokenizer.from_pretrained(run.cfg.model.tokenizer_path
-                                                                     or run.cfg.model.hf_path)
+                                                                     or _model_dir(run.cfg))
     write_rollouts(run.run_dir, step, groups, tok, prompt_key=run.cfg.data.prompt_key)
 
 
@@ -236,8 +243,8 @@ def _mfu(run: Run, metrics: dict[str, float], groups: Any) -> float:
 
     cfg = run.cfg
     if not hasattr(run, "_model_config"):
-        path = Path(str(cfg.model.hf_path)) / "config.json"
-        run._model_config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        path = Path(_model_dir(cfg) or ".") / "config.json"
+        run._model_config = json.loads(path.read_text(encoding="utf-8")) if _model_dir(cfg) and path.is_file() else None
     from megarl.launch.cluster import use_cuda
     from megarl.launch.rollout_log import gpu_name
 
