@@ -83,6 +83,9 @@ class EngineConfig:
     """SGLang ``--dtype``: ``auto`` (the checkpoint's), ``bfloat16``, ``float16`` or ``float32``."""
     grammar_backend: str = "xgrammar"
     """SGLang ``--grammar-backend`` for regex / json_schema constrained decoding (``none`` = off)."""
+    sleep_on_idle: bool = True
+    """SGLang ``--sleep-on-idle``: an idle engine waits on its request sockets instead of spinning a
+    CPU core (which the trainer or the tools on the same host would otherwise lose)."""
 
 
 @dataclass

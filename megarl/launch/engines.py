@@ -45,7 +45,7 @@ def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str
     return dict(host=ecfg.host, tp_size=int(ecfg.tensor_parallel_size),
                 ep_size=int(ecfg.expert_parallel_size), device=device, dtype=ecfg.dtype,
                 mem_fraction_static=ecfg.mem_fraction_static, max_total_tokens=ecfg.max_total_tokens,
-                grammar_backend=ecfg.grammar_backend,
+                grammar_backend=ecfg.grammar_backend, sleep_on_idle=bool(ecfg.sleep_on_idle),
                 enable_return_routed_experts=cfg.train.routing_replay == "r3",
                 custom_weight_loaders=list(custom_weight_loaders), extra_args=extra,
                 env=dict(env or {}), log_path=log_path, engine_id=engine_id)

@@ -68,6 +68,11 @@ class EngineProcess:
             ``none`` disables regex / json_schema sampling params).
         enable_return_routed_experts: capture routed experts (Rollout Routing Replay).
         custom_weight_loaders: import paths passed to ``--custom-weight-loader``.
+        sleep_on_idle: ``--sleep-on-idle`` (SGLang 0.5.23 ``DeviceArgs.sleep_on_idle``): the idle
+            scheduler blocks in a ``zmq`` poll on its request sockets (woken by any request, 1 s
+            timeout) instead of spinning. Without it an idle scheduler busy-loops on one CPU core
+            (measured here: 70-95% of a core for a server that served nothing for minutes), which
+            the trainer ranks or the tools sharing the host lose while the engine waits for them.
         extra_args: further ``sglang.launch_server`` arguments, verbatim.
         env: extra environment variables for the server process.
         log_path: file receiving the server's stdout and stderr; default a new file under the
@@ -84,8 +89,8 @@ class EngineProcess:
                  dtype: str = "auto",
                  mem_fraction_static: float | None = None, max_total_tokens: int | None = None,
                  grammar_backend: str = "xgrammar", enable_return_routed_experts: bool = False,
-                 custom_weight_loaders: Sequence[str] = (), extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                 custom_weight_loaders: Sequence[str] = (), sleep_on_idle: bool = True,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
                  engine_id: str | None = None, die_with_parent: bool = True) -> None:
         if tp_size < 1:
             raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
@@ -103,6 +108,7 @@ class EngineProcess:
         self.grammar_backend = grammar_backend
         self.enable_return_routed_experts = enable_return_routed_experts
         self.custom_weight_loaders = list(custom_weight_loaders)
+        self.sleep_on_idle = sleep_on_idle
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
@@ -148,6 +154,8 @@ class EngineProcess:
             cmd += ["--enable-return-routed-experts"]
         if self.custom_weight_loaders:
             cmd += ["--custom-weight-loader", *self.custom_weight_loaders]
+        if self.sleep_on_idle:
+            cmd += ["--sleep-on-idle"]
         return cmd + self.extra_args
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

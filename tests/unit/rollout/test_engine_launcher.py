@@ -132,10 +132,11 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
     assert (_flag(cmd, "--tp"), _flag(cmd, "--ep-size")) == ("4", "4")
     parse = ("import argparse, json, sys\nfrom sglang.srt.server_args import ServerArgs\n"
              "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
-             "a = p.parse_args(sys.argv[1:])\nprint(json.dumps([a.tp_size, a.ep_size, a.enable_return_routed_experts]))")
+             "a = p.parse_args(sys.argv[1:])\n"
+             "print(json.dumps([a.tp_size, a.ep_size, a.enable_return_routed_experts, a.sleep_on_idle]))")
     out = subprocess.run([sys.executable, "-c", parse, *cmd[3:]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [4, 4, True]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [4, 4, True, True]  # sleep_on_idle: config default
     with pytest.raises(ValueError, match="ep_size"):
         EngineProcess("/models/m", tp_size=4, ep_size=3)
 
