@@ -2,7 +2,8 @@
 
 A task is added without editing megarl. Its tools, reward, agent loop or dataset reader live in the
 user's own module, which either registers them (``@register_tool("search")``, ``@register_reward``,
-``@register_agent``, ``@register_dataset``) or is named directly by import path::
+``@register_agent``, ``@register_dataset``, ``@register_demonstrations``) or is named directly by
+import path::
 
     plugins: [my_pkg.tasks, examples/my_task/task.py]   # imported first, in every process
     rollout:
@@ -10,6 +11,8 @@ user's own module, which either registers them (``@register_tool("search")``, ``
       reward: my_pkg.tasks:exact_match                  # or an import path
     data:
       dataset: examples/my_task/task.py:load_rows       # a file path works as a module
+    sft:
+      demonstrations: my_pkg.tasks:demonstrations       # the SFT cold start's builder
 
 A plugin is a dotted module name (importable from ``sys.path`` / ``PYTHONPATH``) or the path of a
 ``.py`` file (relative to the working directory; :func:`absolute_specs` makes it absolute so Ray
@@ -156,3 +159,5 @@ def absolute_specs(cfg: Any) -> None:
         r.tools = {_absolute(str(k)): v for k, v in r.tools.items()}
     if cfg.data.get("dataset"):
         cfg.data.dataset = _absolute(cfg.data.dataset)
+    if cfg.get("sft") is not None and is_import_path(str(cfg.sft.demonstrations)):  # a file of rows stays as written
+        cfg.sft.demonstrations = _absolute(cfg.sft.demonstrations)

@@ -3,14 +3,17 @@
 
     python examples/arithmetic_tool/make_data.py [--out-dir DIR] [--num-train N] [--num-test N] [--seed S]
 
-Rows: ``{"question": "What is (48 + 73)?", "answer": "121", "expression": "(48 + 73)"}`` (see
-megarl/data/arithmetic.py). The committed files were written with the defaults.
+Rows: ``{"question": 'What is "48 + 73"?', "answer": "121", "expression": "48 + 73"}`` (made by
+task.py here). The committed files were written with the defaults.
 """
 import argparse
 from pathlib import Path
 
-from megarl.data.arithmetic import make_arithmetic_rows, split_disjoint
 from megarl.data.datasets import write_jsonl
+from megarl.plugins import import_module
+
+# task.py is a plugin file, not a package module: imported the way megarl imports it.
+task = import_module(str(Path(__file__).resolve().with_name("task.py")), "make_data.py")
 
 
 def main() -> None:
@@ -22,9 +25,9 @@ def main() -> None:
     parser.add_argument("--max-digits", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    rows = make_arithmetic_rows(args.num_train + args.num_test, seed=args.seed,
-                                min_digits=args.min_digits, max_digits=args.max_digits)
-    train, test = split_disjoint(rows, args.num_test)
+    rows = task.make_arithmetic_rows(args.num_train + args.num_test, seed=args.seed,
+                                     min_digits=args.min_digits, max_digits=args.max_digits)
+    train, test = task.split_disjoint(rows, args.num_test)
     out = Path(args.out_dir)
     print(write_jsonl(out / "train.jsonl", train), len(train))
     print(write_jsonl(out / "test.jsonl", test), len(test))

@@ -6,7 +6,8 @@ them (no sandbox or worker pool is started): a tool is a class or factory whose 
 its signature and whose ``__call__`` is a coroutine function; a reward class takes
 ``reward_kwargs`` and is callable, a reward function takes ``(trajectory, sample, **reward_kwargs)``;
 an agent loop is ``async def loop(ctx, state)``; a dataset reader takes
-``(path, **dataset_kwargs)``.
+``(path, **dataset_kwargs)``; an SFT demonstration builder (``sft.demonstrations``, unless it names
+a jsonl/parquet file) takes ``(rows, *, system_prompt, tool_fraction, seed)``.
 """
 from __future__ import annotations
 
@@ -84,8 +85,17 @@ def _dataset_issue(reader: Any, kwargs: dict) -> str | None:
     return f"a dataset reader is called as reader(path, **dataset_kwargs): {problem}" if problem else None
 
 
+def _builder_issue(builder: Any) -> str | None:
+    if not callable(builder):
+        return f"{builder!r} is not a demonstration builder"
+    problem = _binds(builder, [], system_prompt=None, tool_fraction=1.0, seed=0)
+    return (f"a demonstration builder is called as builder(rows, *, system_prompt, tool_fraction, seed): "
+            f"{problem}" if problem else None)
+
+
 def plugin_issues(cfg: Any) -> list[Issue]:
-    """Import ``cfg.plugins`` and check every tool, the reward, the agent loop and the dataset reader.
+    """Import ``cfg.plugins`` and check every tool, the reward, the agent loop, the dataset reader and
+    the SFT demonstration builder.
 
     Returns:
         The problems found, each ``(key, message, value)``; empty when all resolve and fit.
@@ -97,6 +107,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
         index = int(e.key[e.key.index("[") + 1:-1])
         return [(e.key, e.message, plugins[index])]  # the names below would only fail after it
     from megarl.data.datasets import DATASET_REGISTRY
+    from megarl.data.sft import DEMONSTRATION_BUILDERS, is_demonstrations_file
     from megarl.rollout.agent import AGENT_REGISTRY
     from megarl.rollout.rewards import REWARD_REGISTRY
     from megarl.rollout.tools import TOOL_REGISTRY
@@ -124,4 +135,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     dataset_kwargs = dict(cfg.data.get("dataset_kwargs") or {})
     check(cfg.data.get("dataset", "file"), DATASET_REGISTRY, "data.dataset", "dataset",
           lambda reader: _dataset_issue(reader, dataset_kwargs))
+    demonstrations = str(cfg.sft.demonstrations) if cfg.get("sft") is not None else ""
+    if demonstrations and not is_demonstrations_file(demonstrations):  # a file may be made at run time
+        check(demonstrations, DEMONSTRATION_BUILDERS, "sft.demonstrations", "demonstration builder", _builder_issue)
     return issues

@@ -312,9 +312,12 @@ class SFTConfig:
     num_steps: int = 0
     """Optimizer steps of SFT before the first RL step (0 = no cold start). Skipped when resuming."""
     demonstrations: str = "gsm8k_python"
-    """A builder by registry name (``gsm8k_python``: python-tool demonstrations from the rows of
-    ``data.train_path``; ``arithmetic_calculator``: calculator demonstrations of generated arithmetic
-    rows) or a jsonl/parquet file whose rows hold chat ``messages``."""
+    """A jsonl/parquet file whose rows hold chat ``messages``, or a builder turning the rows of
+    ``data.train_path`` into demonstrations: a registered name (``gsm8k_python``: python-tool
+    demonstrations from GSM8K's worked solutions; plugins add theirs with
+    ``megarl.data.sft.register_demonstrations``) or an import path ``module:attr`` / ``file.py:attr``
+    (e.g. ``examples/arithmetic_tool/task.py:demonstrations``), called as
+    ``builder(rows, *, system_prompt, tool_fraction, seed)``."""
     batch_size: int = 16
     """Demonstrations per SFT optimizer step."""
     lr: float = 1.0e-3

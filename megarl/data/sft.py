@@ -22,7 +22,7 @@ reasoning, ``\n</think>\n\n``, then the rendered answer.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -198,48 +198,79 @@ def _gsm8k_python(rows: Sequence[dict], *, system_prompt: str | None, tool_fract
     return [d for d in demos if d is not None]
 
 
-def _arithmetic_calculator(rows: Sequence[dict], *, system_prompt: str | None, tool_fraction: float,
-                           seed: int) -> list[list[dict[str, Any]]]:
-    from megarl.data.arithmetic import demonstrations
+DemonstrationBuilder = Callable[..., list[list[dict[str, Any]]]]
+"""``builder(rows, *, system_prompt, tool_fraction, seed) -> demonstrations`` (lists of chat messages)."""
 
-    return demonstrations(list(rows), tool_fraction=tool_fraction, seed=seed, system_prompt=system_prompt)
+DEMONSTRATION_BUILDERS: dict[str, DemonstrationBuilder] = {"gsm8k_python": _gsm8k_python}
+"""``sft.demonstrations`` registry: name -> builder (a task's own builder is registered by its plugin
+with :func:`register_demonstrations`, or named by import path ``module:attr``)."""
 
 
-DEMONSTRATION_BUILDERS = {"gsm8k_python": _gsm8k_python, "arithmetic_calculator": _arithmetic_calculator}
-"""``sft.demonstrations`` registry: name -> builder(rows, system_prompt=, tool_fraction=, seed=)."""
+def register_demonstrations(name: str) -> Callable[[DemonstrationBuilder], DemonstrationBuilder]:
+    """Decorator adding a demonstration builder to :data:`DEMONSTRATION_BUILDERS` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered to another builder.
+    """
+    def decorator(builder: DemonstrationBuilder) -> DemonstrationBuilder:
+        if name in DEMONSTRATION_BUILDERS and DEMONSTRATION_BUILDERS[name] is not builder:
+            raise ValueError(f"demonstration builder {name!r} is already registered")
+        DEMONSTRATION_BUILDERS[name] = builder
+        return builder
+    return decorator
+
+
+def is_demonstrations_file(source: str) -> bool:
+    """``sft.demonstrations`` names a file of ``messages`` rows (by its suffix) rather than a builder."""
+    return source.endswith((".jsonl", ".json", ".jsonl.gz", ".parquet"))
+
+
+def resolve_builder(source: str) -> DemonstrationBuilder:
+    """The builder ``sft.demonstrations`` names: a registered name or an import path ``module:attr``
+    (``module`` dotted or a ``.py`` file, as for tools and rewards; see :mod:`megarl.plugins`).
+
+    Raises:
+        megarl.plugins.PluginError: unknown name, unimportable module or missing attribute (its key
+            is ``sft.demonstrations``).
+    """
+    from megarl.plugins import resolve
+
+    return resolve(source, DEMONSTRATION_BUILDERS, key="sft.demonstrations", kind="demonstration builder")
 
 
 def load_demonstrations(source: str, rows: Sequence[dict], *, system_prompt: str | None,
                         tool_fraction: float, seed: int, limit: int) -> list[list[dict[str, Any]]]:
-    """Demonstrations (lists of chat messages) from a builder name or a file of ``messages`` rows.
+    """Demonstrations (lists of chat messages) from a builder or a file of ``messages`` rows.
 
     Args:
-        source: a key of :data:`DEMONSTRATION_BUILDERS`, or a jsonl/parquet path.
+        source: ``sft.demonstrations``: a jsonl/parquet path, a key of :data:`DEMONSTRATION_BUILDERS`,
+            or an import path ``module:attr`` of a builder.
         rows: the training prompt rows (builders turn them into demonstrations).
         system_prompt: prepended by builders (a file's messages are used as they are).
         tool_fraction, seed: builder settings.
         limit: keep at most this many.
 
     Raises:
-        ValueError: neither a builder nor a readable file, a file row without ``messages``, or no
-            demonstration at all (names ``sft.demonstrations``).
+        ValueError: a missing file, a file row without ``messages``, a builder that is not registered
+            or cannot be imported (:class:`~megarl.plugins.PluginError`), or no demonstration at all
+            (each names ``sft.demonstrations``).
     """
     from pathlib import Path
 
     from megarl.data.datasets import read_rows
 
-    if source in DEMONSTRATION_BUILDERS:
-        demos = DEMONSTRATION_BUILDERS[source](rows[:limit * 2], system_prompt=system_prompt,
-                                               tool_fraction=tool_fraction, seed=seed)
-    elif Path(source).is_file():
+    if is_demonstrations_file(source):
+        if not Path(source).is_file():
+            raise ValueError(f"sft.demonstrations: file not found: {source}")
         file_rows = read_rows(source)
         for i, row in enumerate(file_rows):
             if not isinstance(row.get("messages"), list):
                 raise ValueError(f"sft.demonstrations: {source} row {i} has no 'messages' list")
         demos = [row["messages"] for row in file_rows]
     else:
-        raise ValueError(f"sft.demonstrations: {source!r} is neither a builder "
-                         f"({sorted(DEMONSTRATION_BUILDERS)}) nor an existing file")
+        builder = resolve_builder(source)
+        demos = list(builder(list(rows[:limit * 2]), system_prompt=system_prompt, tool_fraction=tool_fraction,
+                             seed=seed))
     if not demos:
         raise ValueError(f"sft.demonstrations: {source!r} produced no demonstration")
     return demos[:limit]

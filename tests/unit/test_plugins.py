@@ -1,4 +1,5 @@
-"""Plugins: user modules named in YAML register tools, rewards, agent loops and datasets; import paths
+"""Plugins: user modules named in YAML register tools, rewards, agent loops, datasets and SFT
+demonstration builders; import paths
 name them directly; `megarl validate` imports and checks them, naming the YAML key of each problem."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 TASK = '''
 import asyncio
 from megarl.data.datasets import register_dataset
+from megarl.data.sft import register_demonstrations
 from megarl.rollout.agent import register_agent, single_turn
 from megarl.rollout.rewards import register_reward
 from megarl.rollout.tools import register_tool
@@ -64,6 +66,16 @@ async def once(ctx, state):
 @register_dataset("{prefix}_numbers")
 def numbers(path, *, count=3):
     return [{{"question": f"{{path}} {{i}}", "answer": str(i)}} for i in range(count)]
+
+
+@register_demonstrations("{prefix}_demos")
+def demos(rows, *, system_prompt, tool_fraction, seed):
+    return [[{{"role": "user", "content": r["question"]}}, {{"role": "assistant", "content": f"{{seed}}"}}]
+            for r in rows]
+
+
+def demos_without_seed(rows, *, system_prompt, tool_fraction):
+    return []
 '''
 
 
@@ -107,12 +119,33 @@ async def test_a_plugin_file_registers_names_used_by_the_builders(tmp_path):
     assert await build_tools({f"{task}:Echo": {}})["echo"]({"text": "x"}) == "x"
 
 
+def test_sft_demonstrations_by_registered_name_and_import_path(tmp_path, monkeypatch):
+    from megarl.data.sft import load_demonstrations
+
+    task = write_task(tmp_path, "sft")
+    import_plugins([str(task)])
+    dotted = TASK[TASK.index("def demos("):TASK.index("def demos_without_seed")].replace("{{", "{").replace("}}", "}")
+    (tmp_path / "sft_dotted.py").write_text(dotted)  # the same builder in a module on sys.path
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"question": "q0"}, {"question": "q1"}, {"question": "q2"}]
+    expected = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "7"}] for i in range(2)]
+    for source in ("sft_demos", f"{task}:demos", "sft_dotted:demos"):
+        got = load_demonstrations(source, rows, system_prompt=None, tool_fraction=1.0, seed=7, limit=2)
+        assert got == expected, source
+    with pytest.raises(PluginError, match="sft.demonstrations: module 'sft_dotted' has no attribute 'demo'"):
+        load_demonstrations("sft_dotted:demo", rows, system_prompt=None, tool_fraction=1.0, seed=7, limit=2)
+    with pytest.raises(PluginError, match="sft.demonstrations: unknown demonstration builder 'sft_demo'.*sft_demos"):
+        load_demonstrations("sft_demo", rows, system_prompt=None, tool_fraction=1.0, seed=7, limit=2)
+    with pytest.raises(ValueError, match="sft.demonstrations: file not found"):
+        load_demonstrations(str(tmp_path / "none.jsonl"), rows, system_prompt=None, tool_fraction=1.0, seed=7, limit=2)
+
+
 def test_validate_accepts_plugins_and_import_paths(tmp_path, monkeypatch, capsys, base_overrides):
     task = write_task(tmp_path, "ok")
     code, out = validate(monkeypatch, capsys, [*base_overrides, f"plugins=[{task}]", "rollout.tools={ok_echo: {upper: true}}",
                                                f"rollout.reward={task}:exact", "rollout.reward_kwargs={bonus: 1.0}",
                                                "rollout.agent.name=ok_once", "data.dataset=ok_numbers",
-                                               "data.train_path=anything"])
+                                               "data.train_path=anything", f"sft.demonstrations={task}:demos"])
     assert code == 0, out.err
     assert out.out.startswith("OK configs/base.yaml")
 
@@ -124,7 +157,8 @@ def test_validate_names_the_key_of_each_bad_name(tmp_path, monkeypatch, capsys, 
         "rollout.tools={bad_ecoh: {}}",                              # misspelled registry name
         f"rollout.reward={task}:exat",                               # misspelled attribute
         "rollout.agent.name=my_pkg.agnets:loop",                     # misspelled module
-        "data.dataset=bad_numbers", "data.dataset_kwargs={cuont: 2}"])  # kwargs the reader does not take
+        "data.dataset=bad_numbers", "data.dataset_kwargs={cuont: 2}",  # kwargs the reader does not take
+        f"sft.demonstrations={task}:demso"])                          # misspelled builder attribute
     assert code == 2
     lines = out.err.splitlines()
     assert any(ln.startswith("  - rollout.tools.bad_ecoh=") and "unknown tool 'bad_ecoh'" in ln
@@ -132,6 +166,12 @@ def test_validate_names_the_key_of_each_bad_name(tmp_path, monkeypatch, capsys, 
     assert any(ln.startswith("  - rollout.reward=") and "has no attribute 'exat'" in ln for ln in lines), out.err
     assert any(ln.startswith("  - rollout.agent.name=") and "no module named 'my_pkg'" in ln for ln in lines), out.err
     assert any(ln.startswith("  - data.dataset=") and "cuont" in ln for ln in lines), out.err
+    assert any(ln.startswith("  - sft.demonstrations=") and "has no attribute 'demso'" in ln for ln in lines), out.err
+    for bad, message in (("examples/arithmetic_tool/tsak.py:demonstrations", "plugin file not found"),
+                         ("my_tasks.arith:demonstrations", "no module named 'my_tasks'"),
+                         ("gsm8k_pyton", "unknown demonstration builder 'gsm8k_pyton'")):
+        code, out = validate(monkeypatch, capsys, [*base_overrides, f"sft.demonstrations={bad}"])
+        assert code == 2 and "  - sft.demonstrations=" in out.err and message in out.err, out.err
 
 
 def test_validate_rejects_wrong_protocols(tmp_path, monkeypatch, capsys, base_overrides):
@@ -140,11 +180,13 @@ def test_validate_rejects_wrong_protocols(tmp_path, monkeypatch, capsys, base_ov
         *base_overrides, f"rollout.tools={{'{task}:SyncTool': {{}}}}",  # __call__ is not async
         f"rollout.reward={task}:Echo",                                   # a class without reward kwargs...
         "rollout.reward_kwargs={scale: 2}",
-        f"rollout.agent.name={task}:exact"])                             # not a coroutine function
+        f"rollout.agent.name={task}:exact",                              # not a coroutine function
+        f"sft.demonstrations={task}:demos_without_seed"])                # no seed parameter
     assert code == 2
     assert "SyncTool is not a Tool: it needs `async def __call__" in out.err
     assert "rollout.reward_kwargs do not fit Echo" in out.err
     assert "rollout.agent.name=" in out.err and "is not an agent loop" in out.err
+    assert "sft.demonstrations=" in out.err and "builder(rows, *, system_prompt, tool_fraction, seed)" in out.err
 
 
 def test_a_plugin_that_fails_to_import_is_reported_with_its_index(tmp_path, monkeypatch, capsys, base_overrides):
@@ -163,6 +205,7 @@ def test_relative_plugin_files_become_absolute(monkeypatch):
     absolute_specs(cfg)
     assert cfg.plugins == [str(REPO / "examples/arithmetic_tool/task.py")]
     assert cfg.rollout.reward == "arithmetic_answer"  # registry names are left alone
+    assert cfg.sft.demonstrations == f"{REPO / 'examples/arithmetic_tool/task.py'}:demonstrations"
     with pytest.raises(PluginError, match="rollout.reward: unknown reward 'nope'"):
         resolve("nope", {}, key="rollout.reward", kind="reward")
 

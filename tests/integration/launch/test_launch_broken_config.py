@@ -22,7 +22,8 @@ def _train(tmp_path, *overrides):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("override, names", [
     ("parallel.expert_model_parallel_size=3", "parallel.expert_model_parallel_size"),  # cross-field (validate)
-    ("sft.demonstrations=missing_builder", "sft.demonstrations"),                       # found by the driver
+    ("sft.demonstrations=missing_builder", "sft.demonstrations"),                       # unknown builder (validate)
+    ("sft.demonstrations=runs/missing/demos.jsonl", "sft.demonstrations"),              # missing file (the driver)
 ])
 def test_broken_config_fails_before_ray(tmp_path, override, names):
     code, out, wall_s = _train(tmp_path, override)

@@ -25,8 +25,10 @@ def test_compact_template_names_tools_and_keeps_the_qwen_tool_format(tiny_moe_di
         from make_model import compact_template
     finally:
         sys.path.remove(str(EXAMPLE))
-    from megarl.data.arithmetic import demonstration
+    from megarl.plugins import import_module
     from megarl.rollout.tools import build_tools
+
+    demonstration = import_module(str(EXAMPLE / "task.py"), "plugins").demonstration
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_moe_dir)
     row = {"question": 'What is "48 + 73"?', "answer": "121", "expression": "48 + 73"}

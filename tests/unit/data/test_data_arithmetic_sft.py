@@ -1,10 +1,18 @@
-"""The learning-demo task and SFT demonstrations tokenised as rollouts are."""
+"""The learning-demo task (examples/arithmetic_tool/task.py, a plugin file) and its SFT
+demonstrations tokenised as rollouts are."""
 import json
+import random
+from pathlib import Path
 
 import pytest
 
-from megarl.data.arithmetic import demonstration, demonstrations, make_arithmetic_rows, split_disjoint
-from megarl.data.sft import DemonstrationError, demonstration_to_trajectory
+from megarl.data.sft import DemonstrationError, demonstration_to_trajectory, load_demonstrations
+from megarl.plugins import import_module
+
+TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "arithmetic_tool" / "task.py"
+task = import_module(str(TASK_FILE), "plugins")  # the module the recipe's plugins: and import path name
+demonstration, demonstrations = task.demonstration, task.demonstrations
+make_arithmetic_rows, split_disjoint = task.make_arithmetic_rows, task.split_disjoint
 
 CALC_SCHEMA = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -38,6 +46,26 @@ def test_demonstrations_mix_tool_and_direct_answers():
     row = rows[demos.index(with_tool[0])]
     assert call["name"] == "calculator" and json.loads(call["arguments"]) == {"expression": row["expression"]}
     assert with_tool[0][-1]["content"] == f"\\boxed{{{row['answer']}}}"
+
+
+def test_the_recipes_import_path_builds_the_calculator_demonstrations():
+    """sft.demonstrations as the recipe names it: the messages written out by hand, the tool choice
+    drawn as one seeded uniform per row (random.Random(seed).random() < tool_fraction)."""
+    rows = [{"question": 'What is "48 + 73"?', "answer": "121", "expression": "48 + 73"},
+            {"question": 'What is "90 - 15"?', "answer": "75", "expression": "90 - 15"}] * 20
+    got = load_demonstrations(f"{TASK_FILE}:demonstrations", rows, system_prompt="Be brief.",
+                              tool_fraction=0.5, seed=3, limit=40)
+    draws = random.Random(3)
+    assert len(got) == 40
+    for row, messages in zip(rows, got):
+        head = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": row["question"]}]
+        call = {"type": "function", "function": {"name": "calculator",
+                                                 "arguments": '{"expression": "%s"}' % row["expression"]}}
+        tool = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": row["answer"]}]
+        answer = [{"role": "assistant", "content": "\\boxed{%s}" % row["answer"]}]
+        assert messages == head + (tool if draws.random() < 0.5 else []) + answer
+    assert 0 < sum(len(m) == 5 for m in got) < 40  # both kinds drawn
 
 
 def test_sft_trajectory_matches_the_rendered_conversation(tiny_dense_dir):

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
+from megarl.plugins import import_module
 from megarl.rollout.tools import register_tool
 
-_spec = importlib.util.spec_from_file_location(
-    "_arithmetic_task", Path(__file__).resolve().parents[3] / "examples/arithmetic_tool/task.py")
-_arithmetic = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_arithmetic)  # registers arithmetic_calculator / arithmetic_answer
+# Imported as megarl imports plugin files (one module per absolute path), so the recipe's
+# sft.demonstrations (examples/arithmetic_tool/task.py:demonstrations) finds this same module and
+# its tool and reward are registered once.
+_arithmetic = import_module(str(Path(__file__).resolve().parents[3] / "examples/arithmetic_tool/task.py"),
+                            "plugins")
 
 
 def tool_delay_s(expression: str, *, fast_s: float, tail_s: float, tail_every: int) -> float:
