@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import sys
 
-from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
 
 def main(argv=None) -> int:

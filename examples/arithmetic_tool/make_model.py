@@ -3,7 +3,7 @@
 
     python examples/arithmetic_tool/make_model.py OUT_DIR [--seed N]
 
-The model is ``megarl.testing.tiny_model`` 's tiny Qwen3-MoE (2 layers, 8 experts, top-2, local
+The model is ``megarl.models.tiny`` 's tiny Qwen3-MoE (2 layers, 8 experts, top-2, local
 BPE tokenizer) with RoPE base 10,000 instead of 1,000,000 (a 64-wide model needs the faster
 rotary frequencies to attend to a token a fixed distance back). One thing differs from Qwen's
 template: the system block lists the tools by name (``# Tools: calculator``) instead of their
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megarl.testing.tiny_model import CHAT_TEMPLATE, TinyModelSpec, make_tiny_model
+from megarl.models.tiny import CHAT_TEMPLATE, TinyModelSpec, make_tiny_model
 
 _TOOLS_START = "{{- '# Tools\\n\\n"
 _TOOLS_END = "</tool_call><|im_end|>\\n' }}"

@@ -44,7 +44,7 @@ CALL_REGEX = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression"
 
 
 def questions(n: int) -> list[str]:
-    from megarl.testing.tiny_model import gsm8k_texts
+    from megarl.models.tiny import gsm8k_texts
 
     texts = gsm8k_texts()
     return [next(texts) for _ in range(2 * n)][::2][:n]
@@ -127,7 +127,7 @@ async def orchestration(url: str, tokenizer, history_tokens: int, turns: int, re
 
 def launch(model: str | None, workdir: str):
     from megarl.rollout.engine import EngineProcess
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     if model is None:
         model = str(make_tiny_model(Path(workdir) / "tiny_moe_long",

@@ -1,7 +1,7 @@
 """Tokens/s of one megarl training step vs a plain transformers forward + backward, same process.
 
 Both sides train the same Hugging Face model (default: the tiny Qwen3-MoE of
-``megarl.testing.tiny_model``, fp32, CPU) on the same GSM8K-length batch (prompt = chat-templated
+``megarl.models.tiny``, fp32, CPU) on the same GSM8K-length batch (prompt = chat-templated
 question, response = reference answer, tokenised with the model's tokenizer):
 
 - megarl: ``Trainer.train_step`` (Megatron-Core, TP1, world size 1; token-budget micro batches;
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def gsm8k_sequences(tokenizer, num: int, seed: int) -> list[tuple[list[int], list[int]]]:
     """``num`` (prompt_ids, response_ids) pairs from GSM8K train rows."""
-    from megarl.testing.tiny_model import _gsm8k_dir
+    from megarl.models.tiny import _gsm8k_dir
 
     rows = [json.loads(line) for line in open(_gsm8k_dir() / "train.jsonl")]
     rows = random.Random(seed).sample(rows, num)
@@ -177,7 +177,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = args.hf_dir
         if hf_dir is None:
-            from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+            from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
             hf_dir = str(make_tiny_model(Path(tmp) / "tiny_moe", TinyModelSpec(family="qwen3_moe")))
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)

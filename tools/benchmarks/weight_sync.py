@@ -89,7 +89,7 @@ def plan_ratios() -> dict:
 
 def make_model(workdir: Path, size_gb: float) -> Path:
     """A bf16 Qwen3-MoE of about ``size_gb`` GB (random weights, the tiny model's tokenizer)."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     layers = max(2, -(-int(size_gb * 1e9) // (64 * 3 * 1024 * 512 * 2)))
     out = workdir / f"qwen3_moe_{size_gb:g}gb"
