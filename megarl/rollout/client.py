@@ -24,19 +24,22 @@ import uuid
 from typing import Any, Sequence
 
 import aiohttp
-import torch
 
 from megarl.rollout.errors import (  # noqa: F401  (EngineError and the others: part of this interface)
     EngineConnectionLost, EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError)
 from megarl.rollout.payloads import (  # noqa: F401  (re-exported)
     REBUILD_CUDA_DEVICE_ARG, decode_routed_experts, device_uuid_args, serialize_named_tensors)
+from megarl.rollout.client_weights import WeightUpdateEndpoints
 from megarl.rollout.types import GenerateOutput
 
 log = logging.getLogger(__name__)
 
 
-class SGLangClient:
+class SGLangClient(WeightUpdateEndpoints):
     """Async client of one SGLang server; implements :class:`megarl.rollout.types.RolloutEngine`.
+
+    Transport, generation and control are here; the weight-update endpoints come from
+    :class:`~megarl.rollout.client_weights.WeightUpdateEndpoints`.
 
     Args:
         url: ``http://host:port`` of the server.
@@ -311,100 +314,6 @@ class SGLangClient:
         """Re-allocate what :meth:`release_memory_occupation` released."""
         await self._post("/resume_memory_occupation", {"tags": list(tags) if tags else None},
                          expect_json=False)
-
-    # ------------------------------------------------------------------ weight updates
-    async def begin_weight_update(self, selector: str = "all") -> dict:
-        """Open a weight-update session (required around tensor / distributed updates in 0.5.23)."""
-        return await self._post_checked("/begin_weight_update", {"selector": selector})
-
-    async def end_weight_update(self) -> dict:
-        """Close the weight-update session opened by :meth:`begin_weight_update`."""
-        return await self._post_checked("/end_weight_update", {})
-
-    async def init_weights_update_group(self, *, master_address: str, master_port: int,
-                                        rank_offset: int, world_size: int,
-                                        group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> dict:
-        """Make the engine's TP ranks join a process group with the trainer.
-
-        Engine rank ``tp_rank`` becomes group rank ``rank_offset + tp_rank`` of ``world_size``;
-        the caller must join concurrently (this call returns when the group is formed).
-        ``backend``: ``nccl`` on GPU, ``gloo`` on CPU.
-        """
-        return await self._post_checked("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port,
-            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
-            "backend": backend})
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        """Leave and destroy the weight-update process group."""
-        return await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
-
-    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]], *,
-                                              group_name: str = "weight_update_group",
-                                              weight_version: str | None = None,
-                                              flush_cache: bool = True,
-                                              load_format: str | None = None) -> dict:
-        """Receive full HF-named tensors broadcast by group rank 0 (the caller broadcasts
-        concurrently, in ``names`` order; ``load_format="flattened_bucket"`` = one flat buffer).
-
-        SGLang ignores names it does not know and still reports success: verify by logprobs.
-        """
-        payload = {"names": list(names), "dtypes": list(dtypes),
-                   "shapes": [list(s) for s in shapes], "group_name": group_name,
-                   "flush_cache": flush_cache, "weight_version": weight_version}
-        if load_format is not None:
-            payload["load_format"] = load_format
-        return await self._post_checked("/update_weights_from_distributed", payload)
-
-    async def update_weights_from_tensor(
-            self, per_rank: Sequence[str | Sequence[tuple[str, torch.Tensor]]], *,
-            load_format: str | None = None, flush_cache: bool = True,
-            weight_version: str | None = None) -> dict:
-        """Load tensors into the engine, one payload per engine TP rank.
-
-        Args:
-            per_rank: element ``r`` goes to TP rank ``r`` only: either ``[(hf_name, tensor), ...]``
-                (serialised here with :func:`serialize_named_tensors`) or an already serialised
-                payload string.
-            load_format: None (full HF tensors, SGLang slices them), ``direct`` (engine-internal
-                layout), ``flattened_bucket``, or a ``--custom-weight-loader`` import path.
-        """
-        payloads = [p if isinstance(p, str) else serialize_named_tensors(p) for p in per_rank]
-        payload = {"serialized_named_tensors": payloads, "flush_cache": flush_cache,
-                   "weight_version": weight_version}
-        if load_format is not None:
-            payload["load_format"] = load_format
-        return await self._post_checked("/update_weights_from_tensor", payload)
-
-    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
-                                       weight_version: str | None = None,
-                                       flush_cache: bool = True) -> dict:
-        """Reload all weights from a model directory the engine can read."""
-        payload = {"model_path": str(model_path), "weight_version": weight_version,
-                   "flush_cache": flush_cache}
-        if load_format is not None:
-            payload["load_format"] = load_format
-        return await self._post_checked("/update_weights_from_disk", payload)
-
-    async def update_weight_version(self, version: str) -> dict:
-        """Set the engine's ``weight_version`` (reported in every response's ``meta_info``) without
-        aborting running requests."""
-        return await self._post_checked("/update_weight_version",
-                                        {"new_version": str(version), "abort_all_requests": False})
-
-    async def prompt_logprobs(self, input_ids: Sequence[int]) -> list[float]:
-        """Teacher-forced logprobs of ``input_ids[1:]`` under the engine's current weights.
-
-        Returns:
-            ``[P - 1]`` floats: ``log p(input_ids[t] | input_ids[:t])`` for ``t = 1 .. P-1``.
-        """
-        result = await self._post("/generate", {
-            "input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
-        entries = result["meta_info"]["input_token_logprobs"]
-        return [float(e[0]) for e in entries[1:]]
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.engine_id})"
