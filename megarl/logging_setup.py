@@ -10,13 +10,19 @@ alone, so megarl's own warnings and every unknown third-party warning still reac
   model output (an undefined function, malformed JSON); megarl already turns a bad call into an
   observation for the policy, so these are demoted to DEBUG (shown only at ``logging.level=DEBUG``).
 
+Besides, Hugging Face's tqdm bars (transformers' "Writing model shards" when a tiny model or an HF
+export is saved, huggingface_hub's downloads) are turned off when stderr is not a terminal: in a log
+file or a Slurm output they are carriage-return debris (`quiet_progress_bars`).
+
 `install` is idempotent; the driver calls it at start and Ray runs it in every worker process
 through the job's ``worker_process_setup_hook`` (`ray_setup_hook`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -73,7 +79,43 @@ def install() -> None:
         demote = _Demote(pattern)
         for name in _module_names(package):
             logging.getLogger(name).addFilter(demote)
+    quiet_progress_bars()
     _installed = True
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def quiet_progress_bars(stream: Any = None) -> bool:
+    """Turn off Hugging Face's progress bars in this process when ``stream`` is not a terminal.
+
+    ``huggingface_hub.utils.disable_progress_bars()`` switches off the hub's bars, and transformers
+    (5.x) starts with its own bars off when the hub's are off at its import
+    (``transformers.utils.logging._tqdm_active``); if transformers is already imported, its
+    ``disable_progress_bar()`` switches them off now. A user's ``HF_HUB_DISABLE_PROGRESS_BARS``
+    (either value) is left to decide.
+
+    Args:
+        stream: where the bars would be drawn (default ``sys.stderr``, tqdm's stream).
+
+    Returns:
+        Whether the bars were turned off.
+    """
+    if _is_terminal(sys.stderr if stream is None else stream) or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        return False
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # no Hugging Face stack, no bars
+        return False
+    disable_progress_bars()
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
+    return True
 
 
 def _module_names(package: str) -> list[str]:
