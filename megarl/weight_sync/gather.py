@@ -29,7 +29,8 @@ from megarl.weight_sync.placement import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+           "float8_e4m3fn": torch.float8_e4m3fn}
 RING_SLOTS = 3
 
 

@@ -20,6 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+from megarl.checkpoint.fp8_blocks import BlockFP8
+from megarl.weight_sync.fp8_wire import wire_specs
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecError
 
@@ -66,11 +68,24 @@ class Bucket:
     params: tuple[ParamTransfer, ...]
     hf_tensors: tuple[HFTensorSpec, ...]
     """Wire order (decreasing element size)."""
+    wire_tensors: tuple[HFTensorSpec, ...] = ()
+    """What the engines receive when it differs from ``hf_tensors`` (block-FP8 served checkpoint:
+    FP8 weights and their ``_scale_inv``, wire order; see :mod:`megarl.weight_sync.fp8_wire`)."""
 
     @property
     def nbytes(self) -> int:
         """HF bytes in the bucket."""
         return sum(t.nbytes for t in self.hf_tensors)
+
+    @property
+    def wire(self) -> tuple[HFTensorSpec, ...]:
+        """The tensors the engines receive (``wire_tensors``, else ``hf_tensors``)."""
+        return self.wire_tensors or self.hf_tensors
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Bytes the engines receive of this bucket (each engine rank: its slices of them)."""
+        return sum(t.nbytes for t in self.wire)
 
     def gather_bytes(self) -> dict[int, int]:
         """Bytes each non-sender source rank sends to the sender for this bucket."""
@@ -109,6 +124,8 @@ class WeightSyncPlan:
     buckets: tuple[Bucket, ...]
     num_experts: int
     bucket_size_bytes: int
+    quantization: Optional[BlockFP8] = None
+    """The served checkpoint's block-FP8 settings: the sender quantises (``Bucket.wire_tensors``)."""
 
     def stage_buckets(self, pp_rank: int) -> tuple[Bucket, ...]:
         return tuple(b for b in self.buckets if b.pp_rank == pp_rank)
@@ -117,9 +134,19 @@ class WeightSyncPlan:
         for b in self.buckets:
             yield from b.hf_tensors
 
+    def wire_tensors(self) -> Iterator[HFTensorSpec]:
+        """What the engines receive, bucket by bucket (the served checkpoint's tensors)."""
+        for b in self.buckets:
+            yield from b.wire
+
     @property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of :meth:`wire_tensors` (``total_bytes`` unless the engines serve FP8)."""
+        return sum(b.wire_nbytes for b in self.buckets)
 
     def involves(self, trainer_rank: int) -> bool:
         """True when ``trainer_rank`` sends or gathers anything."""
@@ -138,13 +165,14 @@ class WeightSyncPlan:
         return engine_slices(tensor, self.engine_layout, self.num_experts)
 
     def engine_shard_bytes(self) -> list[int]:
-        """Bytes of HF tensor data each engine rank (of one engine) holds: its shard size."""
+        """Bytes of served tensor data (:meth:`wire_tensors`) each engine rank (of one engine) holds:
+        its shard size."""
         return list(self._engine_shard_bytes)
 
     @functools.cached_property
     def _engine_shard_bytes(self) -> tuple[int, ...]:
         sizes = [0] * self.engine_layout.tp_size
-        for t in self.hf_tensors():
+        for t in self.wire_tensors():
             for rank, sl in engine_slices(t, self.engine_layout, self.num_experts).items():
                 sizes[rank] += _numel(sl.shape(t.shape)) * t.itemsize
         return tuple(sizes)
@@ -159,7 +187,7 @@ class WeightSyncPlan:
             raise PlanError(f"unknown transport {transport!r} (known: {', '.join(TRANSPORTS)})")
         if transport in ("shard", "p2p"):
             return self.engine_shard_bytes()
-        return [self.total_bytes] * self.engine_layout.tp_size
+        return [self.wire_bytes] * self.engine_layout.tp_size
 
     def summary(self, transport: str) -> dict[str, float]:
         """Plan-level metrics (``weight_sync/*``): buckets, bytes, bytes per engine rank / shard."""
@@ -169,6 +197,7 @@ class WeightSyncPlan:
         return {
             "weight_sync/buckets": float(len(self.buckets)),
             "weight_sync/hf_bytes": float(self.total_bytes),
+            "weight_sync/wire_bytes": float(self.wire_bytes),
             "weight_sync/engine_rank_bytes_max": float(max(received)),
             "weight_sync/engine_shard_bytes_max": float(max(shard)),
             "weight_sync/engine_bytes_over_shard_max": max(ratios) if ratios else 0.0,
@@ -223,7 +252,7 @@ def _wire_order(params: Sequence[ParamTransfer]) -> tuple[HFTensorSpec, ...]:
 
 
 def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param_specs: Sequence[ParamSpec],
-               *, bucket_size_mb: float = 512) -> WeightSyncPlan:
+               *, bucket_size_mb: float = 512, quantization: Optional[BlockFP8] = None) -> WeightSyncPlan:
     """Plan one weight sync from metadata alone.
 
     Args:
@@ -231,6 +260,8 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         engine_layout: SGLang engine layout.
         param_specs: every Megatron parameter of the model (global names), in model order.
         bucket_size_mb: bucket size in MiB (HF bytes); a larger single parameter gets its own bucket.
+        quantization: the served checkpoint's block-FP8 settings (``quantization_config``); each
+            bucket then carries the FP8 weights and scales the engines receive (``wire_tensors``).
 
     Returns:
         The plan.
@@ -260,21 +291,25 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         per_stage[pp_rank].append(ParamTransfer(p, pp_rank, vp_rank, _sources(p, trainer_layout, pp_rank, num_experts)))
     limit = int(bucket_size_mb * MIB)
     buckets: list[Bucket] = []
+
+    def close(pp_rank: int, transfers: list[ParamTransfer]) -> None:
+        hf = _wire_order(transfers)
+        wire = wire_specs(hf, quantization) if quantization is not None else ()
+        buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank), tuple(transfers), hf, wire))
+
     for pp_rank in sorted(per_stage):
         current: list[ParamTransfer] = []
         current_bytes = 0
         for t in per_stage[pp_rank]:
             size = sum(h.nbytes for h in t.param.hf)
             if current and current_bytes + size > limit:
-                buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank),
-                                      tuple(current), _wire_order(current)))
+                close(pp_rank, current)
                 current, current_bytes = [], 0
             current.append(t)
             current_bytes += size
         if current:
-            buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank),
-                                  tuple(current), _wire_order(current)))
-    return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit)
+            close(pp_rank, current)
+    return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit, quantization)
 
 
 def sglang_padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -304,11 +339,27 @@ def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) 
         PlanError: a dimension that does not split, or a vocabulary SGLang would pad (its pre-sharded
             vocab loader accepts only ``vocab_size / T`` rows per rank).
     """
+    if tensor.scale_of is not None:
+        return {r: _block_slice(tensor, sl) for r, sl in engine_slices(tensor.scale_of, layout, num_experts).items()}
     if tensor.expert is not None:
         moe_tp = layout.moe_tp_size
         ep_rank = tensor.expert // (num_experts // layout.ep_size)
         return {ep_rank * moe_tp + k: _split(tensor, moe_tp, k) for k in range(moe_tp)}
     return {r: _split(tensor, layout.tp_size, r) for r in range(layout.tp_size)}
+
+
+def _block_slice(scale: HFTensorSpec, weight_slice: TensorSlice) -> TensorSlice:
+    """The scale blocks of an engine rank's slice of a block-FP8 weight (SGLang's
+    ``BlockQuantScaleParameter``: the weight's split, in whole blocks)."""
+    if weight_slice.axis is None:
+        return weight_slice
+    axis, weight = weight_slice.axis, scale.scale_of
+    b = scale.block[axis]
+    if weight_slice.start % b or (weight_slice.stop % b and weight_slice.stop != weight.shape[axis]):
+        raise PlanError(f"{weight.name}: an engine rank holds {('rows', 'columns')[axis]} [{weight_slice.start}, "
+                        f"{weight_slice.stop}), not whole {b}-element FP8 blocks (SGLang refuses block-FP8 layers "
+                        f"split like this)")
+    return TensorSlice(axis, weight_slice.start // b, -(-weight_slice.stop // b))
 
 
 def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:

@@ -55,11 +55,19 @@ class HFTensorSpec:
     """Global expert id for routed-expert tensors; None otherwise."""
     head_dim: int = 0
     """Rows per head (``EngineSplit.KV_HEADS`` only)."""
+    scale_of: Optional["HFTensorSpec"] = None
+    """For a block-FP8 scale (``<weight>_scale_inv``): the FP8 weight it scales; each engine rank
+    holds the blocks of its slice of that weight (:mod:`megarl.weight_sync.fp8_wire`)."""
+    block: tuple[int, ...] = ()
+    """``(rows, cols)`` of weight per scale element (``scale_of`` only)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"{self.name}: unknown dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
-        if self.engine_split is EngineSplit.KV_HEADS and (self.head_dim <= 0 or self.shape[0] % self.head_dim):
+        if self.scale_of is not None and len(self.block) != 2:
+            raise SpecError(f"{self.name}: a block scale needs block=(rows, cols), got {self.block}")
+        kv_heads = self.engine_split is EngineSplit.KV_HEADS and self.scale_of is None  # a scale: its weight's split
+        if kv_heads and (self.head_dim <= 0 or self.shape[0] % self.head_dim):
             raise SpecError(f"{self.name}: kv_heads split needs head_dim dividing {self.shape[0]}, got {self.head_dim}")
 
     @property

@@ -11,7 +11,8 @@ Ordering of one sync (the steps of :meth:`WeightSynchronizer.sync`, in this orde
 2. **push** every bucket (``/begin_weight_update`` ... ``/end_weight_update`` around it for the
    transports that need a session); with the ``distributed`` transport the stages push one after
    another (a token passed from sender to sender over a gloo group, so that the next stage's host
-   really waits for it) because they share the engines' collectives;
+   really waits for it) because they share the engines' collectives; engines serving a block-FP8
+   checkpoint receive each bucket quantised to it (:mod:`megarl.weight_sync.fp8_wire`);
 3. **flush** the engines' prefix cache (cached KV was computed with the old weights);
 4. set the engines' **weight_version** to the policy version;
 5. **continue** generation.
@@ -74,6 +75,7 @@ class WeightSynchronizer:
         self.transport_name = transport
         self._connected = False
         self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
+        self._wire_ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # quantised buckets (FP8 engines)
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
@@ -193,7 +195,7 @@ class WeightSynchronizer:
                 "weight_sync/verify_logprob_diff_max": result[2].item()}
 
     def _push(self, gatherer: StageGatherer, version: str) -> dict[str, float]:
-        stats = {"gather_s": 0.0, "convert_s": 0.0, "transfer_s": 0.0, "engine_load_s": 0.0,
+        stats = {"gather_s": 0.0, "convert_s": 0.0, "quantize_s": 0.0, "transfer_s": 0.0, "engine_load_s": 0.0,
                  "bytes_sent": 0.0, "gather_bytes": 0.0}
         if not self.is_sender:
             stats["gather_bytes"] = float(gatherer.send_contributions())
@@ -205,6 +207,12 @@ class WeightSynchronizer:
         ordered = transport.ordered_stages and len(senders) > 1
         # Contributions of this stage are gathered while we may still wait for our turn.
         buckets = gatherer.iter_hf_buckets()
+        quantizer = None
+        if self.plan.quantization is not None:  # the engines serve block FP8: send what they hold
+            from megarl.weight_sync.fp8_wire import WireQuantizer
+
+            quantizer = WireQuantizer(self.plan.quantization, self._wire_ring)
+            buckets = quantizer.wrap(buckets)
         first = next(buckets, None)
         if ordered and index > 0:
             self._token(False, senders[index - 1])
@@ -217,13 +225,15 @@ class WeightSynchronizer:
             self._token(True, senders[index + 1])
         stats.update(gather_s=gatherer.timings.gather_s, convert_s=gatherer.timings.convert_s,
                      transfer_s=transport.stats.transfer_s, engine_load_s=transport.stats.engine_load_s,
-                     bytes_sent=float(transport.stats.bytes_sent))
+                     bytes_sent=float(transport.stats.bytes_sent),
+                     quantize_s=quantizer.quantize_s if quantizer is not None else 0.0)
         self._rank_bytes = list(transport.stats.engine_rank_bytes)
         return stats
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         """Max of the times and sum of the bytes over trainer ranks; plan-level byte ratios."""
-        times = ("weight_sync_s", "engine_paused_s", "gather_s", "convert_s", "transfer_s", "engine_load_s")
+        times = ("weight_sync_s", "engine_paused_s", "gather_s", "convert_s", "quantize_s", "transfer_s",
+                 "engine_load_s")
         sums = ("bytes_sent", "gather_bytes")
         tp = self.plan.engine_layout.tp_size
         rank_bytes = getattr(self, "_rank_bytes", [0] * tp) if self.is_sender else [0] * tp
@@ -238,6 +248,7 @@ class WeightSynchronizer:
         out.update({f"weight_sync/{k}": v for k, v in zip(sums, s[:len(sums)].tolist())})
         out.update({"weight_sync/buckets": float(len(self.plan.buckets)),
                     "weight_sync/hf_bytes": float(self.plan.total_bytes),
+                    "weight_sync/wire_bytes": float(self.plan.wire_bytes),
                     "weight_sync/engine_rank_bytes_max": max(received),
                     "weight_sync/engine_shard_bytes_max": float(max(shard)),
                     "weight_sync/engine_bytes_over_shard_max": max(r / s for r, s in zip(received, shard) if s)})
@@ -273,7 +284,8 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
     """A :class:`WeightSynchronizer` for a trainer rank (call on every rank, same arguments).
 
     Args:
-        hf_dir: the policy's HF directory (architecture; the engines' checkpoint for the manifest check).
+        hf_dir: the policy's HF directory (architecture; the engines' checkpoint for the manifest check;
+            its ``quantization_config``: block-FP8 engines get FP8 weights, see ``fp8_wire``).
         parallel: this rank's ``megarl.training.parallel_state.ParallelState``.
         engine_urls: every engine to update.
         cfg: the ``weight_sync`` config section (transport, bucket size, backend, pause mode, timeout).
@@ -290,6 +302,7 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
     """
     from megarl.checkpoint.families import get_family
     from megarl.training.model import load_hf_config
+    from megarl.weight_sync.fp8_wire import served_quantization
     from megarl.weight_sync.placement import Placement
     from megarl.weight_sync.layout import EngineLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
@@ -302,7 +315,8 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
     engine_layout = EngineLayout(tensor_parallel_size=engine_tp_size, expert_parallel_size=engine_ep_size,
                                  num_engines=len(engine_urls))
     plan = build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
-                      bucket_size_mb=cfg.bucket_size_mb)
+                      bucket_size_mb=cfg.bucket_size_mb,
+                      quantization=served_quantization(hf_config, source=f"{hf_dir}/config.json"))
     layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                           tp_size=parallel.tp_size)
     return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, placement=Placement(layout),

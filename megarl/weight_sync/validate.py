@@ -4,7 +4,7 @@ SGLang 0.5.23 ignores tensor names it does not know and still answers ``success`
 tensor leaves stale weights), and an exception inside its loader kills the server. Everything is
 therefore checked here, before a byte is sent:
 
-1. :func:`check_plan_against_manifest` (once per plan): the plan's HF tensors and the engine's
+1. :func:`check_plan_against_manifest` (once per plan): the plan's wire tensors and the engine's
    checkpoint (``model.safetensors`` headers of the served model) have the same names, shapes and
    dtypes: an unknown name, a missing tensor or a shape / dtype mismatch is an error.
 2. :func:`check_local_params` (once per plan, every rank): this rank holds every shard the plan
@@ -60,7 +60,7 @@ def check_plan_against_manifest(plan: WeightSyncPlan, manifest: Mapping[str, tup
     Raises:
         WeightSyncError: lists unknown names, missing tensors and shape / dtype mismatches.
     """
-    planned = {t.name: t for t in plan.hf_tensors()}
+    planned = {t.name: t for t in plan.wire_tensors()}  # FP8 weights and scales for a block-FP8 engine
     problems = []
     unknown = sorted(set(planned) - set(manifest))
     if unknown:
