@@ -33,11 +33,20 @@ _PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def copy_hf_metadata(src: Path, dst: Path) -> None:
-    """Copy every non-weight file of an HF directory (config, generation config, tokenizer, template)."""
+    """Copy every non-weight file of an HF directory (config, generation config, tokenizer, template).
+
+    A ``quantization_config`` is left out of the copied ``config.json``: the weights megarl writes
+    beside it are never quantised (a block-FP8 source is dequantised on import).
+    """
     dst.mkdir(parents=True, exist_ok=True)
     for item in sorted(Path(src).iterdir()):
         if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copy2(item, dst / item.name)
+    config_file = dst / "config.json"
+    if config_file.exists():
+        config = json.loads(config_file.read_text())
+        if config.pop("quantization_config", None) is not None:
+            config_file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _atomic_dir(out_dir: Path, overwrite: bool) -> Path:

@@ -146,7 +146,7 @@ def _bytes_view(tensor: torch.Tensor) -> memoryview:
 def read_hf_into(param: torch.Tensor, reader, names: Sequence[str], entry, layout, rank: int, size: int) -> bool:
     """Fill ``param`` (contiguous CPU) with its shard of the HF tensors ``names`` without
     intermediate tensors. Returns False (``param`` untouched) when the fast path does not apply:
-    a dtype or trailing-shape mismatch, or a conversion that is not a row selection.
+    a dtype or trailing-shape mismatch, a stored FP8 weight, or a conversion that is not a row selection.
 
     Raises:
         CheckpointFileError: a short read (names the tensor and file).
@@ -154,6 +154,8 @@ def read_hf_into(param: torch.Tensor, reader, names: Sequence[str], entry, layou
     from megarl.checkpoint.hf_io import CheckpointFileError
 
     if not param.is_contiguous() or param.dim() == 0:
+        return False
+    if any(reader.dequantizes(n) for n in names):  # stored FP8: only reader.get dequantises
         return False
     specs = [reader.location(n) for n in names]
     tail = tuple(param.shape[1:])

@@ -3,7 +3,15 @@
 Reading: :class:`HFCheckpointReader` reads one tensor at a time with positioned reads (no mmap, so
 the process's resident memory holds only the tensors being converted). Shards are checked up front:
 a shard named by the index but absent, or shorter than its header declares, is an error that names
-the file. Writing: :class:`SafetensorsStreamWriter` writes the header first (names, dtypes, shapes
+the file.
+
+Block-FP8 checkpoints (DeepSeek-V3's and Qwen3's FP8 releases: ``config.json`` has a block-wise
+``quantization_config``, quantised linears are ``float8_e4m3fn`` with a float32
+``<name>_scale_inv``) read as the unquantised checkpoint they stand for: :meth:`HFCheckpointReader.get`
+of an FP8 weight reads it and its scales and returns ``q * scale_inv`` per block in the config's
+``torch_dtype`` (:mod:`megarl.checkpoint.fp8_blocks`), one tensor at a time, stripe by stripe, so
+conversion and ``model.hf_path`` loading stream through the model as for a BF16 checkpoint; the
+``_scale_inv`` tensors are not listed by :meth:`~HFCheckpointReader.keys`. Writing: :class:`SafetensorsStreamWriter` writes the header first (names, dtypes, shapes
 planned in advance) and then each tensor as it is produced, so a shard is never held in memory.
 """
 from __future__ import annotations
@@ -59,7 +67,9 @@ class HFCheckpointReader:
     """Tensor-by-tensor reader of an HF directory's safetensors (single file or indexed shards).
 
     Raises (at construction):
-        CheckpointFileError: no weights, a missing shard, or a truncated shard.
+        CheckpointFileError: no weights, a missing shard, a truncated shard, or FP8 weights whose
+            ``_scale_inv`` is missing, misshapen, or not announced by a ``quantization_config``.
+        ValueError: a ``quantization_config`` other than block-wise e4m3 FP8 (names the field).
     """
 
     def __init__(self, hf_dir: str | os.PathLike):
@@ -83,20 +93,47 @@ class HFCheckpointReader:
             if missing:
                 raise CheckpointFileError(f"{index} lists {len(missing)} tensors absent from their "
                                           f"shards, e.g. {missing[:3]}")
+        self.quantization, self.dequantized_dtype = _block_fp8_settings(self.hf_dir)
+        self._scales = self._find_scales()
+        """FP8 weight name -> its ``_scale_inv`` tensor name (empty for an unquantised checkpoint)."""
+
+    def _find_scales(self) -> dict[str, str]:
+        from megarl.checkpoint.fp8_blocks import scale_name
+
+        fp8 = [k for k, (_, meta, _) in self._entries.items() if meta["dtype"] == "F8_E4M3"]
+        if fp8 and self.quantization is None:
+            raise CheckpointFileError(f"{self.hf_dir}: {len(fp8)} float8_e4m3fn tensors (e.g. {fp8[0]}) but "
+                                      f"config.json has no block-wise FP8 quantization_config")
+        scales = {}
+        for name in fp8:
+            scale = scale_name(name)
+            if scale not in self._entries:
+                raise CheckpointFileError(f"{self.hf_dir}: FP8 weight {name} has no {scale}")
+            want = self.quantization.scale_shape(self._entries[name][1]["shape"])
+            if tuple(self._entries[scale][1]["shape"]) != want:
+                raise CheckpointFileError(f"{self.hf_dir}: {scale} has shape {tuple(self._entries[scale][1]['shape'])}, "
+                                          f"expected {want} for {name} with blocks {self.quantization.block}")
+            scales[name] = scale
+        return scales
 
     def keys(self) -> list[str]:
-        """All tensor names."""
-        return list(self._entries)
+        """All tensor names (of a block-FP8 checkpoint: without the ``_scale_inv`` tensors)."""
+        hidden = set(self._scales.values())
+        return [k for k in self._entries if k not in hidden]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries and name not in self._scales.values()
+
+    def dequantizes(self, name: str) -> bool:
+        """True when :meth:`get` returns ``name`` dequantised from stored FP8 (see module docstring)."""
+        return name in self._scales
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of a tensor without reading it."""
         return tuple(self._lookup(name)[1]["shape"])
 
     def nbytes(self, name: str) -> int:
-        """Size of a tensor's data in bytes."""
+        """Size of a tensor's stored data in bytes."""
         begin, end = self._lookup(name)[1]["data_offsets"]
         return end - begin
 
@@ -106,7 +143,8 @@ class HFCheckpointReader:
         return self._entries[name]
 
     def location(self, name: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]]:
-        """``(file, byte offset of the data, dtype, shape)`` of a tensor.
+        """``(file, byte offset of the data, dtype, shape)`` of a tensor as stored (an FP8 weight that
+        :meth:`get` dequantises: its FP8 bytes; see :meth:`dequantizes`).
 
         Raises:
             KeyError: no such tensor.
@@ -127,11 +165,20 @@ class HFCheckpointReader:
             os.close(fd)
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor owning its memory).
+        """Read one tensor (a fresh CPU tensor owning its memory); an FP8 weight of a block-FP8
+        checkpoint comes dequantised, in :attr:`dequantized_dtype`.
 
         Raises:
             KeyError: no such tensor. CheckpointFileError: the read came up short.
         """
+        if name in self._scales:
+            from megarl.checkpoint.fp8_blocks import dequantize_blockwise
+
+            return dequantize_blockwise(self._read(name), self._read(self._scales[name]), self.quantization.block,
+                                        dtype=self.dequantized_dtype)
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
         path, meta, start = self._lookup(name)
         begin, end = meta["data_offsets"]
         dtype = _DTYPES[meta["dtype"]]
@@ -142,6 +189,20 @@ class HFCheckpointReader:
         if got != end - begin:
             raise CheckpointFileError(f"short read of {name!r} from {path}: {got} of {end - begin} bytes")
         return out
+
+
+def _block_fp8_settings(hf_dir: Path):
+    """``(BlockFP8 or None, dtype to dequantise to)`` from ``hf_dir/config.json`` (no config: None)."""
+    from megarl.checkpoint.fp8_blocks import parse_quantization_config
+
+    config_file = hf_dir / "config.json"
+    if not config_file.exists():
+        return None, torch.bfloat16
+    config = json.loads(config_file.read_text())
+    quantization = parse_quantization_config(config.get("quantization_config"),
+                                             where=f"{config_file}: quantization_config")
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return quantization, getattr(torch, dtype.removeprefix("torch."), torch.bfloat16)
 
 
 def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, list[int]]:

@@ -176,13 +176,17 @@ def _yarn(hf_config, params: dict, arch: dict) -> dict:
 def check_supported(hf_config) -> None:
     """Reject DeepSeek-V3 settings this family does not implement (names the HF field).
 
+    A block-FP8 ``quantization_config`` (DeepSeek-V3's official release) is accepted: the weights
+    are dequantised block by block while they are read (:mod:`megarl.checkpoint.hf_io`).
+
     Raises:
-        ValueError: FP8-quantised weights, attention biases, non-interleaved rope, a rope type
-            other than default/yarn, or an activation other than SiLU.
+        ValueError: a quantisation other than block-wise e4m3 FP8, attention biases,
+            non-interleaved rope, a rope type other than default/yarn, or an activation other than SiLU.
     """
-    if getattr(hf_config, "quantization_config", None):
-        _reject(hf_config, "quantization_config", hf_config.quantization_config,
-                "dequantize the (FP8 block-scaled) checkpoint to bf16 first")
+    from megarl.checkpoint.fp8_blocks import parse_quantization_config
+
+    parse_quantization_config(getattr(hf_config, "quantization_config", None),
+                              where=f"HF config ({hf_config.model_type}) quantization_config")
     if getattr(hf_config, "attention_bias", False):
         _reject(hf_config, "attention_bias", True, "MLA projections without bias only")
     if getattr(hf_config, "rope_interleave", True) is not True:

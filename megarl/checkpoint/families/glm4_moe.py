@@ -14,6 +14,7 @@ from megarl.checkpoint.families import Family, rope_settings
 from megarl.checkpoint.families import qwen3_moe as qwen
 from megarl.checkpoint.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
                                                     router_architecture, router_config_kwargs)
+from megarl.checkpoint.fp8_blocks import parse_quantization_config
 from megarl.checkpoint.table import Entry, TPSplit, Transform
 
 HF = "model.layers.{L}."
@@ -38,20 +39,22 @@ def _partial_rotary_factor(hf_config) -> float:
 def architecture(hf_config) -> dict:
     """Canonical architecture of a GLM-4.5 HF config.
 
+    A block-FP8 ``quantization_config`` is accepted (dequantised while read, as DeepSeek-V3's).
+
     Raises:
         ValueError: an unsupported setting, naming the HF field (rope type other than default,
-            activation other than SiLU, FP8 weights, or a router setting, see
+            activation other than SiLU, a quantisation other than block FP8, or a router setting, see
             :func:`~megarl.checkpoint.families.deepseek_v3.router_architecture`).
     """
     theta, rope_type = rope_settings(hf_config)
     unsupported = {"rope_type": (rope_type, rope_type != "default"),
                    "hidden_act": (getattr(hf_config, "hidden_act", "silu"),
-                                  getattr(hf_config, "hidden_act", "silu") != "silu"),
-                   "quantization_config": (getattr(hf_config, "quantization_config", None),
-                                           bool(getattr(hf_config, "quantization_config", None)))}
+                                  getattr(hf_config, "hidden_act", "silu") != "silu")}
     for field, (value, bad) in unsupported.items():
         if bad:
             raise ValueError(f"HF config {field}={value!r} is not supported by megarl's glm4_moe mapping")
+    parse_quantization_config(getattr(hf_config, "quantization_config", None),
+                              where="HF config (glm4_moe) quantization_config")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     arch = dict(
