@@ -30,6 +30,14 @@ class ModelConfig:
     """Tokenizer directory; defaults to ``hf_path``."""
     load_weights: bool = True
     """Load the HF weights into the trainer at start (False: random init, for tests and benchmarks)."""
+    load_dir: Optional[str] = None
+    """Megatron dist checkpoint the trainer starts from instead of ``hf_path``'s safetensors: the
+    output of ``megarl convert hf-to-megatron`` (any parallel layout, precision and vocabulary
+    padding) or a trainer checkpoint ``RUN/checkpoints/step_N`` (model weights only; optimizer and
+    step start fresh). ``hf_path`` still gives the architecture, tokenizer and the engines' launch
+    weights (the trainer's weights are pushed to the engines before the first rollout). Ignored when
+    ``checkpoint.resume`` finds a checkpoint: resume wins. ``megarl validate`` checks it holds
+    ``hf_path``'s model."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times tensor_model_parallel_size."""
     moe_router_dtype: Optional[str] = "fp32"

@@ -396,6 +396,19 @@ def _uneven_stage_error(p: DictConfig, num_layers: int) -> str | None:
     return None
 
 
+def _check_load_dir(c: _Checker) -> None:
+    """``model.load_dir`` holds ``model.hf_path``'s model (:func:`megarl.checkpoint.load_dir.check_load_dir`)."""
+    load_dir = c.cfg.model.get("load_dir")
+    if not load_dir:
+        return
+    from megarl.checkpoint.load_dir import check_load_dir
+
+    try:
+        check_load_dir(load_dir, c.cfg.model.hf_path)
+    except (OSError, ValueError) as e:  # not a checkpoint, another model's, unreadable metadata
+        c.check(False, "model.load_dir", str(e))
+
+
 def _check_paths(c: _Checker) -> None:
     d = c.cfg.data
     if d.get("dataset", "file") != "file":  # a plugin's reader decides what its paths mean
@@ -629,6 +642,8 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:
     if check_paths:
         _check_model(c)
         _check_paths(c)
+        if not any(issue.key == "model.hf_path" for issue in c.issues):
+            _check_load_dir(c)
     if c.issues:
         raise ConfigError(c.issues)
     return cfg

@@ -8,6 +8,7 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 |---|---|---|
 | ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``) | same architecture family, seconds to build |
 | ``model.tokenizer_path`` | the tiny model's | it belongs to the replaced model |
+| ``model.load_dir`` | none | a checkpoint of the replaced model |
 | ``model.moe_grouped_gemm`` | off | grouped GEMM kernels are CUDA-only |
 | ``train.fp8`` | off | Transformer Engine FP8 needs a GPU |
 | ``train.precision`` | ``fp32`` | CPU compute |
@@ -98,6 +99,10 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     m.hf_path, note = _tiny_model(str(m.hf_path))
     notes += [note] if note else []
     m.tokenizer_path = None
+    if m.get("load_dir"):
+        notes.append(f"cpu-scale: model.load_dir {m.load_dir} -> none (a checkpoint of the replaced model; the "
+                     "tiny model starts from its own weights)")
+        m.load_dir = None
     if m.moe_grouped_gemm:
         notes.append("cpu-scale: model.moe_grouped_gemm true -> false (grouped GEMM is CUDA-only)")
         m.moe_grouped_gemm = False

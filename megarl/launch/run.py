@@ -7,6 +7,7 @@ pushed to the engines when they differ from the launch weights -> evaluation bef
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -66,6 +67,18 @@ def load_datasets(cfg: Any) -> tuple[PromptDataset, list[dict] | None]:
 def save_dir_of(cfg: Any, run_dir: Path) -> Path:
     """``checkpoint.save_dir`` or ``{run_dir}/checkpoints``."""
     return Path(cfg.checkpoint.save_dir) if cfg.checkpoint.save_dir else run_dir / "checkpoints"
+
+
+def trainer_config(cfg: Any, *, resuming: bool) -> Any:
+    """The config the trainer ranks are built from: ``cfg``, or, when a checkpoint is resumed, a
+    copy without ``model.load_dir`` (resume wins: the checkpoint's weights replace the start weights,
+    so reading ``load_dir`` would only cost time)."""
+    if not resuming or not cfg.model.get("load_dir"):
+        return cfg
+    logger.info("resuming: model.load_dir %s is not read", cfg.model.load_dir)
+    trainer_cfg = copy.deepcopy(cfg)
+    trainer_cfg.model.load_dir = None
+    return trainer_cfg
 
 
 @dataclasses.dataclass
@@ -141,7 +154,7 @@ class Run:
                                     config=OmegaConf.to_container(cfg, resolve=True), wandb_id=state.wandb_id)
         state.wandb_id = run.metrics.wandb_id
         try:
-            run._start_processes()
+            run._start_processes(resuming=latest is not None)
             if latest is not None:
                 run.restore(latest)
             else:
@@ -154,7 +167,7 @@ class Run:
             raise
         return run
 
-    def _start_processes(self) -> None:
+    def _start_processes(self, *, resuming: bool = False) -> None:
         cfg = self.cfg
         self.started_ray = init_ray(cfg)
         from megarl.logging_setup import link_ray_logs
@@ -167,7 +180,7 @@ class Run:
         self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
                                    custom_weight_loaders=engine_custom_weight_loaders(cfg.weight_sync.transport))
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
-        self.trainer = TrainerGroup(cfg, self.placement)
+        self.trainer = TrainerGroup(trainer_config(cfg, resuming=resuming), self.placement)
         self.engine_urls = self.engines.wait_ready()
         self.rollout = RolloutWorker.options(num_cpus=0).remote(
             OmegaConf.to_yaml(cfg, resolve=True), self.engine_urls, self.engines.ids)

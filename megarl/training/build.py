@@ -30,7 +30,8 @@ def build_parallel_state(cfg: MegarlConfig) -> ParallelState:
 
 
 def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState) -> tuple[list, object]:
-    """This rank's ``GPTModel`` chunks, with the HF weights loaded when ``model.load_weights``.
+    """This rank's ``GPTModel`` chunks, with the weights of ``model.load_dir`` (a Megatron dist
+    checkpoint) when set, else the HF weights when ``model.load_weights``.
 
     Returns:
         ``(chunks, hf_config)``.
@@ -49,7 +50,12 @@ def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState) -> tuple[list
     extra = fp8_config(cfg.train, is_moe=is_moe, cuda=cuda)
     chunks = build_model(hf_config, cfg.parallel, cfg.model, precision=resolve_precision(cfg),
                          device="cuda" if cuda else "cpu", extra_config=extra or None)
-    if cfg.model.load_weights:
+    load_dir = cfg.model.get("load_dir") if hasattr(cfg.model, "get") else cfg.model.load_dir
+    if load_dir:  # a Megatron checkpoint (megarl.checkpoint.load_dir), before DDP copies the params
+        from megarl.checkpoint.load_dir import load_megatron_weights
+
+        load_megatron_weights(chunks, load_dir)
+    elif cfg.model.load_weights:
         load_hf_weights(chunks, cfg.model.hf_path, parallel)
     return chunks, hf_config
 
