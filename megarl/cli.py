@@ -4,7 +4,7 @@
     megarl validate CONFIG [key.sub=value ...]    check a config without starting anything
       --cpu-scale: either one on this CPU host, scaled down (megarl.launch.cpu_scale)
     megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]
-    megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]
+    megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]   (CKPT_DIR: also RUN_DIR/checkpoints/step_N)
     megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
     megarl doctor                                 versions, CUDA devices, FP8 recipes, NCCL, interfaces, fixes
     megarl plan-sync CONFIG [key.sub=value ...] [--intra-gbps X --inter-gbps Y]   weight sync on paper

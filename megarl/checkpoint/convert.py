@@ -11,7 +11,8 @@ function runs in :mod:`megarl.checkpoint.dist_convert`.
 
 Both write into a temporary sibling of the destination and rename it at the end: on any error
 nothing is left at the destination. The checkpoint keeps the HF config, generation config and
-tokenizer under ``hf_config/`` so that it can be exported without the original directory.
+tokenizer under ``hf_config/`` so that it can be exported without the original directory; trainer
+checkpoints keep them in ``step_N/trainer/hf_config/`` too (:func:`copy_hf_metadata`, by the driver).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from megarl.config.schema import ModelConfig, ParallelConfig
 
 HF_CONFIG_SUBDIR = "hf_config"
 MARKER_FILE = "megarl_checkpoint.json"
+TRAINER_SUBDIR = "trainer"
+"""A trainer checkpoint's model lives in ``step_N/trainer`` (``megarl.launch.run_state.TRAINER_DIR``)."""
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -47,6 +50,23 @@ def copy_hf_metadata(src: Path, dst: Path) -> None:
         config = json.loads(config_file.read_text())
         if config.pop("quantization_config", None) is not None:
             config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The dist checkpoint directory itself: ``path``, or ``path/trainer`` for a trainer step directory.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or neither it nor ``path/trainer`` holds a
+            Megatron dist checkpoint (``metadata.json`` and ``.metadata``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    for candidate in (path, path / TRAINER_SUBDIR):
+        if (candidate / "metadata.json").is_file() and (candidate / ".metadata").is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} is not a Megatron dist checkpoint (no metadata.json and .metadata in it "
+                            f"or in {path / TRAINER_SUBDIR}); make one with `megarl convert hf-to-megatron`")
 
 
 def _atomic_dir(out_dir: Path, overwrite: bool) -> Path:
@@ -191,10 +211,12 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     config.json, generation_config.json, tokenizer and chat-template files from the config source.
 
     Args:
-        ckpt_dir: a dist checkpoint (from :func:`hf_to_megatron` or a trainer checkpoint's model).
+        ckpt_dir: a dist checkpoint (from :func:`hf_to_megatron`, or a trainer checkpoint: the step
+            directory ``RUN/checkpoints/step_N`` or its ``trainer/``).
         out_dir: destination HF directory.
-        hf_config_dir: HF directory with config and tokenizer; default ``ckpt_dir/hf_config``.
-            When both exist they must agree (architecture fields).
+        hf_config_dir: HF directory with config and tokenizer; default ``ckpt_dir/hf_config``
+            (both converter and trainer checkpoints carry one). When both exist they must agree
+            (architecture fields).
         dtype: output dtype (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's.
         max_shard_bytes: safetensors shard size limit.
 
@@ -208,7 +230,7 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     from megarl.launch.local_ranks import run_ranks
     from megarl.training.model import load_hf_config
 
-    ckpt_dir = Path(ckpt_dir).resolve()
+    ckpt_dir = resolve_checkpoint_dir(Path(ckpt_dir).resolve())
     stored = ckpt_dir / HF_CONFIG_SUBDIR
     config_dir = Path(hf_config_dir).resolve() if hf_config_dir else stored
     if not (config_dir / "config.json").exists():

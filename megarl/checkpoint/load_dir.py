@@ -25,28 +25,9 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.convert import HF_CONFIG_SUBDIR, MARKER_FILE
+from megarl.checkpoint.convert import HF_CONFIG_SUBDIR, MARKER_FILE, resolve_checkpoint_dir
 
-TRAINER_SUBDIR = "trainer"
-"""A trainer checkpoint's model lives in ``step_N/trainer`` (``megarl.launch.run_state.TRAINER_DIR``)."""
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The dist checkpoint directory itself: ``path``, or ``path/trainer`` for a trainer step directory.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a directory, or neither it nor ``path/trainer`` holds a
-            Megatron dist checkpoint (``metadata.json`` and ``.metadata``).
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a directory")
-    for candidate in (path, path / TRAINER_SUBDIR):
-        if (candidate / "metadata.json").is_file() and (candidate / ".metadata").is_file():
-            return candidate
-    raise FileNotFoundError(f"{path} is not a Megatron dist checkpoint (no metadata.json and .metadata in it "
-                            f"or in {path / TRAINER_SUBDIR}); make one with `megarl convert hf-to-megatron`")
 
 
 def check_load_dir(load_dir: str | os.PathLike, hf_path: str | os.PathLike) -> None:
@@ -114,7 +95,7 @@ def load_megatron_weights(model_chunks, load_dir: str | os.PathLike) -> int:
     Args:
         model_chunks: from :func:`megarl.training.model.build_model` (DDP-wrapped chunks are
             unwrapped), on any device and in any precision (tensors are cast on copy).
-        load_dir: as accepted by :func:`resolve_checkpoint_dir`.
+        load_dir: as accepted by :func:`~megarl.checkpoint.convert.resolve_checkpoint_dir`.
 
     Returns:
         Number of tensors loaded.

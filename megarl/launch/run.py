@@ -301,6 +301,9 @@ class Run:
         ckpt = rs.step_dir(save_dir, self.state.step)
         start = time.perf_counter()
         self.trainer.run("save_checkpoint", str(ckpt / rs.TRAINER_DIR))
+        model = self.cfg.model  # HF config and tokenizer into the checkpoint (unset in stand-in runs)
+        rs.save_hf_metadata(ckpt, None if OmegaConf.is_missing(model, "hf_path") else model.hf_path,
+                            model.get("tokenizer_path"))
         self.state.sampler = self.sampler.state_dict()
         self.state.rng = rs.capture_rng()
         self.state.pending_rollouts = []
@@ -323,7 +326,7 @@ class Run:
 
         out = self.run_dir / "hf" / ckpt.name
         start = time.perf_counter()
-        megatron_to_hf_dir(ckpt / rs.TRAINER_DIR, out, hf_config_dir=self.cfg.model.hf_path, overwrite=True)
+        megatron_to_hf_dir(ckpt, out, overwrite=True)  # config and tokenizer: the checkpoint's hf_config/
         logger.info("exported %s in %.1fs (loadable with transformers / servable by SGLang)", out,
                     time.perf_counter() - start)
         return out

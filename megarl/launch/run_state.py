@@ -5,6 +5,7 @@
     {save_dir}/
       step_000004/
         trainer/            the trainer's dist_checkpointing directory (Trainer.save, every rank)
+          hf_config/        config.json, generation config, tokenizer: exportable without model.hf_path
         driver_state.pt     RunState: step, policy_version, sampler position, RNG states, pending rollouts
         config.yaml         the resolved config of the run that wrote it
       latest                "step_000004": written last, atomically -> marks a complete checkpoint
@@ -91,6 +92,25 @@ def save_driver_state(ckpt_dir: Path, state: RunState, config_yaml: str) -> None
     torch.save({f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, tmp)
     os.replace(tmp, ckpt_dir / DRIVER_STATE)
     (ckpt_dir / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
+
+
+def save_hf_metadata(ckpt_dir: Path, hf_path: str | None, tokenizer_path: str | None = None) -> Path | None:
+    """Copy the model's HF config, generation config and tokenizer (every non-weight file of
+    ``hf_path``, then ``tokenizer_path``'s when set) into ``ckpt_dir/trainer/hf_config``, so that
+    ``megarl convert megatron-to-hf ckpt_dir OUT`` needs no ``--hf-config``.
+
+    Returns:
+        The directory written, or None when ``hf_path`` is not an HF directory (runs without a model).
+    """
+    from megarl.checkpoint.convert import HF_CONFIG_SUBDIR, copy_hf_metadata
+
+    if not hf_path or not (Path(hf_path) / "config.json").is_file():
+        return None
+    out = ckpt_dir / TRAINER_DIR / HF_CONFIG_SUBDIR
+    copy_hf_metadata(Path(hf_path), out)
+    if tokenizer_path and Path(tokenizer_path).is_dir():
+        copy_hf_metadata(Path(tokenizer_path), out)
+    return out
 
 
 def commit_checkpoint(save_dir: str | Path, ckpt_dir: Path, keep_last: int) -> None:
