@@ -3,7 +3,7 @@
     megarl train CONFIG [key.sub=value ...]       run RL training (validates first)
     megarl validate CONFIG [key.sub=value ...]    check a config without starting anything
       --cpu-scale: either one on this CPU host, scaled down (megarl.launch.cpu_scale)
-    megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]
+    megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]   (= tools/convert_*.py)
     megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]   (CKPT_DIR: also RUN_DIR/checkpoints/step_N)
     megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
     megarl doctor                                 versions, CUDA devices, FP8 recipes, NCCL, interfaces, fixes
@@ -95,15 +95,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from megarl.checkpoint import convert
+    from megarl.checkpoint import convert_cli
 
-    if args.direction == "hf-to-megatron":
-        convert.hf_to_megatron(args.src, args.dst, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                               expert_model_parallel_size=args.expert_model_parallel_size,
-                               expert_tensor_parallel_size=args.expert_tensor_parallel_size)
-    else:
-        convert.megatron_to_hf_dir(args.src, args.dst, hf_config_dir=args.hf_config)
+    run = convert_cli.run_hf_to_megatron if args.direction == "hf-to-megatron" else convert_cli.run_megatron_to_hf
+    print(f"wrote {run(args)}")
     return 0
 
 
@@ -148,15 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
         p.add_argument("--cpu-scale", action="store_true",
                        help="scale the recipe down to one CPU host, features kept (megarl.launch.cpu_scale)")
-    conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints")
-    conv.add_argument("direction", choices=["hf-to-megatron", "megatron-to-hf"])
-    conv.add_argument("src")
-    conv.add_argument("dst")
-    conv.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    conv.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    conv.add_argument("--expert-model-parallel-size", type=int, default=1)
-    conv.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    conv.add_argument("--hf-config", default=None, help="HF dir with config.json and tokenizer (export)")
+    from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments
+
+    conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints (the tools' flags)")
+    directions = conv.add_subparsers(dest="direction", required=True)
+    add_hf_to_megatron_arguments(directions.add_parser("hf-to-megatron", help="HF directory -> dist checkpoint"))
+    add_megatron_to_hf_arguments(directions.add_parser("megatron-to-hf", help="dist checkpoint -> HF directory"))
     index = sub.add_parser("index", help="retrieval indexes (megarl.retrieval)")
     build = index.add_subparsers(dest="index_command", required=True).add_parser(
         "build", help="build an index of a JSON-lines corpus (streaming, progress bar)")

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from megarl.checkpoint.convert_cli import add_import_arguments  # the flags megarl convert and the tools share
+
 
 class LayoutMismatchError(ValueError):
     """The job's world size differs from the number of ranks of the target layout."""
@@ -188,19 +190,6 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def add_import_arguments(parser: argparse.ArgumentParser) -> None:
-    """The target layout and dtype flags of an HF -> Megatron import (Megatron's names); shared by
-    this entry point and tools/convert_hf_to_megatron.py."""
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
-    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None)
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                        help="default: the HF config's dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
