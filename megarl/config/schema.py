@@ -282,7 +282,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep this many newest checkpoints (0 = all)."""
     hf_export_interval: int = 0
-    """Also export a Hugging Face checkpoint every N steps (0 = never)."""
+    """Also export a Hugging Face checkpoint every N steps to ``{run_dir}/hf/step_N`` (0 = never), in
+    the background while training goes on (``megarl.launch.hf_export``)."""
 
 
 @dataclass

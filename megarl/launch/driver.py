@@ -50,6 +50,7 @@ def train(cfg: Any) -> dict[str, float]:
         run = Run.build(cfg)
         try:
             last = run_loop(run, stop)
+            run.wait_for_export()  # the last HF export (started in the background) is written, or raises
         finally:
             run.close()
     finally:

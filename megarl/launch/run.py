@@ -22,6 +22,7 @@ from megarl.data.sampler import ResumableSampler
 from megarl.launch import run_state as rs
 from megarl.launch.cluster import build_placement, init_ray
 from megarl.launch.engines import EngineGroup
+from megarl.launch.hf_export import BackgroundExport
 from megarl.launch.metrics import MetricsLogger
 from megarl.launch.retrieval import start_retrieval, stop_retrieval
 from megarl.launch.rollout_actor import RolloutWorker
@@ -130,6 +131,8 @@ class Run:
     """Colocated: the SGLang memory tags the engines lent to the trainer (:mod:`megarl.launch.colocated`)."""
     synced_version: int | None = None
     """The policy version last pushed to the engines (None before the first sync)."""
+    hf_export: BackgroundExport = dataclasses.field(default_factory=BackgroundExport)
+    """The HF export in flight (``checkpoint.hf_export_interval``)."""
 
     @classmethod
     def build(cls, cfg: Any) -> "Run":
@@ -313,26 +316,32 @@ class Run:
                                                 "metrics": dict(batch.metrics),
                                                 "policy_version": item.policy_version})
         rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))
+        export_error = self.hf_export.wait(raise_error=False)  # the rotation below may delete what it reads
         rs.commit_checkpoint(save_dir, ckpt, int(self.cfg.checkpoint.keep_last))
         logger.info("checkpoint %s saved in %.1fs", ckpt, time.perf_counter() - start)
+        if export_error is not None:  # this checkpoint is committed; the earlier export is not there
+            raise export_error
         every = int(self.cfg.checkpoint.hf_export_interval)
         if every > 0 and self.state.step % every == 0:
             self.export_hf(ckpt)
         return ckpt
 
     def export_hf(self, ckpt: Path) -> Path:
-        """Convert the checkpoint's trainer weights to a Hugging Face directory ``{run_dir}/hf/step_*``."""
-        from megarl.checkpoint.convert import megatron_to_hf_dir
-
+        """Start converting the checkpoint's trainer weights to a Hugging Face directory
+        ``{run_dir}/hf/step_*`` in the background (:mod:`megarl.launch.hf_export`: the loop goes on);
+        returns that directory. :meth:`wait_for_export` waits for it."""
         out = self.run_dir / "hf" / ckpt.name
-        start = time.perf_counter()
-        megatron_to_hf_dir(ckpt, out, overwrite=True)  # config and tokenizer: the checkpoint's hf_config/
-        logger.info("exported %s in %.1fs (loadable with transformers / servable by SGLang)", out,
-                    time.perf_counter() - start)
+        self.hf_export.start(ckpt, out)
         return out
 
+    def wait_for_export(self) -> None:
+        """Block until the HF export in flight (if any) is written; raise its error."""
+        self.hf_export.wait()
+
     def close(self) -> None:
-        """Stop everything this run started (idempotent, best effort)."""
+        """Stop everything this run started (idempotent, best effort); an HF export in flight is
+        finished first (its error, already logged, is not raised here: see :meth:`wait_for_export`)."""
+        self.hf_export.wait(raise_error=False)
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

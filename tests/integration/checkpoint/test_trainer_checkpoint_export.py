@@ -1,5 +1,6 @@
 """Trainer checkpoints carry the HF config and tokenizer: ``megarl convert megatron-to-hf
 RUN/checkpoints/step_N OUT`` needs no ``--hf-config``, and a step directory is a ``model.load_dir``.
+The driver's HF export of the checkpoint runs in the background and writes the same directory.
 
 The checkpoint is written by the driver's real ``Run.save_checkpoint`` around a real one-rank
 trainer save (the trainer group is a stand-in that runs the trainer in a gloo process). The trainer
@@ -65,8 +66,19 @@ def make_run(hf_dir, run_dir: Path, step: int, **checkpoint):
 
 
 @pytest.fixture(scope="module")
-def step_dir(tiny_moe_dir, tmp_path_factory):
-    return make_run(tiny_moe_dir, tmp_path_factory.mktemp("run"), step=3).save_checkpoint()
+def saved(tiny_moe_dir, tmp_path_factory):
+    """``(run, step directory, whether the HF export was still running when save_checkpoint returned)``,
+    the export (``checkpoint.hf_export_interval=1``) finished."""
+    run = make_run(tiny_moe_dir, tmp_path_factory.mktemp("run"), step=3, hf_export_interval=1)
+    ckpt = run.save_checkpoint()
+    in_flight = run.hf_export.in_flight
+    run.wait_for_export()
+    return run, ckpt, in_flight
+
+
+@pytest.fixture(scope="module")
+def step_dir(saved):
+    return saved[1]
 
 
 def _assert_same_hf(original: Path, exported: Path):
@@ -101,6 +113,15 @@ def test_export_of_a_step_dir_needs_no_hf_config(tiny_moe_dir, step_dir, tmp_pat
         megatron_to_hf_dir(bare, tmp_path / "hf_bare")
     megatron_to_hf_dir(bare, tmp_path / "hf_bare", hf_config_dir=tiny_moe_dir)
     _assert_same_hf(tiny_moe_dir, tmp_path / "hf_bare")
+
+
+def test_background_export_during_training(tiny_moe_dir, saved):
+    """The driver's HF export (``checkpoint.hf_export_interval``) ran after save_checkpoint returned
+    and wrote the checkpoint's weights with the stored config and tokenizer."""
+    run, ckpt, in_flight = saved
+    assert in_flight, "save_checkpoint returned before the export finished"
+    assert sorted(p.name for p in (run.run_dir / "hf").iterdir()) == [ckpt.name]
+    _assert_same_hf(tiny_moe_dir, run.run_dir / "hf" / ckpt.name)
 
 
 def _params_worker(rank, world_size, hf_dir, load_dir):

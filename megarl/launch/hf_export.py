@@ -1,0 +1,98 @@
+"""HF exports during training, off the driver loop (``checkpoint.hf_export_interval``).
+
+The export of a committed checkpoint (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`) runs
+in its own process (one gloo rank, spawned by :func:`megarl.launch.local_ranks.run_ranks`) and
+takes as long as reading the model once and writing it once. Waited for in the driver loop, the
+trainer ranks sat idle meanwhile; here a daemon thread of the driver waits for that process while
+the loop goes on (rollouts, training, weight syncs).
+
+Why this is safe:
+
+- The export reads only the checkpoint directory and writes only ``run_dir/hf/step_N`` (into a
+  temporary sibling, renamed at the end), nothing the trainer or the engines touch. The thread
+  itself only waits on a child process: it holds no lock the loop needs and no CUDA context.
+- Checkpoint rotation (``checkpoint.keep_last``) could delete the directory being read: the driver
+  waits for the export in flight before it commits the next checkpoint (:meth:`wait`), which is
+  when rotation runs. One export at a time: :meth:`start` waits for the previous one.
+- Errors are not lost: an export that failed raises in the driver at the next :meth:`wait` (the
+  next checkpoint, or the end of the run).
+- Preemption: the export of the last checkpoint is waited for at the end of the run as before;
+  a job killed meanwhile leaves no partial ``hf/step_N`` (the rename never happens) and the
+  checkpoint itself is already committed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+logger = logging.getLogger("megarl.train")
+
+
+def _export(ckpt: Path, out: Path) -> None:
+    from megarl.checkpoint.convert import megatron_to_hf_dir
+
+    megatron_to_hf_dir(ckpt, out, overwrite=True)  # config and tokenizer: the checkpoint's hf_config/
+
+
+class BackgroundExport:
+    """At most one HF export in flight, in a daemon thread.
+
+    Args:
+        export: ``export(ckpt_dir, out_dir)``, the blocking export (default: ``megatron_to_hf_dir``
+            with the checkpoint's stored HF config, overwriting ``out_dir``).
+    """
+
+    def __init__(self, export: Callable[[Path, Path], None] = _export) -> None:
+        self._export = export
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an export is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, ckpt: Path, out: Path) -> None:
+        """Export ``ckpt`` to ``out`` in the background (after the previous export finished).
+
+        Raises:
+            Exception: the previous export's error (see :meth:`wait`).
+        """
+        self.wait()
+
+        def work() -> None:
+            start = time.perf_counter()
+            try:
+                self._export(ckpt, out)
+            except BaseException as e:  # noqa: BLE001 - handed to the driver at the next wait()
+                logger.error("HF export of %s failed: %s", ckpt, e)
+                self._error = e
+                return
+            logger.info("exported %s in %.1fs in the background (loadable with transformers / servable by "
+                        "SGLang)", out, time.perf_counter() - start)
+
+        self._thread = threading.Thread(target=work, name=f"hf-export-{ckpt.name}", daemon=True)
+        self._thread.start()
+
+    def wait(self, *, raise_error: bool = True) -> Optional[BaseException]:
+        """Block until the export in flight (if any) finished.
+
+        Args:
+            raise_error: raise the export's error (else return it).
+
+        Returns:
+            The export's error when ``raise_error`` is False, else None.
+
+        Raises:
+            Exception: what the export raised (``RankError``, ``ConfigMismatchError``, ``OSError`` ...).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise error
+        return error

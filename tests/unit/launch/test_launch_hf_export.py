@@ -1,0 +1,108 @@
+"""HF export during training runs in the background (`megarl.launch.hf_export`): the driver's
+``save_checkpoint`` returns while the export runs; the next commit (checkpoint rotation) waits for
+it, so the directory it reads is never deleted under it; its error reaches the driver.
+
+The driver's real ``Run.save_checkpoint`` with a stand-in trainer (makes the directory) and an
+export that blocks until released (no processes)."""
+import threading
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from megarl.config.schema import MegarlConfig
+from megarl.data.sampler import ResumableSampler
+from megarl.launch.hf_export import BackgroundExport
+from megarl.launch.run import Run
+from megarl.launch.run_state import RunState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class TrainerStandIn:
+    def run(self, method, directory):
+        assert method == "save_checkpoint"
+        import os
+
+        os.makedirs(directory)
+        return [None]
+
+
+class BlockingExport:
+    """Blocks until ``release``; records whether the checkpoint still existed when it finished."""
+
+    def __init__(self, fail: bool = False):
+        self.started, self.release, self.fail = threading.Event(), threading.Event(), fail
+        self.finished: list[tuple[str, bool]] = []
+
+    def __call__(self, ckpt, out):
+        self.started.set()
+        assert self.release.wait(30)
+        self.finished.append((ckpt.name, (ckpt / "trainer").is_dir()))
+        if self.fail:
+            raise OSError("disk full")
+        out.mkdir(parents=True)
+
+
+def _run(tmp_path, export, **checkpoint):
+    cfg = OmegaConf.structured(MegarlConfig())
+    cfg.model.hf_path = str(tmp_path / "no_model")  # no config.json: no HF metadata copied
+    cfg.checkpoint.hf_export_interval = 1
+    for key, value in checkpoint.items():
+        setattr(cfg.checkpoint, key, value)
+    run = Run(cfg, tmp_path / "run", None, None, ResumableSampler(4, seed=0), RunState(step=1),
+              hf_export=BackgroundExport(export))
+    run.trainer = TrainerStandIn()
+    return run
+
+
+def test_save_returns_while_exporting_and_rotation_waits(tmp_path):
+    export = BlockingExport()
+    run = _run(tmp_path, export, keep_last=1)
+    first = run.save_checkpoint()  # returns with the export blocked
+    assert export.started.wait(10) and run.hf_export.in_flight
+    assert not (run.run_dir / "hf" / "step_000001").exists()
+    run.state.step = 2
+    second = threading.Thread(target=run.save_checkpoint)
+    second.start()
+    time.sleep(0.5)  # the second save waits before its commit, which would delete step_000001
+    assert second.is_alive() and (first.parent / "latest").read_text() == "step_000001"
+    export.release.set()
+    second.join(10)
+    assert not second.is_alive()
+    assert export.finished[0] == ("step_000001", True), "the exported checkpoint existed until the export ended"
+    assert (first.parent / "latest").read_text() == "step_000002" and not first.exists()  # rotated afterwards
+    run.wait_for_export()
+    assert [name for name, _ in export.finished] == ["step_000001", "step_000002"]
+    assert sorted(p.name for p in (run.run_dir / "hf").iterdir()) == ["step_000001", "step_000002"]
+
+
+def test_export_error_reaches_the_driver(tmp_path):
+    export = BlockingExport(fail=True)
+    run = _run(tmp_path, export)
+    run.save_checkpoint()
+    export.release.set()
+    run.state.step = 2
+    with pytest.raises(OSError, match="disk full"):
+        run.save_checkpoint()
+    assert (run.run_dir / "checkpoints" / "latest").read_text() == "step_000002", "committed before raising"
+
+
+def test_close_waits_for_the_export_and_does_not_raise(tmp_path):
+    export = BlockingExport(fail=True)
+    run = _run(tmp_path, export)
+    run.save_checkpoint()
+    run.trainer = None  # nothing else to stop
+    threading.Timer(0.3, export.release.set).start()
+    run.close()  # best effort: the error was logged by the export thread
+    assert export.finished == [("step_000001", True)] and not run.hf_export.in_flight
+
+
+def test_wait_raises_the_last_export_error(tmp_path):
+    export = BlockingExport(fail=True)
+    run = _run(tmp_path, export)
+    run.save_checkpoint()
+    export.release.set()
+    with pytest.raises(OSError, match="disk full"):
+        run.wait_for_export()
+    run.wait_for_export()  # reported once
