@@ -108,7 +108,11 @@ class Gsm8kReward:
         return float(correct) + self.format_weight * float(boxed)
 
     def close(self) -> None:
-        """Shut the worker pool down."""
+        """Shut the worker pool down and wait for it (queued verifications are cancelled; a running
+        one ends within ``timeout_s``). Waiting matters: the pool's queues release their
+        semaphores through this process's ``multiprocessing`` resource tracker, and a pool still
+        tearing down when the actor is killed left the tracker gone and printed its tracebacks on
+        the run's console."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
