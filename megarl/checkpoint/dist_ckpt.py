@@ -25,6 +25,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from megarl.training.collectives import barrier
+
 
 class _StepWriter(FileSystemWriter):
     """A FileSystemWriter whose data files carry a step prefix and which leaves ``.metadata`` alone."""
@@ -182,7 +184,7 @@ class StreamingCheckpointWriter:
             tmp.rename(self.dir / ".metadata")
             TorchCommonSaveStrategy("torch", 1).save_common(self.common, self.dir)
             save_config(CheckpointingConfig("torch_dist", 1), str(self.dir))
-        dist.barrier()
+        barrier()
 
 
 def check_coverage(metadata: Metadata) -> None:

@@ -140,6 +140,7 @@ def _shared_tmp_dir(out_dir: Path, overwrite: bool) -> Path:
     import torch.distributed as dist
 
     from megarl.checkpoint.convert import _atomic_dir
+    from megarl.training.collectives import broadcast_object_list
 
     box: list = [None]
     if dist.get_rank() == 0:
@@ -147,7 +148,7 @@ def _shared_tmp_dir(out_dir: Path, overwrite: bool) -> Path:
             box[0] = str(_atomic_dir(out_dir, overwrite))
         except Exception as e:  # noqa: BLE001 - re-raised below, after the peers heard of it
             box[0] = e
-    dist.broadcast_object_list(box, src=0)
+    broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         if dist.get_rank() == 0:
             raise box[0]
@@ -165,6 +166,7 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
     import torch.distributed as dist
 
     from megarl.checkpoint.convert import _publish, finish_import, import_rank_worker, plan_import
+    from megarl.training.collectives import barrier
 
     plan = plan_import(args.hf_dir, tensor_model_parallel_size=args.tensor_model_parallel_size,
                        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -178,7 +180,7 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
         tmp = _shared_tmp_dir(Path(args.out_dir), args.overwrite)
         try:
             import_rank_worker(rdzv.rank, rdzv.world_size, *plan.worker_args(tmp))
-            dist.barrier()
+            barrier()
             if rdzv.rank != 0:
                 return None
             finish_import(plan, tmp)

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.training.collectives import all_reduce
+
 
 def module_groups(chunks) -> list[tuple[int, list[torch.nn.Module]]]:
     """``(chunk index, modules)`` per group, in model order."""
@@ -159,7 +161,7 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     reader = HFCheckpointReader(hf_dir)
     groups = module_groups(chunks)
     num_steps = torch.tensor([len(groups)])
-    dist.all_reduce(num_steps, op=dist.ReduceOp.MAX)
+    all_reduce(num_steps, op=dist.ReduceOp.MAX)
     writer, pool, background = StreamingCheckpointWriter(out_dir), StoragePool(), _Background()
     try:  # group k is read (here) while group k-1 is saved (in the background thread)
         for step in range(int(num_steps)):

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.training.collectives import barrier
+
 logger = logging.getLogger(__name__)
 
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -151,10 +153,10 @@ def save_trainer_state(directory: str, trainer) -> None:
 
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
-    dist.barrier()
+    barrier()
     _prime_adam_state(trainer.optimizer)  # a never-stepped optimizer (e.g. every group filtered) saves zeros
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False, with_rng=True), directory)
-    dist.barrier()
+    barrier()
 
 
 def load_trainer_state(directory: str, trainer) -> None:
@@ -190,4 +192,4 @@ def load_trainer_state(directory: str, trainer) -> None:
     trainer.step = int(loaded["step"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
-    dist.barrier()
+    barrier()

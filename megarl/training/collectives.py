@@ -1,16 +1,23 @@
 """The one rule for collectives in megarl: a collective's tensors live on its group's device.
 
 A process group supports the device types of its backends: ``gloo`` CPU (and CUDA), ``nccl`` CUDA
-only, a ``cpu:gloo,cuda:nccl`` group both. Call sites do not pick a device themselves; they call
-:func:`all_reduce` / :func:`on_group_device` here, which move a tensor the group cannot take to the
-group's device (CUDA: this process's current device, see
-:func:`megarl.training.devices.local_device_index`) and hand the result back on the caller's
-device. Control-plane hand-offs (barriers, turn tokens) go over a gloo group instead
+only, a ``cpu:gloo,cuda:nccl`` group both. Call sites do not pick a device themselves and do not
+call ``torch.distributed``'s collectives directly (``tests/unit/training/test_collectives.py``
+scans the package for that): they call the wrappers here (:func:`all_reduce`, :func:`broadcast`,
+:func:`send` / :func:`recv`, :func:`isend` / :func:`irecv`, :func:`all_gather`, :func:`barrier`,
+the object collectives), which move a tensor the group cannot take to the group's device (CUDA:
+this process's current device, see :func:`megarl.training.devices.local_device_index`) and hand
+the result back on the caller's device; a new buffer for a group is allocated on
+:func:`group_device`. Control-plane hand-offs (barriers, turn tokens) go over a gloo group instead
 (:func:`control_group`): under NCCL a ``recv`` returns before the host has the token.
+
+Every wrapper takes the group's ranks exactly as ``torch.distributed`` does (``src`` / ``dst`` are
+global ranks; for a group built outside the default group, e.g. SGLang's weight-update group, its
+own ranks) and runs on ``group`` (default: the default group).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,25 +52,152 @@ def group_devices(group: Optional[dist.ProcessGroup] = None) -> list[str]:
     return dist.distributed_c10d._device_capability(group)
 
 
+def current_cuda_index(supported: Sequence[str]) -> Optional[int]:
+    """This process's CUDA device when a group supporting ``supported`` may need it, else None."""
+    return torch.cuda.current_device() if "cuda" in supported and torch.cuda.is_available() else None
+
+
+def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a new tensor for a collective on ``group`` is allocated.
+
+    The CPU when the group runs there (gloo, ``cpu:gloo,cuda:nccl``): control-plane tensors stay
+    on the host; else (nccl) this process's CUDA device.
+    """
+    supported = group_devices(group)
+    if "cpu" in supported:
+        return torch.device("cpu")
+    return collective_device(torch.device("cpu"), supported, cuda_index=current_cuda_index(supported))
+
+
 def on_group_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """``tensor`` itself when ``group`` can run a collective on it, else a copy on the group's device."""
     supported = group_devices(group)
-    cuda_index = torch.cuda.current_device() if "cuda" in supported and torch.cuda.is_available() else None
-    return tensor.to(collective_device(tensor.device, supported, cuda_index=cuda_index))
+    device = collective_device(tensor.device, supported, cuda_index=current_cuda_index(supported))
+    return tensor if device == tensor.device else _move(tensor, device)
+
+
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The copy of ``tensor`` on ``device`` a collective runs on (one place, so tests can stand in for CUDA)."""
+    return tensor.to(device)
+
+
+class MovedWork:
+    """Handle of an asynchronous collective that ran on a copy of the caller's tensor on the
+    group's device; :meth:`wait` copies the result back into the caller's tensor (receivers)."""
+
+    def __init__(self, work, moved: torch.Tensor, original: torch.Tensor, copy_back: bool) -> None:
+        self._work, self._moved, self._original, self._copy_back = work, moved, original, copy_back
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)
+        if self._copy_back:
+            self._original.copy_(self._moved)
+            self._copy_back = False
+        return True
+
+
+def _run(tensor: torch.Tensor, group, call, *, returns_handle: bool, copy_back: bool):
+    """``call(t)`` with ``t`` = ``tensor`` on the group's device (see module docstring).
+
+    Args:
+        call: runs the collective on its argument; returns its handle or None.
+        returns_handle: the collective is asynchronous: return its handle (a :class:`MovedWork`
+            when ``tensor`` moved), else return None once done.
+        copy_back: ``tensor`` receives data: copy a moved result back into it.
+    """
+    work_tensor = on_group_device(tensor, group)
+    handle = call(work_tensor)
+    moved = work_tensor is not tensor
+    if returns_handle:
+        return MovedWork(handle, work_tensor, tensor, copy_back) if moved and handle is not None else handle
+    if moved and copy_back:
+        tensor.copy_(work_tensor)
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-               group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """All-reduce ``tensor`` over ``group`` in place and return it (on its own device).
+               group: Optional[dist.ProcessGroup] = None, *, async_op: bool = False):
+    """All-reduce ``tensor`` over ``group`` in place on the group's device.
 
-    The reduction runs on the group's device (:func:`on_group_device`); a moved tensor's result
-    is copied back into ``tensor``.
+    Returns:
+        ``tensor`` (on its own device, reduced); with ``async_op`` the collective's handle
+        (``wait()`` it before reading ``tensor``).
     """
-    work = on_group_device(tensor, group)
-    dist.all_reduce(work, op=op, group=group)
-    if work is not tensor:
-        tensor.copy_(work)
-    return tensor
+    handle = _run(tensor, group, lambda t: dist.all_reduce(t, op=op, group=group, async_op=async_op),
+                  returns_handle=async_op, copy_back=True)
+    return handle if async_op else tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None, *,
+              async_op: bool = False):
+    """Broadcast ``tensor`` from rank ``src`` over ``group``; receivers get the result in ``tensor``.
+
+    Returns:
+        None, or with ``async_op`` the handle (``wait()`` it before reading or reusing ``tensor``).
+    """
+    return _run(tensor, group, lambda t: dist.broadcast(t, src=src, group=group, async_op=async_op),
+                returns_handle=async_op, copy_back=True)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0) -> None:
+    """Send ``tensor`` to rank ``dst`` over ``group`` (blocking)."""
+    _run(tensor, group, lambda t: dist.send(t, dst, group=group, tag=tag), returns_handle=False, copy_back=False)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0) -> None:
+    """Receive into ``tensor`` from rank ``src`` over ``group`` (blocking)."""
+    _run(tensor, group, lambda t: dist.recv(t, src, group=group, tag=tag), returns_handle=False, copy_back=True)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0):
+    """Start sending ``tensor`` to rank ``dst``; returns the handle (``tensor`` must stay unchanged until ``wait()``)."""
+    return _run(tensor, group, lambda t: dist.isend(t, dst, group=group, tag=tag), returns_handle=True,
+                copy_back=False)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0):
+    """Start receiving into ``tensor`` from rank ``src``; returns the handle (``tensor`` holds the data after ``wait()``)."""
+    return _run(tensor, group, lambda t: dist.irecv(t, src, group=group, tag=tag), returns_handle=True,
+                copy_back=True)
+
+
+def all_gather(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape and dtype on every rank), in group rank order.
+
+    Returns:
+        ``world_size`` tensors shaped like ``tensor``, on ``tensor``'s device.
+    """
+    work_tensor = on_group_device(tensor.contiguous(), group)
+    parts = [torch.empty_like(work_tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, work_tensor, group=group)
+    return [p.to(tensor.device) for p in parts]
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Block until every rank of ``group`` reached this point (use a :func:`control_group` to
+    block the host under NCCL)."""
+    dist.barrier(group=group)
+
+
+def broadcast_object_list(objects: list, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Broadcast picklable ``objects`` (in place) from ``src``; torch serialises them onto the
+    group's device itself (``_get_object_coll_device``: CPU where the group has it, else the
+    current CUDA device)."""
+    dist.broadcast_object_list(objects, src=src, group=group)
+
+
+def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list:
+    """Every rank's picklable ``obj``, in group rank order (device chosen by torch, as
+    :func:`broadcast_object_list`)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def control_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import MicroBatchSpec
+from megarl.training.collectives import all_gather
 from megarl.training.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs_and_entropy
 from megarl.training.micro_batch import PackedMicroBatch
 
@@ -246,8 +247,7 @@ class _GatherKeepOwnGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: Tensor, group, rank: int) -> Tensor:
-        parts = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, values.contiguous(), group=group)
+        parts = all_gather(values, group)
         ctx.rank = rank
         return torch.stack(parts)
 

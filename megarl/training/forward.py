@@ -25,7 +25,7 @@ from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, comp
                                kl_penalty_loss)
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
-from megarl.training.collectives import all_reduce
+from megarl.training.collectives import all_gather_object, all_reduce
 from megarl.training.context_parallel import CPMicroBatch, cp_micro_batch_logprobs
 from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.logprobs import next_token_logprobs
@@ -225,8 +225,7 @@ def all_reduce_metrics(metrics: dict[str, Metric], *, contribute: bool) -> dict[
         is dropped.
     """
     local = {name: m.reduction for name, m in metrics.items()} if contribute else {}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = all_gather_object(local)
     kind = {name: reduction for kinds in gathered for name, reduction in kinds.items()}
     names = sorted(kind)
     sums = torch.zeros(2 * len(names), dtype=torch.float64)

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megarl.training.collectives import all_reduce
+
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_initialized():
@@ -34,7 +36,7 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
 
 def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
     if _group_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        all_reduce(tensor, op=op, group=group)
     return tensor
 
 

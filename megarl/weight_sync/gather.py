@@ -25,6 +25,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.training.collectives import irecv, isend
 from megarl.weight_sync.placement import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 
@@ -119,7 +120,7 @@ class StageGatherer:
                     continue
                 shard = self.local[transfer.param.name].detach()
                 data = shard if piece is None else shard.narrow(0, piece.src[0], piece.src[1] - piece.src[0])
-                works.append(dist.isend(data.contiguous(), bucket.sender_rank, group=self.group, tag=bucket.index))
+                works.append(isend(data.contiguous(), bucket.sender_rank, group=self.group, tag=bucket.index))
                 sent += data.numel() * data.element_size()
             in_flight.append(works)
         for works in in_flight:
@@ -153,7 +154,7 @@ class StageGatherer:
             else:
                 hf = views[first[transfer.param.name] + piece.hf_index][1]
                 buffer = hf.narrow(0, piece.dst[0], piece.dst[1] - piece.dst[0])
-            works.append(dist.irecv(buffer, source_rank, group=self.group, tag=bucket.index))
+            works.append(irecv(buffer, source_rank, group=self.group, tag=bucket.index))
             self.timings.bytes_received += buffer.numel() * buffer.element_size()
         return flat, views, first, works, temps
 

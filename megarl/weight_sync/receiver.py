@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.training.collectives import all_reduce, group_device, recv
 from megarl.weight_sync import wire
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def _connect(ticket: dict, tp_rank: int) -> None:
     group = init_custom_process_group(
         backend=backend, init_method=f"tcp://{ticket['address']}:{ticket['port']}", world_size=int(ticket["world"]),
         rank=rank, group_name=ticket["group"], timeout=timedelta(seconds=float(ticket["timeout_s"])))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = group_device(group)  # nccl: this rank's CUDA device; gloo: the CPU
     _GROUPS[ticket["group"]] = {"group": group, "rank": rank, "world": int(ticket["world"]), "device": device,
                                 "load_errors": []}
 
@@ -92,7 +93,7 @@ def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
     """All-reduce one status row per group rank; True when every rank reported status 0."""
     votes = torch.zeros(state["world"], wire.VOTE_FIELDS, dtype=torch.int64, device=state["device"])
     votes[state["rank"]] = torch.tensor(row, dtype=torch.int64)
-    dist.all_reduce(votes, group=state["group"])
+    all_reduce(votes, group=state["group"])
     return not bool(votes[:, 0].any())
 
 
@@ -102,7 +103,7 @@ def _bucket(model, ticket: dict) -> None:
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=state["device"])
     received = 0
     if nbytes:
-        dist.recv(buffer, src=0, group=state["group"])
+        recv(buffer, 0, group=state["group"])
         received = nbytes
     try:
         status, index, named = _check(buffer, ticket)

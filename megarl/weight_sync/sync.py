@@ -29,7 +29,9 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.training.collectives import all_reduce, control_group
+from megarl.training.collectives import all_reduce, barrier, control_group
+from megarl.training.collectives import recv as recv_tensor
+from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.engines import EngineGroup
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
@@ -79,7 +81,7 @@ class WeightSynchronizer:
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
-        dist.barrier(group=self.control)
+        barrier(group=self.control)
 
     def _senders(self) -> list[int]:
         return sorted({b.sender_rank for b in self.plan.buckets},
@@ -88,7 +90,7 @@ class WeightSynchronizer:
     def _token(self, send: bool, peer: int) -> None:
         """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group."""
         token = torch.zeros(1)
-        (dist.send if send else dist.recv)(token, peer, group=self.control)
+        (send_tensor if send else recv_tensor)(token, peer, group=self.control)
 
     def connect(self) -> None:
         """Create the transport's groups with the engines, stage by stage (collective)."""
@@ -145,8 +147,6 @@ class WeightSynchronizer:
         The engines stay paused (and in their update session): a refused bucket was never loaded,
         but earlier buckets may have been; the caller decides (retry the sync, or reload from disk).
         """
-        from megarl.training.collectives import all_reduce
-
         flag = all_reduce(torch.tensor([1.0 if failure is not None else 0.0], dtype=torch.float64),
                           op=dist.ReduceOp.MAX, group=self.group)
         if failure is not None:

@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.training.collectives import all_reduce, broadcast, group_device, isend
 from megarl.weight_sync.engines import EngineGroup, wait_all
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.validate import WeightSyncError
@@ -185,7 +186,7 @@ class DistributedTransport(_GroupTransport):
                                           group_name=self.group_name, flush_cache=False,
                                           load_format="flattened_bucket")
         self._requests.extend(futures)
-        self._broadcast = (dist.broadcast(flat, src=0, group=self.group, async_op=True), futures, started, flat)
+        self._broadcast = (broadcast(flat, 0, group=self.group, async_op=True), futures, started, flat)
         self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)
 
     def _wait_broadcast(self) -> None:
@@ -428,19 +429,16 @@ class P2PTransport(_GroupTransport):
                    for b, listing in zip(buffers, listings)]
         futures = self._submit_tickets(tickets)
         tp = self.plan.engine_layout.tp_size
-        works = [dist.isend(buffers[r], 1 + i * tp + r, group=self.group)
+        works = [isend(buffers[r], 1 + i * tp + r, group=self.group)
                  for i in range(len(self.engines)) for r in range(tp) if buffers[r].numel()]
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
         self._open_vote(bucket, listings, futures, works, buffers, started)
 
     def _open_vote(self, bucket, listings, futures, works, refs, started) -> None:
-        votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=self._device())
-        work = dist.all_reduce(votes, group=self.group, async_op=True)
+        votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=group_device(self.group))
+        work = all_reduce(votes, group=self.group, async_op=True)
         self._pending = {"bucket": bucket, "listings": listings, "futures": futures, "works": works,
                          "refs": refs, "votes": votes, "work": work, "started": started}
-
-    def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def _wait_vote(self) -> None:
         """Wait for the open vote; raise naming the tensor if any engine rank refused."""

@@ -33,6 +33,11 @@ def _nccl_worker(rank, world_size):
             out["plain_cpu_all_reduce"] = type(e).__name__
         reduced = collectives.all_reduce(torch.tensor([float(rank + 1)], dtype=torch.float64))
         out["reduced"], out["reduced_device"] = float(reduced), reduced.device.type
+        host = torch.arange(3.0)  # a CPU tensor: broadcast and gathered on the GPU, results on the CPU
+        collectives.broadcast(host, 0, async_op=True).wait()
+        out["broadcast"] = (host.tolist(), host.device.type)
+        out["gathered"] = [(p.tolist(), p.device.type) for p in collectives.all_gather(torch.tensor([5.0]))]
+        out["group_device"] = str(collectives.group_device())
         control = collectives.control_group()
         out["control"] = dist.get_backend(control)
         dist.barrier(group=control)
@@ -50,6 +55,8 @@ def test_rank_seeing_one_gpu_uses_device_0_and_cpu_collectives_follow_the_rule()
     assert out["device"] == 0 and out["backend"] == "nccl" and out["supported"] == ["cuda"]
     assert out["plain_cpu_all_reduce"] != "ok"  # why the helper exists
     assert out["reduced"] == 1.0 and out["reduced_device"] == "cpu"
+    assert out["broadcast"] == ([0.0, 1.0, 2.0], "cpu") and out["gathered"] == [([5.0], "cpu")]
+    assert out["group_device"] == "cuda:0"
     assert out["control"] == "gloo"
 
 
