@@ -1,4 +1,5 @@
-"""Engine side of the ``p2p`` transport: a custom SGLang weight loader that receives its own shards.
+"""Engine side of the checked transports (``p2p``, and ``distributed`` where this loader is registered):
+a custom SGLang weight loader that receives a bucket, checks it and votes before anything loads.
 
 Registered at engine launch (``--custom-weight-loader megarl.weight_sync.receiver.receive_shards``,
 see :data:`megarl.weight_sync.sglang_loader.CUSTOM_WEIGHT_LOADERS`) and named as ``load_format``
@@ -8,12 +9,16 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
 
 - ``connect``: join the stage sender's process group (sender = rank 0, engine ``i`` rank ``r`` =
   ``1 + i * T + r``; NCCL on GPU, gloo on CPU: the same code) and keep it for every later sync;
-- ``bucket``: receive this rank's bytes of one bucket from rank 0 (point to point), check every
-  tensor against the sender's checksum and against the served checkpoint (name known, dtype equal,
-  shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
-  only if every rank of every engine is content does any rank load the bucket (pre-sharded
-  loading, :func:`megarl.weight_sync.sglang_loader.load_presharded`). A failed vote leaves every
-  engine's weights untouched and tells the sender which tensor failed where;
+- ``bucket``: receive this rank's bytes of one bucket from rank 0, check every tensor against the
+  sender's checksum and against the served checkpoint (name known, dtype equal, shape a shard of
+  its shape), then **vote** (an all-reduce of one status row per group rank): only if every rank
+  of every engine is content does any rank load the bucket. A failed vote leaves every engine's
+  weights untouched and tells the sender which tensor failed where. The ticket's ``mode`` says
+  how the bytes come: ``p2p`` (default): this rank's own slices, point to point, loaded
+  pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
+  checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
+  shape equal to the checkpoint's, loaded by the model's own ``load_weights`` (which slices it,
+  as ``/update_weights_from_distributed`` does);
 - ``finish``: vote once more with any loading error since the last ``finish``;
 - ``close``: destroy the group.
 
@@ -32,7 +37,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.training.collectives import all_reduce, group_device, recv
+from megarl.training.collectives import all_reduce, broadcast, group_device, recv
 from megarl.weight_sync import wire
 
 log = logging.getLogger(__name__)
@@ -100,13 +105,17 @@ def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
 def _bucket(model, ticket: dict) -> None:
     state = _GROUPS[ticket["group"]]
     nbytes = int(ticket["nbytes"])
+    whole = ticket.get("mode", "p2p") == "broadcast"
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=state["device"])
     received = 0
     if nbytes:
-        recv(buffer, 0, group=state["group"])
+        if whole:  # every engine rank joins the one broadcast of the bucket
+            broadcast(buffer, 0, group=state["group"])
+        else:
+            recv(buffer, 0, group=state["group"])
         received = nbytes
     try:
-        status, index, named = _check(buffer, ticket)
+        status, index, named = _check(buffer, ticket, whole=whole)
     except Exception:  # noqa: BLE001 - still vote, or the sender and the other ranks would wait forever
         log.error("p2p receiver: checking bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
         status, index, named = 6, 0, []
@@ -119,14 +128,20 @@ def _bucket(model, ticket: dict) -> None:
     from megarl.weight_sync.sglang_loader import load_presharded
 
     try:
-        load_presharded(model, named)
+        if whole:
+            model.load_weights(named)
+        else:
+            load_presharded(model, named)
     except Exception:  # noqa: BLE001
         log.error("p2p receiver: loading bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
         state["load_errors"].append(0)
 
 
-def _check(buffer: torch.Tensor, ticket: dict) -> tuple[int, int, list]:
-    """``(status, tensor index, [(name, view)])`` of one received bucket (status 0 = all good)."""
+def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[int, int, list]:
+    """``(status, tensor index, [(name, view)])`` of one received bucket (status 0 = all good).
+
+    ``whole``: every tensor must have the checkpoint's shape (broadcast mode), not a shard of it.
+    """
     from megarl.weight_sync.gather import torch_dtype
 
     manifest = _manifest()
@@ -138,6 +153,8 @@ def _check(buffer: torch.Tensor, ticket: dict) -> tuple[int, int, list]:
         if dtype != full_dtype:
             return 4, index, []
         if len(shape) != len(full_shape) or any(s <= 0 or f % s for s, f in zip(shape, full_shape)):
+            return 3, index, []
+        if whole and tuple(shape) != tuple(full_shape):
             return 3, index, []
         element = torch_dtype(dtype)
         size = torch.Size(shape).numel() * torch.empty(0, dtype=element).element_size()

@@ -1,16 +1,16 @@
 """Transports: how a stage sender hands converted buckets to the SGLang engines.
 
-- ``distributed``: a process group between this sender (group rank 0) and every engine rank,
-  created through ``/init_weights_update_group`` (NCCL on GPU, gloo on CPU: same code); per bucket
-  one ``/update_weights_from_distributed`` request with ``load_format="flattened_bucket"`` per
-  engine and one broadcast of the flat bucket. Every engine rank receives every tensor in full.
-- ``p2p``: shard to shard on any host: a process group between this sender (rank 0) and every
-  engine rank (NCCL on GPU, gloo on CPU: same code), created once inside the first sync and
-  reused; per bucket each engine rank receives exactly its slices point to point, announced by a
-  ticket to the custom loader :func:`megarl.weight_sync.receiver.receive_shards` (an upstream
-  extension point: ``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``),
-  which checks per-tensor checksums, names, shapes and dtypes and loads only after every engine
-  rank voted that its bytes are intact (:class:`P2PTransport`).
+- ``distributed``: one broadcast of the flat bucket per bucket over a process group between this
+  sender (group rank 0) and every engine rank (NCCL on GPU, gloo on CPU: same code). Every engine
+  rank receives every tensor in full. Where the engines registered megarl's receiver loader (as
+  engines megarl starts do) the bucket is announced to it with per-tensor checksums and checked on
+  every engine rank before any loads (:class:`megarl.weight_sync.p2p.CheckedDistributedTransport`);
+  elsewhere it is SGLang's own path (:class:`DistributedTransport`: the group created through
+  ``/init_weights_update_group``, per bucket one ``/update_weights_from_distributed`` request with
+  ``load_format="flattened_bucket"`` per engine), which SGLang loads unchecked.
+- ``p2p``: shard to shard on any host: the receiver's group, and per bucket each engine rank
+  receives exactly its slices point to point, checked the same way
+  (:class:`megarl.weight_sync.p2p.P2PTransport`).
 - ``shard``: per-rank payloads through ``/update_weights_from_tensor``: engine rank ``r`` receives
   exactly its slices (``plan.engine_slice``), loaded pre-sharded by the custom loader
   :func:`megarl.weight_sync.sglang_loader.load_presharded`; the tensors travel as shared memory,
@@ -21,7 +21,8 @@
   shared memory on CPU); SGLang slices them.
 - ``disk``: safetensors files + ``/update_weights_from_disk``: the fallback and the reference.
 
-A transport never lets a buffer be reused while the engines may still read it. ``distributed``:
+A transport never lets a buffer be reused while the engines may still read it. ``distributed``
+(SGLang's path; the checked transports wait for the previous bucket's vote, see :mod:`megarl.weight_sync.p2p`):
 ``send(b)`` first waits until bucket ``b - 1``'s broadcast completed (the engines then hold their
 own copy, and have received ``b - 1``'s request, so requests stay in order); the engines load
 ``b - 1`` while ``b``'s request travels. ``shard`` / ``tensor``: the engines read the sender's
@@ -30,6 +31,7 @@ until then. Either way gathering and placing bucket ``b + 1`` overlaps the trans
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -41,11 +43,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.training.collectives import all_reduce, broadcast, group_device, isend
+from megarl.training.collectives import broadcast
 from megarl.weight_sync.engines import EngineGroup, wait_all
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.validate import WeightSyncError
-from megarl.weight_sync.wire import STATUS, VOTE_FIELDS
+
+log = logging.getLogger(__name__)
 
 LOADER = "megarl.weight_sync.sglang_loader.load_presharded"
 """``--custom-weight-loader`` import path of the shard transport's loader."""
@@ -279,243 +282,6 @@ class TensorTransport(_TensorPayloadTransport):
         return [whole] * self.plan.engine_layout.tp_size, [size] * self.plan.engine_layout.tp_size
 
 
-class P2PTransport(_GroupTransport):
-    """Shard-to-shard over a process group with every engine rank, any host (see module docstring).
-
-    Per bucket: each engine rank's slices are packed (no copy when a rank holds every tensor
-    whole), checksummed per tensor, announced by a ticket (``/update_weights_from_tensor`` with
-    ``load_format`` = the receiver loader) and sent point to point; then every group rank joins a
-    vote (one all-reduce) and the engines load only if every rank received intact, expected
-    tensors (:mod:`megarl.weight_sync.receiver`). The next bucket's tickets go out only after the
-    previous vote, so every engine rank sees the tickets in order; packing bucket ``b + 1`` and
-    gathering ``b + 2`` overlap the transfer of ``b``, and the engines load ``b`` while ``b + 1``'s
-    ticket travels.
-
-    ``tamper``: for fault-injection tests only: ``tamper(bucket_index, engine_tp_rank, buffer)``
-    is called after the checksums and may return a replacement buffer to send to that rank.
-    """
-
-    name = "p2p"
-
-    def __init__(self, plan, engines, **kwargs) -> None:
-        super().__init__(plan, engines, **kwargs)
-        self.tamper = None
-        self._pool: dict[tuple[int, int], torch.Tensor] = {}  # (slot, engine rank) -> packing buffer, kept across syncs
-        self._pending: Optional[dict] = None
-        self._failure: Optional[WeightSyncError] = None
-        self._pp_rank: Optional[int] = None
-        self._requests: list = []
-        tp = plan.engine_layout.tp_size
-        self.received = [[0] * tp for _ in range(len(engines))]
-        """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
-
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.engines) * self.plan.engine_layout.tp_size
-
-    def _submit_tickets(self, per_rank: list[dict]) -> list:
-        from megarl.weight_sync.receiver import RECEIVER
-        from megarl.weight_sync.wire import payload
-
-        payloads = [payload(t) for t in per_rank]
-        futures = self.engines.submit_all("update_weights_from_tensor", payloads, load_format=RECEIVER,
-                                          flush_cache=False)
-        self._requests.extend(futures)
-        return futures
-
-    def connect(self, pp_rank: int) -> None:
-        """Remember the stage; the group is created inside the first sync's update session
-        (SGLang accepts ``/update_weights_from_tensor`` only between ``begin_weight_update`` and
-        ``end_weight_update``), after this stage's turn came (stages connect in order)."""
-        self._pp_rank = pp_rank
-
-    def _join(self) -> None:
-        """Create this stage's group: this sender is rank 0, engine ``i`` rank ``r`` is ``1 + i*T + r``."""
-        import concurrent.futures
-
-        from megarl.rollout.engine import find_free_port
-        from megarl.weight_sync.receiver import RECEIVER
-        from megarl.weight_sync.sglang_compat import init_custom_process_group
-        from megarl.weight_sync.wire import payload
-
-        tp = self.plan.engine_layout.tp_size
-        port = find_free_port(self.master_address)
-        self.group_name = f"megarl-p2p-pp{self._pp_rank}-{uuid.uuid4().hex[:8]}"
-        ticket = {"op": "connect", "group": self.group_name, "address": self.master_address, "port": port,
-                  "world": self.world_size, "backend": self.backend, "timeout_s": self.timeout_s}
-        futures = [self.engines.submit(i, "update_weights_from_tensor",
-                                       [payload(dict(ticket, rank_offset=1 + i * tp))] * tp,
-                                       load_format=RECEIVER, flush_cache=False)
-                   for i in range(len(self.engines))]
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # joining blocks: watch the engines meanwhile
-            joined = pool.submit(init_custom_process_group, backend=self.backend,
-                                 init_method=f"tcp://{self.master_address}:{port}", world_size=self.world_size,
-                                 rank=0, group_name=self.group_name, timeout=timedelta(seconds=self.timeout_s))
-            deadline = time.monotonic() + self.timeout_s
-            while not joined.done():
-                failed = [f for f in futures if f.done() and f.exception() is not None]
-                if failed or time.monotonic() > deadline:
-                    raise WeightSyncError(f"engines did not join the p2p group {self.group_name}: "
-                                          f"{failed[0].exception() if failed else 'timeout'}")
-                time.sleep(0.01)
-            self.group = joined.result()
-        wait_all(futures, self.timeout_s)
-
-    def start_sync(self) -> None:
-        super().start_sync()
-        self.received = [[0] * self.plan.engine_layout.tp_size for _ in range(len(self.engines))]
-
-    def _pack(self, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[list], str]:
-        """Each engine rank's bytes ``[nbytes_r]`` uint8, its ticket tensor list
-        ``[[name, dtype, shape, checksum]]`` (wire order) and the checksum algorithm."""
-        from megarl.weight_sync.wire import checksum, checksum_algo
-
-        tp = self.plan.engine_layout.tp_size
-        parts: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(tp)]
-        for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
-            for rank, sl in self.plan.engine_slices_of(spec).items():
-                parts[rank].append((name, tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
-        flat_device = flat.device
-        algo = checksum_algo(flat_device)
-        sums: dict[tuple, str] = {}
-        buffers, listings = [], []
-        whole = [t for _, t in tensors]
-        for rank in range(tp):
-            mine = parts[rank]
-            if len(mine) == len(whole) and all(v is w for (_, v), w in zip(mine, whole)):
-                buffer = flat  # every tensor whole: the bucket itself, no copy
-            else:
-                size = sum(v.numel() * v.element_size() for _, v in mine)
-                key = (bucket.index % 2, rank)
-                pooled = self._pool.get(key)
-                if pooled is None or pooled.numel() < size or pooled.device != flat_device:
-                    pooled = torch.empty(max(size, 1), dtype=torch.uint8, device=flat_device)
-                    self._pool[key] = pooled
-                buffer, offset = pooled[:size], 0
-                for _, v in mine:
-                    n = v.numel() * v.element_size()
-                    buffer[offset:offset + n].view(v.dtype).view(v.shape).copy_(v)
-                    offset += n
-            listing, offset = [], 0
-            for name, v in mine:
-                n = v.numel() * v.element_size()
-                key = (name, v.storage_offset(), tuple(v.shape))
-                if key not in sums:
-                    sums[key] = checksum(buffer[offset:offset + n], algo)
-                listing.append([name, str(v.dtype).removeprefix("torch."), list(v.shape), sums[key]])
-                offset += n
-            buffers.append(buffer)
-            listings.append(listing)
-        return buffers, listings, algo
-
-    def send(self, bucket, tensors, flat) -> None:
-        """Pack, announce, send point to point and open the vote of one bucket (see class docstring)."""
-        if self._pp_rank is None:
-            raise WeightSyncError("p2p transport used before connect()")
-        if self.group is None:
-            self._join()
-        if self._failure is not None:  # a bucket was refused: send nothing more (drain raises)
-            return
-        started = time.perf_counter()
-        buffers, listings, algo = self._pack(bucket, tensors, flat)
-        self._wait_vote()  # the previous bucket: its tickets were processed first, its buffers are free
-        if self._failure is not None:
-            return
-        if self.tamper is not None:
-            tampered = [self.tamper(bucket.index, r, b) for r, b in enumerate(buffers)]
-            buffers = [b if t is None else t for b, t in zip(buffers, tampered)]
-        tickets = [{"op": "bucket", "group": self.group_name, "bucket": bucket.index,
-                    "nbytes": int(b.numel()), "algo": algo, "tensors": listing}
-                   for b, listing in zip(buffers, listings)]
-        futures = self._submit_tickets(tickets)
-        tp = self.plan.engine_layout.tp_size
-        works = [isend(buffers[r], 1 + i * tp + r, group=self.group)
-                 for i in range(len(self.engines)) for r in range(tp) if buffers[r].numel()]
-        self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
-        self._open_vote(bucket, listings, futures, works, buffers, started)
-
-    def _open_vote(self, bucket, listings, futures, works, refs, started) -> None:
-        votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=group_device(self.group))
-        work = all_reduce(votes, group=self.group, async_op=True)
-        self._pending = {"bucket": bucket, "listings": listings, "futures": futures, "works": works,
-                         "refs": refs, "votes": votes, "work": work, "started": started}
-
-    def _wait_vote(self) -> None:
-        """Wait for the open vote; raise naming the tensor if any engine rank refused."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        work, futures = pending["work"], pending["futures"]
-        deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
-                raise WeightSyncError(f"engine rejected a p2p ticket: {failed[0].exception()}; "
-                                      f"the update group {self.group_name} is now unusable")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"p2p vote not finished within {self.timeout_s} s")
-            time.sleep(0.0005)
-        work.wait()
-        for w in pending["works"]:
-            w.wait()
-        if pending["bucket"] is not None:  # the finish vote's wait is loading time (counted by drain)
-            self.stats.transfer_s += time.perf_counter() - pending["started"]
-        votes = pending["votes"].cpu()
-        tp = self.plan.engine_layout.tp_size
-        problems = []
-        for i in range(len(self.engines)):
-            for r in range(tp):
-                status, index, received, _ = votes[1 + i * tp + r].tolist()
-                self.received[i][r] += received
-                if status:
-                    listing = pending["listings"][r] if pending["bucket"] is not None else []
-                    what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"
-                            if index < len(listing) else "its bucket")
-                    problems.append(f"engine {i} ({self.engines.urls[i]}) rank {r}: {what}: {STATUS.get(status, status)}")
-        self.stats.engine_rank_bytes = [max(row[r] for row in self.received) for r in range(tp)]
-        if problems:  # raised by drain(): the other trainer ranks must still finish their gather
-            where = f"bucket {pending['bucket'].index}" if pending["bucket"] is not None else "loading"
-            self._failure = WeightSyncError(f"p2p weight sync refused at {where}, no engine loaded it: "
-                                            + "; ".join(problems))
-
-    def drain(self) -> None:
-        """Wait for the last vote, then a ``finish`` vote (loading errors), then every ticket's answer."""
-        if self.group is None:  # nothing was sent
-            return
-        self._wait_vote()
-        started = time.perf_counter()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            requests, self._requests = self._requests, []
-            wait_all(requests, self.timeout_s)
-            raise failure
-        futures = self._submit_tickets([{"op": "finish", "group": self.group_name}] * self.plan.engine_layout.tp_size)
-        self._open_vote(None, [[] for _ in range(self.plan.engine_layout.tp_size)], futures, [], None, started)
-        self._wait_vote()
-        requests, self._requests = self._requests, []
-        wait_all(requests, self.timeout_s)
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
-        self.stats.engine_load_s += time.perf_counter() - started
-
-    def close(self) -> None:
-        """Destroy the group on both sides (the engines' side inside a short update session)."""
-        if self.group is None:
-            return
-        try:
-            self.engines.call_all("begin_weight_update", timeout_s=60)
-            try:
-                self._submit_tickets([{"op": "close", "group": self.group_name}] * self.plan.engine_layout.tp_size)
-                requests, self._requests = self._requests, []
-                wait_all(requests, 60)
-            finally:
-                self.engines.call_all("end_weight_update", timeout_s=60)
-        finally:
-            dist.destroy_process_group(self.group)
-            self.group = None
-
-
 class DiskTransport(Transport):
     """Write buckets as safetensors; the coordinator then has every engine reload the directory."""
 
@@ -556,16 +322,28 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, bac
                    timeout_s: float = 600.0) -> Transport:
     """The transport called ``name`` (``weight_sync.transport``; ``auto``: see :func:`resolve_auto`).
 
+    ``distributed`` is checked per bucket (:class:`~megarl.weight_sync.p2p.CheckedDistributedTransport`)
+    when every engine registered megarl's receiver loader, as engines megarl starts do; otherwise it
+    is SGLang's own ``/update_weights_from_distributed`` (:class:`DistributedTransport`), which
+    loads what it received unchecked (README, "A sync that checks itself"), and a warning says so.
+
     Raises:
         ValueError: unknown name, or ``disk`` without a directory.
     """
+    from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
+
     if name == "auto":
         name = resolve_auto(plan, engines, backend=backend, timeout_s=timeout_s)
     if name == "p2p":
         return P2PTransport(plan, engines, backend=backend, master_address=master_address, timeout_s=timeout_s)
     if name == "distributed":
-        return DistributedTransport(plan, engines, backend=backend, master_address=master_address,
-                                    timeout_s=timeout_s)
+        checked = engines_have_receiver(engines, timeout_s=timeout_s)
+        if not checked:
+            log.warning("weight_sync.transport=distributed: the engines did not register megarl's receiver "
+                        "(--custom-weight-loader %s): buckets are loaded without a per-bucket checksum check",
+                        _receiver())
+        cls = CheckedDistributedTransport if checked else DistributedTransport
+        return cls(plan, engines, backend=backend, master_address=master_address, timeout_s=timeout_s)
     if name == "shard":
         return ShardTransport(plan, engines, timeout_s=timeout_s)
     if name == "tensor":
@@ -575,6 +353,18 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, bac
             raise ValueError("weight_sync.transport=disk needs a directory for the safetensors files")
         return DiskTransport(plan, engines, directory=directory, timeout_s=timeout_s)
     raise ValueError(f"weight_sync.transport: unknown {name!r} (auto, p2p, distributed, shard, tensor, disk)")
+
+
+def _receiver() -> str:
+    from megarl.weight_sync.receiver import RECEIVER
+
+    return RECEIVER
+
+
+def engines_have_receiver(engines: EngineGroup, *, timeout_s: float = 60.0) -> bool:
+    """Whether every engine registered megarl's receiver loader (``/server_info``'s ``custom_weight_loader``)."""
+    infos = wait_all(engines.submit_all("_request", "GET", "/server_info", timeout_s=timeout_s), timeout_s)
+    return all(_receiver() in (info.get("custom_weight_loader") or []) for info in infos)
 
 
 def resolve_auto(plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "auto", timeout_s: float = 60.0) -> str:
@@ -589,7 +379,6 @@ def resolve_auto(plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "
     shards one after another (``megarl plan-sync`` shows both), so ``distributed`` stays.
     """
     from megarl.weight_sync.plan import PlanError
-    from megarl.weight_sync.receiver import RECEIVER
 
     try:
         plan.engine_shard_bytes()
@@ -598,20 +387,17 @@ def resolve_auto(plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
     if backend == "nccl" and len(engines) > 1:
         return "distributed"
-    infos = wait_all(engines.submit_all("_request", "GET", "/server_info", timeout_s=timeout_s), timeout_s)
-    ok = all(RECEIVER in (info.get("custom_weight_loader") or []) for info in infos)
-    return "p2p" if ok else "distributed"
-
-
+    return "p2p" if engines_have_receiver(engines, timeout_s=timeout_s) else "distributed"
 
 
 def engine_custom_weight_loaders(transport: str) -> list[str]:
     """What engines megarl starts itself register with ``--custom-weight-loader`` for ``transport``
-    (``auto`` registers the ``p2p`` receiver, so that ``auto`` resolves to ``p2p`` for them)."""
-    from megarl.weight_sync.receiver import RECEIVER
-
+    (``auto`` registers the ``p2p`` receiver, so that ``auto`` resolves to ``p2p`` for them;
+    ``distributed`` registers it so that every bucket is checked before loading)."""
     if transport == "shard":
         return [LOADER]
     if transport in ("auto", "p2p"):
-        return [LOADER, RECEIVER]
+        return [LOADER, _receiver()]
+    if transport == "distributed":
+        return [_receiver()]
     return []

@@ -1,4 +1,7 @@
-"""What the ``p2p`` transport puts on the wire, shared by the sender and the engine-side receiver.
+"""What the checked transports put on the wire, shared by the sender and the engine-side receiver.
+
+``p2p`` (below); the checked ``distributed`` transport sends the same tickets with ``"mode":
+"broadcast"``, whole tensors, and the whole bucket as one broadcast to every engine rank.
 
 Per bucket and engine rank, the sender packs that rank's slices of the bucket's HF tensors back to
 back (the bucket's wire order, decreasing element size, so every view is aligned) and sends them
@@ -99,7 +102,7 @@ def payload(ticket: dict[str, Any]) -> str:
 VOTE_FIELDS = 4
 """One row per group rank in a vote: ``(status, tensor index, bytes received, bucket index)``."""
 STATUS = {0: "ok", 1: "checksum mismatch (corrupted on the wire)", 2: "name unknown to the engine's checkpoint",
-          3: "shape is not a shard of the engine checkpoint's tensor", 4: "dtype differs from the engine's checkpoint",
+          3: "shape does not fit the engine checkpoint's tensor (p2p: a shard of it; distributed: equal)", 4: "dtype differs from the engine's checkpoint",
           5: "byte count differs from its tensors'", 6: "receiver error (see the engine's log)",
           7: "loading failed on the engine (see the engine's log)"}
 """Status codes the receiver reports (the sender turns them into a :class:`WeightSyncError`)."""
