@@ -258,11 +258,16 @@ class P2PTransport(_GroupTransport):
         self.stats.engine_load_s += time.perf_counter() - started
 
     def close(self) -> None:
-        """Destroy the group on both sides (the engines' side inside a short update session)."""
+        """Destroy the group on both sides (the engines' side inside a short update session).
+
+        Raises:
+            WeightSyncError: an engine kept another update session open for 60 s.
+            EngineRequestError: an engine refused a request.
+        """
         if self.group is None:
             return
         try:
-            self.engines.call_all("begin_weight_update", timeout_s=60)
+            self._open_close_session(timeout_s=60)
             try:
                 self._submit_tickets([{"op": "close", "group": self.group_name}] * self.plan.engine_layout.tp_size)
                 requests, self._requests = self._requests, []
@@ -273,6 +278,27 @@ class P2PTransport(_GroupTransport):
             dist.destroy_process_group(self.group)
             self.group = None
 
+    def _open_close_session(self, *, timeout_s: float) -> None:
+        """``/begin_weight_update`` on every engine, in engine order, waiting while another stage
+        sender's close holds the engine's session (with PP > 1 every stage sender closes its own
+        group at the same time; SGLang refuses a second open session). The same order for every
+        sender: one that holds engine ``i`` already holds ``0 .. i - 1``, so none waits in a cycle."""
+        from megarl.rollout.client import EngineRequestError
+
+        deadline = time.monotonic() + timeout_s
+        for i in range(len(self.engines)):
+            while True:
+                try:
+                    wait_all([self.engines.submit(i, "begin_weight_update")], timeout_s)
+                    break
+                except EngineRequestError as err:
+                    if "already open" not in str(err):
+                        raise
+                    if time.monotonic() > deadline:
+                        raise WeightSyncError(f"engine {i} ({self.engines.urls[i]}) kept another weight-update "
+                                              f"session open for {timeout_s} s; group {self.group_name} not closed "
+                                              f"on the engines") from err
+                    time.sleep(0.1)
 
 
 class CheckedDistributedTransport(P2PTransport):

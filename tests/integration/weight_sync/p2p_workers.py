@@ -1,7 +1,9 @@
 """Rank functions of the ``p2p`` transport tests (module-level: ``run_ranks`` spawns them)."""
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,18 +32,21 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
     sync must fail naming the tensor and the engines must still answer as after the good sync.
 
     Returns (rank 0): ``{"disk", "p2p", "after_corrupt", "metrics", "error", "tensor_names"}``.
+
+    Raises:
+        RuntimeError: closing a synchronizer's groups failed (e.g. the stage senders' concurrent
+            close at PP2); raised after every synchronizer was closed, unless another error is
+            already propagating (then printed to stderr and the first error kept).
     """
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
     from megarl.weight_sync.sync import build_weight_sync
-    from megarl.weight_sync.validate import WeightSyncError
 
     cfg = workers.make_cfg(hf_dir, workers.LAYOUTS[layout])
     trainer = build_trainer(cfg)
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
-    out: dict = {}
     syncers = {}
     for transport in ("disk", "p2p"):
         syncers[transport] = build_weight_sync(
@@ -49,42 +54,69 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
             engine_tp_size=engine_tp, dtype="float32", parallel_cfg=cfg.parallel, check_manifest=False,
             directory=os.path.join(workdir, f"disk-{layout}"), master_address=master_address)
     try:
-        for transport in ("disk", "p2p"):
-            if rank == 0:
-                workers.reset_engines(urls, hf_dir)
-            dist.barrier()
-            out.setdefault("metrics", {})[transport] = syncers[transport].sync(
-                dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
-            if rank == 0:
-                out[transport] = workers.engine_logprobs(urls, probes)
-            dist.barrier()
-        out["plan_shard_bytes"] = syncers["p2p"].plan.engine_shard_bytes()
-        if corrupt is None:
-            return out if rank == 0 else None
-        trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
-        p2p = syncers["p2p"]
-        if p2p.transport is not None:
-            p2p.transport.tamper = flip_one_byte(corrupt, offset=3)
-            out["tensor_names"] = [t.name for b in p2p.plan.buckets if b.index == corrupt[0] for t in b.hf_tensors]
+        out = _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrupt)
+    except BaseException:
         try:
-            p2p.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
-            out["error"] = None
-        except WeightSyncError as err:
-            out["error"] = str(err)
-        if rank == 0:
-            with workers_engines(urls) as engines:  # the failed sync left them paused in a session
-                engines.call_all("end_weight_update")
-                engines.call_all("resume")
-            out["after_corrupt"] = workers.engine_logprobs(urls, probes)
-        dist.barrier()
+            errors = _close(syncers)
+            if errors:
+                print(f"rank {rank} at {layout}: closing after an error also failed: {errors}", file=sys.stderr)
+        finally:
+            destroy_parallel()
+        raise
+    try:
+        errors = _close(syncers)
     finally:
-        for syncer in syncers.values():
-            try:
-                syncer.close()
-            except Exception:  # noqa: BLE001 - the failed sync may have left its group unusable
-                pass
         destroy_parallel()
+    if errors:
+        raise RuntimeError(f"rank {rank} at {layout}: closing the weight-sync groups failed: {errors}")
     return out if rank == 0 else None
+
+
+def _close(syncers: dict) -> list[str]:
+    """Close every synchronizer; the errors, one line each (none swallowed: the caller raises them)."""
+    errors = []
+    for name, syncer in syncers.items():
+        try:
+            syncer.close()
+        except Exception as err:  # noqa: BLE001 - collected so that every synchronizer is closed
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+    return errors
+
+
+def _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrupt) -> dict:
+    """The syncs of :func:`sync_then_corrupt` (every rank; the engine answers on rank 0)."""
+    from megarl.weight_sync.validate import WeightSyncError
+
+    out: dict = {}
+    for transport in ("disk", "p2p"):
+        if rank == 0:
+            workers.reset_engines(urls, hf_dir)
+        dist.barrier()
+        out.setdefault("metrics", {})[transport] = syncers[transport].sync(
+            dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+        if rank == 0:
+            out[transport] = workers.engine_logprobs(urls, probes)
+        dist.barrier()
+    out["plan_shard_bytes"] = syncers["p2p"].plan.engine_shard_bytes()
+    if corrupt is None:
+        return out
+    trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
+    p2p = syncers["p2p"]
+    if p2p.transport is not None:
+        p2p.transport.tamper = flip_one_byte(corrupt, offset=3)
+        out["tensor_names"] = [t.name for b in p2p.plan.buckets if b.index == corrupt[0] for t in b.hf_tensors]
+    try:
+        p2p.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+        out["error"] = None
+    except WeightSyncError as err:
+        out["error"] = str(err)
+    if rank == 0:
+        with workers_engines(urls) as engines:  # the failed sync left them paused in a session
+            engines.call_all("end_weight_update")
+            engines.call_all("resume")
+        out["after_corrupt"] = workers.engine_logprobs(urls, probes)
+    dist.barrier()
+    return out
 
 
 def workers_engines(urls):
@@ -93,14 +125,36 @@ def workers_engines(urls):
     return EngineGroup(urls)
 
 
+def capture_rank_output(log_dir: str, rank: int, dump_every_s: float):
+    """Send this rank's stdout and stderr (file descriptors 1 and 2: C++ and gloo output too) to
+    ``{log_dir}/rank{rank}.log`` and dump every thread's stack there every ``dump_every_s`` seconds
+    (and on a fatal signal), so that a hang says where. Returns the open log file."""
+    os.makedirs(log_dir, exist_ok=True)
+    log = open(os.path.join(log_dir, f"rank{rank}.log"), "a", buffering=1, encoding="utf-8")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
+    faulthandler.dump_traceback_later(dump_every_s, repeat=True, file=log)
+    return log
+
+
 def across_layouts(rank: int, world_size: int, hf_dir: str, layouts: list[str], urls: list[str], probes,
                    engine_tp: int, workdir: str, train_sequences, corrupt_layout: str,
-                   master_address: str) -> dict | None:
+                   master_address: str, dump_every_s: float = 300.0) -> dict | None:
     """:func:`sync_then_corrupt` for each layout in one process pair (Megatron imported once); the
-    flipped byte only at ``corrupt_layout``."""
-    out = {}
-    for layout in layouts:
-        out[layout] = sync_then_corrupt(rank, world_size, hf_dir, layout, urls, probes, engine_tp,
-                                        os.path.join(workdir, layout), train_sequences,
-                                        (0, 1) if layout == corrupt_layout else None, master_address)
-    return out if rank == 0 else None
+    flipped byte only at ``corrupt_layout``. This rank's output goes to ``{workdir}/logs/rank{rank}.log``
+    (:func:`capture_rank_output`)."""
+    log = capture_rank_output(os.path.join(workdir, "logs"), rank, dump_every_s)
+    try:
+        out = {}
+        for layout in layouts:
+            print(f"rank {rank}: layout {layout}", flush=True)
+            out[layout] = sync_then_corrupt(rank, world_size, hf_dir, layout, urls, probes, engine_tp,
+                                            os.path.join(workdir, layout), train_sequences,
+                                            (0, 1) if layout == corrupt_layout else None, master_address)
+        return out if rank == 0 else None
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        log.flush()

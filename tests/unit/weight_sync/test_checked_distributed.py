@@ -74,19 +74,22 @@ class FileEngines:
     def __len__(self) -> int:
         return 1
 
-    def submit(self, index, method, payloads, **kwargs):
+    def submit(self, index, method, *args, **kwargs):
+        future = concurrent.futures.Future()
+        future.set_result({"success": True})
+        if method in ("begin_weight_update", "end_weight_update"):  # close()'s session
+            return future
         assert method == "update_weights_from_tensor" and kwargs["load_format"] == receiver.RECEIVER
+        payloads, = args
         for rank, text in enumerate(payloads):
             tmp = self.dir / f".r{rank}-{self.seq:05d}"
             tmp.write_text(text)
             tmp.rename(self.dir / f"r{rank}-{self.seq:05d}")
         self.seq += 1
-        future = concurrent.futures.Future()
-        future.set_result({"success": True})
         return future
 
-    def submit_all(self, method, payloads, **kwargs):
-        return [self.submit(0, method, payloads, **kwargs)]
+    def submit_all(self, method, *args, **kwargs):
+        return [self.submit(0, method, *args, **kwargs)]
 
     def call_all(self, *args, **kwargs):
         return []
@@ -193,3 +196,64 @@ def test_checked_distributed_loads_whole_tensors_and_refuses_a_flipped_byte_ever
     error = sender["error"]
     assert "checksum mismatch" in error and "bucket 0" in error and sender["first_tensor"] in error
     assert "rank 0" in error and "rank 1" in error, error
+
+
+class SessionEngines:
+    """Two engines whose update session another stage sender holds for its first ``busy`` answers
+    (SGLang 0.5.23's refusal text); records every call."""
+
+    def __init__(self, busy: int) -> None:
+        self.urls, self.busy, self.calls = ["http://e0", "http://e1"], busy, []
+
+    def __len__(self) -> int:
+        return 2
+
+    def submit(self, index, method, *args, **kwargs):
+        import json
+
+        from megarl.rollout.client import EngineRequestError
+
+        self.calls.append((index, method))
+        future = concurrent.futures.Future()
+        if method == "begin_weight_update" and self.busy > 0:
+            self.busy -= 1
+            body = {"success": False, "message": "a weight-update session is already open; "
+                                                 "call end_weight_update() first"}
+            future.set_exception(EngineRequestError("/begin_weight_update", 200, json.dumps(body)))
+        else:
+            future.set_result({"success": True})
+        return future
+
+    def submit_all(self, method, *args, **kwargs):
+        return [self.submit(i, method, *args, **kwargs) for i in range(2)]
+
+    def call_all(self, method, *args, timeout_s=None, **kwargs):
+        return [f.result() for f in self.submit_all(method, *args, **kwargs)]
+
+
+@pytest.mark.parametrize("busy, closes", [(0, True), (3, True), (10**6, False)])
+def test_close_waits_for_another_stage_senders_session_then_closes_the_group(monkeypatch, busy, closes):
+    """PP2: both stage senders close at once and SGLang refuses a second open session. close()
+    waits its turn (engine by engine) instead of failing, and fails naming the engine when the
+    session never frees; either way the local group is destroyed."""
+    from megarl.weight_sync import p2p
+    from megarl.weight_sync.validate import WeightSyncError
+
+    _, plan = _plan()
+    destroyed = []
+    monkeypatch.setattr(p2p.dist, "destroy_process_group", destroyed.append)
+    engines = SessionEngines(busy)
+    transport = p2p.CheckedDistributedTransport(plan, engines, backend="gloo", timeout_s=60)
+    transport.group, transport.group_name = "group", "g"
+    monkeypatch.setattr(p2p.time, "monotonic", iter(range(0, 10**7, 10)).__next__ if not closes else time.monotonic)
+    monkeypatch.setattr(p2p.time, "sleep", lambda s: None)
+    if closes:
+        transport.close()
+        begins = [c for c in engines.calls if c[1] == "begin_weight_update"]
+        assert begins == [(0, "begin_weight_update")] * (busy + 1) + [(1, "begin_weight_update")]
+        tickets = [c for c in engines.calls if c[1] == "update_weights_from_tensor"]
+        assert len(tickets) == 2 and engines.calls[-2:] == [(0, "end_weight_update"), (1, "end_weight_update")]
+    else:
+        with pytest.raises(WeightSyncError, match=r"engine 0 \(http://e0\) kept another weight-update session"):
+            transport.close()
+    assert destroyed == ["group"] and transport.group is None
