@@ -76,7 +76,7 @@ def test_each_engine_rank_receives_its_shard_quantised_at_half_the_bytes(tmp_pat
     from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.placement import Placement
-    from megarl.weight_sync.transports import P2PTransport
+    from megarl.weight_sync.p2p import P2PTransport
 
     hf_config = AutoConfig.for_model(**dict(CONFIG, num_key_value_heads=num_kv_heads))
     layout = get_family(hf_config).layout(hf_config, tp_size=1)
