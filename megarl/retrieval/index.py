@@ -267,7 +267,12 @@ class Retriever:
         k = max(1, min(int(top_k), self.num_passages))
         with self._lock:
             if self.backend == "bm25":
-                tokens = self._tokenizer.tokenize(list(queries), return_as="string",
+                # Words -> strings, which bm25s maps through the index's own vocabulary (unknown
+                # words dropped). The tokenizer's vocabulary is reset and rebuilt per call: with its
+                # default update_vocab="if_empty", it would keep only the first call's words and
+                # drop every word first seen in a later call.
+                self._tokenizer.reset_vocab()
+                tokens = self._tokenizer.tokenize(list(queries), update_vocab=True, return_as="string",
                                                   show_progress=False)
                 tokens = [t if t else [""] for t in tokens]
                 docs, scores = self._bm25.retrieve(tokens, k=k, show_progress=False, n_threads=0)

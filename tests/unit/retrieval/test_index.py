@@ -63,6 +63,20 @@ def test_bm25_scores_follow_the_formula_and_manifest_records_the_corpus(tmp_path
     assert [h.id for h in hits[1]] == ["b"] and hits[1][0].title == "Glacier"
 
 
+def test_bm25_answers_do_not_depend_on_earlier_calls(tmp_path):
+    # A long-lived retriever (the service's) must score words it first sees in a later call.
+    corpus = write_corpus(tmp_path / "c.jsonl", PASSAGES)
+    build_index(corpus, tmp_path / "idx", backend="bm25", progress=False)
+    retriever = Retriever(tmp_path / "idx")
+    first = retriever.search(["lava"], top_k=2)
+    later = retriever.search(["dunes wind"], top_k=2)
+    again = retriever.search(["lava", "glacier ice"], top_k=2)
+    fresh = [Retriever(tmp_path / "idx").search([q], top_k=2)[0] for q in ("lava", "dunes wind", "glacier ice")]
+    assert [h.id for h in later[0]] == ["d"]
+    assert first[0] == again[0] == fresh[0] and later[0] == fresh[1] and again[1] == fresh[2]
+    assert [h.id for h in again[1]] == ["b"]
+
+
 def test_dense_scores_are_cosine_similarities_of_the_packaged_encoder(tmp_path):
     corpus = write_corpus(tmp_path / "c.jsonl", PASSAGES)
     build_index(corpus, tmp_path / "idx", backend="dense", progress=False)
