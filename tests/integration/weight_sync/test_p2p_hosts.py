@@ -8,7 +8,6 @@ engine rank received, counted by the receiver inside the server, over its shard 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,16 +23,16 @@ LAYOUTS = ("tp2", "ep2", "pp2")
 
 # Time limits, innermost first; each outer one exceeds what it waits for, so the innermost that
 # trips reports (with the logs below) instead of pytest killing everything silently.
-ENGINES_HEALTHY_S = 1200
+ENGINES_HEALTHY_S = 480
 """Both engines healthy (the engines script's one deadline); the test waits this plus 60 s."""
-TRAINER_RANKS_S = 1500
+TRAINER_RANKS_S = 480
 """The two trainer ranks, all layouts (``run_ranks`` inside the trainer script)."""
 TRAINER_S = TRAINER_RANKS_S + 300
 """The trainer script: imports, the ranks, writing the results."""
 TEARDOWN_S = 180
 """Closing the engines (60 s) and deleting the namespaces."""
 TEST_TIMEOUT_S = ENGINES_HEALTHY_S + 60 + TRAINER_S + TEARDOWN_S + 120
-"""pytest's limit: everything above plus a margin (3360 s)."""
+"""pytest's limit: everything above plus a margin (1620 s; the whole test took 80 s at load average 38)."""
 LOG_TAIL_LINES = 200
 
 
@@ -48,9 +47,6 @@ def print_logs(directory: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.skipif(os.environ.get("MEGARL_P2P_HOSTS_TEST") != "1",
-                    reason="opt-in (MEGARL_P2P_HOSTS_TEST=1): not yet seen to pass; its only run here (machine load "
-                           "average 100-360) had the trainer host exceed 30 min, cause not diagnosed")
 def test_p2p_across_hosts_from_tp2_ep2_pp2_into_two_tp2_engines(tiny_moe_dir, tmp_path):
     from megarl.testing.netns import unavailable_reason
 
