@@ -285,7 +285,7 @@ def side_by_side(hf_dir: Path, workdir: Path, engine_tp: int, transports: list[s
     from megarl.testing.multiproc import run_ranks
     from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
 
-    engine = EngineProcess(hf_dir, device="cpu", dtype="bfloat16", tp_size=engine_tp, mem_fraction_static=0.2,
+    engine = EngineProcess(hf_dir, device="cpu", dtype="bfloat16", tp_size=engine_tp, mem_fraction_static=0.35,
                            max_total_tokens=2048, grammar_backend="none",
                            custom_weight_loaders=CUSTOM_WEIGHT_LOADERS, env={"OMP_NUM_THREADS": "1"},
                            log_path=workdir / "engine_tp.log")
