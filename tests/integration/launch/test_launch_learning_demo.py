@@ -1,6 +1,6 @@
 """The CPU learning demonstration: SFT cold start then GSPO raises held-out reward.
 
-CI runs one seed (``slow``, ~7 min on a quiet 2-core machine); the 3-seed demonstration is marked
+CI runs one seed (``slow``, 4.6-6.9 min on the 2-core machine); the 3-seed demonstration is marked
 ``demo`` (CI leaves it out: ``bash tools/test.sh -m demo`` runs it, ~25 min).
 
 Runs ``examples/arithmetic_tool/run_demo.py`` (one ``megarl train`` per seed, everything real: Megatron
@@ -22,8 +22,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 SEEDS = (1, 2, 3)
-MIN_MEAN_GAIN = 0.03  # measured 0.070 (+0.105, +0.053, +0.051) and 0.083 (+0.085, +0.096, +0.068)
-MIN_ONE_SEED_GAIN = 0.02  # seed 1 measured +0.105, +0.085; the two evaluations share prompts and seeds
+MIN_MEAN_GAIN = 0.03  # measured 0.063 (+0.050, +0.073, +0.067) on 2026-11-25; earlier 0.070 and 0.083
+MIN_ONE_SEED_GAIN = 0.02  # seed 1 measured +0.050 (2026-11-25), +0.105, +0.085; the evaluations share prompts and seeds
+# Issue 16: async mode must gain no less than sync mode's mean gain minus one (population) std over
+# the same seeds: sync measured +0.050, +0.073, +0.067 (2026-11-25): mean 0.063, std 0.010.
+SYNC_MEAN_GAIN, SYNC_GAIN_STD = 0.063, 0.010
 
 
 def _run_demo(out: Path, seeds: tuple[int, ...], timeout_s: float, *args: str) -> dict:
@@ -77,6 +80,10 @@ def test_gspo_variant_raises_held_out_reward_on_every_seed(tmp_path, variant):
                                  "algorithm.rollout_correction=decoupled"],
             "qwen3_template": ["--chat-template", "qwen3"]}[variant]
     result = _run_demo(tmp_path / variant, SEEDS, 3500, *args)
-    for run in result["runs"]:
-        assert run["after"]["eval/sampled_reward_mean"] > run["before"]["eval/sampled_reward_mean"], run
+    gains = [run["after"]["eval/sampled_reward_mean"] - run["before"]["eval/sampled_reward_mean"]
+             for run in result["runs"]]
+    for run, gain in zip(result["runs"], gains):
+        assert gain > 0, run
         assert run["before"]["eval/tool_calls_mean"] > 0.9, run
+    if variant == "async_staleness2":  # measured +0.061, +0.064, +0.076 (mean 0.067)
+        assert sum(gains) / len(gains) >= SYNC_MEAN_GAIN - SYNC_GAIN_STD, gains
