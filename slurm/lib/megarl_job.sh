@@ -62,7 +62,7 @@ megarl_init() {  # environment, job directory, defaults; must run first
   # MEGARL_RESUME_FILE, so the requeued job (same id, same file) continues the run without flags.
   trap 'megarl_forward_stop USR1' USR1
   export MEGARL_RESUME_FILE=${MEGARL_RESUME_FILE:-$JOB_DIR/resume_run_dir}
-  megarl_log "job $SLURM_JOB_ID: logs in $JOB_DIR"
+  megarl_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): logs in $JOB_DIR"
 }
 
 megarl_forward_stop() {  # SIGNAL: ask the driver to checkpoint and stop after its step

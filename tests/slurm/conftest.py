@@ -129,17 +129,22 @@ cluster: {{device: cpu, trainer_nodes: 1, trainer_devices_per_node: 2, rollout_n
     return cfg
 
 
-@pytest.fixture
-def job_env(local_slurm, tmp_path) -> dict:
-    """Environment for one sbatch call: wrappers on PATH, the venv, short Ray temp dir, logs in tmp."""
-    ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # unix socket paths must stay < 108 chars
+def make_job_env(local_slurm: LocalSlurm, log_root: Path, ray_tmp: str) -> dict:
+    """Environment for sbatch calls: wrappers on PATH, the venv, Ray temp dir ``ray_tmp`` (keep it
+    short: unix socket paths must stay < 108 chars), megarl's job logs under ``log_root``."""
     # Multi-host: each node's own address (its eth0); one namespace: every node on loopback.
     address = {"MEGARL_NODE_IFNAME": "eth0"} if local_slurm.multihost else {"MEGARL_NODE_IP": "127.0.0.1"}
-    env = {**local_slurm.env, "MEGARL_VENV": sys.prefix, **address,
-           "MEGARL_LOG_ROOT": str(tmp_path / "runs"), "MEGARL_RAY_TMPDIR": ray_tmp,
-           "MEGARL_DRIVER": f"python {ROOT}/tests/slurm/ray_probe_driver.py",
-           "RAY_prestart_worker_first_driver": "0", "OMP_NUM_THREADS": "1"}
-    yield env
+    return {**local_slurm.env, "MEGARL_VENV": sys.prefix, **address,
+            "MEGARL_LOG_ROOT": str(log_root), "MEGARL_RAY_TMPDIR": ray_tmp,
+            "MEGARL_DRIVER": f"python {ROOT}/tests/slurm/ray_probe_driver.py",
+            "RAY_prestart_worker_first_driver": "0", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def job_env(local_slurm, tmp_path) -> dict:
+    """Environment for one sbatch call (:func:`make_job_env`), logs in tmp."""
+    ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")
+    yield make_job_env(local_slurm, tmp_path / "runs", ray_tmp)
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

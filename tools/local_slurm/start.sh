@@ -148,7 +148,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=${D}/munge/munge.sock
+# cred_expire (default 120 s, minimum 5) is also how long a requeued job waits before it may
+# start again (slurm.conf(5)): the preemption test requeues a job.
+AuthInfo=socket=${D}/munge/munge.sock,cred_expire=15
 StateSaveLocation=${D}/state
 SlurmdSpoolDir=${D}/spool/%n
 SlurmctldPidFile=${D}/run/slurmctld.pid
