@@ -218,6 +218,7 @@ megarl_start_ray() {  # head on plan node 0, workers on every other used node, w
     if ((i > 0)) && [[ ${PLAN_ROLE[i]} != unused ]]; then megarl_start_node "$i" worker; fi
     if [[ ${PLAN_ROLE[i]} == unused ]]; then megarl_log "WARNING: node ${PLAN_HOST[i]} is not used by this config"; fi
   done
+  : >"$JOB_DIR/wait_nodes.log"  # a requeued job starts this log anew
   megarl_python -m megarl.launch.slurm_env wait-nodes --address "$MEGARL_RAY_HEAD" --plan "$JOB_DIR/plan.txt" \
     --timeout-s "$timeout" >>"$JOB_DIR/wait_nodes.log" 2>&1 &
   local waiter=$! rc=0
