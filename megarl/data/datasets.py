@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from megarl.registry import registrar
+
 Row = dict[str, Any]
 
 
@@ -83,12 +85,7 @@ def register_dataset(name: str) -> Callable[[DatasetReader], DatasetReader]:
     Raises:
         ValueError: ``name`` is already registered to another reader.
     """
-    def decorator(reader: DatasetReader) -> DatasetReader:
-        if name in DATASET_REGISTRY and DATASET_REGISTRY[name] is not reader:
-            raise ValueError(f"dataset {name!r} is already registered")
-        DATASET_REGISTRY[name] = reader
-        return reader
-    return decorator
+    return registrar(DATASET_REGISTRY, name, "dataset")
 
 
 def load_rows(dataset: str, path: str, **kwargs: Any) -> list[Row]:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from megarl.registry import registrar
 from megarl.rollout.types import RolloutStatus, Trajectory
 
 _ANCHOR = "\u2063megarl-demonstration-anchor\u2063"
@@ -212,12 +213,7 @@ def register_demonstrations(name: str) -> Callable[[DemonstrationBuilder], Demon
     Raises:
         ValueError: ``name`` is already registered to another builder.
     """
-    def decorator(builder: DemonstrationBuilder) -> DemonstrationBuilder:
-        if name in DEMONSTRATION_BUILDERS and DEMONSTRATION_BUILDERS[name] is not builder:
-            raise ValueError(f"demonstration builder {name!r} is already registered")
-        DEMONSTRATION_BUILDERS[name] = builder
-        return builder
-    return decorator
+    return registrar(DEMONSTRATION_BUILDERS, name, "demonstration builder")
 
 
 def is_demonstrations_file(source: str) -> bool:

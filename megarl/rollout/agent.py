@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 
+from megarl.registry import registrar
 from megarl.rollout.reasoning import ReasoningFormat, resolve_parsers
 from megarl.rollout.rewards import FINAL_TEXT_KEY, REASONING_TEXT_KEY
 from megarl.rollout.tools.calls import ToolCallParser, run_tool_calls
@@ -486,12 +487,7 @@ def register_agent(name: str) -> Callable[[AgentLoop], AgentLoop]:
     Raises:
         ValueError: ``name`` is already registered to another loop.
     """
-    def decorator(loop: AgentLoop) -> AgentLoop:
-        if name in AGENT_REGISTRY and AGENT_REGISTRY[name] is not loop:
-            raise ValueError(f"agent loop {name!r} is already registered")
-        AGENT_REGISTRY[name] = loop
-        return loop
-    return decorator
+    return registrar(AGENT_REGISTRY, name, "agent loop")
 
 
 def get_agent_loop(name: str) -> AgentLoop:

@@ -9,6 +9,8 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
+from megarl.registry import registrar
+
 if TYPE_CHECKING:
     from megarl.rollout.types import RewardFn, Trajectory
 
@@ -31,12 +33,7 @@ def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
     Raises:
         ValueError: ``name`` is already registered to something else.
     """
-    def decorator(factory):
-        if name in REWARD_REGISTRY and REWARD_REGISTRY[name] is not factory:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARD_REGISTRY[name] = factory
-        return factory
-    return decorator
+    return registrar(REWARD_REGISTRY, name, "reward")
 
 
 def reward_factory(name: str) -> Callable[..., "RewardFn"]:

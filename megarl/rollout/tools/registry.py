@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+from megarl.registry import registrar
 from megarl.rollout.types import Tool
 
 TOOL_REGISTRY: dict[str, Callable[..., Tool]] = {}
@@ -22,12 +23,7 @@ def register_tool(name: str) -> Callable[[Callable[..., Tool]], Callable[..., To
     Raises:
         ValueError: ``name`` is already registered.
     """
-    def decorator(factory: Callable[..., Tool]) -> Callable[..., Tool]:
-        if name in TOOL_REGISTRY and TOOL_REGISTRY[name] is not factory:
-            raise ValueError(f"tool {name!r} is already registered")
-        TOOL_REGISTRY[name] = factory
-        return factory
-    return decorator
+    return registrar(TOOL_REGISTRY, name, "tool")
 
 
 def build_tools(settings: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Tool]:
