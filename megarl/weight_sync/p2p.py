@@ -203,17 +203,7 @@ class P2PTransport(_GroupTransport):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        work, futures = pending["work"], pending["futures"]
-        deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
-                raise WeightSyncError(f"engine rejected a p2p ticket: {failed[0].exception()}; "
-                                      f"the update group {self.group_name} is now unusable")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"p2p vote not finished within {self.timeout_s} s")
-            time.sleep(0.0005)
-        work.wait()
+        self._await_work(pending["work"], pending["futures"], "the p2p ticket vote")
         for w in pending["works"]:
             w.wait()
         if pending["bucket"] is not None:  # the finish vote's wait is loading time (counted by drain)

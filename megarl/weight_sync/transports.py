@@ -140,6 +140,25 @@ class _GroupTransport(Transport):
         self.group = None
         self.group_name: Optional[str] = None
 
+    def _await_work(self, work, futures, what: str) -> None:
+        """Wait for the group collective ``work`` (the sender's side of a bucket or a vote) while
+        the engines' HTTP requests (``futures``) are in flight.
+
+        Raises:
+            WeightSyncError: an engine request failed (that engine will never join the collective:
+                the group is now unusable), or ``work`` did not finish within ``timeout_s``.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                raise WeightSyncError(f"engine rejected {what}: {failed[0].exception()}; "
+                                      f"the update group {self.group_name} is now unusable")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"{what} not finished within {self.timeout_s} s")
+            time.sleep(0.0005)
+        work.wait()
+
 
 class DistributedTransport(_GroupTransport):
     """Broadcast flat buckets over a group with all engine ranks (see module docstring)."""
@@ -196,16 +215,7 @@ class DistributedTransport(_GroupTransport):
         if self._broadcast is None:
             return
         work, futures, started, _flat = self._broadcast
-        deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:  # the engine refused the bucket and will never join this broadcast
-                raise WeightSyncError(f"engine rejected a weight bucket: {failed[0].exception()}; "
-                                      f"the update group {self.group_name} is now unusable")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"broadcast not finished within {self.timeout_s} s")
-            time.sleep(0.0005)
-        work.wait()
+        self._await_work(work, futures, "the weight bucket broadcast")
         self.stats.transfer_s += time.perf_counter() - started
         self._broadcast = None
 
