@@ -94,12 +94,24 @@ class WeightUpdateEndpoints:
     async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
                                        weight_version: str | None = None,
                                        flush_cache: bool = True) -> dict:
-        """Reload all weights from a model directory the engine can read."""
-        payload = {"model_path": str(model_path), "weight_version": weight_version,
-                   "flush_cache": flush_cache}
+        """Reload all weights from a model directory the engine can read, then (``flush_cache``)
+        empty the prefix cache with :meth:`flush_cache`, which waits for running requests.
+
+        SGLang 0.5.23's own ``flush_cache`` flag of this endpoint does not wait: with a request
+        still running or queued (a health probe, a client that timed out while its request
+        stayed queued) it loads the weights and answers HTTP 400 "the cache was not flushed".
+
+        Raises:
+            EngineRequestError: the engine refused the load, or requests were still running after
+                the flush's wait.
+        """
+        payload = {"model_path": str(model_path), "weight_version": weight_version, "flush_cache": False}
         if load_format is not None:
             payload["load_format"] = load_format
-        return await self._post_checked("/update_weights_from_disk", payload)
+        result = await self._post_checked("/update_weights_from_disk", payload)
+        if flush_cache:
+            await self.flush_cache()
+        return result
 
     async def update_weight_version(self, version: str) -> dict:
         """Set the engine's ``weight_version`` (reported in every response's ``meta_info``) without
