@@ -43,7 +43,7 @@ def test_one_task_runs_megarl_convert_and_returns_its_status(job_env, tmp_path):
     (tmp_path / "ckpt").mkdir()
     r = submit(job_env, "slurm/convert.sbatch", ["megatron-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
     assert r.rc == 1, r.output
-    assert "no HF config" in (r.job_dir / "convert.log").read_text()
+    assert "is not a Megatron dist checkpoint" in (r.job_dir / "convert.log").read_text()  # named, then rc 1
     assert not (tmp_path / "hf").exists()
 
 

@@ -107,7 +107,9 @@ async def test_flush_while_a_request_is_retracted_then_it_continues(sglang_engin
     it times out; the paused flush (immediate attempts) succeeds and the request then finishes."""
     from megarl.rollout.client import EngineRequestError
 
-    params = {"max_new_tokens": 64, "temperature": 1.0, "ignore_eos": True}
+    # Long enough to be still decoding when the pause lands: an engine that is not sharing its
+    # cores with idle spinning servers decodes 64 tokens of the tiny model in well under a second.
+    params = {"max_new_tokens": 1024, "temperature": 1.0, "ignore_eos": True}
     async with SGLangClient(sglang_engine.url) as client:
         task = asyncio.ensure_future(client.generate(PROMPT, params))
         await _wait_running(sglang_engine, client, task)
