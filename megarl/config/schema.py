@@ -183,13 +183,19 @@ class AlgorithmConfig:
 class WeightSyncConfig:
     """Trainer -> engine weight transfer after optimizer steps."""
 
-    transport: str = "distributed"
-    """``distributed`` (process group with the engines), ``auto`` (``p2p`` where it applies, else
-    ``distributed``; see ``megarl.weight_sync.transports.resolve_auto``), ``p2p`` (each engine rank
+    transport: str = "auto"
+    """``auto`` (``p2p`` where it applies, else ``distributed``; ``tensor`` for colocated engines on
+    CUDA; see ``megarl.weight_sync.transports.resolve_auto``), ``distributed`` (process group with
+    the engines, every engine rank receives whole tensors), ``p2p`` (each engine rank
     receives exactly its shard over a process group, any host), ``shard`` (per-rank payloads, same
     host), ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""
     bucket_size_mb: int = 512
     """Bucket size for flattened transfers, in MiB."""
+    senders_per_stage: Optional[int] = None
+    """``p2p`` / ``distributed`` with several engines: this many complete copies (data-parallel
+    replicas) of each pipeline stage gather and send side by side, replica ``k`` to the engines
+    ``i % senders_per_stage == k``; null = as many as there are engines and complete copies
+    (``megarl.weight_sync.plan``); 1 = one sender per stage. ``shard``/``tensor``/``disk`` use 1."""
     backend: str = "auto"
     """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
     pause_mode: str = "retract"

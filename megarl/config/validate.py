@@ -128,6 +128,9 @@ def _check_fields(c: _Checker) -> None:
     etp = cfg.parallel.expert_tensor_parallel_size
     if etp is not None:
         c.check(etp >= 1, "parallel.expert_tensor_parallel_size", "must be >= 1 (or null = TP)")
+    senders = cfg.weight_sync.get("senders_per_stage")
+    if senders is not None:
+        c.check(senders >= 1, "weight_sync.senders_per_stage", "must be >= 1 (or null = one per engine)")
 
 
 def _trainer_world_size(cfg: DictConfig) -> int:
@@ -254,7 +257,7 @@ def _check_cluster(c: _Checker) -> None:
     if cfg.weight_sync.transport == "tensor":
         c.check(cl.placement == "colocated", "weight_sync.transport",
                 "the tensor transport shares memory: it needs cluster.placement=colocated")
-    if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p", "auto"):
+    if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p"):
         from megarl.launch.cluster import use_cuda
 
         nccl = cfg.weight_sync.backend == "nccl" or (cfg.weight_sync.backend == "auto" and use_cuda(cl.device))

@@ -296,9 +296,9 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
         del os.environ[key]  # this job's allocation holds engines only, not the run's trainer nodes
     cfg = prepare_config(args.config, args.overrides)
     cuda = use_cuda(cfg.cluster.device)
-    from megarl.weight_sync.transports import engine_custom_weight_loaders
+    from megarl.weight_sync.transports import engine_custom_weight_loaders, run_transport
 
-    loaders = engine_custom_weight_loaders(cfg.weight_sync.transport)  # shard / p2p receive through a loader
+    loaders = engine_custom_weight_loaders(run_transport(cfg))  # shard / p2p receive through a loader
     registry = Path(args.registry)
     registry.mkdir(parents=True, exist_ok=True)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if cuda else []

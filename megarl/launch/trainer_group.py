@@ -103,12 +103,18 @@ class TrainerWorker:
     def connect_weight_sync(self, engine_urls: list[str], directory: str) -> None:
         """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
         from megarl.config.validate import resolved_precision
+        from omegaconf import OmegaConf
+
         from megarl.weight_sync.sync import build_weight_sync
+        from megarl.weight_sync.transports import run_transport
 
         cfg = self.trainer.cfg
+        ws = cfg.weight_sync
+        if run_transport(cfg) != ws.transport:
+            ws = OmegaConf.merge(ws, {"transport": run_transport(cfg)})
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
         self.syncer = build_weight_sync(
-            cfg.model.hf_path, self.trainer.parallel, engine_urls, cfg.weight_sync,
+            cfg.model.hf_path, self.trainer.parallel, engine_urls, ws,
             engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
             engine_ep_size=int(cfg.rollout.engine.expert_parallel_size), dtype=dtype,
             make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by), parallel_cfg=cfg.parallel,

@@ -19,6 +19,7 @@ parallel rank ``e`` holds the ``E / ep`` contiguous global experts starting at `
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -125,6 +126,27 @@ class TrainerLayout:
     def sender_rank(self, pp_rank: int) -> int:
         """The rank that gathers and sends everything pipeline stage ``pp_rank`` holds."""
         return self.rank(pp_rank=pp_rank)
+
+    @property
+    def replica_block(self) -> int:
+        """Ranks of one complete copy of a stage's weights: ``lcm(TP, ETP * EP)`` consecutive ranks.
+
+        In Megatron's order the dense weights of a stage repeat every ``TP`` ranks (over CP and DP)
+        and its experts every ``ETP * EP`` ranks (over expert DP), so the block of ranks
+        ``[base + k * B, base + (k + 1) * B)`` of stage ``s`` (``base = s * W/PP``) holds every
+        shard of the stage, and the blocks are disjoint: block ``k``'s rank ``base + k * B + j``
+        holds what rank ``base + j`` holds.
+        """
+        return math.lcm(self.tp_size, self.etp_size * self.ep_size)
+
+    @property
+    def replicas_per_stage(self) -> int:
+        """Disjoint complete copies of each stage's weights (:attr:`replica_block`)."""
+        return self.world_size // self.pp_size // self.replica_block
+
+    def replica_of(self, rank: int) -> int:
+        """Which copy (:attr:`replica_block`) of its stage global rank ``rank`` belongs to."""
+        return (rank % (self.world_size // self.pp_size)) // self.replica_block
 
     def stage_ranks(self, pp_rank: int) -> range:
         """All global ranks of pipeline stage ``pp_rank``."""

@@ -8,8 +8,13 @@ the bucket the HF tensors travel in (``weight_sync.bucket_size_mb``). For every 
 gives the slice of each HF tensor that rank holds (``engine_slice``), so bytes per engine rank are
 an output of the plan for every transport.
 
-Gathering: only the data-parallel, context-parallel and expert-data-parallel replica 0 of each
-stage contributes; each source rank sends, per bucket, one flat buffer of its shards to the sender.
+Gathering: ``buckets`` are those of replica 0 of each stage (the data-parallel, context-parallel
+and expert-data-parallel block of ranks ``TrainerLayout.replica_block`` holding one complete copy of
+the stage); each source rank sends, per bucket, one flat buffer of its shards to the sender.
+With ``senders_per_stage`` R > 1 (several engines), replica ``k < R`` of every stage runs the same
+buckets with every trainer rank shifted by ``k * replica_block`` (:meth:`WeightSyncPlan.for_replica`)
+for the engines ``i`` with ``i % R == k``: R senders per stage push in parallel, each over its own
+link, to disjoint engines.
 Buckets are ordered stage by stage; inside a bucket the HF tensors are ordered by decreasing element
 size so that SGLang's flattened bucket never holds a misaligned tensor.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 from megarl.checkpoint.fp8_blocks import BlockFP8
@@ -126,6 +131,38 @@ class WeightSyncPlan:
     bucket_size_bytes: int
     quantization: Optional[BlockFP8] = None
     """The served checkpoint's block-FP8 settings: the sender quantises (``Bucket.wire_tensors``)."""
+    senders_per_stage: int = 1
+    """Replicas of each stage that send, each to its own engines (module docstring)."""
+    replica: int = 0
+    """Which replica's ranks ``buckets`` name (:meth:`for_replica`)."""
+    engines: Optional[tuple[int, ...]] = None
+    """Indices of the engines this replica sends to; None = all ``engine_layout.num_engines``."""
+
+    def replica_engines(self, replica: int) -> tuple[int, ...]:
+        """The engines replica ``replica`` sends to: ``i`` with ``i % senders_per_stage == replica``."""
+        return tuple(range(replica, self.engine_layout.num_engines, self.senders_per_stage))
+
+    def for_replica(self, replica: int) -> "WeightSyncPlan":
+        """The plan of replica ``replica`` (``0 <= replica < senders_per_stage``): every bucket's
+        sender and sources shifted by ``replica * trainer_layout.replica_block`` (ranks holding the
+        same shards, :attr:`TrainerLayout.replica_block`), and its engines.
+
+        Raises:
+            PlanError: ``replica`` out of range, or called on a replica's plan.
+        """
+        if self.replica or self.engines is not None:
+            raise PlanError("for_replica() takes the whole plan, not a replica's")
+        if not 0 <= replica < self.senders_per_stage:
+            raise PlanError(f"replica {replica} out of range [0, {self.senders_per_stage})")
+        shift = replica * self.trainer_layout.replica_block
+
+        def moved(transfer: ParamTransfer) -> ParamTransfer:
+            return replace(transfer, sources=tuple(replace(s, trainer_rank=s.trainer_rank + shift)
+                                                   for s in transfer.sources))
+
+        buckets = tuple(replace(b, sender_rank=b.sender_rank + shift, params=tuple(moved(t) for t in b.params))
+                        for b in self.buckets)
+        return replace(self, buckets=buckets, replica=replica, engines=self.replica_engines(replica))
 
     def stage_buckets(self, pp_rank: int) -> tuple[Bucket, ...]:
         return tuple(b for b in self.buckets if b.pp_rank == pp_rank)
@@ -252,7 +289,8 @@ def _wire_order(params: Sequence[ParamTransfer]) -> tuple[HFTensorSpec, ...]:
 
 
 def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param_specs: Sequence[ParamSpec],
-               *, bucket_size_mb: float = 512, quantization: Optional[BlockFP8] = None) -> WeightSyncPlan:
+               *, bucket_size_mb: float = 512, quantization: Optional[BlockFP8] = None,
+               senders_per_stage: Optional[int] = None) -> WeightSyncPlan:
     """Plan one weight sync from metadata alone.
 
     Args:
@@ -262,6 +300,9 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         bucket_size_mb: bucket size in MiB (HF bytes); a larger single parameter gets its own bucket.
         quantization: the served checkpoint's block-FP8 settings (``quantization_config``); each
             bucket then carries the FP8 weights and scales the engines receive (``wire_tensors``).
+        senders_per_stage: at most this many replicas of each stage send, each to its own engines
+            (``weight_sync.senders_per_stage``); None = as many as there are engines and complete
+            copies of the stage (``trainer_layout.replicas_per_stage``). 1 = one sender per stage.
 
     Returns:
         The plan.
@@ -275,6 +316,9 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         raise PlanError("param_specs is empty")
     if bucket_size_mb <= 0:
         raise PlanError(f"weight_sync.bucket_size_mb must be > 0, got {bucket_size_mb}")
+    if senders_per_stage is not None and (not isinstance(senders_per_stage, int) or senders_per_stage < 1):
+        raise PlanError(f"weight_sync.senders_per_stage must be a positive integer or null, got {senders_per_stage!r}")
+    senders = min(trainer_layout.replicas_per_stage, engine_layout.num_engines, senders_per_stage or 1 << 30)
     _check_unique(param_specs)
     layers = [p.layer for p in param_specs if p.layer is not None]
     num_layers = max(layers) + 1 if layers else 0
@@ -309,7 +353,7 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
             current_bytes += size
         if current:
             close(pp_rank, current)
-    return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit, quantization)
+    return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit, quantization, senders)
 
 
 def sglang_padded_vocab(vocab_size: int, tp_size: int) -> int:

@@ -8,12 +8,16 @@ bytes it sends to the engines, and for each engine rank the bytes it receives. T
   from the others (``inter_gbps``), and sends over its own network link (``inter_gbps``); the
   gather of bucket ``b + 1`` overlaps the send of ``b``, so a stage takes
   ``max(gather_s, send_s)``;
+- with ``senders_per_stage`` R, R replicas of the stage do this side by side, each over its own
+  link to its own engines (``i % R == k``); the stage takes its slowest replica;
 - stages push one after another (both transports share the engines' collectives):
   ``predicted_s = sum over stages``;
-- ``p2p``: the sender's link carries each engine rank's shard once per engine
-  (``num_engines * sum_r shard_r``); ``distributed``: a pipelined (ring / tree) NCCL broadcast
+- ``p2p``: a sender's link carries each engine rank's shard once per engine it serves
+  (``engines * sum_r shard_r``); ``distributed``: a pipelined (ring / tree) NCCL broadcast
   carries the stage's bytes once per link whatever the number of receivers, but every engine rank
-  receives all of them.
+  receives all of them;
+- engines serving a block-FP8 checkpoint receive FP8 weights and scales (the plan's wire
+  tensors: about half the BF16 bytes); the gather moves the trainer's BF16 shards.
 
 Not modelled: HTTP / ticket latency per bucket, the engines' load time, conversion copies on the
 sender, link contention with training traffic. A lower bound to compare designs, not a promise.
@@ -29,6 +33,8 @@ GB = 1e9
 
 @dataclass
 class StagePrediction:
+    """One sender of one stage (one row per replica)."""
+
     pp_rank: int
     sender_rank: int
     hf_bytes: int
@@ -38,6 +44,10 @@ class StagePrediction:
     send_bytes: int
     """Bytes on the sender's network link."""
     seconds: float
+    replica: int = 0
+    """Which copy of the stage sends (``plan.senders_per_stage``)."""
+    engines: int = 1
+    """Engines this sender serves."""
 
 
 @dataclass
@@ -67,35 +77,43 @@ def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, i
         raise ValueError(f"plan-sync predicts p2p or distributed, not {transport!r}")
     if min(intra_gbps, inter_gbps) <= 0 or ranks_per_node < 1:
         raise ValueError("bandwidths must be > 0 GB/s and ranks_per_node >= 1")
-    tp = plan.engine_layout.tp_size
-    num_engines = plan.engine_layout.num_engines
     out = SyncPrediction(transport, engine_rank_bytes=plan.engine_rank_bytes(transport),
                          engine_shard_bytes=plan.engine_shard_bytes())
+    replicas = [plan.for_replica(k) for k in range(plan.senders_per_stage)]
     for pp_rank in sorted({b.pp_rank for b in plan.buckets}):
-        buckets = plan.stage_buckets(pp_rank)
-        sender = buckets[0].sender_rank
-        intra = inter = 0
-        for bucket in buckets:
-            for rank, nbytes in bucket.gather_bytes().items():
-                if rank // ranks_per_node == sender // ranks_per_node:
-                    intra += nbytes
-                else:
-                    inter += nbytes
-        hf_bytes = sum(b.nbytes for b in buckets)
-        if transport == "p2p":
-            shard = [0] * tp
-            for bucket in buckets:
-                for tensor in bucket.hf_tensors:
-                    for rank, sl in plan.engine_slices_of(tensor).items():
-                        shard[rank] += _numel(sl.shape(tensor.shape)) * tensor.itemsize
-            send = num_engines * sum(shard)
-        else:
-            send = hf_bytes
-        gather_s = intra / (intra_gbps * GB) + inter / (inter_gbps * GB)
-        seconds = max(gather_s, send / (inter_gbps * GB))
-        out.stages.append(StagePrediction(pp_rank, sender, hf_bytes, intra, inter, send, seconds))
-        out.seconds += seconds
+        rows = [_sender_row(replica, pp_rank, transport, ranks_per_node, intra_gbps, inter_gbps)
+                for replica in replicas]
+        out.stages.extend(rows)
+        out.seconds += max(row.seconds for row in rows)
     return out
+
+
+def _sender_row(plan: WeightSyncPlan, pp_rank: int, transport: str, ranks_per_node: int, intra_gbps: float,
+                inter_gbps: float) -> StagePrediction:
+    """Bytes and seconds of the sender of stage ``pp_rank`` in a replica's plan."""
+    buckets = plan.stage_buckets(pp_rank)
+    sender = buckets[0].sender_rank
+    intra = inter = 0
+    for bucket in buckets:
+        for rank, nbytes in bucket.gather_bytes().items():
+            if rank // ranks_per_node == sender // ranks_per_node:
+                intra += nbytes
+            else:
+                inter += nbytes
+    engines = len(plan.engines)
+    if transport == "p2p":
+        shard = [0] * plan.engine_layout.tp_size
+        for bucket in buckets:
+            for tensor in bucket.wire:
+                for rank, sl in plan.engine_slices_of(tensor).items():
+                    shard[rank] += _numel(sl.shape(tensor.shape)) * tensor.itemsize
+        send = engines * sum(shard)
+    else:
+        send = sum(b.wire_nbytes for b in buckets)
+    gather_s = intra / (intra_gbps * GB) + inter / (inter_gbps * GB)
+    seconds = max(gather_s, send / (inter_gbps * GB))
+    return StagePrediction(pp_rank, sender, sum(b.nbytes for b in buckets), intra, inter, send, seconds,
+                           plan.replica, engines)
 
 
 def _numel(shape) -> int:
@@ -111,17 +129,20 @@ def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *
     t, e = plan.trainer_layout, plan.engine_layout
     lines = [f"trainer TP{t.tp_size} PP{t.pp_size} EP{t.ep_size} ETP{t.etp_size} DP{t.data_parallel_size} "
              f"(world {t.world_size}) -> {e.num_engines} engine(s) TP{e.tp_size} EP{e.ep_size}; "
-             f"{plan.total_bytes / GB:.2f} GB of HF tensors in {len(plan.buckets)} buckets; "
+             f"{plan.total_bytes / GB:.2f} GB of HF tensors in {len(plan.buckets)} buckets"
+             + (f", {plan.wire_bytes / GB:.2f} GB on the wire (block FP8)" if plan.quantization is not None else "")
+             + f"; {plan.senders_per_stage} sender(s) per stage; "
              f"links: intra-node {intra_gbps:g} GB/s, inter-node {inter_gbps:g} GB/s"]
     for p in predictions:
         ratio = max(r / s for r, s in zip(p.engine_rank_bytes, p.engine_shard_bytes) if s)
         lines.append(f"[{p.transport}] predicted {p.seconds:.2f} s; per engine rank received "
                      f"{max(p.engine_rank_bytes) / GB:.2f} GB (max), shard {max(p.engine_shard_bytes) / GB:.2f} GB, "
                      f"received/shard {ratio:.2f}")
-        lines.append("  stage  sender  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB  seconds")
+        lines.append("  stage  replica  sender  engines  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB  seconds")
         for s in p.stages:
-            lines.append(f"  {s.pp_rank:5d}  {s.sender_rank:6d}  {s.hf_bytes / GB:8.2f}  {s.gather_intra_bytes / GB:15.2f}"
-                         f"  {s.gather_inter_bytes / GB:15.2f}  {s.send_bytes / GB:14.2f}  {s.seconds:7.2f}")
+            lines.append(f"  {s.pp_rank:5d}  {s.replica:7d}  {s.sender_rank:6d}  {s.engines:7d}  {s.hf_bytes / GB:8.2f}"
+                         f"  {s.gather_intra_bytes / GB:15.2f}  {s.gather_inter_bytes / GB:15.2f}"
+                         f"  {s.send_bytes / GB:14.2f}  {s.seconds:7.2f}")
     return "\n".join(lines)
 
 
@@ -129,7 +150,9 @@ def plan_from_config(cfg):
     """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
     from megarl.config.validate import resolved_precision
     from megarl.training.model import load_hf_config
+    from megarl.weight_sync.fp8_wire import parse_quantization_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.sync import senders_per_stage
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
 
@@ -145,13 +168,18 @@ def plan_from_config(cfg):
         context_parallel_size=int(p.context_parallel_size),
         num_layers_in_first_pipeline_stage=p.get("num_layers_in_first_pipeline_stage"),
         num_layers_in_last_pipeline_stage=p.get("num_layers_in_last_pipeline_stage"))
-    specs = param_specs_from_hf_config(load_hf_config(str(cfg.model.hf_path)), tensor_model_parallel_size=trainer.tp_size,
+    hf_config = load_hf_config(str(cfg.model.hf_path))
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=trainer.tp_size,
                                        make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
                                        dtype=dtype)
     engines = EngineLayout(tensor_parallel_size=int(engine.tensor_parallel_size),
                            expert_parallel_size=int(engine.expert_parallel_size),
                            num_engines=int(cfg.rollout.num_engines))
-    return build_plan(trainer, engines, specs, bucket_size_mb=cfg.weight_sync.bucket_size_mb)
+    return build_plan(trainer, engines, specs, bucket_size_mb=cfg.weight_sync.bucket_size_mb,
+                      quantization=parse_quantization_config(  # on paper: no SGLang version guard
+                          getattr(hf_config, "quantization_config", None),
+                          where=f"{cfg.model.hf_path}/config.json quantization_config"),
+                      senders_per_stage=senders_per_stage(cfg.weight_sync))
 
 
 def cmd_plan_sync(args) -> int:

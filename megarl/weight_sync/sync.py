@@ -3,7 +3,10 @@
 Every trainer rank calls :meth:`WeightSynchronizer.sync` (a collective over the trainer group).
 Roles come from the plan: the *coordinator* (global rank 0, the sender of stage 0) drives the
 engines; each stage's *sender* gathers, converts and sends its stage's buckets; the other ranks
-holding shards of a stage send them to their sender; data-parallel replicas only join barriers.
+holding shards of a stage send them to their sender. With several engines, ``plan.senders_per_stage``
+complete copies (replicas) of every stage do this side by side, replica ``k`` for the engines
+``i % senders_per_stage == k`` (:meth:`WeightSyncPlan.for_replica`); the remaining data-parallel
+replicas only join barriers.
 
 Ordering of one sync (the steps of :meth:`WeightSynchronizer.sync`, in this order):
 
@@ -62,18 +65,28 @@ class WeightSynchronizer:
             raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
+        if transport in ("shard", "tensor", "disk") and plan.senders_per_stage > 1:
+            raise WeightSyncError(f"weight_sync.transport={transport} has one sender per stage; the plan has "
+                                  f"senders_per_stage={plan.senders_per_stage} (build it with senders_per_stage=1)")
         self.plan, self.rank, self.group, self.pause_mode = plan, rank, group, pause_mode
         # Barriers and the stages' turn token are control plane: a gloo group, so that they block the
         # host (under NCCL a recv returns before the token arrived). Collective: every rank builds it.
         self.control = control_group(group)
         self.placement = placement
-        self.stage = next((b.pp_rank for b in plan.buckets if b.sender_rank == rank or b.contributions(rank)), None)
-        self.is_sender = any(b.sender_rank == rank for b in plan.buckets)
+        replica = plan.trainer_layout.replica_of(rank)
+        self.mine: Optional[WeightSyncPlan] = plan.for_replica(replica) if replica < plan.senders_per_stage else None
+        """This rank's replica's plan (its senders, sources and engines); None: the rank only joins barriers."""
+        buckets = self.mine.buckets if self.mine is not None else ()
+        self.stage = next((b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
+        self.is_sender = any(b.sender_rank == rank for b in buckets)
         self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
-        self.engines = EngineGroup(engine_urls) if (self.is_sender or self.is_coordinator) else None
+        self.engines = EngineGroup(engine_urls) if self.is_coordinator else None
+        """Every engine (coordinator only): pause, sessions, flush, version, resume, verify."""
         self.transport: Optional[Transport] = None
-        if self.engines is not None:
-            self.transport = make_transport(transport, plan, self.engines, **transport_kwargs)
+        self._transport_engines: Optional[EngineGroup] = None
+        if self.is_sender:
+            self._transport_engines = EngineGroup([engine_urls[i] for i in self.mine.engines])
+            self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
         self.transport_name = transport
         self._connected = False
         self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
@@ -83,9 +96,13 @@ class WeightSynchronizer:
     def _barrier(self) -> None:
         barrier(group=self.control)
 
-    def _senders(self) -> list[int]:
-        return sorted({b.sender_rank for b in self.plan.buckets},
-                      key=lambda r: next(b.pp_rank for b in self.plan.buckets if b.sender_rank == r))
+    def _senders(self, plan: Optional[WeightSyncPlan] = None) -> list[int]:
+        """The stage senders of ``plan`` (default: this rank's replica), in stage order."""
+        plan = plan or self.mine
+        if plan is None:
+            return []
+        return sorted({b.sender_rank for b in plan.buckets},
+                      key=lambda r: next(b.pp_rank for b in plan.buckets if b.sender_rank == r))
 
     def _token(self, send: bool, peer: int) -> None:
         """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group."""
@@ -93,10 +110,12 @@ class WeightSynchronizer:
         (send_tensor if send else recv_tensor)(token, peer, group=self.control)
 
     def connect(self) -> None:
-        """Create the transport's groups with the engines, stage by stage (collective)."""
-        for pp_rank, sender in enumerate(self._senders()):
-            if self.rank == sender:
-                self.transport.connect(pp_rank)
+        """Create the transport's groups with the engines, stage by stage (collective; the replicas'
+        senders of one stage connect side by side, to disjoint engines)."""
+        mine = self._senders()
+        for index in range(len(self._senders(self.plan))):
+            if index < len(mine) and self.rank == mine[index]:
+                self.transport.connect(index)
             self._barrier()
         self._connected = True
 
@@ -110,7 +129,8 @@ class WeightSynchronizer:
             WeightSyncError: a planned shard is missing or malformed, conversion did not produce the
                 planned tensors, or an engine refused an update.
         """
-        check_local_params(self.plan, self.rank, local_params)
+        if self.mine is not None:
+            check_local_params(self.mine, self.rank, local_params)
         if not self._connected:
             self.connect()
         start = time.perf_counter()
@@ -122,10 +142,12 @@ class WeightSynchronizer:
                 self.engines.call_all("begin_weight_update")
         self._barrier()
         on_cpu = all(t.device.type == "cpu" for t in local_params.values())
-        gatherer = StageGatherer(self.plan, self.rank, local_params, self.placement, group=self.group,
-                                 ring=self._ring if on_cpu else None)
+        gatherer = None
+        if self.mine is not None:
+            gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
+                                     ring=self._ring if on_cpu else None)
         try:
-            stats, failure = self._push(gatherer, version), None  # 2. push
+            stats, failure = (self._push(gatherer, version) if gatherer is not None else {}), None  # 2. push
         except WeightSyncError as err:  # every rank must learn it (the others finished their part)
             stats, failure = {}, err
         self._raise_if_failed(failure)
@@ -235,13 +257,16 @@ class WeightSynchronizer:
         times = ("weight_sync_s", "engine_paused_s", "gather_s", "convert_s", "quantize_s", "transfer_s",
                  "engine_load_s")
         sums = ("bytes_sent", "gather_bytes")
-        tp = self.plan.engine_layout.tp_size
-        rank_bytes = getattr(self, "_rank_bytes", [0] * tp) if self.is_sender else [0] * tp
+        tp, replicas = self.plan.engine_layout.tp_size, self.plan.senders_per_stage
+        rank_bytes = [0.0] * (replicas * tp)  # [replica][engine rank]: summed over the replica's stages
+        if self.is_sender:
+            rank_bytes[self.mine.replica * tp:(self.mine.replica + 1) * tp] = getattr(self, "_rank_bytes", [0] * tp)
         t = torch.tensor([stats.get(k, 0.0) for k in times], dtype=torch.float64)
-        s = torch.tensor([stats.get(k, 0.0) for k in sums] + list(rank_bytes), dtype=torch.float64)
+        s = torch.tensor([stats.get(k, 0.0) for k in sums] + rank_bytes, dtype=torch.float64)
         all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
-        received = s[len(sums):].tolist()
+        per_replica = s[len(sums):].view(replicas, tp)
+        received = per_replica.max(dim=0).values.tolist()  # the engine rank that received the most
         shard = self.plan.engine_shard_bytes()
         out = {(f"timing/{k}" if k in ("weight_sync_s", "engine_paused_s") else f"weight_sync/{k}"): v
                for k, v in zip(times, t.tolist())}
@@ -251,7 +276,8 @@ class WeightSynchronizer:
                     "weight_sync/wire_bytes": float(self.plan.wire_bytes),
                     "weight_sync/engine_rank_bytes_max": max(received),
                     "weight_sync/engine_shard_bytes_max": float(max(shard)),
-                    "weight_sync/engine_bytes_over_shard_max": max(r / s for r, s in zip(received, shard) if s)})
+                    "weight_sync/engine_bytes_over_shard_max": max(r / s for r, s in zip(received, shard) if s),
+                    "weight_sync/senders_per_stage": float(replicas)})
         for r, (got, own) in enumerate(zip(received, shard)):
             out[f"weight_sync/engine_rank{r}_bytes_over_shard"] = got / own if own else 0.0
         return out
@@ -260,8 +286,9 @@ class WeightSynchronizer:
         """Destroy the transport's groups and the HTTP sessions."""
         if self.transport is not None:
             self.transport.close()
-        if self.engines is not None:
-            self.engines.close()
+        for engines in (self.engines, self._transport_engines):
+            if engines is not None:
+                engines.close()
 
 
 def trainer_layout_of(parallel, parallel_cfg=None):
@@ -275,6 +302,14 @@ def trainer_layout_of(parallel, parallel_cfg=None):
         data_parallel_size=parallel.dp_size,
         num_layers_in_first_pipeline_stage=getattr(parallel_cfg, "num_layers_in_first_pipeline_stage", None),
         num_layers_in_last_pipeline_stage=getattr(parallel_cfg, "num_layers_in_last_pipeline_stage", None))
+
+
+def senders_per_stage(cfg) -> Optional[int]:
+    """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
+    per stage (``shard``, ``tensor``, ``disk``: same host or files), else the config's value."""
+    if cfg.transport in ("shard", "tensor", "disk"):
+        return 1
+    return getattr(cfg, "senders_per_stage", None)
 
 
 def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int = 1, engine_ep_size: int = 1,
@@ -316,7 +351,8 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
                                  num_engines=len(engine_urls))
     plan = build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
                       bucket_size_mb=cfg.bucket_size_mb,
-                      quantization=served_quantization(hf_config, source=f"{hf_dir}/config.json"))
+                      quantization=served_quantization(hf_config, source=f"{hf_dir}/config.json"),
+                      senders_per_stage=senders_per_stage(cfg))
     layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                           tp_size=parallel.tp_size)
     return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, placement=Placement(layout),

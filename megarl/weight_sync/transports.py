@@ -15,8 +15,8 @@
   exactly its slices (``plan.engine_slice``), loaded pre-sharded by the custom loader
   :func:`megarl.weight_sync.sglang_loader.load_presharded`; the tensors travel as shared memory,
   so ``shard`` is same-host only (``p2p`` is its cross-host form).
-- ``auto``: ``p2p`` where it applies, else ``distributed`` (:func:`resolve_auto`); opt-in for now
-  (``weight_sync.transport`` defaults to ``distributed``).
+- ``auto`` (the default): ``p2p`` where it applies, else ``distributed`` (:func:`resolve_auto`);
+  ``tensor`` for colocated engines on CUDA (:func:`run_transport`).
 - ``tensor``: colocated whole tensors through ``/update_weights_from_tensor`` (CUDA IPC on GPU,
   shared memory on CPU); SGLang slices them.
 - ``disk``: safetensors files + ``/update_weights_from_disk``: the fallback and the reference.
@@ -378,15 +378,18 @@ def engines_have_receiver(engines: EngineGroup, *, timeout_s: float = 60.0) -> b
 
 
 def resolve_auto(plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "auto", timeout_s: float = 60.0) -> str:
-    """``weight_sync.transport=auto``: ``p2p`` where it applies and is not predicted slower, else ``distributed``.
+    """``weight_sync.transport=auto`` for one sender: ``p2p`` where it applies and is not predicted
+    slower, else ``distributed``.
 
     ``p2p`` applies when every engine registered the receiver loader (``/server_info``'s
     ``custom_weight_loader``; megarl registers it in engines it starts) and SGLang can load every
     tensor pre-sharded at this engine layout (the plan's engine slices). It is chosen with gloo
     (whose broadcast sends the whole bucket to every engine rank separately, so ``p2p`` moves
-    ``1 / T`` of the bytes) and with NCCL for one engine; with NCCL and several engines a pipelined
-    broadcast carries each byte once per link while one ``p2p`` sender sends each engine its
-    shards one after another (``megarl plan-sync`` shows both), so ``distributed`` stays.
+    ``1 / T`` of the bytes) and with NCCL when this sender serves one engine (``engines`` are the
+    engines of this sender's replica: with ``senders_per_stage`` replicas, as many engines get a
+    sender of their own). With NCCL and several engines per sender a pipelined broadcast carries
+    each byte once per link while ``p2p`` sends each engine its shards one after another
+    (``megarl plan-sync`` shows both), so ``distributed`` stays there.
     """
     from megarl.weight_sync.plan import PlanError
 
@@ -398,6 +401,19 @@ def resolve_auto(plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "
     if backend == "nccl" and len(engines) > 1:
         return "distributed"
     return "p2p" if engines_have_receiver(engines, timeout_s=timeout_s) else "distributed"
+
+
+def run_transport(cfg) -> str:
+    """The transport a run config asks for: ``weight_sync.transport``, with ``auto`` meaning
+    ``tensor`` when trainer and engines share CUDA devices (``cluster.placement=colocated``: NCCL
+    cannot connect two ranks on one GPU); otherwise ``auto`` is resolved by the senders
+    (:func:`resolve_auto`)."""
+    from megarl.launch.cluster import use_cuda
+
+    transport = cfg.weight_sync.transport
+    if transport == "auto" and cfg.cluster.placement == "colocated" and use_cuda(cfg.cluster.device):
+        return "tensor"
+    return transport
 
 
 def engine_custom_weight_loaders(transport: str) -> list[str]:

@@ -1,5 +1,6 @@
 """``p2p`` weight sync across hosts: a 2-rank Megatron trainer on one emulated host (its own network
-namespace and address) pushes into two SGLang CPU engines of TP=2 on another, shard to shard.
+namespace and address) pushes into two SGLang CPU engines of TP=2 on another, shard to shard; at
+DP2 (two complete copies of the model) each trainer rank sends to one engine, side by side.
 
 References: the engines' outputs after loading the same trainer weights from disk; the bytes each
 engine rank received, counted by the receiver inside the server, over its shard from the plan
@@ -19,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_weight_sync_engine import gap, tp2_rank_shard_bytes  # noqa: E402
 
 SCRIPT = str(Path(__file__).parent / "p2p_hosts.py")
-LAYOUTS = ("tp2", "ep2", "pp2")
+LAYOUTS = ("tp2", "ep2", "pp2", "dp2")
+SENDERS = {"tp2": 1, "ep2": 1, "pp2": 1, "dp2": 2}
+"""Senders per stage: DP2 holds two complete copies of the model, one per engine."""
 
 # Time limits, innermost first; each outer one exceeds what it waits for, so the innermost that
 # trips reports (with the logs below) instead of pytest killing everything silently.
@@ -47,7 +50,7 @@ def print_logs(directory: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_p2p_across_hosts_from_tp2_ep2_pp2_into_two_tp2_engines(tiny_moe_dir, tmp_path):
+def test_p2p_across_hosts_from_tp2_ep2_pp2_dp2_into_two_tp2_engines(tiny_moe_dir, tmp_path):
     from megarl.testing.netns import unavailable_reason
 
     reason = unavailable_reason()
@@ -102,6 +105,7 @@ def _check_results(tiny_moe_dir, tmp_path: Path) -> None:
         for rank in (0, 1):  # bytes the receivers counted / shard
             assert metrics[f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0), (layout, metrics)
         assert metrics["weight_sync/bytes_sent"] == 2 * 2 * shard  # 2 engines x 2 ranks, nothing else
+        assert metrics["weight_sync/senders_per_stage"] == SENDERS[layout]
     bad = results["tp2"]
     assert "checksum mismatch" in bad["error"] and "bucket 0" in bad["error"] and bad["tensor_names"][0] in bad["error"]
     assert bad["after_corrupt"] == bad["p2p"]  # no engine loaded the corrupted bucket

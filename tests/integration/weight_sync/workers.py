@@ -11,6 +11,7 @@ LAYOUTS = {
     "tp2": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True},
     "ep2": {"parallel.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall"},
     "pp2": {"parallel.pipeline_model_parallel_size": 2},
+    "dp2": {},
 }
 """World-size-2 trainer layouts, as ``section.key`` overrides."""
 

@@ -107,6 +107,7 @@ def check_plan(plan, specs, num_layers: int) -> None:
                     assert c["tp"] == s.shard_index and c["dp"] == 0 and c["cp"] == 0
                 gathered += s.nbytes
     assert set(seen_params) == set(by_name) and max(seen_params.values()) == 1
+    check_replicas(plan, coords)
     assert max(hf_names.values()) == 1
     # bytes add up: gathered Megatron bytes == model bytes; HF bytes == model bytes - vocab padding
     assert gathered == sum(p.nbytes for p in by_name.values())
@@ -138,6 +139,33 @@ def check_plan(plan, specs, num_layers: int) -> None:
     assert per_rank == plan.engine_shard_bytes() == plan.engine_rank_bytes("shard")
     assert sum(per_rank) == sum(t.nbytes * expected_multiplicity(t, engine) for t in plan.hf_tensors())
     assert plan.engine_rank_bytes("distributed") == [hf_total] * engine.tp_size
+
+
+def check_replicas(plan, coords) -> None:
+    """Every replica's plan sends the same shards from ranks that hold them (Megatron's groups),
+    and no rank works for two replicas; replica k serves the engines i % R == k."""
+    layout = plan.trainer_layout
+    owners: dict[int, int] = {}
+    for k in range(plan.senders_per_stage):
+        replica = plan.for_replica(k)
+        assert replica.engines == tuple(i for i in range(plan.engine_layout.num_engines)
+                                        if i % plan.senders_per_stage == k)
+        for b0, b in zip(plan.buckets, replica.buckets):
+            c = coords[b.sender_rank]
+            assert (c["tp"], c["pp"], c["etp"], c["ep"]) == (0, b.pp_rank, 0, 0)
+            for t0, t in zip(b0.params, b.params):
+                assert t0.param is t.param
+                for s0, s in zip(t0.sources, t.sources, strict=True):
+                    assert s.shard_index == s0.shard_index and s.shape == s0.shape
+                    c = coords[s.trainer_rank]
+                    assert c["pp"] == b.pp_rank
+                    if t.param.expert is not None:
+                        assert (c["etp"], c["ep"]) == (s.shard_index, t.param.expert // (plan.num_experts // layout.ep_size))
+                    else:
+                        assert c["tp"] == s.shard_index
+                    assert owners.setdefault(s.trainer_rank, k) == k, "a rank works for two replicas"
+            assert owners.setdefault(b.sender_rank, k) == k
+    assert plan.senders_per_stage <= plan.engine_layout.num_engines
 
 
 BIG = {  # config, trainer TP, layers on the first / last of 4 pipeline stages (uneven: 94 and 61 layers)
@@ -173,7 +201,7 @@ def test_qwen3_235b_at_tp8_is_a_named_error():
 def test_big_layouts_deliver_every_tensor_once_from_its_holders(model, etp, engine):
     specs = big_specs(model)
     plan = build_plan(big_trainer(model, etp), EngineLayout(tensor_parallel_size=engine[0],
-                                                            expert_parallel_size=engine[1]), specs)
+                                                            expert_parallel_size=engine[1], num_engines=4), specs)
     check_plan(plan, specs, BIG[model][0]["num_hidden_layers"])
 
 
@@ -218,7 +246,8 @@ def small_case(draw):
            "n_shared_experts": 1, "first_k_dense_replace": 1, "torch_dtype": "float32"}
     engine_tp = draw(st.sampled_from([1, 2, 4, 8]))
     engine_ep = draw(st.sampled_from([e for e in (1, 2, 4, 8) if engine_tp % e == 0]))
-    return cfg, dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+    engines = draw(st.sampled_from([1, 2, 3, 5]))
+    return cfg, engines, dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                      virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
                      expert_tensor_parallel_size=etp, data_parallel_size=dp * (ep * (etp or tp)),
                      context_parallel_size=cp), (engine_tp, engine_ep)
@@ -228,10 +257,10 @@ def small_case(draw):
 @settings(max_examples=40, deadline=None)
 @given(case=small_case(), bucket_mb=st.sampled_from([0.001, 0.01, 512]))
 def test_random_small_layouts(case, bucket_mb):
-    cfg, trainer, (engine_tp, engine_ep) = case
+    cfg, engines, trainer, (engine_tp, engine_ep) = case
     layout = TrainerLayout(**trainer)
     specs = param_specs_from_hf_config(cfg, tensor_model_parallel_size=layout.tp_size)
-    engine = EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep)
+    engine = EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep, num_engines=engines)
     if engine_tp > 1 and cfg["vocab_size"] != sglang_padded_vocab(cfg["vocab_size"], engine_tp):
         with pytest.raises(PlanError, match="vocabulary"):
             build_plan(layout, engine, specs, bucket_size_mb=bucket_mb).engine_shard_bytes()
@@ -261,9 +290,32 @@ def test_bad_inputs_are_named_errors():
         build_plan(TrainerLayout(), EngineLayout(), specs + specs[:1])
     with pytest.raises(PlanError, match="bucket_size_mb"):
         build_plan(TrainerLayout(), EngineLayout(), specs, bucket_size_mb=0)
+    with pytest.raises(PlanError, match="senders_per_stage"):
+        build_plan(TrainerLayout(), EngineLayout(), specs, senders_per_stage=0)
     with pytest.raises((SpecError, ValueError), match="llama4"):
         param_specs_from_hf_config({**small, "model_type": "llama4"})
     with pytest.raises(SpecError, match="model_type"):
         param_specs_from_hf_config({k: v for k, v in small.items() if k != "model_type"})
     with pytest.raises(LayoutError, match="expert_parallel_size"):
         EngineLayout(tensor_parallel_size=2, expert_parallel_size=4)
+
+
+def test_senders_per_stage_is_bounded_by_engines_copies_and_the_config():
+    """R = min(complete copies of a stage, engines, senders_per_stage): TP2 x EP4 (ETP1) x DP4 on
+    8 ranks per stage holds lcm(2, 4) = 4 ranks per copy: 2 copies."""
+    small = {"model_type": "qwen3_moe", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
+             "num_experts": 8, "vocab_size": 256}
+    specs = param_specs_from_hf_config(small, tensor_model_parallel_size=2)
+    layout = TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
+                           data_parallel_size=4, pipeline_model_parallel_size=2)
+    assert (layout.replica_block, layout.replicas_per_stage) == (4, 2)
+    assert [layout.replica_of(r) for r in range(16)] == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+    for engines, cap, expected in ((1, None, 1), (2, None, 2), (5, None, 2), (5, 1, 1)):
+        plan = build_plan(layout, EngineLayout(num_engines=engines), specs, senders_per_stage=cap)
+        assert plan.senders_per_stage == expected
+    plan = build_plan(layout, EngineLayout(num_engines=5), specs)
+    assert [plan.for_replica(k).engines for k in range(2)] == [(0, 2, 4), (1, 3)]
+    assert {b.sender_rank for b in plan.for_replica(1).buckets} == {4, 12}
+    with pytest.raises(PlanError, match="out of range"):
+        plan.for_replica(2)

@@ -15,7 +15,7 @@ DENSE = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": L, "num_a
 def test_bytes_per_link_and_time_match_closed_forms():
     specs = param_specs_from_hf_config(DENSE, tensor_model_parallel_size=2, dtype="bfloat16")
     plan = build_plan(TrainerLayout(tensor_model_parallel_size=2, data_parallel_size=2),
-                      EngineLayout(tensor_parallel_size=2, num_engines=3), specs)
+                      EngineLayout(tensor_parallel_size=2, num_engines=3), specs, senders_per_stage=1)
     # HF elements: per layer q, o [NH*HD, H]; k, v [NKV*HD, H]; gate, up, down [I, H]; 4 norms
     per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * I * H + 2 * H + 2 * HD
     total = 2 * (L * per_layer + 2 * V * H + H)
@@ -38,3 +38,30 @@ def test_bytes_per_link_and_time_match_closed_forms():
     assert "[p2p]" in text and "received/shard 1.00" in text and "[distributed]" in text
     with pytest.raises(ValueError, match="p2p or distributed"):
         predict_sync(plan, "disk", ranks_per_node=8, intra_gbps=100, inter_gbps=10)
+
+
+def test_replicas_send_side_by_side_to_their_own_engines():
+    """DP2 x TP2 -> 3 engines: replica 0 (ranks 0, 1) serves engines 0 and 2, replica 1 (ranks 2, 3)
+    engine 1; the stage takes the slower sender."""
+    specs = param_specs_from_hf_config(DENSE, tensor_model_parallel_size=2, dtype="bfloat16")
+    trainer = TrainerLayout(tensor_model_parallel_size=2, data_parallel_size=2)
+    plan = build_plan(trainer, EngineLayout(tensor_parallel_size=2, num_engines=3), specs)
+    assert plan.senders_per_stage == 2
+    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * I * H + 2 * H + 2 * HD
+    total = 2 * (L * per_layer + 2 * V * H + H)
+    replicated = 2 * (L * (2 * H + 2 * HD) + H)
+    shard = (total - replicated) // 2 + replicated
+    gather = (total - replicated) // 2
+    p2p = predict_sync(plan, "p2p", ranks_per_node=2, intra_gbps=100, inter_gbps=10)
+    rows = [(s.replica, s.sender_rank, s.engines, s.gather_intra_bytes, s.gather_inter_bytes, s.send_bytes)
+            for s in p2p.stages]
+    assert rows == [(0, 0, 2, gather, 0, 2 * 2 * shard), (1, 2, 1, gather, 0, 2 * shard)]
+    assert p2p.seconds == pytest.approx(max(gather / 100e9, 4 * shard / 10e9))
+    dist = predict_sync(plan, "distributed", ranks_per_node=2, intra_gbps=100, inter_gbps=10)
+    assert [s.send_bytes for s in dist.stages] == [total, total]
+    # one sender per stage sends all three engines their shards over one link
+    one = predict_sync(build_plan(trainer, EngineLayout(tensor_parallel_size=2, num_engines=3), specs,
+                                  senders_per_stage=1), "p2p", ranks_per_node=2, intra_gbps=100, inter_gbps=10)
+    assert one.seconds == pytest.approx(max(gather / 100e9, 6 * shard / 10e9))
+    text = format_prediction(plan, [p2p, dist], intra_gbps=100, inter_gbps=10)
+    assert "2 sender(s) per stage" in text
