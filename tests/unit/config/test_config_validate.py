@@ -78,6 +78,7 @@ BROKEN = [
     (["cluster.placement=colocated", "cluster.device=cuda", "weight_sync.transport=tensor",
       "rollout.async_mode=true", "rollout.max_staleness=1"], "rollout.async_mode"),  # engines idle only
     (["weight_sync.bucket_size_mb=0"], "weight_sync.bucket_size_mb"),
+    (["weight_sync.senders_per_stage=0"], "weight_sync.senders_per_stage"),
     (["cluster.placement=spread"], "cluster.placement"),
     (["rollout.reward=nonexistent_reward"], "rollout.reward"),
     (["rollout.tools={no_such_tool: {}}"], "rollout.tools.no_such_tool"),
@@ -100,6 +101,24 @@ def test_broken_config_names_its_key(good_overrides, overrides, key):
     keys = [issue.key for issue in err.value.issues]
     assert key in keys, f"expected an error naming {key}, got: {err.value}"
     assert key in str(err.value)
+
+
+def test_auto_transport_is_tensor_for_colocated_cuda_engines(good_overrides):
+    """``auto`` (the default) validates colocated on CUDA and means ``tensor`` there (NCCL cannot
+    join two ranks on one GPU); elsewhere it stays ``auto`` (resolved by the senders)."""
+    from megarl.weight_sync.transports import run_transport
+
+    colocated = ["cluster.placement=colocated", "cluster.device=cuda"]
+    cfg = load_config(REPO / "configs" / "base.yaml", good_overrides + colocated)
+    assert cfg.weight_sync.transport == "auto" and run_transport(cfg) == "tensor"
+    try:
+        validate(cfg)
+    except ConfigError as err:  # other checks may object to CUDA on this machine; not the transport
+        assert "weight_sync.transport" not in {i.key for i in err.issues}, str(err)
+    cfg = load_config(REPO / "configs" / "base.yaml", good_overrides)
+    assert run_transport(cfg) == "auto"
+    cfg = load_config(REPO / "configs" / "base.yaml", good_overrides + colocated + ["weight_sync.transport=disk"])
+    assert run_transport(cfg) == "disk"
 
 
 def test_all_errors_reported_at_once(good_overrides):
