@@ -16,7 +16,7 @@
    from the training ones. ``train.jsonl`` / ``test.jsonl`` rows: ``{"question", "answer", "query"}``.
 4. ``demos.jsonl``: SFT cold-start demonstrations, ``{"messages": [...]}``: the search call with the
    six words, the real observation the search tool returns for them (the same index and format), then
-   ``<answer>title</answer>``.
+   ``<answer> title</answer>``.
 """
 from __future__ import annotations
 
@@ -71,11 +71,15 @@ def candidate(passage: dict) -> dict | None:
 
 
 def demonstration(row: dict, observation: str) -> dict:
+    """The search call with the phrase, the tool's real observation, the answer. The title follows
+    ``<answer>`` after a space, as it follows ``Title:`` in the observation: the byte-level BPE then
+    gives the same tokens in both places (a word with and without a leading space are different
+    tokens), and copying it is copying tokens (the reward strips the space)."""
     call = {"type": "function", "function": {"name": "search", "arguments": json.dumps({"query": row["query"]})}}
     return {"messages": [{"role": "user", "content": row["question"]},
                          {"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "name": "search", "content": observation},
-                         {"role": "assistant", "content": f"<answer>{row['answer']}</answer>"}]}
+                         {"role": "assistant", "content": f"<answer> {row['answer']}</answer>"}]}
 
 
 def make_data(out: str | Path, *, num_train: int = 3000, num_test: int = 200, seed: int = 0) -> Path:

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "search_r1.yaml"
 REPO = HERE.parents[1]
 KEYS = ("eval/accuracy", "eval/sampled_reward_mean", "eval/tool_calls_mean")
-VOCAB_SIZE = 16384
+VOCAB_SIZE = 32768
 """The tiny model's BPE vocabulary, trained on GSM8K and this corpus: most words of the corpus are
 single tokens, so copying a phrase or a title is copying a few tokens (as the arithmetic policy
 copies digits), not sequences of 3-4 sub-word pieces."""
