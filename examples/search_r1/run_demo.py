@@ -55,8 +55,7 @@ def main() -> int:
     summarize, table = arithmetic.summarize, arithmetic.table
 
     data = make_data(out / "data")
-    model = make_model(out / "model", vocab_size=VOCAB_SIZE, tokenizer_texts=corpus_texts(data),
-                       tie_word_embeddings=True)
+    model = make_model(out / "model", vocab_size=VOCAB_SIZE, tokenizer_texts=corpus_texts(data))
     paths = [f"model.hf_path={model}", f"sft.demonstrations={data / 'demos.jsonl'}",
              f"retrieval.index={data / 'index'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
              f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}"]

@@ -316,6 +316,13 @@ def num_experts_of(hf_config) -> int:
     return 0
 
 
+SGLANG_UNTIED_LM_HEAD = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+"""Families whose SGLang 0.5.23 model class builds ``lm_head`` as its own parameter whatever
+``tie_word_embeddings`` says (``srt/models/qwen3_moe.py``, ``glm4_moe.py`` never read it; ``qwen3.py``
+and ``deepseek_v2.py`` do): a tied checkpoint has no ``lm_head.weight``, so the engine would sample
+from an lm_head that nothing ever loads."""
+
+
 def _check_model(c: _Checker) -> None:
     cfg = c.cfg
     hf_path = cfg.model.hf_path
@@ -329,6 +336,12 @@ def _check_model(c: _Checker) -> None:
         return
     family_error = _family_error(hf)
     c.check(family_error is None, "model.hf_path", f"config.json: {family_error}")
+    model_type = getattr(hf, "model_type", None)
+    c.check(not (getattr(hf, "tie_word_embeddings", False) and model_type in SGLANG_UNTIED_LM_HEAD), "model.hf_path",
+            f"config.json: tie_word_embeddings=true, but SGLang's {SGLANG_UNTIED_LM_HEAD.get(model_type)} keeps its "
+            "lm_head separate from embed_tokens and never loads it from a tied checkpoint (the engines would "
+            "sample from an untrained output layer); untie the checkpoint (lm_head.weight = "
+            "embed_tokens.weight, tie_word_embeddings=false)")
     from megarl.rollout.reasoning import parser_issues
 
     agent = cfg.rollout.agent

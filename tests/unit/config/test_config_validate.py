@@ -121,6 +121,22 @@ def test_auto_transport_is_tensor_for_colocated_cuda_engines(good_overrides):
     assert run_transport(cfg) == "disk"
 
 
+def test_tied_qwen3_moe_is_refused_because_sglang_keeps_its_lm_head(good_overrides, tmp_path):
+    """SGLang's Qwen3MoeForCausalLM ignores tie_word_embeddings (read from its source below): a tied
+    tiny Qwen3-MoE is refused naming model.hf_path."""
+    import importlib.util
+
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
+
+    models = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt" / "models"
+    assert "tie_word_embeddings" not in (models / "qwen3_moe.py").read_text()  # importing it needs torchvision
+    assert "tie_word_embeddings" in (models / "qwen3.py").read_text()
+    tied = make_tiny_model(tmp_path / "tied", TinyModelSpec(family="qwen3_moe", tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="tie_word_embeddings") as err:
+        validate(load_config(REPO / "configs" / "base.yaml", good_overrides + [f"model.hf_path={tied}"]))
+    assert "model.hf_path" in {i.key for i in err.value.issues}
+
+
 def test_all_errors_reported_at_once(good_overrides):
     overrides = ["parallel.tensor_model_parallel_size=3", "algorithm.clip_low=0.2", "train.lr=-1", "foo=1"]
     with pytest.raises(ConfigError) as err:
