@@ -42,24 +42,19 @@ def compact_template(template: str = CHAT_TEMPLATE) -> str:
     raise ValueError("the chat template has no recognisable tools block")
 
 
-def make_model(out_dir: str | Path, seed: int = 0, chat_template: str = "tiny", *, vocab_size: int = 2048,
-               tokenizer_texts=(), tie_word_embeddings: bool = False) -> Path:
+def make_model(out_dir: str | Path, seed: int = 0, chat_template: str = "tiny") -> Path:
     """Write the demo model into ``out_dir`` (skipped when it already holds one).
 
     ``chat_template``: ``tiny`` (megarl's append-only template) or ``qwen3`` (the official Qwen3
     template, megarl/rollout/chat_templates/qwen3.jinja: <think> handling, ``enable_thinking``);
-    either with the compact tools block. ``vocab_size`` / ``tokenizer_texts``: the BPE tokenizer's
-    size and text beside GSM8K (``megarl.models.tiny.make_tiny_model``); ``tie_word_embeddings``:
-    the output layer is the embedding (a token the model copies needs no output row of its own).
+    either with the compact tools block.
     """
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    make_tiny_model(out, TinyModelSpec(family="qwen3_moe", rope_theta=10000.0, seed=seed, chat_template=chat_template,
-                                       vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings),
-                    tokenizer_texts=tokenizer_texts)
+    make_tiny_model(out, TinyModelSpec(family="qwen3_moe", rope_theta=10000.0, seed=seed, chat_template=chat_template))
     tokenizer = AutoTokenizer.from_pretrained(out)
     tokenizer.chat_template = compact_template(tokenizer.chat_template)
     tokenizer.save_pretrained(out)

@@ -22,18 +22,6 @@ HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "search_r1.yaml"
 REPO = HERE.parents[1]
 KEYS = ("eval/accuracy", "eval/sampled_reward_mean", "eval/tool_calls_mean")
-VOCAB_SIZE = 32768
-"""The tiny model's BPE vocabulary, trained on GSM8K and this corpus: most words of the corpus are
-single tokens, so copying a phrase or a title is copying a few tokens (as the arithmetic policy
-copies digits), not sequences of 3-4 sub-word pieces."""
-
-
-def corpus_texts(data: Path) -> list[str]:
-    """Every title and passage of the corpus, and the questions: the tokenizer's extra text."""
-    rows = [json.loads(line) for line in (data / "corpus.jsonl").read_text(encoding="utf-8").splitlines()]
-    questions = [json.loads(line)["question"] for name in ("train.jsonl", "test.jsonl")
-                 for line in (data / name).read_text().splitlines() if line.strip()]
-    return [r["title"] for r in rows] + [r["text"] for r in rows] + questions
 
 
 def main() -> int:
@@ -55,7 +43,7 @@ def main() -> int:
     summarize, table = arithmetic.summarize, arithmetic.table
 
     data = make_data(out / "data")
-    model = make_model(out / "model", vocab_size=VOCAB_SIZE, tokenizer_texts=corpus_texts(data))
+    model = make_model(out / "model")
     paths = [f"model.hf_path={model}", f"sft.demonstrations={data / 'demos.jsonl'}",
              f"retrieval.index={data / 'index'}", f"retrieval.corpus={data / 'corpus.jsonl'}",
              f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}"]

@@ -184,10 +184,10 @@ def _stop_token_ids(tok, chat_template: str) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4)
-def _gsm8k_tokenizer_json(vocab_size: int, gsm8k_dir: str | None, extra_texts: tuple[str, ...] = ()) -> str:
-    """The GSM8K-trained tokenizer (plus ``extra_texts``) as ``tokenizers`` JSON, cached per process:
-    training takes seconds and gives the same tokenizer for the same corpus and size."""
-    texts = list(gsm8k_texts(gsm8k_dir)) + _EXTRA_CORPUS * 20 + list(extra_texts)
+def _gsm8k_tokenizer_json(vocab_size: int, gsm8k_dir: str | None) -> str:
+    """The GSM8K-trained tokenizer as ``tokenizers`` JSON, cached per process: training takes
+    seconds and gives the same tokenizer for the same corpus and size."""
+    texts = list(gsm8k_texts(gsm8k_dir)) + _EXTRA_CORPUS * 20
     return train_tokenizer(texts, vocab_size).backend_tokenizer.to_str()
 
 
@@ -272,8 +272,7 @@ def _randomize_constant_tensors(model, seed: int) -> None:
 
 
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
-                    gsm8k_dir: str | os.PathLike | None = None, *, overwrite: bool = True,
-                    tokenizer_texts: Iterable[str] = ()) -> Path:
+                    gsm8k_dir: str | os.PathLike | None = None, *, overwrite: bool = True) -> Path:
     """Write a tiny random-init HF model directory (config, safetensors, tokenizer, chat template).
 
     Args:
@@ -282,8 +281,6 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         gsm8k_dir: GSM8K directory for the tokenizer corpus (default: found from the repository).
         overwrite: replace an existing ``out_dir``; if False and another process finished first,
             keep theirs (safe for concurrent callers).
-        tokenizer_texts: more text the BPE tokenizer is trained on, beside GSM8K (a task's own
-            corpus, so that its words become single tokens: raise ``spec.vocab_size`` with it).
 
     Returns:
         The output directory.
@@ -302,8 +299,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     from tokenizers import Tokenizer
 
     tok = _wrap_tokenizer(Tokenizer.from_str(
-        _gsm8k_tokenizer_json(spec.vocab_size, str(gsm8k_dir) if gsm8k_dir else None, tuple(tokenizer_texts))),
-        spec.chat_template)
+        _gsm8k_tokenizer_json(spec.vocab_size, str(gsm8k_dir) if gsm8k_dir else None)), spec.chat_template)
     eos_id = tok.eos_token_id
     cfg, model_cls = _hf_config(spec, len(tok), eos_id, tok.pad_token_id)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
