@@ -344,6 +344,7 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, bac
 
     if name == "auto":
         name = resolve_auto(plan, engines, backend=backend, timeout_s=timeout_s)
+        log.info("weight_sync.transport=auto -> %s (%d engine(s) for this sender)", name, len(engines))
     if name == "p2p":
         return P2PTransport(plan, engines, backend=backend, master_address=master_address, timeout_s=timeout_s)
     if name == "distributed":
