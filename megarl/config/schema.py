@@ -185,7 +185,7 @@ class WeightSyncConfig:
 
     transport: str = "auto"
     """``auto`` (``p2p`` where it applies, else ``distributed``; ``tensor`` for colocated engines on
-    CUDA; see ``megarl.weight_sync.transports.resolve_auto``), ``distributed`` (process group with
+    CUDA; see ``megarl.weight_sync.choice.resolve_auto``), ``distributed`` (process group with
     the engines, every engine rank receives whole tensors), ``p2p`` (each engine rank
     receives exactly its shard over a process group, any host), ``shard`` (per-rank payloads, same
     host), ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""

@@ -178,7 +178,7 @@ class Run:
         link_ray_logs(self.run_dir)  # run_dir/ray_logs -> this Ray session's worker logs
         self.placement = build_placement(cfg)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
-        from megarl.weight_sync.transports import engine_custom_weight_loaders, run_transport
+        from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
         self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
                                    custom_weight_loaders=engine_custom_weight_loaders(run_transport(cfg)))

@@ -296,7 +296,7 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
         del os.environ[key]  # this job's allocation holds engines only, not the run's trainer nodes
     cfg = prepare_config(args.config, args.overrides)
     cuda = use_cuda(cfg.cluster.device)
-    from megarl.weight_sync.transports import engine_custom_weight_loaders, run_transport
+    from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
     loaders = engine_custom_weight_loaders(run_transport(cfg))  # shard / p2p receive through a loader
     registry = Path(args.registry)

@@ -102,16 +102,14 @@ class TrainerWorker:
 
     def connect_weight_sync(self, engine_urls: list[str], directory: str) -> None:
         """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
-        from megarl.config.validate import resolved_precision
         from omegaconf import OmegaConf
 
+        from megarl.config.validate import resolved_precision
+        from megarl.weight_sync.choice import run_transport
         from megarl.weight_sync.sync import build_weight_sync
-        from megarl.weight_sync.transports import run_transport
 
         cfg = self.trainer.cfg
-        ws = cfg.weight_sync
-        if run_transport(cfg) != ws.transport:
-            ws = OmegaConf.merge(ws, {"transport": run_transport(cfg)})
+        ws = OmegaConf.merge(cfg.weight_sync, {"transport": run_transport(cfg)})  # auto: tensor when colocated on CUDA
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
         self.syncer = build_weight_sync(
             cfg.model.hf_path, self.trainer.parallel, engine_urls, ws,

@@ -318,7 +318,9 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         raise PlanError(f"weight_sync.bucket_size_mb must be > 0, got {bucket_size_mb}")
     if senders_per_stage is not None and (not isinstance(senders_per_stage, int) or senders_per_stage < 1):
         raise PlanError(f"weight_sync.senders_per_stage must be a positive integer or null, got {senders_per_stage!r}")
-    senders = min(trainer_layout.replicas_per_stage, engine_layout.num_engines, senders_per_stage or 1 << 30)
+    senders = min(trainer_layout.replicas_per_stage, engine_layout.num_engines)
+    if senders_per_stage is not None:
+        senders = min(senders, senders_per_stage)
     _check_unique(param_specs)
     layers = [p.layer for p in param_specs if p.layer is not None]
     num_layers = max(layers) + 1 if layers else 0

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megarl.training.collectives import all_reduce, barrier, control_group
 from megarl.training.collectives import recv as recv_tensor
 from megarl.training.collectives import send as send_tensor
+from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
 from megarl.weight_sync.engines import EngineGroup
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
@@ -65,7 +66,7 @@ class WeightSynchronizer:
             raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
-        if transport in ("shard", "tensor", "disk") and plan.senders_per_stage > 1:
+        if transport in ONE_SENDER_TRANSPORTS and plan.senders_per_stage > 1:
             raise WeightSyncError(f"weight_sync.transport={transport} has one sender per stage; the plan has "
                                   f"senders_per_stage={plan.senders_per_stage} (build it with senders_per_stage=1)")
         self.plan, self.rank, self.group, self.pause_mode = plan, rank, group, pause_mode
@@ -307,7 +308,7 @@ def trainer_layout_of(parallel, parallel_cfg=None):
 def senders_per_stage(cfg) -> Optional[int]:
     """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
     per stage (``shard``, ``tensor``, ``disk``: same host or files), else the config's value."""
-    if cfg.transport in ("shard", "tensor", "disk"):
+    if cfg.transport in ONE_SENDER_TRANSPORTS:
         return 1
     return getattr(cfg, "senders_per_stage", None)
 

@@ -15,8 +15,8 @@
   exactly its slices (``plan.engine_slice``), loaded pre-sharded by the custom loader
   :func:`megarl.weight_sync.sglang_loader.load_presharded`; the tensors travel as shared memory,
   so ``shard`` is same-host only (``p2p`` is its cross-host form).
-- ``auto`` (the default): ``p2p`` where it applies, else ``distributed`` (:func:`resolve_auto`);
-  ``tensor`` for colocated engines on CUDA (:func:`run_transport`).
+- ``auto`` (the default): ``p2p`` where it applies, else ``distributed`` (:func:`megarl.weight_sync.choice.resolve_auto`);
+  ``tensor`` for colocated engines on CUDA (:func:`megarl.weight_sync.choice.run_transport`).
 - ``tensor``: colocated whole tensors through ``/update_weights_from_tensor`` (CUDA IPC on GPU,
   shared memory on CPU); SGLang slices them.
 - ``disk``: safetensors files + ``/update_weights_from_disk``: the fallback and the reference.
@@ -342,6 +342,9 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, bac
     """
     from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
 
+    from megarl.weight_sync.choice import engines_have_receiver, resolve_auto
+    from megarl.weight_sync.receiver import RECEIVER
+
     if name == "auto":
         name = resolve_auto(plan, engines, backend=backend, timeout_s=timeout_s)
         log.info("weight_sync.transport=auto -> %s (%d engine(s) for this sender)", name, len(engines))
@@ -352,7 +355,7 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, bac
         if not checked:
             log.warning("weight_sync.transport=distributed: the engines did not register megarl's receiver "
                         "(--custom-weight-loader %s): buckets are loaded without a per-bucket checksum check",
-                        _receiver())
+                        RECEIVER)
         cls = CheckedDistributedTransport if checked else DistributedTransport
         return cls(plan, engines, backend=backend, master_address=master_address, timeout_s=timeout_s)
     if name == "shard":
@@ -364,67 +367,3 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, bac
             raise ValueError("weight_sync.transport=disk needs a directory for the safetensors files")
         return DiskTransport(plan, engines, directory=directory, timeout_s=timeout_s)
     raise ValueError(f"weight_sync.transport: unknown {name!r} (auto, p2p, distributed, shard, tensor, disk)")
-
-
-def _receiver() -> str:
-    from megarl.weight_sync.receiver import RECEIVER
-
-    return RECEIVER
-
-
-def engines_have_receiver(engines: EngineGroup, *, timeout_s: float = 60.0) -> bool:
-    """Whether every engine registered megarl's receiver loader (``/server_info``'s ``custom_weight_loader``)."""
-    infos = wait_all(engines.submit_all("_request", "GET", "/server_info", timeout_s=timeout_s), timeout_s)
-    return all(_receiver() in (info.get("custom_weight_loader") or []) for info in infos)
-
-
-def resolve_auto(plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "auto", timeout_s: float = 60.0) -> str:
-    """``weight_sync.transport=auto`` for one sender: ``p2p`` where it applies and is not predicted
-    slower, else ``distributed``.
-
-    ``p2p`` applies when every engine registered the receiver loader (``/server_info``'s
-    ``custom_weight_loader``; megarl registers it in engines it starts) and SGLang can load every
-    tensor pre-sharded at this engine layout (the plan's engine slices). It is chosen with gloo
-    (whose broadcast sends the whole bucket to every engine rank separately, so ``p2p`` moves
-    ``1 / T`` of the bytes) and with NCCL when this sender serves one engine (``engines`` are the
-    engines of this sender's replica: with ``senders_per_stage`` replicas, as many engines get a
-    sender of their own). With NCCL and several engines per sender a pipelined broadcast carries
-    each byte once per link while ``p2p`` sends each engine its shards one after another
-    (``megarl plan-sync`` shows both), so ``distributed`` stays there.
-    """
-    from megarl.weight_sync.plan import PlanError
-
-    try:
-        plan.engine_shard_bytes()
-    except PlanError:
-        return "distributed"
-    backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-    if backend == "nccl" and len(engines) > 1:
-        return "distributed"
-    return "p2p" if engines_have_receiver(engines, timeout_s=timeout_s) else "distributed"
-
-
-def run_transport(cfg) -> str:
-    """The transport a run config asks for: ``weight_sync.transport``, with ``auto`` meaning
-    ``tensor`` when trainer and engines share CUDA devices (``cluster.placement=colocated``: NCCL
-    cannot connect two ranks on one GPU); otherwise ``auto`` is resolved by the senders
-    (:func:`resolve_auto`)."""
-    from megarl.launch.cluster import use_cuda
-
-    transport = cfg.weight_sync.transport
-    if transport == "auto" and cfg.cluster.placement == "colocated" and use_cuda(cfg.cluster.device):
-        return "tensor"
-    return transport
-
-
-def engine_custom_weight_loaders(transport: str) -> list[str]:
-    """What engines megarl starts itself register with ``--custom-weight-loader`` for ``transport``
-    (``auto`` registers the ``p2p`` receiver, so that ``auto`` resolves to ``p2p`` for them;
-    ``distributed`` registers it so that every bucket is checked before loading)."""
-    if transport == "shard":
-        return [LOADER]
-    if transport in ("auto", "p2p"):
-        return [LOADER, _receiver()]
-    if transport == "distributed":
-        return [_receiver()]
-    return []

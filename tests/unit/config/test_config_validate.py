@@ -106,7 +106,7 @@ def test_broken_config_names_its_key(good_overrides, overrides, key):
 def test_auto_transport_is_tensor_for_colocated_cuda_engines(good_overrides):
     """``auto`` (the default) validates colocated on CUDA and means ``tensor`` there (NCCL cannot
     join two ranks on one GPU); elsewhere it stays ``auto`` (resolved by the senders)."""
-    from megarl.weight_sync.transports import run_transport
+    from megarl.weight_sync.choice import run_transport
 
     colocated = ["cluster.placement=colocated", "cluster.device=cuda"]
     cfg = load_config(REPO / "configs" / "base.yaml", good_overrides + colocated)
