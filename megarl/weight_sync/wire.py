@@ -9,11 +9,13 @@ as one ``uint8`` message over the stage's process group. The control message tha
 what to expect travels as the *name* of the only entry of its ``/update_weights_from_tensor``
 payload (the tensor is empty, pickled by value: no shared memory, so it crosses hosts)::
 
-    megarl.p2p/{"op": "bucket", "group": ..., "bucket": 3, "nbytes": 1048576, "algo": "crc32",
+    megarl.p2p/{"op": "bucket", "group": ..., "bucket": 3, "nbytes": 1048576, "algo": "xxh3",
                 "tensors": [[hf_name, dtype, shape, checksum], ...]}
 
-Checksums are per tensor (so a mismatch names the tensor): ``crc32`` (zlib) for CPU buffers and
-``sum64`` for CUDA buffers (computed where the bytes are). ``sum64`` of bytes ``x_0 .. x_{n-1}``
+Checksums are per tensor (so a mismatch names the tensor): ``xxh3`` (the 64-bit XXH3 hash of the
+``xxhash`` package, ~26 GB/s on one core here against ~3.9 GB/s for zlib's ``crc32``, which is
+still accepted) for CPU buffers and ``sum64`` for CUDA buffers (computed where the bytes are).
+``sum64`` of bytes ``x_0 .. x_{n-1}``
 is the pair ``(sum x_i, sum (i + 1) x_i) mod 2**64``: a changed byte changes the first sum, a
 moved byte the second; it is an integrity check against corruption and misplacement, not a
 cryptographic hash.
@@ -49,8 +51,8 @@ def decode_ticket(name: str) -> dict[str, Any]:
 
 
 def checksum_algo(device: torch.device) -> str:
-    """The checksum computed where the bytes live: ``crc32`` on CPU, ``sum64`` elsewhere."""
-    return "crc32" if device.type == "cpu" else "sum64"
+    """The checksum computed where the bytes live: ``xxh3`` on CPU, ``sum64`` elsewhere."""
+    return "xxh3" if device.type == "cpu" else "sum64"
 
 
 def checksum(data: torch.Tensor, algo: str) -> str:
@@ -58,7 +60,7 @@ def checksum(data: torch.Tensor, algo: str) -> str:
 
     Args:
         data: any contiguous tensor (its bytes in memory order are checked).
-        algo: ``crc32`` or ``sum64`` (see module docstring).
+        algo: ``xxh3``, ``crc32`` or ``sum64`` (see module docstring).
 
     Returns:
         Hex string.
@@ -67,11 +69,15 @@ def checksum(data: torch.Tensor, algo: str) -> str:
         ValueError: unknown ``algo``.
     """
     raw = data.detach().contiguous().view(-1).view(torch.uint8) if data.numel() else data.new_empty(0, dtype=torch.uint8)
+    if algo == "xxh3":
+        import xxhash
+
+        return xxhash.xxh3_64_hexdigest(raw.cpu().numpy())
     if algo == "crc32":
         return f"{zlib.crc32(raw.cpu().numpy()):08x}"
     if algo == "sum64":
         return _sum64(raw)
-    raise ValueError(f"unknown checksum algorithm {algo!r} (crc32, sum64)")
+    raise ValueError(f"unknown checksum algorithm {algo!r} (xxh3, crc32, sum64)")
 
 
 def _sum64(raw: torch.Tensor) -> str:

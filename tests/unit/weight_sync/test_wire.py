@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 
 from megarl.weight_sync import receiver, wire
 
@@ -27,6 +28,8 @@ def test_checksums_match_independent_references_and_see_one_flipped_byte():
     data = torch.randn(1000, dtype=torch.float32)
     raw = data.numpy().tobytes()
     assert wire.checksum(data, "crc32") == f"{zlib.crc32(raw):08x}"
+    assert wire.checksum(torch.empty(0), "xxh3") == "2d06800538d394c2"  # XXH3_64bits("") in the xxHash spec
+    assert wire.checksum(data, "xxh3") == xxhash.xxh3_64_hexdigest(raw)  # the tensor's bytes in memory order
     expected_sum = sum(raw) % 2**64
     expected_weighted = sum((i + 1) * b for i, b in enumerate(raw)) % 2**64
     assert wire.checksum(data, "sum64") == f"{expected_sum:016x}{expected_weighted:016x}"
@@ -34,14 +37,14 @@ def test_checksums_match_independent_references_and_see_one_flipped_byte():
     flipped.view(torch.uint8)[1234] ^= 1
     swapped = data.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
-    for algo in ("crc32", "sum64"):
+    for algo in ("xxh3", "crc32", "sum64"):
         assert wire.checksum(flipped, algo) != wire.checksum(data, algo)
         assert wire.checksum(swapped, algo) != wire.checksum(data, algo)
     with pytest.raises(ValueError, match="unknown checksum"):
         wire.checksum(data, "md5")
 
 
-def _bucket(tensors, algo="crc32"):
+def _bucket(tensors, algo="xxh3"):
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in tensors])
     listing = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), wire.checksum(t, algo)] for n, t in tensors]
     return flat, {"bucket": 0, "algo": algo, "tensors": listing}
