@@ -4,8 +4,8 @@ Both create one process group between the stage sender (rank 0) and every engine
 GPU, gloo on CPU: same code) inside the first sync and reuse it. Per bucket the sender checksums
 every tensor (:mod:`megarl.weight_sync.wire`), announces the bucket by a ticket to the custom
 loader :func:`megarl.weight_sync.receiver.receive_shards` (an upstream extension point:
-``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``), sends the bytes,
-and every group rank votes; the engines load only if every rank received intact tensors the
+``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``), sends the bytes
+and then the checksums, and every group rank votes; the engines load only if every rank received intact tensors the
 served checkpoint knows (name, dtype, shape). They differ in what each engine rank receives:
 
 - :class:`P2PTransport` (``p2p``): exactly its own slices, point to point (shard to shard);
@@ -18,30 +18,34 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import all_reduce, broadcast, group_device, isend
 from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.gather import torch_dtype
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transports import _GroupTransport
 from megarl.weight_sync.validate import WeightSyncError
-from megarl.weight_sync.wire import STATUS, VOTE_FIELDS
+from megarl.weight_sync.wire import STATUS, VOTE_FIELDS, encode_sums
 
 
 class P2PTransport(_GroupTransport):
     """Shard-to-shard over a process group with every engine rank, any host (see module docstring).
 
-    Per bucket: each engine rank's slices are packed (no copy when a rank holds every tensor
-    whole), checksummed per tensor, announced by a ticket (``/update_weights_from_tensor`` with
-    ``load_format`` = the receiver loader) and sent point to point; then every group rank joins a
-    vote (one all-reduce) and the engines load only if every rank received intact, expected
-    tensors (:mod:`megarl.weight_sync.receiver`). The next bucket's tickets go out only after the
-    previous vote, so every engine rank sees the tickets in order; packing bucket ``b + 1`` and
-    gathering ``b + 2`` overlap the transfer of ``b``, and the engines load ``b`` while ``b + 1``'s
-    ticket travels.
+    Per bucket: announced by a ticket (``/update_weights_from_tensor`` with ``load_format`` = the
+    receiver loader; names, dtypes, shapes), each engine rank's slices packed (no copy when a rank
+    holds every tensor whole), checksummed per tensor and sent point to point, the checksums right
+    after the bytes; then every group rank joins a vote (one all-reduce) and the engines load only
+    if every rank received intact, expected tensors (:mod:`megarl.weight_sync.receiver`). A ticket
+    goes out as soon as the order allows: the first bucket's before it is packed (the engines'
+    HTTP hop overlaps the packing), the next ones only after the previous vote, so every engine
+    rank sees the tickets in order; packing bucket ``b + 1`` and gathering ``b + 2`` overlap the
+    transfer of ``b``, and the engines load ``b`` while ``b + 1``'s ticket travels. The stage's
+    last ticket carries ``finish``: the receivers join the finish vote (loading errors) after
+    loading it, without another request.
 
     ``tamper``: for fault-injection tests only: ``tamper(bucket_index, engine_tp_rank, buffer)``
     is called after the checksums and may return a replacement buffer to send to that rank.
@@ -59,6 +63,8 @@ class P2PTransport(_GroupTransport):
         self._failure: Optional[WeightSyncError] = None
         self._pp_rank: Optional[int] = None
         self._requests: list = []
+        self._finish_announced = False
+        """The last bucket's ticket asked the receivers for the ``finish`` vote after loading it."""
         tp = plan.engine_layout.tp_size
         self.received = [[0] * tp for _ in range(len(engines))]
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
@@ -117,25 +123,41 @@ class P2PTransport(_GroupTransport):
 
     def start_sync(self) -> None:
         super().start_sync()
+        self._finish_announced = False
         self.received = [[0] * self.plan.engine_layout.tp_size for _ in range(len(self.engines))]
 
-    def _pack(self, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[list], str]:
-        """Each engine rank's bytes ``[nbytes_r]`` uint8, its ticket tensor list
-        ``[[name, dtype, shape, checksum]]`` (wire order) and the checksum algorithm."""
-        from megarl.weight_sync.wire import checksum, checksum_algo
-
-        tp = self.plan.engine_layout.tp_size
-        parts: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(tp)]
+    def _slices(self, bucket: Bucket, tensors) -> list[list[tuple[str, torch.Tensor]]]:
+        """Each engine rank's ``[(name, view)]`` of the bucket (wire order), views of ``tensors``."""
+        parts: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(self.plan.engine_layout.tp_size)]
         for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
             for rank, sl in self.plan.engine_slices_of(spec).items():
                 parts[rank].append((name, tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
+        return parts
+
+    def _listings(self, bucket: Bucket, tensors) -> list[list]:
+        """Each engine rank's ticket listing ``[[name, dtype, shape]]`` (wire order), before packing."""
+        return [[[name, str(v.dtype).removeprefix("torch."), list(v.shape)] for name, v in mine]
+                for mine in self._slices(bucket, tensors)]
+
+    def _pack(self, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[list], str]:
+        """Each engine rank's bytes ``[nbytes_r]`` uint8, its listing ``[[name, dtype, shape, checksum]]``
+        (wire order) and the checksum algorithm."""
+        from megarl.weight_sync.wire import checksum_algo
+
+        packed = list(self._packed(bucket, tensors, flat))
+        return [buffer for _, buffer, _ in packed], [listing for _, _, listing in packed], checksum_algo(flat.device)
+
+    def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, list]]:
+        """``(rank, bytes [nbytes_r] uint8, listing [[name, dtype, shape, checksum]])`` for each engine
+        rank in order, packed lazily (a rank's bytes may leave while the next rank's are packed)."""
+        from megarl.weight_sync.wire import checksum, checksum_algo
+
+        parts = self._slices(bucket, tensors)
         flat_device = flat.device
         algo = checksum_algo(flat_device)
         sums: dict[tuple, str] = {}
-        buffers, listings = [], []
         whole = [t for _, t in tensors]
-        for rank in range(tp):
-            mine = parts[rank]
+        for rank, mine in enumerate(parts):
             if len(mine) == len(whole) and all(v is w for (_, v), w in zip(mine, whole)):
                 buffer = flat  # every tensor whole: the bucket itself, no copy
             else:
@@ -158,12 +180,10 @@ class P2PTransport(_GroupTransport):
                     sums[key] = checksum(buffer[offset:offset + n], algo)
                 listing.append([name, str(v.dtype).removeprefix("torch."), list(v.shape), sums[key]])
                 offset += n
-            buffers.append(buffer)
-            listings.append(listing)
-        return buffers, listings, algo
+            yield rank, buffer, listing
 
     def send(self, bucket, tensors, flat) -> None:
-        """Pack, announce, send point to point and open the vote of one bucket (see class docstring)."""
+        """Announce, pack, send point to point and open the vote of one bucket (see class docstring)."""
         if self._pp_rank is None:
             raise WeightSyncError("p2p transport used before connect()")
         if self.group is None:
@@ -171,26 +191,51 @@ class P2PTransport(_GroupTransport):
         if self._failure is not None:  # a bucket was refused: send nothing more (drain raises)
             return
         started = time.perf_counter()
-        buffers, listings, algo = self._pack(bucket, tensors, flat)
-        self._wait_vote()  # the previous bucket: its tickets were processed first, its buffers are free
-        if self._failure is not None:
-            return
-        if self.tamper is not None:
-            tampered = [self.tamper(bucket.index, r, b) for r, b in enumerate(buffers)]
-            buffers = [b if t is None else t for b, t in zip(buffers, tampered)]
-        tickets = [{"op": "bucket", "mode": self.mode, "group": self.group_name, "bucket": bucket.index,
-                    "nbytes": int(b.numel()), "algo": algo, "tensors": listing}
-                   for b, listing in zip(buffers, listings)]
-        futures = self._submit_tickets(tickets)
-        works = self._transfer(buffers)
+        packed = self._packed(bucket, tensors, flat)
+        if self._pending is None:  # no vote open: announce now; each rank's bytes leave once packed
+            futures = self._announce(bucket, tensors, flat)
+        else:  # pack while the previous bucket moves; announce after its vote
+            packed = list(packed)
+            self._wait_vote()  # the previous bucket: its tickets were processed first, its buffers are free
+            if self._failure is not None:
+                return
+            futures = self._announce(bucket, tensors, flat)
+        works, buffers, listings = [], [], []
+        device = group_device(self.group)
+        for rank, buffer, listing in packed:
+            if self.tamper is not None:
+                tampered = self.tamper(bucket.index, rank, buffer)
+                buffer = buffer if tampered is None else tampered
+            works += self._transfer(rank, buffer, encode_sums([entry[3] for entry in listing], device))
+            buffers.append(buffer)
+            listings.append(listing)
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
         self._open_vote(bucket, listings, futures, works, buffers, started)
+        self._finish_announced = bucket.index == self._last_index(bucket)
 
-    def _transfer(self, buffers: list[torch.Tensor]) -> list:
-        """Start sending engine rank ``r`` of every engine ``buffers[r]``; returns the handles."""
+    def _last_index(self, bucket: Bucket) -> int:
+        """Index of this stage sender's last bucket (the plan's buckets with the same sender)."""
+        return max(b.index for b in self.plan.buckets if b.sender_rank == bucket.sender_rank)
+
+    def _announce(self, bucket: Bucket, tensors, flat: torch.Tensor) -> list:
+        """Submit one bucket's tickets (listings without checksums: those follow the bytes); the
+        stage's last bucket's ticket also asks for the ``finish`` vote after loading."""
+        from megarl.weight_sync.wire import checksum_algo
+
+        listings = self._listings(bucket, tensors)
+        tickets = [{"op": "bucket", "mode": self.mode, "group": self.group_name, "bucket": bucket.index,
+                    "nbytes": sum(torch.Size(shape).numel() * torch_dtype(dtype).itemsize for _, dtype, shape in listing),
+                    "algo": checksum_algo(flat.device), "tensors": listing,
+                    "finish": bucket.index == self._last_index(bucket)}
+                   for listing in listings]
+        return self._submit_tickets(tickets)
+
+    def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:
+        """Start sending engine rank ``rank`` of every engine its bytes ``buffer``, then its checksums
+        ``sums``; returns the handles."""
         tp = self.plan.engine_layout.tp_size
-        return [isend(buffers[r], 1 + i * tp + r, group=self.group)
-                for i in range(len(self.engines)) for r in range(tp) if buffers[r].numel()]
+        return [isend(message, 1 + i * tp + rank, group=self.group)
+                for i in range(len(self.engines)) for message in (buffer, sums) if message.numel()]
 
     def _open_vote(self, bucket, listings, futures, works, refs, started) -> None:
         votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=group_device(self.group))
@@ -237,7 +282,8 @@ class P2PTransport(_GroupTransport):
             requests, self._requests = self._requests, []
             wait_all(requests, self.timeout_s)
             raise failure
-        futures = self._submit_tickets([{"op": "finish", "group": self.group_name}] * self.plan.engine_layout.tp_size)
+        futures = list(self._requests) if self._finish_announced else self._submit_tickets(
+            [{"op": "finish", "group": self.group_name}] * self.plan.engine_layout.tp_size)
         self._open_vote(None, [[] for _ in range(self.plan.engine_layout.tp_size)], futures, [], None, started)
         self._wait_vote()
         requests, self._requests = self._requests, []
@@ -306,15 +352,24 @@ class CheckedDistributedTransport(P2PTransport):
     mode = "broadcast"
     """The tickets' ``mode``: every engine rank joins one broadcast of the whole bucket."""
 
-    def _pack(self, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[list], str]:
+    def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, list]]:
         """The flat bucket for every engine rank, and the listing ``[[name, dtype, shape, checksum]]``."""
         from megarl.weight_sync.wire import checksum, checksum_algo
 
         algo = checksum_algo(flat.device)
         listing = [[name, str(t.dtype).removeprefix("torch."), list(t.shape), checksum(t, algo)] for name, t in tensors]
-        tp = self.plan.engine_layout.tp_size
-        return [flat] * tp, [listing] * tp, algo
+        for rank in range(self.plan.engine_layout.tp_size):
+            yield rank, flat, listing
 
-    def _transfer(self, buffers: list[torch.Tensor]) -> list:
-        """One broadcast of engine rank 0's buffer (the whole bucket) to every engine rank."""
-        return [broadcast(buffers[0], 0, group=self.group, async_op=True)] if buffers[0].numel() else []
+    def _listings(self, bucket: Bucket, tensors) -> list[list]:
+        """Every engine rank's listing: every tensor whole ``[[name, dtype, shape]]``."""
+        listing = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]
+        return [listing] * self.plan.engine_layout.tp_size
+
+    def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:
+        """Engine rank 0's buffer (the whole bucket) goes to every engine rank in one broadcast, then
+        its checksums in another; the other ranks' (the same) send nothing."""
+        if rank != 0:
+            return []
+        return [broadcast(message, 0, group=self.group, async_op=True) for message in (buffer, sums)
+                if message.numel()]

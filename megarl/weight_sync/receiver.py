@@ -9,8 +9,9 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
 
 - ``connect``: join the stage sender's process group (sender = rank 0, engine ``i`` rank ``r`` =
   ``1 + i * T + r``; NCCL on GPU, gloo on CPU: the same code) and keep it for every later sync;
-- ``bucket``: receive this rank's bytes of one bucket from rank 0, check every tensor against the
-  sender's checksum and against the served checkpoint (name known, dtype equal, shape a shard of
+- ``bucket``: receive this rank's bytes of one bucket from rank 0 and then the sender's checksums
+  (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check every tensor against its
+  checksum and against the served checkpoint (name known, dtype equal, shape a shard of
   its shape), then **vote** (an all-reduce of one status row per group rank): only if every rank
   of every engine is content does any rank load the bucket. A failed vote leaves every engine's
   weights untouched and tells the sender which tensor failed where. The ticket's ``mode`` says
@@ -18,7 +19,8 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
   checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
   shape equal to the checkpoint's, loaded by the model's own ``load_weights`` (which slices it,
-  as ``/update_weights_from_distributed`` does);
+  as ``/update_weights_from_distributed`` does); a ticket with ``finish`` (the stage's last
+  bucket) then joins the ``finish`` vote as below;
 - ``finish``: vote once more with any loading error since the last ``finish``;
 - ``close``: destroy the group.
 
@@ -68,9 +70,7 @@ def receive_shards(model, named_tensors) -> None:
         elif op == "bucket":
             _bucket(model, ticket)
         elif op == "finish":
-            state = _GROUPS[ticket["group"]]
-            errors, state["load_errors"] = state["load_errors"], []
-            _vote(state, (7, errors[0], 0, -1) if errors else (0, 0, 0, -1))
+            _finish(_GROUPS[ticket["group"]])
         elif op == "close":
             state = _GROUPS.pop(ticket["group"], None)
             if state is not None:
@@ -115,6 +115,15 @@ def _bucket(model, ticket: dict) -> None:
             recv(buffer, 0, group=state["group"])
         received = nbytes
     try:
+        sums = torch.empty(len(ticket["tensors"]) * wire.DIGEST_CHARS[ticket["algo"]], dtype=torch.uint8,
+                           device=state["device"])
+        if sums.numel():  # the sender's checksums follow the bytes
+            if whole:
+                broadcast(sums, 0, group=state["group"])
+            else:
+                recv(sums, 0, group=state["group"])
+        ticket = dict(ticket, tensors=[[*entry, s] for entry, s in
+                                       zip(ticket["tensors"], wire.decode_sums(sums, ticket["algo"]))])
         status, index, named = _check(buffer, ticket, whole=whole)
     except Exception:  # noqa: BLE001 - still vote, or the sender and the other ranks would wait forever
         log.error("p2p receiver: checking bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
@@ -122,9 +131,14 @@ def _bucket(model, ticket: dict) -> None:
     if not _vote(state, (status, index, received, int(ticket["bucket"]))):
         log.error("p2p receiver: bucket %s not loaded (status %s at tensor %s here, or another rank refused)",
                   ticket["bucket"], status, index)
-        return
-    if not named:
-        return
+        return  # the sender raises: no finish vote
+    if named:
+        _load(model, named, state, ticket["bucket"], whole=whole)
+    if ticket.get("finish"):  # the stage's last bucket: the finish vote without another request
+        _finish(state)
+
+
+def _load(model, named: list, state: dict, bucket: int, *, whole: bool) -> None:
     from megarl.weight_sync.sglang_loader import load_presharded
 
     try:
@@ -133,8 +147,14 @@ def _bucket(model, ticket: dict) -> None:
         else:
             load_presharded(model, named)
     except Exception:  # noqa: BLE001
-        log.error("p2p receiver: loading bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
+        log.error("p2p receiver: loading bucket %s failed: %s", bucket, traceback.format_exc())
         state["load_errors"].append(0)
+
+
+def _finish(state: dict) -> None:
+    """Vote once more with any loading error since the last finish (status 7)."""
+    errors, state["load_errors"] = state["load_errors"], []
+    _vote(state, (7, errors[0], 0, -1) if errors else (0, 0, 0, -1))
 
 
 def _receive_buffer(state: dict, nbytes: int) -> torch.Tensor:

@@ -10,7 +10,12 @@ what to expect travels as the *name* of the only entry of its ``/update_weights_
 payload (the tensor is empty, pickled by value: no shared memory, so it crosses hosts)::
 
     megarl.p2p/{"op": "bucket", "group": ..., "bucket": 3, "nbytes": 1048576, "algo": "xxh3",
-                "tensors": [[hf_name, dtype, shape, checksum], ...]}
+                "tensors": [[hf_name, dtype, shape], ...], "finish": false}
+
+The checksums follow the bytes over the group, one more message per rank (:func:`encode_sums`:
+the hex digests back to back, ``uint8`` on the group's device), so a ticket can leave before its
+bucket is packed and checksummed. ``finish`` (the stage's last bucket): after loading it, the
+receiver joins the ``finish`` vote itself, without another request.
 
 Checksums are per tensor (so a mismatch names the tensor): ``xxh3`` (the 64-bit XXH3 hash of the
 ``xxhash`` package, ~26 GB/s on one core here against ~3.9 GB/s for zlib's ``crc32``, which is
@@ -91,6 +96,29 @@ def _sum64(raw: torch.Tensor) -> str:
         total += part
         weighted += int((chunk * weights[:chunk.numel()]).sum()) + start * part
     return f"{total & _MASK64:016x}{weighted & _MASK64:016x}"
+
+
+DIGEST_CHARS = {"xxh3": 16, "crc32": 8, "sum64": 32}
+"""Hex characters of one checksum per algorithm (the in-band checksum message's stride)."""
+
+
+def encode_sums(sums: list[str], device: torch.device) -> torch.Tensor:
+    """``[len(sums) * DIGEST_CHARS[algo]]`` uint8 on ``device`` (the group's): the hex checksums of
+    one rank's tensors back to back, sent after its bytes."""
+    raw = "".join(sums).encode("ascii")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def decode_sums(message: torch.Tensor, algo: str) -> list[str]:
+    """The checksums in an :func:`encode_sums` message (any device).
+
+    Raises:
+        ValueError: unknown ``algo``.
+    """
+    if algo not in DIGEST_CHARS:
+        raise ValueError(f"unknown checksum algorithm {algo!r} (xxh3, crc32, sum64)")
+    text, width = message.cpu().numpy().tobytes().decode("ascii"), DIGEST_CHARS[algo]
+    return [text[i:i + width] for i in range(0, len(text), width)]
 
 
 def payload(ticket: dict[str, Any]) -> str:
