@@ -8,14 +8,14 @@
    one passage per article: ``{"id", "title", "text": <the summary>}``. Read from the installed
    package at run time; nothing of it is committed here.
 2. ``OUT_DIR/index``: ``megarl index build`` of that corpus (BM25), unless it exists.
-3. Questions ``Which article contains "<six words of a summary>"?``, answer = the article's title.
-   The six words are taken after the summary's sixth word (the opening usually names the subject),
-   and a question is kept only when the title does not occur in the six words (the answer cannot be
+3. Questions ``Which article contains "<four words of a summary>"?``, answer = the article's title.
+   The four words are taken after the summary's sixth word (the opening usually names the subject),
+   and a question is kept only when the title does not occur in the four words (the answer cannot be
    copied from the question; 10,000 titles cannot be guessed) and BM25 ranks the article first for
    them (the task is answerable with the search tool). Held-out questions come from articles disjoint
    from the training ones. ``train.jsonl`` / ``test.jsonl`` rows: ``{"question", "answer", "query"}``.
 4. ``demos.jsonl``: SFT cold-start demonstrations, ``{"messages": [...]}``: the search call with the
-   six words, the real observation the search tool returns for them (the same index and format), then
+   four words, the real observation the search tool returns for them (the same index and format), then
    ``<answer> title</answer>``.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 TOP_K = 2
 MAX_PASSAGE_CHARS = 60
-PHRASE_START, PHRASE_WORDS = 6, 6
+PHRASE_START, PHRASE_WORDS = 6, 4
 
 
 def summaries() -> dict:

