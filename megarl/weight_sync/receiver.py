@@ -19,9 +19,11 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
   checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
   shape equal to the checkpoint's, loaded by the model's own ``load_weights`` (which slices it,
-  as ``/update_weights_from_distributed`` does); a ticket with ``finish`` (the stage's last
-  bucket) then joins the ``finish`` vote as below;
-- ``finish``: vote once more with any loading error since the last ``finish``;
+  as ``/update_weights_from_distributed`` does). A voted bucket is loaded while the next one's
+  bytes arrive (at the start of the next ticket's call, after posting that receive), the stage's
+  last (its ticket carries ``finish``) at once, followed by the ``finish`` vote as below;
+- ``finish``: load the bucket voted last, then vote once more with any loading error since the
+  last ``finish``;
 - ``close``: destroy the group.
 
 Nothing here raises into SGLang (an exception in a loader takes the server down): every failure
@@ -39,7 +41,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.training.collectives import all_reduce, broadcast, group_device, recv
+from megarl.training.collectives import all_reduce, broadcast, group_device, irecv
 from megarl.weight_sync import wire
 
 log = logging.getLogger(__name__)
@@ -70,10 +72,13 @@ def receive_shards(model, named_tensors) -> None:
         elif op == "bucket":
             _bucket(model, ticket)
         elif op == "finish":
-            _finish(_GROUPS[ticket["group"]])
+            state = _GROUPS[ticket["group"]]
+            _load_deferred(model, state)
+            _finish(state)
         elif op == "close":
             state = _GROUPS.pop(ticket["group"], None)
             if state is not None:
+                _drop_deferred(state, "the group closes")
                 dist.destroy_process_group(state["group"])
         else:
             log.error("p2p receiver: unknown op %r", op)
@@ -103,39 +108,63 @@ def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
 
 
 def _bucket(model, ticket: dict) -> None:
+    """Receive, check and vote on one bucket; load it (see :func:`_load_deferred` for when)."""
     state = _GROUPS[ticket["group"]]
+    index = int(ticket["bucket"])
+    deferred = state.get("deferred")
+    if deferred is not None and deferred["bucket"] >= index:  # a new sync: the last one stopped early
+        _drop_deferred(state, f"bucket {index} starts a new sync")
     nbytes = int(ticket["nbytes"])
     whole = ticket.get("mode", "p2p") == "broadcast"
     buffer = _receive_buffer(state, nbytes)
-    received = 0
-    if nbytes:
-        if whole:  # every engine rank joins the one broadcast of the bucket
-            broadcast(buffer, 0, group=state["group"])
-        else:
-            recv(buffer, 0, group=state["group"])
-        received = nbytes
+    # The sender's checksums follow the bytes (an unknown algorithm: none come, decode_sums refuses).
+    sums = torch.empty(len(ticket["tensors"]) * wire.DIGEST_CHARS.get(ticket["algo"], 0), dtype=torch.uint8,
+                       device=state["device"])
+    works = []
+    for message in (buffer, sums):  # both posted before loading: the sender never waits on our load
+        if message.numel():
+            works.append(broadcast(message, 0, group=state["group"], async_op=True) if whole  # one broadcast to all
+                         else irecv(message, 0, group=state["group"]))
+    received = nbytes
+    _load_deferred(model, state)  # the previous bucket loads while this one's bytes arrive
+    for work in works:
+        work.wait()
     try:
-        sums = torch.empty(len(ticket["tensors"]) * wire.DIGEST_CHARS[ticket["algo"]], dtype=torch.uint8,
-                           device=state["device"])
-        if sums.numel():  # the sender's checksums follow the bytes
-            if whole:
-                broadcast(sums, 0, group=state["group"])
-            else:
-                recv(sums, 0, group=state["group"])
         ticket = dict(ticket, tensors=[[*entry, s] for entry, s in
                                        zip(ticket["tensors"], wire.decode_sums(sums, ticket["algo"]))])
-        status, index, named = _check(buffer, ticket, whole=whole)
+        status, at, named = _check(buffer, ticket, whole=whole)
     except Exception:  # noqa: BLE001 - still vote, or the sender and the other ranks would wait forever
-        log.error("p2p receiver: checking bucket %s failed: %s", ticket["bucket"], traceback.format_exc())
-        status, index, named = 6, 0, []
-    if not _vote(state, (status, index, received, int(ticket["bucket"]))):
+        log.error("p2p receiver: checking bucket %s failed: %s", index, traceback.format_exc())
+        status, at, named = 6, 0, []
+    if not _vote(state, (status, at, received, index)):
         log.error("p2p receiver: bucket %s not loaded (status %s at tensor %s here, or another rank refused)",
-                  ticket["bucket"], status, index)
+                  index, status, at)
         return  # the sender raises: no finish vote
     if named:
-        _load(model, named, state, ticket["bucket"], whole=whole)
-    if ticket.get("finish"):  # the stage's last bucket: the finish vote without another request
+        state["deferred"] = {"bucket": index, "named": named, "whole": whole}
+    if ticket.get("finish"):  # the stage's last bucket: load now, then the finish vote without another request
+        _load_deferred(model, state)
         _finish(state)
+
+
+def _load_deferred(model, state: dict) -> None:
+    """Load the bucket voted last, if any.
+
+    A voted bucket is loaded at the start of the next ticket's call, after that bucket's receive
+    was posted (so loading overlaps the next transfer), or at once when it is the stage's last;
+    it is only ever one that every rank voted for. Its bytes stay in their receive buffer until
+    then (:func:`_receive_buffer` alternates two).
+    """
+    deferred = state.pop("deferred", None)
+    if deferred is not None:
+        _load(model, deferred["named"], state, deferred["bucket"], whole=deferred["whole"])
+
+
+def _drop_deferred(state: dict, why: str) -> None:
+    deferred = state.pop("deferred", None)
+    if deferred is not None:
+        log.error("p2p receiver: bucket %s was voted for but not loaded: %s (its sync did not finish)",
+                  deferred["bucket"], why)
 
 
 def _load(model, named: list, state: dict, bucket: int, *, whole: bool) -> None:
@@ -160,20 +189,22 @@ def _finish(state: dict) -> None:
 def _receive_buffer(state: dict, nbytes: int) -> torch.Tensor:
     """``[nbytes]`` uint8 on the group's device to receive a bucket into.
 
-    On CPU one buffer per group is kept and reused: a fresh bucket-sized buffer is fresh memory
-    from the OS, every page of which faults while the bytes arrive (the receive then runs at
-    first-touch speed, ~2 GB/s here against ~9 for warm memory). Reuse is safe because this
-    scheduler thread loads a bucket (SGLang's weight loaders copy into the parameters) before it
-    takes the next ticket. On CUDA the caching allocator reuses blocks by itself.
+    On CPU two buffers per group are kept and reused, in turn: a fresh bucket-sized buffer is
+    fresh memory from the OS, every page of which faults while the bytes arrive (the receive then
+    runs at first-touch speed, ~2 GB/s here against ~9 for warm memory). Two, because the bucket
+    voted last is loaded from its buffer while the next one arrives in the other; by the time a
+    buffer comes round again its bucket was loaded (SGLang's weight loaders copy into the
+    parameters). On CUDA the caching allocator reuses blocks by itself (the deferred bucket's views
+    keep its block).
     """
     device = state["device"]
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    kept = state.get("buffer")
-    if kept is None or kept.numel() < nbytes:
-        kept = torch.empty(nbytes, dtype=torch.uint8)
-        state["buffer"] = kept
-    return kept[:nbytes]
+    slot = state["slot"] = 1 - state.get("slot", 1)
+    buffers = state.setdefault("buffers", [None, None])
+    if buffers[slot] is None or buffers[slot].numel() < nbytes:
+        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+    return buffers[slot][:nbytes]
 
 
 def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[int, int, list]:
