@@ -29,6 +29,7 @@ RECIPES = sorted(p.relative_to(REPO).as_posix() for pattern in ("configs/*.yaml"
 TRAINED_ELSEWHERE = {
     "configs/cpu_gsm8k.yaml": "tests/integration/launch/test_launch_train_e2e.py (4 steps, faults, resumes)",
     "examples/arithmetic_tool/arithmetic_tool.yaml": "tests/integration/launch/test_launch_learning_demo.py (30 steps)",
+    "examples/search_r1/search_r1.yaml": "tests/integration/launch/test_launch_search_demo.py (30 steps)",
 }
 RUN_TIMEOUT_S = 420  # quiet 2-core machine: ~90-110 s per recipe (engine start, Ray, final checkpoint)
 
