@@ -13,14 +13,12 @@ must rise on average too.
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from megarl.testing.demos import run_demo
+
 SEEDS = (1, 2, 3)
 MIN_MEAN_GAIN = 0.03  # measured 0.063 (+0.050, +0.073, +0.067) on 2026-11-25; earlier 0.070 and 0.083
 MIN_ONE_SEED_GAIN = 0.02  # seed 1 measured +0.050 (2026-11-25), +0.105, +0.085; the evaluations share prompts and seeds
@@ -30,14 +28,7 @@ SYNC_MEAN_GAIN, SYNC_GAIN_STD = 0.063, 0.010
 
 
 def _run_demo(out: Path, seeds: tuple[int, ...], timeout_s: float, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "examples/arithmetic_tool/run_demo.py", "--out", str(out),
-                           "--seeds", ",".join(map(str, seeds)), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "summary.json").read_text())
-    print((out / "summary.md").read_text())
-    assert [run["seed"] for run in result["runs"]] == list(seeds)
-    return result
+    return run_demo("examples/arithmetic_tool/run_demo.py", out, seeds, timeout_s, *args)
 
 
 @pytest.mark.slow

@@ -10,27 +10,18 @@ title. CI runs one seed (``slow``); ``demo`` runs three.
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from megarl.testing.demos import run_demo
+
 SEEDS = (1, 2, 3)
 MIN_GAIN = 0.02  # held-out sampled reward (mean@4 over 200 questions: 800 trajectories)
 
 
 def _run_demo(out: Path, seeds: tuple[int, ...], timeout_s: float) -> dict:
-    proc = subprocess.run([sys.executable, "examples/search_r1/run_demo.py", "--out", str(out),
-                           "--seeds", ",".join(map(str, seeds))], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "summary.json").read_text())
-    print((out / "summary.md").read_text())
-    assert [run["seed"] for run in result["runs"]] == list(seeds)
-    return result
+    return run_demo("examples/search_r1/run_demo.py", out, seeds, timeout_s)
 
 
 def _check_run(out: Path, run: dict) -> None:
