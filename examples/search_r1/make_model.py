@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The search demonstration's policy: the tiny Qwen3-MoE, pretrained to copy before any task data.
 
-    python examples/search_r1/make_model.py OUT_DIR [--seed 0] [--steps 5000]
+    python examples/search_r1/make_model.py OUT_DIR [--seed 0] [--steps 2000]
 
 A search agent copies twice: words of the question into the search call, and the answer out of the
 retrieved passage. A real policy brings that from pretraining (induction heads, Olsson et al. 2022,
@@ -73,7 +73,7 @@ def copy_batch(generator, batch: int, length: int, vocab: list[int], *, spans: i
     return ids, mask
 
 
-def pretrain_copy(model_dir: str | Path, *, steps: int = 5000, batch: int = 32, length: int = 128,
+def pretrain_copy(model_dir: str | Path, *, steps: int = 2000, batch: int = 32, length: int = 128,
                   lr: float = 3e-3, seed: int = 0, log_every: int = 100) -> dict:
     """Pretrain the HF model in ``model_dir`` in place on :func:`copy_batch` sequences.
 
@@ -125,7 +125,7 @@ def pretrain_copy(model_dir: str | Path, *, steps: int = 5000, batch: int = 32, 
     return {"copy_accuracy": right / total, "loss": loss, "seconds": time.monotonic() - started}
 
 
-def make_model(out_dir: str | Path, seed: int = 0, *, steps: int = 5000) -> Path:
+def make_model(out_dir: str | Path, seed: int = 0, *, steps: int = 2000) -> Path:
     """Write the tiny model (arithmetic demo's) into ``out_dir`` and copy-pretrain it (skipped when
     ``out_dir/copy_pretraining.json`` exists: the model there is finished)."""
     out = Path(out_dir)
@@ -148,6 +148,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
     print(make_model(args.out_dir, args.seed, steps=args.steps))
