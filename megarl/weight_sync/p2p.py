@@ -65,6 +65,8 @@ class P2PTransport(_GroupTransport):
         self._requests: list = []
         self._finish_announced = False
         """The last bucket's ticket asked the receivers for the ``finish`` vote after loading it."""
+        self._last_by_sender: Optional[dict[int, int]] = None
+        """Sender rank -> index of its last bucket in the plan (made on first use)."""
         tp = plan.engine_layout.tp_size
         self.received = [[0] * tp for _ in range(len(engines))]
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
@@ -139,14 +141,6 @@ class P2PTransport(_GroupTransport):
         return [[[name, str(v.dtype).removeprefix("torch."), list(v.shape)] for name, v in mine]
                 for mine in self._slices(bucket, tensors)]
 
-    def _pack(self, bucket: Bucket, tensors, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[list], str]:
-        """Each engine rank's bytes ``[nbytes_r]`` uint8, its listing ``[[name, dtype, shape, checksum]]``
-        (wire order) and the checksum algorithm."""
-        from megarl.weight_sync.wire import checksum_algo
-
-        packed = list(self._packed(bucket, tensors, flat))
-        return [buffer for _, buffer, _ in packed], [listing for _, _, listing in packed], checksum_algo(flat.device)
-
     def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, list]]:
         """``(rank, bytes [nbytes_r] uint8, listing [[name, dtype, shape, checksum]])`` for each engine
         rank in order, packed lazily (a rank's bytes may leave while the next rank's are packed)."""
@@ -215,7 +209,11 @@ class P2PTransport(_GroupTransport):
 
     def _last_index(self, bucket: Bucket) -> int:
         """Index of this stage sender's last bucket (the plan's buckets with the same sender)."""
-        return max(b.index for b in self.plan.buckets if b.sender_rank == bucket.sender_rank)
+        if self._last_by_sender is None:  # one pass over the plan, not one per bucket
+            self._last_by_sender = {}
+            for b in self.plan.buckets:
+                self._last_by_sender[b.sender_rank] = max(b.index, self._last_by_sender.get(b.sender_rank, -1))
+        return self._last_by_sender[bucket.sender_rank]
 
     def _announce(self, bucket: Bucket, tensors, flat: torch.Tensor) -> list:
         """Submit one bucket's tickets (listings without checksums: those follow the bytes); the

@@ -21,6 +21,7 @@ from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.plan import PlanError, build_plan, engine_slices
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec
 from megarl.weight_sync.validate import WeightSyncError, check_plan_against_manifest, read_manifest
+from megarl.weight_sync.wire import checksum_algo
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
 from test_fp8_blocks import _reference_quantize  # noqa: E402
@@ -107,7 +108,8 @@ def test_each_engine_rank_receives_its_shard_quantised_at_half_the_bytes(tmp_pat
         assert flat.numel() == bucket.nbytes == plan.buckets[bucket.index].wire_nbytes
         for name, view in tensors:  # the full tensors (what `distributed` broadcasts) are the checkpoint's
             assert torch.equal(view.view(torch.uint8), manifest_tensor(tmp_path, name).view(torch.uint8)), name
-        buffers, listings, algo = transport._pack(bucket, tensors, flat)  # what dist.isend sends to each rank
+        packed = list(transport._packed(bucket, tensors, flat))  # what dist.isend sends to each rank
+        buffers, listings, algo = [b for _, b, _ in packed], [lst for _, _, lst in packed], checksum_algo(flat.device)
         for rank in range(TP):
             ticket = {"bucket": bucket.index, "algo": algo, "tensors": listings[rank]}
             status, index, named = receiver._check(buffers[rank].clone(), ticket)
