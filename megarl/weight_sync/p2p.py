@@ -1,12 +1,14 @@
 """Transports whose engine side is megarl's receiver loader: a checked bucket, every time.
 
 Both create one process group between the stage sender (rank 0) and every engine rank (NCCL on
-GPU, gloo on CPU: same code) inside the first sync and reuse it. Per bucket the sender checksums
-every tensor (:mod:`megarl.weight_sync.wire`), announces the bucket by a ticket to the custom
-loader :func:`megarl.weight_sync.receiver.receive_shards` (an upstream extension point:
-``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``), sends the bytes
-and then the checksums, and every group rank votes; the engines load only if every rank received intact tensors the
-served checkpoint knows (name, dtype, shape). They differ in what each engine rank receives:
+GPU, gloo on CPU: same code) inside the first sync and reuse it. Per sync the sender announces
+every bucket of its stage at once, by one ticket to the custom loader
+:func:`megarl.weight_sync.receiver.receive_shards` (an upstream extension point:
+``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``; the listings come
+from the plan, metadata only), so no HTTP hop sits between two buckets. Per bucket it checksums
+every tensor (:mod:`megarl.weight_sync.wire`), sends the bytes and then the checksums, and every
+group rank votes; the engines load only if every rank received intact tensors the served
+checkpoint knows (name, dtype, shape). They differ in what each engine rank receives:
 
 - :class:`P2PTransport` (``p2p``): exactly its own slices, point to point (shard to shard);
 - :class:`CheckedDistributedTransport` (``distributed`` when the engines registered the
@@ -29,29 +31,40 @@ from megarl.weight_sync.gather import torch_dtype
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transports import _GroupTransport
 from megarl.weight_sync.validate import WeightSyncError
-from megarl.weight_sync.wire import STATUS, VOTE_FIELDS, encode_sums
+from megarl.weight_sync.wire import DIGEST_CHARS, STATUS, VOTE_FIELDS, encode_sums
+
+
+def _nbytes(listing: list) -> int:
+    """Bytes of the tensors ``[[name, dtype, shape, ...]]`` back to back."""
+    return sum(torch.Size(shape).numel() * torch_dtype(dtype).itemsize for _, dtype, shape, *_ in listing)
 
 
 class P2PTransport(_GroupTransport):
     """Shard-to-shard over a process group with every engine rank, any host (see module docstring).
 
-    Per bucket: announced by a ticket (``/update_weights_from_tensor`` with ``load_format`` = the
-    receiver loader; names, dtypes, shapes), each engine rank's slices packed (no copy when a rank
-    holds every tensor whole), checksummed per tensor and sent point to point, the checksums right
-    after the bytes; then every group rank joins a vote (one all-reduce) and the engines load only
-    if every rank received intact, expected tensors (:mod:`megarl.weight_sync.receiver`). A ticket
-    goes out as soon as the order allows: the first bucket's before it is packed (the engines'
-    HTTP hop overlaps the packing), the next ones only after the previous vote, so every engine
-    rank sees the tickets in order; packing bucket ``b + 1`` and gathering ``b + 2`` overlap the
-    transfer of ``b``, and the engines load ``b`` while ``b + 1``'s ticket travels. The stage's
-    last ticket carries ``finish``: the receivers join the finish vote (loading errors) after
-    loading it, without another request.
+    Per sync: one ticket per engine rank (``/update_weights_from_tensor`` with ``load_format`` =
+    the receiver loader) announces every bucket of the stage (names, dtypes, shapes of that rank's
+    slices, from the plan), before the first bucket is packed, so the engines' HTTP hop overlaps
+    the packing and no other request follows until the stage is done. Per bucket: each engine
+    rank's slices packed (no copy when a rank holds every tensor whole), checksummed per tensor
+    and sent point to point, the checksums right after the bytes; then every group rank joins a
+    vote (one all-reduce) and the engines load only if every rank received intact, expected
+    tensors (:mod:`megarl.weight_sync.receiver`). Bucket ``b + 1``'s bytes leave right after
+    ``b``'s vote; packing ``b + 1`` and gathering ``b + 2`` overlap the transfer of ``b``, and the
+    engines load ``b`` while ``b + 1``'s bytes arrive. After the last bucket the receivers load it
+    and join the finish vote (loading errors) within the same call.
+
+    A refused bucket ends the stage on both sides (the receivers return, the sender sends no
+    more). When the sender itself fails mid-stage (a gather or conversion error), :meth:`abort`
+    releases the receivers waiting for the next bucket: a bucket of zeros of the announced size,
+    voted down by the sender, so that no engine loads it and the group stays usable.
 
     ``tamper``: for fault-injection tests only: ``tamper(bucket_index, engine_tp_rank, buffer)``
     is called after the checksums and may return a replacement buffer to send to that rank.
     """
 
     name = "p2p"
+    sliced_buckets = True
     mode = "p2p"
     """The tickets' ``mode``: each engine rank receives its own slices point to point."""
 
@@ -64,9 +77,12 @@ class P2PTransport(_GroupTransport):
         self._pp_rank: Optional[int] = None
         self._requests: list = []
         self._finish_announced = False
-        """The last bucket's ticket asked the receivers for the ``finish`` vote after loading it."""
-        self._last_by_sender: Optional[dict[int, int]] = None
-        """Sender rank -> index of its last bucket in the plan (made on first use)."""
+        """This sync's stage ticket went out: the receivers join the ``finish`` vote after its last bucket."""
+        self._stage: Optional[list[tuple[Bucket, list[list]]]] = None
+        """This sync's announced buckets and each engine rank's listing ``[[name, dtype, shape]]``."""
+        self._next = 0
+        """Index in ``_stage`` of the next bucket the receivers wait for."""
+        self._algo: Optional[str] = None
         tp = plan.engine_layout.tp_size
         self.received = [[0] * tp for _ in range(len(engines))]
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
@@ -126,6 +142,7 @@ class P2PTransport(_GroupTransport):
     def start_sync(self) -> None:
         super().start_sync()
         self._finish_announced = False
+        self._stage, self._next = None, 0
         self.received = [[0] * self.plan.engine_layout.tp_size for _ in range(len(self.engines))]
 
     def _slices(self, bucket: Bucket, tensors) -> list[list[tuple[str, torch.Tensor]]]:
@@ -136,19 +153,30 @@ class P2PTransport(_GroupTransport):
                 parts[rank].append((name, tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
         return parts
 
-    def _listings(self, bucket: Bucket, tensors) -> list[list]:
-        """Each engine rank's ticket listing ``[[name, dtype, shape]]`` (wire order), before packing."""
-        return [[[name, str(v.dtype).removeprefix("torch."), list(v.shape)] for name, v in mine]
-                for mine in self._slices(bucket, tensors)]
+    def _listings(self, bucket: Bucket) -> list[list]:
+        """Each engine rank's ticket listing ``[[name, dtype, shape]]`` of ``bucket`` (wire order),
+        from the plan alone (the tensors' metadata)."""
+        parts: list[list] = [[] for _ in range(self.plan.engine_layout.tp_size)]
+        for spec in bucket.wire:
+            for rank, sl in self.plan.engine_slices_of(spec).items():
+                parts[rank].append([spec.name, spec.dtype, list(sl.shape(spec.shape))])
+        return parts
 
     def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, list]]:
         """``(rank, bytes [nbytes_r] uint8, listing [[name, dtype, shape, checksum]])`` for each engine
         rank in order, packed lazily (a rank's bytes may leave while the next rank's are packed)."""
+        from megarl.weight_sync.gather import RankSlices
         from megarl.weight_sync.wire import checksum, checksum_algo
 
-        parts = self._slices(bucket, tensors)
         flat_device = flat.device
         algo = checksum_algo(flat_device)
+        if isinstance(tensors, RankSlices):  # laid out per engine rank already: each segment as it is
+            for rank, (mine, segment) in enumerate(zip(tensors.parts, tensors.segments)):
+                listing = [[name, str(v.dtype).removeprefix("torch."), list(v.shape),
+                            checksum(v.reshape(-1).view(torch.uint8), algo)] for name, v in mine]
+                yield rank, segment, listing
+            return
+        parts = self._slices(bucket, tensors)
         sums: dict[tuple, str] = {}
         whole = [t for _, t in tensors]
         for rank, mine in enumerate(parts):
@@ -177,7 +205,13 @@ class P2PTransport(_GroupTransport):
             yield rank, buffer, listing
 
     def send(self, bucket, tensors, flat) -> None:
-        """Announce, pack, send point to point and open the vote of one bucket (see class docstring)."""
+        """Pack, send point to point and open the vote of one bucket; the stage's first bucket also
+        announces the stage (see class docstring).
+
+        Raises:
+            WeightSyncError: ``bucket`` is not the next announced one, or its tensors differ from the
+                plan's (names, dtypes, shapes); the receivers were released first (:meth:`abort`).
+        """
         if self._pp_rank is None:
             raise WeightSyncError("p2p transport used before connect()")
         if self.group is None:
@@ -185,48 +219,98 @@ class P2PTransport(_GroupTransport):
         if self._failure is not None:  # a bucket was refused: send nothing more (drain raises)
             return
         started = time.perf_counter()
-        packed = self._packed(bucket, tensors, flat)
-        if self._pending is None:  # no vote open: announce now; each rank's bytes leave once packed
-            futures = self._announce(bucket, tensors, flat)
-        else:  # pack while the previous bucket moves; announce after its vote
-            packed = list(packed)
-            self._wait_vote()  # the previous bucket: its tickets were processed first, its buffers are free
+        if self._stage is None:  # announce the stage; the first bucket's bytes leave as each rank is packed
+            self._announce(bucket, flat)
+            packed = self._packed(bucket, tensors, flat)
+        else:  # pack while the previous bucket moves; send after its vote
+            packed = list(self._packed(bucket, tensors, flat))
+            self._wait_vote()  # the previous bucket: its buffers are free, the receivers wait for this one
             if self._failure is not None:
                 return
-            futures = self._announce(bucket, tensors, flat)
-        works, buffers, listings = [], [], []
+        expected, listings = self._stage[self._next] if self._next < len(self._stage) else (None, None)
+        if expected is not bucket:
+            self.abort()
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
+                                  f"({expected.index if expected is not None else 'none left'})")
+        works, buffers, sent = [], [], []
         device = group_device(self.group)
         for rank, buffer, listing in packed:
+            if [entry[:3] for entry in listing] != listings[rank]:
+                self._wait_works(works)
+                self.abort()
+                wrong = next((a, b) for a, b in zip([e[:3] for e in listing] + [None] * len(listings[rank]),
+                                                    listings[rank] + [None] * len(listing)) if a != b)
+                raise WeightSyncError(f"p2p sender: bucket {bucket.index} engine rank {rank}: converted tensor "
+                                      f"{wrong[0]} where the plan announced {wrong[1]}")
             if self.tamper is not None:
                 tampered = self.tamper(bucket.index, rank, buffer)
                 buffer = buffer if tampered is None else tampered
             works += self._transfer(rank, buffer, encode_sums([entry[3] for entry in listing], device))
             buffers.append(buffer)
-            listings.append(listing)
+            sent.append(listing)
+        self._next += 1
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
-        self._open_vote(bucket, listings, futures, works, buffers, started)
-        self._finish_announced = bucket.index == self._last_index(bucket)
+        self._open_vote(bucket, sent, list(self._requests), works, buffers, started)
 
-    def _last_index(self, bucket: Bucket) -> int:
-        """Index of this stage sender's last bucket (the plan's buckets with the same sender)."""
-        if self._last_by_sender is None:  # one pass over the plan, not one per bucket
-            self._last_by_sender = {}
-            for b in self.plan.buckets:
-                self._last_by_sender[b.sender_rank] = max(b.index, self._last_by_sender.get(b.sender_rank, -1))
-        return self._last_by_sender[bucket.sender_rank]
+    @staticmethod
+    def _wait_works(works: list) -> None:
+        for work in works:
+            work.wait()
 
-    def _announce(self, bucket: Bucket, tensors, flat: torch.Tensor) -> list:
-        """Submit one bucket's tickets (listings without checksums: those follow the bytes); the
-        stage's last bucket's ticket also asks for the ``finish`` vote after loading."""
+    def _announce(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """Submit the stage ticket: every bucket of this sender from ``bucket`` on, each engine
+        rank's listing without checksums (those follow the bytes)."""
         from megarl.weight_sync.wire import checksum_algo
 
-        listings = self._listings(bucket, tensors)
-        tickets = [{"op": "bucket", "mode": self.mode, "group": self.group_name, "bucket": bucket.index,
-                    "nbytes": sum(torch.Size(shape).numel() * torch_dtype(dtype).itemsize for _, dtype, shape in listing),
-                    "algo": checksum_algo(flat.device), "tensors": listing,
-                    "finish": bucket.index == self._last_index(bucket)}
-                   for listing in listings]
-        return self._submit_tickets(tickets)
+        self._algo = checksum_algo(flat.device)
+        stage = [b for b in self.plan.buckets if b.sender_rank == bucket.sender_rank and b.index >= bucket.index]
+        self._stage = [(b, self._listings(b)) for b in stage]
+        self._next = 0
+        tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
+                    "buckets": [{"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]}
+                                for b, listings in self._stage]}
+                   for rank in range(self.plan.engine_layout.tp_size)]
+        self._submit_tickets(tickets)
+        self._finish_announced = True
+
+    def abort(self) -> None:
+        """Release the receivers after this sender failed mid-stage (call before raising).
+
+        They wait for the next announced bucket: each engine rank gets a bucket of zeros of the
+        announced size and the sender votes it down (status 8), so no engine loads it and every
+        receiver returns; the group stays usable for the next sync. Nothing to do when no stage is
+        announced, every bucket was sent, or a vote already failed (the receivers returned).
+        """
+        if self._stage is None or self.group is None:
+            return
+        try:
+            self._wait_vote()
+        except WeightSyncError:  # an engine failed: it will not receive anything more
+            self._next, self._failure = len(self._stage), None
+            return
+        refused, self._failure = self._failure is not None, None  # the caller raises its own error
+        if refused or self._next >= len(self._stage):  # refused: the receivers returned already
+            return
+        bucket, listings = self._stage[self._next]
+        self._next = len(self._stage)
+        device = group_device(self.group)
+        works = []
+        for rank, listing in enumerate(listings):
+            zeros = torch.zeros(_nbytes(listing), dtype=torch.uint8, device=device)
+            sums = torch.zeros(len(listing) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device)
+            works += self._transfer(rank, zeros, sums)
+        self._open_vote(bucket, [[] for _ in listings], list(self._requests), works, None, time.perf_counter(),
+                        sender_status=8)
+        try:
+            self._wait_vote()
+        except WeightSyncError:
+            pass
+        self._failure = None
+        requests, self._requests = self._requests, []
+        try:
+            wait_all(requests, self.timeout_s)
+        except Exception:  # noqa: BLE001 - the caller's error is the one to report
+            pass
 
     def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:
         """Start sending engine rank ``rank`` of every engine its bytes ``buffer``, then its checksums
@@ -235,8 +319,9 @@ class P2PTransport(_GroupTransport):
         return [isend(message, 1 + i * tp + rank, group=self.group)
                 for i in range(len(self.engines)) for message in (buffer, sums) if message.numel()]
 
-    def _open_vote(self, bucket, listings, futures, works, refs, started) -> None:
+    def _open_vote(self, bucket, listings, futures, works, refs, started, *, sender_status: int = 0) -> None:
         votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=group_device(self.group))
+        votes[0, 0] = sender_status
         work = all_reduce(votes, group=self.group, async_op=True)
         self._pending = {"bucket": bucket, "listings": listings, "futures": futures, "works": works,
                          "refs": refs, "votes": votes, "work": work, "started": started}
@@ -347,6 +432,7 @@ class CheckedDistributedTransport(P2PTransport):
     """
 
     name = "distributed"
+    sliced_buckets = False
     mode = "broadcast"
     """The tickets' ``mode``: every engine rank joins one broadcast of the whole bucket."""
 
@@ -359,9 +445,9 @@ class CheckedDistributedTransport(P2PTransport):
         for rank in range(self.plan.engine_layout.tp_size):
             yield rank, flat, listing
 
-    def _listings(self, bucket: Bucket, tensors) -> list[list]:
-        """Every engine rank's listing: every tensor whole ``[[name, dtype, shape]]``."""
-        listing = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]
+    def _listings(self, bucket: Bucket) -> list[list]:
+        """Every engine rank's listing: every tensor whole ``[[name, dtype, shape]]`` (from the plan)."""
+        listing = [[spec.name, spec.dtype, list(spec.shape)] for spec in bucket.wire]
         return [listing] * self.plan.engine_layout.tp_size
 
     def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:

@@ -15,7 +15,7 @@ With ``senders_per_stage`` R > 1 (several engines), replica ``k < R`` of every s
 buckets with every trainer rank shifted by ``k * replica_block`` (:meth:`WeightSyncPlan.for_replica`)
 for the engines ``i`` with ``i % R == k``: R senders per stage push in parallel, each over its own
 link, to disjoint engines.
-Buckets are ordered stage by stage; inside a bucket the HF tensors are ordered by decreasing element
+Buckets are ordered stage by stage, each stage's first and last ones smaller (:data:`RAMP_STEPS`); inside a bucket the HF tensors are ordered by decreasing element
 size so that SGLang's flattened bucket never holds a misaligned tensor.
 """
 from __future__ import annotations
@@ -34,6 +34,12 @@ MIB = 1 << 20
 SGLANG_VOCAB_PADDING = 64
 """SGLang 0.5.23 ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``)."""
 TRANSPORTS = ("distributed", "p2p", "shard", "tensor", "disk")
+RAMP_STEPS = 3
+"""A stage's first buckets hold at most ``bucket_size / 2**RAMP_STEPS``, then twice as much each,
+up to ``bucket_size``; towards its end a bucket holds at most half of the stage's bytes still
+left (but at least ``bucket_size / 2**RAMP_STEPS``). Only the first bucket's gather + conversion
+comes before any byte moves, and only the last one's transfer + loading after the rest: small
+ones fill and drain the pipeline sooner, and the middle keeps the large size's throughput."""
 
 
 class PlanError(ValueError):
@@ -298,6 +304,7 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         engine_layout: SGLang engine layout.
         param_specs: every Megatron parameter of the model (global names), in model order.
         bucket_size_mb: bucket size in MiB (HF bytes); a larger single parameter gets its own bucket.
+            Each stage's buckets ramp up to it and down at the end (:data:`RAMP_STEPS`).
         quantization: the served checkpoint's block-FP8 settings (``quantization_config``); each
             bucket then carries the FP8 weights and scales the engines receive (``wire_tensors``).
         senders_per_stage: at most this many replicas of each stage send, each to its own engines
@@ -346,10 +353,15 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
     for pp_rank in sorted(per_stage):
         current: list[ParamTransfer] = []
         current_bytes = 0
+        first = len(buckets)
+        left = sum(h.nbytes for t in per_stage[pp_rank] for h in t.param.hf)  # not yet in a closed bucket
         for t in per_stage[pp_rank]:
             size = sum(h.nbytes for h in t.param.hf)
-            if current and current_bytes + size > limit:
+            cap = min(limit >> max(RAMP_STEPS - (len(buckets) - first), 0),  # up: 1/8, 1/4, 1/2, 1
+                      max(limit >> RAMP_STEPS, left // 2))  # down: at most half of what is left
+            if current and current_bytes + size > cap:
                 close(pp_rank, current)
+                left -= current_bytes
                 current, current_bytes = [], 0
             current.append(t)
             current_bytes += size

@@ -9,21 +9,23 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
 
 - ``connect``: join the stage sender's process group (sender = rank 0, engine ``i`` rank ``r`` =
   ``1 + i * T + r``; NCCL on GPU, gloo on CPU: the same code) and keep it for every later sync;
-- ``bucket``: receive this rank's bytes of one bucket from rank 0 and then the sender's checksums
-  (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check every tensor against its
-  checksum and against the served checkpoint (name known, dtype equal, shape a shard of
-  its shape), then **vote** (an all-reduce of one status row per group rank): only if every rank
-  of every engine is content does any rank load the bucket. A failed vote leaves every engine's
-  weights untouched and tells the sender which tensor failed where. The ticket's ``mode`` says
+- ``stage``: every bucket of one stage sender's sync, in order (one request per sync and stage:
+  no HTTP hop between two buckets). Per bucket: receive this rank's bytes from rank 0 and then
+  the sender's checksums (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check
+  every tensor against its checksum and against the served checkpoint (name known, dtype equal,
+  shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
+  only if every rank of every engine (and the sender) is content does any rank load the bucket.
+  A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
+  where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
+  ``finish`` vote (loading errors) within the same call. The ticket's ``mode`` says
   how the bytes come: ``p2p`` (default): this rank's own slices, point to point, loaded
   pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
   checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
   shape equal to the checkpoint's, loaded by the model's own ``load_weights`` (which slices it,
   as ``/update_weights_from_distributed`` does). A voted bucket is loaded while the next one's
-  bytes arrive (at the start of the next ticket's call, after posting that receive), the stage's
-  last (its ticket carries ``finish``) at once, followed by the ``finish`` vote as below;
+  bytes arrive (after posting that receive), the stage's last at once;
 - ``finish``: load the bucket voted last, then vote once more with any loading error since the
-  last ``finish``;
+  last ``finish`` (a sender whose stage ticket never went out);
 - ``close``: destroy the group.
 
 Nothing here raises into SGLang (an exception in a loader takes the server down): every failure
@@ -69,8 +71,8 @@ def receive_shards(model, named_tensors) -> None:
     try:
         if op == "connect":
             _connect(ticket, tp_rank)
-        elif op == "bucket":
-            _bucket(model, ticket)
+        elif op == "stage":
+            _stage(model, ticket)
         elif op == "finish":
             state = _GROUPS[ticket["group"]]
             _load_deferred(model, state)
@@ -107,13 +109,21 @@ def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
     return not bool(votes[:, 0].any())
 
 
-def _bucket(model, ticket: dict) -> None:
-    """Receive, check and vote on one bucket; load it (see :func:`_load_deferred` for when)."""
+def _stage(model, ticket: dict) -> None:
+    """Every bucket of the ticket in order, then the finish vote; stops at a refused bucket."""
     state = _GROUPS[ticket["group"]]
+    _drop_deferred(state, "a new stage ticket came")  # the last sync stopped early
+    for entry in ticket["buckets"]:
+        if not _bucket(model, state, dict(entry, mode=ticket.get("mode", "p2p"), algo=ticket["algo"])):
+            return  # refused: the sender raises, no finish vote
+    _load_deferred(model, state)
+    _finish(state)
+
+
+def _bucket(model, state: dict, ticket: dict) -> bool:
+    """Receive, check and vote on one bucket; True when every rank voted for it (it is then loaded,
+    see :func:`_load_deferred` for when)."""
     index = int(ticket["bucket"])
-    deferred = state.get("deferred")
-    if deferred is not None and deferred["bucket"] >= index:  # a new sync: the last one stopped early
-        _drop_deferred(state, f"bucket {index} starts a new sync")
     nbytes = int(ticket["nbytes"])
     whole = ticket.get("mode", "p2p") == "broadcast"
     buffer = _receive_buffer(state, nbytes)
@@ -137,14 +147,12 @@ def _bucket(model, ticket: dict) -> None:
         log.error("p2p receiver: checking bucket %s failed: %s", index, traceback.format_exc())
         status, at, named = 6, 0, []
     if not _vote(state, (status, at, received, index)):
-        log.error("p2p receiver: bucket %s not loaded (status %s at tensor %s here, or another rank refused)",
-                  index, status, at)
-        return  # the sender raises: no finish vote
+        log.error("p2p receiver: bucket %s not loaded (status %s at tensor %s here, or another rank or the "
+                  "sender refused)", index, status, at)
+        return False
     if named:
         state["deferred"] = {"bucket": index, "named": named, "whole": whole}
-    if ticket.get("finish"):  # the stage's last bucket: load now, then the finish vote without another request
-        _load_deferred(model, state)
-        _finish(state)
+    return True
 
 
 def _load_deferred(model, state: dict) -> None:

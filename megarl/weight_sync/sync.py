@@ -90,6 +90,8 @@ class WeightSynchronizer:
             self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
         self.transport_name = transport
         self._connected = False
+        self.sliced = False
+        """Buckets are laid out per engine rank (decided in :meth:`connect`, the same on every rank)."""
         self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
         self._wire_ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # quantised buckets (FP8 engines)
 
@@ -118,6 +120,12 @@ class WeightSynchronizer:
             if index < len(mine) and self.rank == mine[index]:
                 self.transport.connect(index)
             self._barrier()
+        # Buckets laid out per engine rank (no packing copy) only if every sender's transport takes
+        # them: the stage's other ranks send their shards accordingly (transport auto resolves on senders).
+        takes = not self.is_sender or (self.transport.sliced_buckets and self.plan.quantization is None)
+        flag = all_reduce(torch.tensor([1.0 if takes else 0.0], dtype=torch.float64), op=dist.ReduceOp.MIN,
+                          group=self.control)
+        self.sliced = bool(flag.item() > 0)
         self._connected = True
 
     # ------------------------------------------------------------------ the sync
@@ -146,7 +154,7 @@ class WeightSynchronizer:
         gatherer = None
         if self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
-                                     ring=self._ring if on_cpu else None)
+                                     ring=self._ring if on_cpu else None, sliced=self.sliced)
         try:
             stats, failure = (self._push(gatherer, version) if gatherer is not None else {}), None  # 2. push
         except WeightSyncError as err:  # every rank must learn it (the others finished their part)
@@ -239,10 +247,14 @@ class WeightSynchronizer:
         first = next(buckets, None)
         if ordered and index > 0:
             self._token(False, senders[index - 1])
-        if first is not None:
-            transport.send(*first)
-            for bucket, tensors, flat in buckets:
-                transport.send(bucket, tensors, flat)
+        try:
+            if first is not None:
+                transport.send(*first)
+                for bucket, tensors, flat in buckets:
+                    transport.send(bucket, tensors, flat)
+        except BaseException:  # a gather / conversion error mid-stage: release the engines first
+            transport.abort()
+            raise
         transport.drain()
         if ordered and index + 1 < len(senders):
             self._token(True, senders[index + 1])

@@ -68,6 +68,11 @@ class TransferStats:
     """Bytes received by each rank of one engine."""
 
 
+ANSWERED_GRACE_S = 30.0
+"""How long a group collective may stay open after an engine answered the request that joins it
+(the engine will not join any more: its side failed)."""
+
+
 class Transport:
     """Base class; one instance per stage sender (the coordinator also drives ``finish``)."""
 
@@ -76,6 +81,8 @@ class Transport:
     """Wrap the push in ``/begin_weight_update`` ... ``/end_weight_update``."""
     ordered_stages = False
     """Stage senders must push one after another (they share collectives with the engines)."""
+    sliced_buckets = False
+    """``send`` accepts buckets laid out per engine rank (:class:`~megarl.weight_sync.gather.RankSlices`)."""
 
     def __init__(self, plan: WeightSyncPlan, engines: EngineGroup, *, timeout_s: float = 600.0) -> None:
         self.plan, self.engines, self.timeout_s = plan, engines, timeout_s
@@ -110,6 +117,11 @@ class Transport:
         self.stats.engine_load_s += done - moved_at
         self._in_flight = None
         del refs  # the engines are done: the bucket's buffers may go
+
+    def abort(self) -> None:
+        """The sender failed between buckets: leave the engines able to take the next sync (the
+        caller raises its error afterwards). Nothing to do for transports whose engines wait for
+        no further bucket."""
 
     def finish(self, weight_version: str) -> None:
         """Coordinator only, after every sender drained (the disk transport reloads here)."""
@@ -149,10 +161,17 @@ class _GroupTransport(Transport):
                 the group is now unusable), or ``work`` did not finish within ``timeout_s``.
         """
         deadline = time.monotonic() + self.timeout_s
+        answered_at = None
         while not work.is_completed():
             failed = [f for f in futures if f.done() and f.exception() is not None]
             if failed:
                 raise WeightSyncError(f"engine rejected {what}: {failed[0].exception()}; "
+                                      f"the update group {self.group_name} is now unusable")
+            if answered_at is None and any(f.done() for f in futures):
+                answered_at = time.monotonic()
+            if answered_at is not None and time.monotonic() > answered_at + ANSWERED_GRACE_S:
+                raise WeightSyncError(f"an engine answered its request but did not join {what} within "
+                                      f"{ANSWERED_GRACE_S:g} s (its receiver failed, see the engine's log); "
                                       f"the update group {self.group_name} is now unusable")
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"{what} not finished within {self.timeout_s} s")

@@ -7,15 +7,17 @@ Per bucket and engine rank, the sender packs that rank's slices of the bucket's 
 back (the bucket's wire order, decreasing element size, so every view is aligned) and sends them
 as one ``uint8`` message over the stage's process group. The control message that tells the rank
 what to expect travels as the *name* of the only entry of its ``/update_weights_from_tensor``
-payload (the tensor is empty, pickled by value: no shared memory, so it crosses hosts)::
+payload (the tensor is empty, pickled by value: no shared memory, so it crosses hosts). One
+ticket per sync and stage lists every bucket of the stage (the sender makes it from the plan
+before the first bucket is packed)::
 
-    megarl.p2p/{"op": "bucket", "group": ..., "bucket": 3, "nbytes": 1048576, "algo": "xxh3",
-                "tensors": [[hf_name, dtype, shape], ...], "finish": false}
+    megarl.p2p/{"op": "stage", "mode": "p2p", "group": ..., "algo": "xxh3",
+                "buckets": [{"bucket": 3, "nbytes": 1048576, "tensors": [[hf_name, dtype, shape], ...]}, ...]}
 
-The checksums follow the bytes over the group, one more message per rank (:func:`encode_sums`:
-the hex digests back to back, ``uint8`` on the group's device), so a ticket can leave before its
-bucket is packed and checksummed. ``finish`` (the stage's last bucket): after loading it, the
-receiver joins the ``finish`` vote itself, without another request.
+The checksums follow each bucket's bytes over the group, one more message per rank
+(:func:`encode_sums`: the hex digests back to back, ``uint8`` on the group's device), so the
+ticket can leave before any bucket is packed and checksummed. After the last bucket the receiver
+loads it and joins the ``finish`` vote itself, without another request.
 
 Checksums are per tensor (so a mismatch names the tensor): ``xxh3`` (the 64-bit XXH3 hash of the
 ``xxhash`` package, ~26 GB/s on one core here against ~3.9 GB/s for zlib's ``crc32``, which is
@@ -138,5 +140,6 @@ VOTE_FIELDS = 4
 STATUS = {0: "ok", 1: "checksum mismatch (corrupted on the wire)", 2: "name unknown to the engine's checkpoint",
           3: "shape does not fit the engine checkpoint's tensor (p2p: a shard of it; distributed: equal)", 4: "dtype differs from the engine's checkpoint",
           5: "byte count differs from its tensors'", 6: "receiver error (see the engine's log)",
-          7: "loading failed on the engine (see the engine's log)"}
+          7: "loading failed on the engine (see the engine's log)",
+          8: "the sender stopped mid-stage (a bucket of zeros released the receivers; its own error is raised)"}
 """Status codes the receiver reports (the sender turns them into a :class:`WeightSyncError`)."""

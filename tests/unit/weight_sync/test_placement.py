@@ -122,3 +122,69 @@ def test_a_tp2_sender_gathers_its_peers_shards_over_gloo_into_the_mappings_hf_te
     expected = dict(megatron_to_hf(full, get_family(hf_config).layout(hf_config, tp_size=1)))
     assert peer["sent_bytes"] > 0 and sorted(got) == sorted(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def _sliced_gather_worker(rank, world_size, engine_tp, engine_ep):
+    from transformers import AutoConfig
+
+    from megarl.weight_sync.gather import RankSlices, StageGatherer
+
+    hf_config = AutoConfig.for_model(**dict(CONFIGS["qwen3_moe"], vocab_size=1024))
+    fam = get_family(hf_config)
+    layout = fam.layout(hf_config, tp_size=2)
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2)
+    plan = build_plan(TrainerLayout(tensor_model_parallel_size=2, expert_tensor_parallel_size=2),
+                      EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep), specs,
+                      bucket_size_mb=16 / 1024)
+    gen = torch.Generator().manual_seed(0)
+    local = {}
+    for transfer in (t for b in plan.buckets for t in b.params):
+        full = torch.randn(transfer.param.shape, generator=gen)
+        entry, _ = lookup(fam.table, transfer.param.name)
+        for source in transfer.sources:
+            if source.trainer_rank == rank:
+                local[transfer.param.name] = split_tp(full, entry.tp_split, source.shard_index, len(transfer.sources))
+    gatherer = StageGatherer(plan, rank, local, Placement(layout), sliced=True)
+    if not any(b.sender_rank == rank for b in plan.buckets):
+        return {"sent_bytes": gatherer.send_contributions()}
+    got = {}
+    for _, slices, flat in gatherer.iter_hf_buckets():
+        assert isinstance(slices, RankSlices)
+        for r, (mine, segment) in enumerate(zip(slices.parts, slices.segments)):
+            offset = 0
+            for name, view in mine:  # each rank's segment: its slices back to back, in order
+                n = view.numel() * view.element_size()
+                assert view.data_ptr() == segment.data_ptr() + offset
+                offset += n
+                got[(r, name)] = view.clone()
+            assert offset == segment.numel()
+    return got
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine_tp,engine_ep", [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 4)])
+def test_a_sliced_bucket_holds_each_engine_ranks_slices_of_the_mappings_hf_tensors(engine_tp, engine_ep):
+    """TP2 trainer, buckets laid out per engine rank (the p2p transport's, no packing copy): engine
+    rank r's segment holds exactly its slices (the plan's ``engine_slices_of``) of the family
+    mapping's HF tensors of the unsplit parameters; engine TP 8 replicates the 4 kv heads, EP moves
+    whole experts to one rank."""
+    from transformers import AutoConfig
+
+    from megarl.testing.multiproc import run_ranks
+
+    got, peer = run_ranks(_sliced_gather_worker, 2, timeout_s=250, args=(engine_tp, engine_ep))
+    hf_config = AutoConfig.for_model(**dict(CONFIGS["qwen3_moe"], vocab_size=1024))
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2)
+    plan = build_plan(TrainerLayout(tensor_model_parallel_size=2, expert_tensor_parallel_size=2),
+                      EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep), specs,
+                      bucket_size_mb=16 / 1024)
+    gen = torch.Generator().manual_seed(0)
+    full = [(t.param.name, torch.randn(t.param.shape, generator=gen)) for b in plan.buckets for t in b.params]
+    hf = dict(megatron_to_hf(full, get_family(hf_config).layout(hf_config, tp_size=1)))
+    expected = {}
+    for spec in (t for b in plan.buckets for t in b.hf_tensors):
+        for r, sl in plan.engine_slices_of(spec).items():
+            tensor = hf[spec.name]
+            expected[(r, spec.name)] = tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)
+    assert peer["sent_bytes"] > 0 and sorted(got) == sorted(expected)
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
