@@ -78,6 +78,8 @@ class P2PTransport(_GroupTransport):
         self._requests: list = []
         self._finish_announced = False
         """This sync's stage ticket went out: the receivers join the ``finish`` vote after its last bucket."""
+        self._partial: Optional[dict] = None
+        """The bucket being sent: its handles and the engine ranks its bytes went to (for :meth:`abort`)."""
         self._stage: Optional[list[tuple[Bucket, list[list]]]] = None
         """This sync's announced buckets and each engine rank's listing ``[[name, dtype, shape]]``."""
         self._next = 0
@@ -142,7 +144,7 @@ class P2PTransport(_GroupTransport):
     def start_sync(self) -> None:
         super().start_sync()
         self._finish_announced = False
-        self._stage, self._next = None, 0
+        self._stage, self._next, self._partial = None, 0, None
         self.received = [[0] * self.plan.engine_layout.tp_size for _ in range(len(self.engines))]
 
     def _slices(self, bucket: Bucket, tensors) -> list[list[tuple[str, torch.Tensor]]]:
@@ -234,9 +236,9 @@ class P2PTransport(_GroupTransport):
                                   f"({expected.index if expected is not None else 'none left'})")
         works, buffers, sent = [], [], []
         device = group_device(self.group)
+        self._partial = {"bucket": bucket, "works": works, "done": set()}  # abort() finishes it
         for rank, buffer, listing in packed:
             if [entry[:3] for entry in listing] != listings[rank]:
-                self._wait_works(works)
                 self.abort()
                 wrong = next((a, b) for a, b in zip([e[:3] for e in listing] + [None] * len(listings[rank]),
                                                     listings[rank] + [None] * len(listing)) if a != b)
@@ -246,16 +248,13 @@ class P2PTransport(_GroupTransport):
                 tampered = self.tamper(bucket.index, rank, buffer)
                 buffer = buffer if tampered is None else tampered
             works += self._transfer(rank, buffer, encode_sums([entry[3] for entry in listing], device))
+            self._partial["done"].add(rank)
             buffers.append(buffer)
             sent.append(listing)
+        self._partial = None
         self._next += 1
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
         self._open_vote(bucket, sent, list(self._requests), works, buffers, started)
-
-    @staticmethod
-    def _wait_works(works: list) -> None:
-        for work in works:
-            work.wait()
 
     def _announce(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Submit the stage ticket: every bucket of this sender from ``bucket`` on, each engine
@@ -283,19 +282,23 @@ class P2PTransport(_GroupTransport):
         """
         if self._stage is None or self.group is None:
             return
-        try:
-            self._wait_vote()
-        except WeightSyncError:  # an engine failed: it will not receive anything more
-            self._next, self._failure = len(self._stage), None
-            return
-        refused, self._failure = self._failure is not None, None  # the caller raises its own error
-        if refused or self._next >= len(self._stage):  # refused: the receivers returned already
-            return
+        partial, self._partial = self._partial, None
+        works, done = (partial["works"], partial["done"]) if partial is not None else ([], set())
+        if partial is None:  # between buckets: the previous one's vote decides whether anyone waits
+            try:
+                self._wait_vote()
+            except WeightSyncError:  # an engine failed: it will not receive anything more
+                self._next, self._failure = len(self._stage), None
+                return
+            refused, self._failure = self._failure is not None, None  # the caller raises its own error
+            if refused or self._next >= len(self._stage):  # refused: the receivers returned already
+                return
         bucket, listings = self._stage[self._next]
         self._next = len(self._stage)
         device = group_device(self.group)
-        works = []
         for rank, listing in enumerate(listings):
+            if rank in done:  # this bucket's real bytes went to that rank already
+                continue
             zeros = torch.zeros(_nbytes(listing), dtype=torch.uint8, device=device)
             sums = torch.zeros(len(listing) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device)
             works += self._transfer(rank, zeros, sums)

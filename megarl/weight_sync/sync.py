@@ -254,6 +254,11 @@ class WeightSynchronizer:
                     transport.send(bucket, tensors, flat)
         except BaseException:  # a gather / conversion error mid-stage: release the engines first
             transport.abort()
+            try:  # the stage's other ranks still send their shards of the later buckets: take them
+                for _ in buckets:
+                    pass
+            except Exception:  # noqa: BLE001 - the first error is the one to raise
+                pass
             raise
         transport.drain()
         if ordered and index + 1 < len(senders):

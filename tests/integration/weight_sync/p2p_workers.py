@@ -116,7 +116,46 @@ def _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrup
             engines.call_all("resume")
         out["after_corrupt"] = workers.engine_logprobs(urls, probes)
     dist.barrier()
+    # The sender fails mid-bucket (engine rank 0 has bucket 0's bytes, rank 1 not yet): abort()
+    # must release the receivers, nothing may load, and the group must carry the next sync.
+    if p2p.transport is not None:
+        p2p.transport.tamper = fail_at(corrupt)
+    try:
+        p2p.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+        out["abort_error"] = None
+    except WeightSyncError as err:
+        out["abort_error"] = str(err)
+    if p2p.transport is not None:
+        p2p.transport.tamper = None
+    if rank == 0:
+        with workers_engines(urls) as engines:
+            engines.call_all("end_weight_update")
+            engines.call_all("resume")
+        out["after_abort"] = workers.engine_logprobs(urls, probes)
+        workers.reset_engines(urls, hf_dir)
+    dist.barrier()
+    syncers["disk"].sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+    if rank == 0:
+        out["disk_after"] = workers.engine_logprobs(urls, probes)
+        workers.reset_engines(urls, hf_dir)
+    dist.barrier()
+    out["metrics_after_abort"] = p2p.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+    if rank == 0:
+        out["p2p_after"] = workers.engine_logprobs(urls, probes)
+    dist.barrier()
     return out
+
+
+def fail_at(target: tuple[int, int]):
+    """A ``P2PTransport.tamper`` that raises (a sender-side failure) before bucket ``target[0]``'s
+    bytes for engine rank ``target[1]`` leave; the ranks before it got theirs."""
+    from megarl.weight_sync.validate import WeightSyncError
+
+    def tamper(index: int, rank: int, buffer: torch.Tensor):
+        if (index, rank) == target:
+            raise WeightSyncError(f"injected sender failure at bucket {index} rank {rank}")
+        return None
+    return tamper
 
 
 def workers_engines(urls):

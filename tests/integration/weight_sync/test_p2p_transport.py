@@ -53,3 +53,12 @@ def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_
     # ... and no rank loaded anything: the engine answers exactly as after the good sync
     assert out["after_corrupt"] == out["p2p"]
     print(f"\np2p TP2 engine: {out['error'][:300]}")
+    # the sender failing mid-bucket: its own error on every rank, nothing loaded (rank 0's real
+    # bytes of that bucket were voted down by the sender), and the same group carries the next sync
+    assert out["abort_error"] is not None and "injected sender failure" in out["abort_error"], out["abort_error"]
+    assert out["after_abort"] == out["p2p"]
+    assert gap(out["p2p_after"][0], out["disk_after"][0])[1] < 1e-5
+    assert out["p2p_after"] != out["p2p"]  # the trainer moved on: the last sync delivered new weights
+    after = out["metrics_after_abort"]
+    for rank in (0, 1):
+        assert after[f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0)

@@ -319,3 +319,29 @@ def test_senders_per_stage_is_bounded_by_engines_copies_and_the_config():
     assert {b.sender_rank for b in plan.for_replica(1).buckets} == {4, 12}
     with pytest.raises(PlanError, match="out of range"):
         plan.for_replica(2)
+
+
+@pytest.mark.parametrize("bucket_mb", [64, 512])
+def test_each_stages_buckets_ramp_up_then_down(bucket_mb):
+    """Qwen3-235B-shaped, PP4: within a stage the first bucket holds at most 1/8 of the bucket size
+    (unless one parameter is larger), the k-th at most 2**k / 8 of it up to the full size, the last is
+    small again, and every HF tensor travels exactly once (the ramp moves boundaries, nothing else)."""
+    from megarl.weight_sync.plan import MIB, RAMP_STEPS
+
+    specs = param_specs_from_hf_config(QWEN3_235B_A22B, tensor_model_parallel_size=4)
+    plan = build_plan(TrainerLayout(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
+                                    expert_model_parallel_size=16, data_parallel_size=32,
+                                    num_layers_in_first_pipeline_stage=22, num_layers_in_last_pipeline_stage=24),
+                      EngineLayout(tensor_parallel_size=8), specs, bucket_size_mb=bucket_mb)
+    limit, floor = bucket_mb * MIB, (bucket_mb * MIB) >> RAMP_STEPS
+    for stage in range(4):
+        sizes = [b.nbytes for b in plan.buckets if b.pp_rank == stage]
+        largest_param = max(sum(h.nbytes for h in t.param.hf) for b in plan.buckets if b.pp_rank == stage
+                            for t in b.params)
+        assert len(sizes) > 2 * RAMP_STEPS
+        assert sizes[0] <= max(floor, largest_param)
+        assert max(sizes) <= max(limit, largest_param) and max(sizes) > limit // 2
+        assert all(size <= max(limit >> (RAMP_STEPS - k), largest_param) for k, size in enumerate(sizes[:RAMP_STEPS]))
+        assert sizes[-1] <= max(floor, largest_param)
+    names = [t.name for b in plan.buckets for t in b.hf_tensors]
+    assert len(names) == len(set(names)) == sum(len(p.hf) for p in specs)
