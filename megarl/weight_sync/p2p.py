@@ -46,8 +46,9 @@ class P2PTransport(_GroupTransport):
     the receiver loader) announces every bucket of the stage (names, dtypes, shapes of that rank's
     slices, from the plan), before the first bucket is packed, so the engines' HTTP hop overlaps
     the packing and no other request follows until the stage is done. Per bucket: each engine
-    rank's slices packed (no copy when a rank holds every tensor whole), checksummed per tensor
-    and sent point to point, the checksums right after the bytes; then every group rank joins a
+    rank's slices (a :class:`~megarl.weight_sync.gather.RankSlices` bucket, laid out per engine
+    rank by the gatherer: each rank's segment as it is; an HF-layout bucket: packed, with no copy
+    when a rank holds every tensor whole), checksummed per tensor and sent point to point, the checksums right after the bytes; then every group rank joins a
     vote (one all-reduce) and the engines load only if every rank received intact, expected
     tensors (:mod:`megarl.weight_sync.receiver`). Bucket ``b + 1``'s bytes leave right after
     ``b``'s vote; packing ``b + 1`` and gathering ``b + 2`` overlap the transfer of ``b``, and the
