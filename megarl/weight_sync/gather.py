@@ -136,19 +136,29 @@ class StageGatherer:
         self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
         self._layouts: dict[int, tuple] = {}
 
+    def _where(self, bucket: Bucket) -> dict[str, list[int]]:
+        """Megatron name -> the position in ``bucket.hf_tensors`` (wire order) of each of its HF
+        tensors. Not params order plus an offset: the wire order puts larger elements first (a
+        bf16 model's fp32 router bias moves ahead), so positions come from the HF names (cached)."""
+        key = ("where", bucket.index)
+        if key not in self._layouts:
+            at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
+            self._layouts[key] = {t.param.name: [at[h.name] for h in t.param.hf] for t in bucket.params}
+        return self._layouts[key]
+
     def _layout(self, bucket: Bucket) -> tuple:
         """:func:`sliced_layout` of ``bucket`` (cached)."""
         if bucket.index not in self._layouts:
             self._layouts[bucket.index] = sliced_layout(self.plan, bucket)
         return self._layouts[bucket.index]
 
-    def _direct(self, bucket: Bucket, first: int, piece) -> bool:
+    def _direct(self, bucket: Bucket, hf_positions: list[int], piece) -> bool:
         """``piece`` can be received straight into its place (one contiguous destination): rows
         into an HF tensor or into one engine rank's row block or whole tensor; with ``sliced``
         also columns into the one engine rank's column block that they are exactly."""
         if not self.sliced:
             return piece.axis == 0
-        regions = self._layout(bucket)[1][first + piece.hf_index]
+        regions = self._layout(bucket)[1][hf_positions[piece.hf_index]]
         if len(regions) != 1:
             return False
         _, sl, _ = regions[0]
@@ -159,19 +169,18 @@ class StageGatherer:
     def _messages(self, bucket: Bucket):
         """Every point-to-point message of a bucket, in the order both sides use:
         ``(source_rank, transfer, source, piece or None)``; None = the whole shard (to a temporary)."""
-        first = 0
+        where = self._where(bucket)
         for transfer in bucket.params:
             pieces = self.placement.pieces(transfer)
             for source in transfer.sources:
                 if source.trainer_rank == bucket.sender_rank:
                     continue
                 mine = [p for p in pieces if p.shard == source.shard_index]
-                if not all(self._direct(bucket, first, p) for p in mine):
+                if not all(self._direct(bucket, where[transfer.param.name], p) for p in mine):
                     yield source.trainer_rank, transfer, source, None
                 else:
                     for piece in mine:
                         yield source.trainer_rank, transfer, source, piece
-            first += len(transfer.param.hf)
 
     # ------------------------------------------------------------------ source ranks
     def send_contributions(self) -> int:
@@ -233,30 +242,27 @@ class StageGatherer:
 
     def _post(self, bucket: Bucket, device: torch.device):
         flat, handed, targets = self._targets(bucket, device)
-        first = {}
-        offset = 0
-        for transfer in bucket.params:
-            first[transfer.param.name] = offset
-            offset += len(transfer.param.hf)
+        where = self._where(bucket)
         works, temps = [], []
         for source_rank, transfer, source, piece in self._messages(bucket):
             dtype = torch_dtype(transfer.param.dtype)
             if piece is None:
                 buffer = torch.empty(source.shape, dtype=dtype, device=device)
-                temps.append((transfer, source, buffer, first[transfer.param.name]))
+                temps.append((transfer, source, buffer))
             else:
-                (sl, view), = targets[first[transfer.param.name] + piece.hf_index]
+                (sl, view), = targets[where[transfer.param.name][piece.hf_index]]
                 at = piece.dst[0] - (sl.start if sl is not None else 0)
                 buffer = view.narrow(piece.axis, at, piece.dst[1] - piece.dst[0])
             works.append(irecv(buffer, source_rank, group=self.group, tag=bucket.index))
             self.timings.bytes_received += buffer.numel() * buffer.element_size()
-        return flat, handed, targets, first, works, temps
+        return flat, handed, targets, works, temps
 
-    def _place_local(self, bucket: Bucket, targets, first, temps) -> None:
-        for transfer, source, buffer, base in temps:
+    def _place_local(self, bucket: Bucket, targets, temps) -> None:
+        where = self._where(bucket)
+        for transfer, source, buffer in temps:
             for piece in self.placement.pieces(transfer):
                 if piece.shard == source.shard_index:
-                    self._copy(targets[base + piece.hf_index], buffer, piece)
+                    self._copy(targets[where[transfer.param.name][piece.hf_index]], buffer, piece)
         for transfer in bucket.params:
             for source in transfer.sources:
                 if source.trainer_rank != self.rank:
@@ -264,7 +270,7 @@ class StageGatherer:
                 shard = self.local[transfer.param.name].detach()
                 for piece in self.placement.pieces(transfer):
                     if piece.shard == source.shard_index:
-                        self._copy(targets[first[transfer.param.name] + piece.hf_index], shard, piece)
+                        self._copy(targets[where[transfer.param.name][piece.hf_index]], shard, piece)
 
     @staticmethod
     def _copy(places, shard: torch.Tensor, piece) -> None:
@@ -296,13 +302,13 @@ class StageGatherer:
         device = next(iter(self.local.values())).device if self.local else torch.device("cpu")
         pending = self._post(mine[0], device) if mine else None
         for i, bucket in enumerate(mine):
-            flat, handed, targets, first, works, temps = pending
+            flat, handed, targets, works, temps = pending
             start = time.perf_counter()
             for work in works:
                 work.wait()
             gathered = time.perf_counter()
             pending = self._post(mine[i + 1], device) if i + 1 < len(mine) else None
-            self._place_local(bucket, targets, first, temps)
+            self._place_local(bucket, targets, temps)
             done = time.perf_counter()
             self.timings.gather_s += gathered - start
             self.timings.convert_s += done - gathered

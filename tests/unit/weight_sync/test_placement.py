@@ -188,3 +188,42 @@ def test_a_sliced_bucket_holds_each_engine_ranks_slices_of_the_mappings_hf_tenso
             expected[(r, spec.name)] = tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)
     assert peer["sent_bytes"] > 0 and sorted(got) == sorted(expected)
     assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_bucket_with_an_fp32_router_bias_among_bf16_tensors_is_placed_by_name(tiny_deepseek_v3_dir, sliced):
+    """Tiny DeepSeek-V3 in bf16: Megatron keeps the router's expert bias in fp32, so the wire order
+    (larger elements first) moves it ahead of the bf16 tensors of its bucket; every HF tensor must
+    still hold what the family mapping converts (TP1 sender; the HF layout and, sliced, engine TP2's
+    per-rank slices)."""
+    from megarl.training.model import load_hf_config
+    from megarl.weight_sync.gather import StageGatherer, torch_dtype
+
+    hf_config = load_hf_config(str(tiny_deepseek_v3_dir))
+    layout = get_family(hf_config).layout(hf_config, tp_size=1)
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=1, dtype="bfloat16")
+    engine = EngineLayout(tensor_parallel_size=2 if sliced else 1)
+    plan = build_plan(TrainerLayout(), engine, specs, bucket_size_mb=1)
+    reordered = [b for b in plan.buckets
+                 if [h.name for t in b.params for h in t.param.hf] != [h.name for h in b.hf_tensors]]
+    assert reordered, "no bucket mixes fp32 and bf16 tensors: the case is not exercised"
+    gen = torch.Generator().manual_seed(0)
+    local = {t.param.name: torch.randn(t.param.shape, generator=gen).to(torch_dtype(t.param.dtype))
+             for b in plan.buckets for t in b.params}
+    expected = dict(megatron_to_hf(list(local.items()), layout))
+    got = {}
+    for bucket, tensors, _ in StageGatherer(plan, 0, local, Placement(layout), sliced=sliced).iter_hf_buckets():
+        if sliced:
+            for r, mine in enumerate(tensors.parts):
+                got.update(((r, name), view.clone()) for name, view in mine)
+        else:
+            got.update((name, view.clone()) for name, view in tensors)
+    if sliced:
+        want = {}
+        for spec in (t for b in plan.buckets for t in b.hf_tensors):
+            for r, sl in plan.engine_slices_of(spec).items():
+                full = expected[spec.name]
+                want[(r, spec.name)] = full if sl.axis is None else full.narrow(sl.axis, sl.start, sl.stop - sl.start)
+        expected = want
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], expected[k].to(got[k].dtype)) for k in expected)
