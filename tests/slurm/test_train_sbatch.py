@@ -51,7 +51,9 @@ def test_ray_cluster_spans_both_nodes_with_role_placement(job_env, probe_config,
 def _kill_raylet_when_ready(env: dict, node: str, killed: dict):
     """on_running hook: once the probe driver holds, SIGKILL the raylet of ``node`` (our own job's)."""
     def hook(job_id: str) -> None:
-        deadline = time.monotonic() + 200
+        # ~25 s on a quiet machine; one CI dry run needed over 200 s (submit allows 360 s in all,
+        # 60 of them for the job to end after the kill)
+        deadline = time.monotonic() + 290
         while not list(Path(env["MEGARL_LOG_ROOT"]).glob(f"*-{job_id}/run/probe.ready")):
             assert time.monotonic() < deadline, "the probe driver never got ready"
             time.sleep(0.5)
