@@ -134,17 +134,17 @@ class StageGatherer:
         if ring is not None and len(ring) != RING_SLOTS:
             raise ValueError(f"ring must hold {RING_SLOTS} slots, got {len(ring)}")
         self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
-        self._layouts: dict[int, tuple] = {}
+        self._layouts: dict[int, tuple] = {}  # bucket index -> sliced_layout
+        self._positions: dict[int, dict[str, list[int]]] = {}  # bucket index -> _where
 
     def _where(self, bucket: Bucket) -> dict[str, list[int]]:
         """Megatron name -> the position in ``bucket.hf_tensors`` (wire order) of each of its HF
         tensors. Not params order plus an offset: the wire order puts larger elements first (a
         bf16 model's fp32 router bias moves ahead), so positions come from the HF names (cached)."""
-        key = ("where", bucket.index)
-        if key not in self._layouts:
+        if bucket.index not in self._positions:
             at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
-            self._layouts[key] = {t.param.name: [at[h.name] for h in t.param.hf] for t in bucket.params}
-        return self._layouts[key]
+            self._positions[bucket.index] = {t.param.name: [at[h.name] for h in t.param.hf] for t in bucket.params}
+        return self._positions[bucket.index]
 
     def _layout(self, bucket: Bucket) -> tuple:
         """:func:`sliced_layout` of ``bucket`` (cached)."""
