@@ -107,6 +107,74 @@ def sliced_layout(plan: WeightSyncPlan, bucket: Bucket) -> tuple[list[tuple[int,
     return segments, regions
 
 
+def _overlap_bytes(spec, piece, sl) -> int:
+    """Bytes of ``piece`` (of HF tensor ``spec``) inside the slice ``sl`` of that tensor."""
+    shape = list(spec.shape)
+    shape[piece.axis] = piece.dst[1] - piece.dst[0]
+    if sl.axis is not None and sl.axis == piece.axis:
+        shape[piece.axis] = max(0, min(piece.dst[1], sl.stop) - max(piece.dst[0], sl.start))
+    elif sl.axis is not None:
+        shape[sl.axis] = sl.stop - sl.start
+    return torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
+
+
+class SegmentOwners:
+    """Which trainer rank assembles and sends each engine rank's segment of each sliced bucket.
+
+    Segment ``r`` of bucket ``b`` (engine rank ``r``'s slices, :func:`sliced_layout`) goes to the
+    trainer rank holding most of its bytes (the plan's shard sources, located by the placement's
+    pieces); a tie goes to the stage sender, then to the lower rank; an empty segment to the stage
+    sender. That rank receives the rest of the segment from the ranks holding it (over the trainer
+    group) and sends the segment to engine rank ``r``. Trainer TP2 -> engine TP2: trainer rank
+    ``k`` assembles segment ``k`` of every bucket (all of it but the replicated norms and router,
+    which come from the stage sender), so both halves leave their own rank instead of crossing the
+    trainer group first.
+
+    Args:
+        plan: the (replica's) plan; placement: the conversion as copy instructions.
+    """
+
+    def __init__(self, plan: WeightSyncPlan, placement: Placement) -> None:
+        self.plan, self.placement = plan, placement
+        self._owners: dict[int, list[int]] = {}
+        self._layouts: dict[int, tuple] = {}
+
+    def layout(self, bucket: Bucket) -> tuple:
+        """:func:`sliced_layout` of ``bucket`` (cached)."""
+        if bucket.index not in self._layouts:
+            self._layouts[bucket.index] = sliced_layout(self.plan, bucket)
+        return self._layouts[bucket.index]
+
+    def owners(self, bucket: Bucket) -> list[int]:
+        """The trainer rank assembling each engine rank's segment of ``bucket`` ``[engine tp]``."""
+        if bucket.index not in self._owners:
+            tp = self.plan.engine_layout.tp_size
+            credit: list[dict[int, int]] = [{} for _ in range(tp)]
+            at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
+            regions = self.layout(bucket)[1]
+            for transfer in bucket.params:
+                for piece in self.placement.pieces(transfer):
+                    holder = transfer.sources[piece.shard].trainer_rank
+                    j = at[transfer.param.hf[piece.hf_index].name]
+                    for rank, sl, _ in regions[j]:
+                        n = _overlap_bytes(bucket.hf_tensors[j], piece, sl)
+                        if n:
+                            credit[rank][holder] = credit[rank].get(holder, 0) + n
+            lead = bucket.sender_rank
+            self._owners[bucket.index] = [
+                min(c, key=lambda t: (-c[t], t != lead, t)) if c else lead for c in credit]
+        return self._owners[bucket.index]
+
+    def senders(self, pp_rank: int) -> list[int]:
+        """The trainer ranks sending to the engines in stage ``pp_rank``: its stage sender first,
+        then every other rank assembling a segment of any of its buckets (ascending)."""
+        buckets = self.plan.stage_buckets(pp_rank)
+        if not buckets:
+            return []
+        lead = buckets[0].sender_rank
+        return [lead] + sorted({t for b in buckets for t in self.owners(b)} - {lead})
+
+
 class StageGatherer:
     """Runs the gather half of ``plan`` on trainer rank ``rank`` (every rank of a stage calls it).
 
@@ -123,19 +191,26 @@ class StageGatherer:
             blocks by itself.
         sliced: lay each bucket out per engine rank (:class:`RankSlices`, see module docstring);
             every rank of the stage must pass the same value (it decides which messages travel).
+        owners: with ``sliced``: each engine rank's segment is assembled by the trainer rank
+            :class:`SegmentOwners` names (several senders per stage); None: all by the stage
+            sender. Every rank of the stage must pass the same.
     """
 
     def __init__(self, plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor], placement: Placement,
                  *, max_in_flight: int = 2, group: Optional[dist.ProcessGroup] = None,
-                 ring: Optional[list[Optional[torch.Tensor]]] = None, sliced: bool = False) -> None:
+                 ring: Optional[list[Optional[torch.Tensor]]] = None, sliced: bool = False,
+                 owners: Optional[SegmentOwners] = None) -> None:
+        if owners is not None and not sliced:
+            raise ValueError("segment owners need sliced buckets")
         self.plan, self.rank, self.local, self.placement = plan, rank, local, placement
-        self.max_in_flight, self.group, self.sliced = max_in_flight, group, sliced
+        self.max_in_flight, self.group, self.sliced, self.owners = max_in_flight, group, sliced, owners
         self.timings = GatherTimings()
         if ring is not None and len(ring) != RING_SLOTS:
             raise ValueError(f"ring must hold {RING_SLOTS} slots, got {len(ring)}")
         self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
         self._layouts: dict[int, tuple] = {}  # bucket index -> sliced_layout
         self._positions: dict[int, dict[str, list[int]]] = {}  # bucket index -> _where
+        self._sends: deque = deque()  # this assembler's open sends to other assemblers, per bucket
 
     def _where(self, bucket: Bucket) -> dict[str, list[int]]:
         """Megatron name -> the position in ``bucket.hf_tensors`` (wire order) of each of its HF
@@ -148,59 +223,101 @@ class StageGatherer:
 
     def _layout(self, bucket: Bucket) -> tuple:
         """:func:`sliced_layout` of ``bucket`` (cached)."""
+        if self.owners is not None:
+            return self.owners.layout(bucket)
         if bucket.index not in self._layouts:
             self._layouts[bucket.index] = sliced_layout(self.plan, bucket)
         return self._layouts[bucket.index]
 
-    def _direct(self, bucket: Bucket, hf_positions: list[int], piece) -> bool:
-        """``piece`` can be received straight into its place (one contiguous destination): rows
-        into an HF tensor or into one engine rank's row block or whole tensor; with ``sliced``
-        also columns into the one engine rank's column block that they are exactly."""
+    def assemblers(self, bucket: Bucket) -> list[int]:
+        """The trainer rank assembling each engine rank's segment ``[engine tp]`` (the stage sender
+        for every segment unless ``owners``; an HF-layout bucket has one "segment")."""
+        if self.owners is not None:
+            return self.owners.owners(bucket)
+        return [bucket.sender_rank] * (self.plan.engine_layout.tp_size if self.sliced else 1)
+
+    def _direct(self, bucket: Bucket, hf_positions: list[int], piece, dest: int) -> Optional[int]:
+        """Where ``piece`` can be received by ``dest`` straight into its place: the index of the one
+        target (in :meth:`_targets`' list for its HF tensor) that holds all of it contiguously,
+        or None.
+
+        Rows go into an HF tensor, or (``sliced``) into the engine rank's row block or whole tensor
+        holding them, when no other engine rank's slice assembled by ``dest`` needs any of them;
+        columns (``sliced``) go into the one engine rank's column block that they are exactly.
+        Anything else is received whole into a temporary and copied."""
         if not self.sliced:
-            return piece.axis == 0
+            return 0 if piece.axis == 0 else None
         regions = self._layout(bucket)[1][hf_positions[piece.hf_index]]
-        if len(regions) != 1:
-            return False
-        _, sl, _ = regions[0]
+        owners = self.assemblers(bucket)
+        d0, d1 = piece.dst
+        overlapping = [k for k, (rank, sl, _) in enumerate(regions) if owners[rank] == dest
+                       and (sl.axis != piece.axis or (sl.start < d1 and d0 < sl.stop))]
+        if len(overlapping) != 1:
+            return None
+        k = overlapping[0]
+        sl = regions[k][1]
         if piece.axis == 0:
-            return sl.axis is None or (sl.axis == 0 and sl.start <= piece.dst[0] and piece.dst[1] <= sl.stop)
-        return sl.axis == piece.axis and (sl.start, sl.stop) == tuple(piece.dst)
+            fits = sl.axis is None or (sl.axis == 0 and sl.start <= d0 and d1 <= sl.stop)
+        else:
+            fits = sl.axis == 1 and (sl.start, sl.stop) == (d0, d1)
+        return k if fits else None
+
+    def _destinations(self, bucket: Bucket, hf_positions: list[int], pieces) -> list[int]:
+        """The assemblers needing any of ``pieces`` (ascending)."""
+        if self.owners is None:
+            return [bucket.sender_rank]
+        layout, owners, dests = self._layout(bucket)[1], self.assemblers(bucket), set()
+        for piece in pieces:
+            d0, d1 = piece.dst
+            for rank, sl, _ in layout[hf_positions[piece.hf_index]]:
+                if sl.axis != piece.axis or (sl.start < d1 and d0 < sl.stop):
+                    dests.add(owners[rank])
+        return sorted(dests)
 
     def _messages(self, bucket: Bucket):
-        """Every point-to-point message of a bucket, in the order both sides use:
-        ``(source_rank, transfer, source, piece or None)``; None = the whole shard (to a temporary)."""
+        """Every point-to-point message of a bucket, in the order both sides use: ``(source_rank,
+        dest_rank, transfer, source, piece or None)``; None = the whole shard (to a temporary)."""
         where = self._where(bucket)
         for transfer in bucket.params:
             pieces = self.placement.pieces(transfer)
+            hf_positions = where[transfer.param.name]
             for source in transfer.sources:
-                if source.trainer_rank == bucket.sender_rank:
-                    continue
                 mine = [p for p in pieces if p.shard == source.shard_index]
-                if not all(self._direct(bucket, where[transfer.param.name], p) for p in mine):
-                    yield source.trainer_rank, transfer, source, None
-                else:
-                    for piece in mine:
-                        yield source.trainer_rank, transfer, source, piece
+                for dest in self._destinations(bucket, hf_positions, mine):
+                    if dest == source.trainer_rank:
+                        continue
+                    if any(self._direct(bucket, hf_positions, p, dest) is None for p in mine):
+                        yield source.trainer_rank, dest, transfer, source, None
+                    else:
+                        for piece in mine:
+                            yield source.trainer_rank, dest, transfer, source, piece
+
+    def _isend_mine(self, bucket: Bucket) -> tuple[list, int]:
+        """Start sending this rank's shards of ``bucket`` to the ranks assembling them: ``(works, bytes)``
+        (views of the live parameters where contiguous; the works keep the tensors alive)."""
+        works, sent = [], 0
+        for source_rank, dest, transfer, _, piece in self._messages(bucket):
+            if source_rank != self.rank:
+                continue
+            shard = self.local[transfer.param.name].detach()
+            data = shard if piece is None else shard.narrow(piece.axis, piece.src[0], piece.src[1] - piece.src[0])
+            works.append(isend(data.contiguous(), dest, group=self.group, tag=bucket.index))
+            sent += data.numel() * data.element_size()
+        return works, sent
 
     # ------------------------------------------------------------------ source ranks
     def send_contributions(self) -> int:
-        """Send this rank's shards of every bucket it does not send itself. Returns bytes sent."""
+        """Send this rank's shards of every bucket it assembles nothing of. Returns bytes sent."""
         in_flight: deque = deque()
         sent = 0
         for bucket in self.plan.buckets:
-            if bucket.sender_rank == self.rank or not bucket.contributions(self.rank):
+            if self.rank in self.assemblers(bucket) or not bucket.contributions(self.rank):
                 continue
             while len(in_flight) >= self.max_in_flight:
                 for work in in_flight.popleft():
                     work.wait()
-            works = []
-            for source_rank, transfer, _, piece in self._messages(bucket):
-                if source_rank != self.rank:
-                    continue
-                shard = self.local[transfer.param.name].detach()
-                data = shard if piece is None else shard.narrow(piece.axis, piece.src[0], piece.src[1] - piece.src[0])
-                works.append(isend(data.contiguous(), bucket.sender_rank, group=self.group, tag=bucket.index))
-                sent += data.numel() * data.element_size()
+            works, n = self._isend_mine(bucket)
+            sent += n
             in_flight.append(works)
         for works in in_flight:
             for work in works:
@@ -218,46 +335,66 @@ class StageGatherer:
 
     def _targets(self, bucket: Bucket, device: torch.device):
         """``(flat, handed, targets)``: the bucket's buffer, what the transport gets for its tensors
-        (HF views, or :class:`RankSlices`), and per HF tensor ``[(TensorSlice or None, view)]``: where
-        its rows / columns go (None: the whole tensor)."""
+        (HF views, or :class:`RankSlices`), and per HF tensor ``[(TensorSlice or None, view or
+        None)]``, one per region of :func:`sliced_layout`: where its rows / columns go (slice None:
+        the whole tensor; view None: a segment another rank assembles). With ``owners`` the buffer
+        spans only this rank's segments (None when it assembles none of the bucket)."""
         if not self.sliced:
             flat = self._slot(bucket, bucket.nbytes, device)
             views = _views(bucket, flat)
             return flat, views, [[(None, v)] for _, v in views]
         segments, regions = self._layout(bucket)
-        start, size = segments[-1]
-        flat = self._slot(bucket, start + size, device)
-        targets, parts = [], [[] for _ in segments]
+        owners = self.assemblers(bucket)
+        ours = [r for r in range(len(segments)) if owners[r] == self.rank]
+        if not ours:
+            return None, RankSlices([None] * len(segments), [None] * len(segments)), [
+                [(sl if sl.axis is not None else None, None) for _, sl, _ in places] for places in regions]
+        base = segments[ours[0]][0]
+        end = max(a + n for a, n in (segments[r] for r in ours))
+        flat = self._slot(bucket, end - base, device)
+        targets = []
+        parts: list = [[] if r in ours else None for r in range(len(segments))]
         for spec, places in zip(bucket.hf_tensors, regions):
             mine = []
             for rank, sl, offset in places:
-                shape = sl.shape(spec.shape)
-                n = torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
-                view = flat[offset:offset + n].view(torch_dtype(spec.dtype)).view(shape)
+                view = None
+                if owners[rank] == self.rank:
+                    shape = sl.shape(spec.shape)
+                    n = torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
+                    view = flat[offset - base:offset - base + n].view(torch_dtype(spec.dtype)).view(shape)
+                    parts[rank].append((spec.name, view))
                 mine.append((sl if sl.axis is not None else None, view))
-                parts[rank].append((spec.name, view))
             targets.append(mine)
-        handed = RankSlices(parts, [flat[a:a + n] for a, n in segments])
+        handed = RankSlices(parts, [flat[a - base:a - base + n] if r in ours else None
+                                    for r, (a, n) in enumerate(segments)])
         return flat, handed, targets
 
     def _post(self, bucket: Bucket, device: torch.device):
         flat, handed, targets = self._targets(bucket, device)
         where = self._where(bucket)
         works, temps = [], []
-        for source_rank, transfer, source, piece in self._messages(bucket):
+        for source_rank, dest, transfer, source, piece in self._messages(bucket):
+            if dest != self.rank:
+                continue
             dtype = torch_dtype(transfer.param.dtype)
             if piece is None:
                 buffer = torch.empty(source.shape, dtype=dtype, device=device)
                 temps.append((transfer, source, buffer))
             else:
-                (sl, view), = targets[where[transfer.param.name][piece.hf_index]]
+                hf_positions = where[transfer.param.name]
+                sl, view = targets[hf_positions[piece.hf_index]][self._direct(bucket, hf_positions, piece, dest)]
                 at = piece.dst[0] - (sl.start if sl is not None else 0)
                 buffer = view.narrow(piece.axis, at, piece.dst[1] - piece.dst[0])
             works.append(irecv(buffer, source_rank, group=self.group, tag=bucket.index))
             self.timings.bytes_received += buffer.numel() * buffer.element_size()
+        if self.owners is not None:  # this assembler's shards that other assemblers need
+            sends, _ = self._isend_mine(bucket)
+            self._sends.append(sends)
         return flat, handed, targets, works, temps
 
     def _place_local(self, bucket: Bucket, targets, temps) -> None:
+        if all(view is None for places in targets for _, view in places):  # assembles none of it
+            return
         where = self._where(bucket)
         for transfer, source, buffer in temps:
             for piece in self.placement.pieces(transfer):
@@ -276,12 +413,15 @@ class StageGatherer:
     def _copy(places, shard: torch.Tensor, piece) -> None:
         """Copy ``piece`` of ``shard`` into every place of its HF tensor it overlaps.
 
-        ``places``: ``[(slice or None, view)]``; a view holds the HF tensor's ``[start, stop)`` along
-        ``slice.axis`` (all of it for None). The piece covers ``piece.dst`` along ``piece.axis``.
+        ``places``: ``[(slice or None, view or None)]``; a view holds the HF tensor's ``[start,
+        stop)`` along ``slice.axis`` (all of it for None); a None view is skipped (another rank's).
+        The piece covers ``piece.dst`` along ``piece.axis``.
         """
         a, (d0, d1) = piece.axis, piece.dst
         src = shard.narrow(a, piece.src[0], d1 - d0)
         for sl, view in places:
+            if view is None:
+                continue
             if sl is None:
                 view.narrow(a, d0, d1 - d0).copy_(src)
             elif sl.axis == a:
@@ -291,14 +431,25 @@ class StageGatherer:
             else:
                 view.narrow(a, d0, d1 - d0).copy_(src.narrow(sl.axis, sl.start, sl.stop - sl.start))
 
-    def iter_hf_buckets(self) -> Iterator[tuple[Bucket, object, torch.Tensor]]:
-        """Yield ``(bucket, tensors, flat)`` for each bucket this rank sends.
+    def sends_buckets(self) -> list[Bucket]:
+        """The buckets :meth:`iter_hf_buckets` yields on this rank: those it sends (the stage
+        sender's; with ``owners``, every bucket of a stage this rank assembles any segment of)."""
+        if self.owners is None:
+            return [b for b in self.plan.buckets if b.sender_rank == self.rank]
+        stages = {b.pp_rank for b in self.plan.buckets if self.rank in self.owners.senders(b.pp_rank)}
+        return [b for b in self.plan.buckets if b.pp_rank in stages]
+
+    def iter_hf_buckets(self) -> Iterator[tuple[Bucket, object, Optional[torch.Tensor]]]:
+        """Yield ``(bucket, tensors, flat)`` for each of :meth:`sends_buckets`.
 
         ``tensors``: ``[(hf_name, view)]`` (wire order; views of ``flat``, which holds the bucket's
         HF tensors back to back), or with ``sliced`` a :class:`RankSlices` (views and segments of
-        ``flat``). ``flat`` stays untouched until bucket ``index + RING_SLOTS`` is gathered.
+        ``flat``; with ``owners``, None for the segments other ranks assemble, and ``flat`` None
+        when this rank assembles none). ``flat`` stays untouched until bucket ``index +
+        RING_SLOTS`` is gathered. With ``owners`` this rank also sends its shards to the other
+        assemblers, bucket by bucket.
         """
-        mine = [b for b in self.plan.buckets if b.sender_rank == self.rank]
+        mine = self.sends_buckets()
         device = next(iter(self.local.values())).device if self.local else torch.device("cpu")
         pending = self._post(mine[0], device) if mine else None
         for i, bucket in enumerate(mine):
@@ -307,6 +458,9 @@ class StageGatherer:
             for work in works:
                 work.wait()
             gathered = time.perf_counter()
+            while len(self._sends) > 1:  # bucket b's sends: matched by receives posted with b's
+                for work in self._sends.popleft():
+                    work.wait()
             pending = self._post(mine[i + 1], device) if i + 1 < len(mine) else None
             self._place_local(bucket, targets, temps)
             done = time.perf_counter()
@@ -315,3 +469,6 @@ class StageGatherer:
             self.timings.per_bucket.append({"bucket": bucket.index, "gather_s": gathered - start,
                                             "convert_s": done - gathered, "bytes": bucket.nbytes})
             yield bucket, handed, flat
+        while self._sends:
+            for work in self._sends.popleft():
+                work.wait()
