@@ -86,13 +86,50 @@ class P2PTransport(_GroupTransport):
         self._next = 0
         """Index in ``_stage`` of the next bucket the receivers wait for."""
         self._algo: Optional[str] = None
+        self.senders: list[int] = []
+        """The stage's sending trainer ranks (global), stage sender first (:meth:`set_senders`); empty: one sender."""
+        self.sender_index = 0
+        """This rank's position in ``senders`` = its rank in the group (0: the stage sender)."""
+        self._control = None
+        self._owners = None
+        self._buckets: list[Bucket] = []
         tp = plan.engine_layout.tp_size
         self.received = [[0] * tp for _ in range(len(engines))]
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
 
     @property
+    def n_senders(self) -> int:
+        """Trainer ranks in the group: the stage sender and the helpers (ranks ``0 .. n - 1``)."""
+        return max(1, len(self.senders))
+
+    @property
     def world_size(self) -> int:
-        return 1 + len(self.engines) * self.plan.engine_layout.tp_size
+        return self.n_senders + len(self.engines) * self.plan.engine_layout.tp_size
+
+    def set_senders(self, senders: list[int], index: int, control, owners, buckets: list[Bucket]) -> None:
+        """Several senders per stage (before the first sync; every sender of the stage calls it).
+
+        Args:
+            senders: the stage's sending trainer ranks (global), the stage sender first
+                (:meth:`~megarl.weight_sync.gather.SegmentOwners.senders`).
+            index: this rank's position in ``senders``; 0 creates the group and announces the stage.
+            control: the trainer's gloo control group (the stage sender hands the group's name and
+                port to the others over it).
+            owners: the :class:`~megarl.weight_sync.gather.SegmentOwners`: who sends each segment.
+            buckets: the stage's buckets, in order.
+        """
+        self.senders, self.sender_index, self._control = list(senders), index, control
+        self._owners, self._buckets = owners, list(buckets)
+
+    def _is_mine(self, bucket: Bucket, rank: int) -> bool:
+        """This sender sends engine rank ``rank``'s segment of ``bucket``."""
+        if self._owners is None:
+            return True
+        return self._owners.owners(bucket)[rank] == self.senders[self.sender_index]
+
+    def _engine_rank(self, engine: int, rank: int) -> int:
+        """Group rank of engine ``engine``'s TP rank ``rank``."""
+        return self.n_senders + engine * self.plan.engine_layout.tp_size + rank
 
     def _submit_tickets(self, per_rank: list[dict]) -> list:
         from megarl.weight_sync.receiver import RECEIVER
@@ -110,9 +147,47 @@ class P2PTransport(_GroupTransport):
         ``end_weight_update``), after this stage's turn came (stages connect in order)."""
         self._pp_rank = pp_rank
 
+    def _handoff(self, info: Optional[dict]) -> Optional[dict]:
+        """The stage sender sends ``info`` (the group's name, address, port; ``{"failed": True}``
+        when it failed before creating it) to every other sender over the control group; the
+        others return what they received."""
+        import json
+
+        from megarl.training.collectives import recv, send
+
+        size = 1024
+        if self.sender_index == 0:
+            raw = json.dumps(info).encode()
+            message = torch.zeros(size, dtype=torch.uint8)
+            message[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            for helper in self.senders[1:]:
+                send(message, helper, group=self._control, tag=7)
+            return None
+        message = torch.zeros(size, dtype=torch.uint8)
+        recv(message, self.senders[0], group=self._control, tag=7)
+        return json.loads(bytes(message.numpy()).rstrip(b"\0").decode())
+
+    def _join_helper(self) -> None:
+        """Join the stage sender's group as rank ``sender_index`` (its name and port come over the
+        control group)."""
+        from megarl.weight_sync.sglang_compat import init_custom_process_group
+
+        info = self._handoff(None)
+        if info.get("failed"):
+            raise WeightSyncError(f"the stage sender (trainer rank {self.senders[0]}) failed before creating "
+                                  f"the p2p group; see its error")
+        self.group_name = info["group"]
+        self.group = init_custom_process_group(
+            backend=self.backend, init_method=f"tcp://{info['address']}:{info['port']}", world_size=self.world_size,
+            rank=self.sender_index, group_name=self.group_name, timeout=timedelta(seconds=self.timeout_s))
+
     def _join(self) -> None:
-        """Create this stage's group: this sender is rank 0, engine ``i`` rank ``r`` is ``1 + i*T + r``."""
+        """Create this stage's group: the senders are ranks ``0 .. n - 1`` (the stage sender 0),
+        engine ``i`` rank ``r`` is ``n + i*T + r``."""
         import concurrent.futures
+
+        if self.sender_index:
+            return self._join_helper()
 
         from megarl.rollout.engine import find_free_port
         from megarl.weight_sync.receiver import RECEIVER
@@ -125,9 +200,11 @@ class P2PTransport(_GroupTransport):
         ticket = {"op": "connect", "group": self.group_name, "address": self.master_address, "port": port,
                   "world": self.world_size, "backend": self.backend, "timeout_s": self.timeout_s}
         futures = [self.engines.submit(i, "update_weights_from_tensor",
-                                       [payload(dict(ticket, rank_offset=1 + i * tp))] * tp,
+                                       [payload(dict(ticket, rank_offset=self._engine_rank(i, 0)))] * tp,
                                        load_format=RECEIVER, flush_cache=False)
                    for i in range(len(self.engines))]
+        if len(self.senders) > 1:
+            self._handoff({"group": self.group_name, "address": self.master_address, "port": port})
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # joining blocks: watch the engines meanwhile
             joined = pool.submit(init_custom_process_group, backend=self.backend,
                                  init_method=f"tcp://{self.master_address}:{port}", world_size=self.world_size,
@@ -171,14 +248,16 @@ class P2PTransport(_GroupTransport):
         from megarl.weight_sync.gather import RankSlices
         from megarl.weight_sync.wire import checksum, checksum_algo
 
-        flat_device = flat.device
-        algo = checksum_algo(flat_device)
+        algo = self._algo or checksum_algo(flat.device)
         if isinstance(tensors, RankSlices):  # laid out per engine rank already: each segment as it is
             for rank, (mine, segment) in enumerate(zip(tensors.parts, tensors.segments)):
+                if segment is None:  # another sender's (several senders per stage)
+                    continue
                 listing = [[name, str(v.dtype).removeprefix("torch."), list(v.shape),
                             checksum(v.reshape(-1).view(torch.uint8), algo)] for name, v in mine]
                 yield rank, segment, listing
             return
+        flat_device = flat.device
         parts = self._slices(bucket, tensors)
         sums: dict[tuple, str] = {}
         whole = [t for _, t in tensors]
@@ -223,7 +302,7 @@ class P2PTransport(_GroupTransport):
             return
         started = time.perf_counter()
         if self._stage is None:  # announce the stage; the first bucket's bytes leave as each rank is packed
-            self._announce(bucket, flat)
+            self._announce(bucket)
             packed = self._packed(bucket, tensors, flat)
         else:  # pack while the previous bucket moves; send after its vote
             packed = list(self._packed(bucket, tensors, flat))
@@ -235,10 +314,13 @@ class P2PTransport(_GroupTransport):
             self.abort()
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
                                   f"({expected.index if expected is not None else 'none left'})")
-        works, buffers, sent = [], [], []
+        works, buffers = [], []
         device = group_device(self.group)
         self._partial = {"bucket": bucket, "works": works, "done": set()}  # abort() finishes it
         for rank, buffer, listing in packed:
+            if not self._is_mine(bucket, rank):
+                raise WeightSyncError(f"p2p sender {self.sender_index}: handed engine rank {rank}'s segment of "
+                                      f"bucket {bucket.index}, which another sender owns")
             if [entry[:3] for entry in listing] != listings[rank]:
                 self.abort()
                 wrong = next((a, b) for a, b in zip([e[:3] for e in listing] + [None] * len(listings[rank]),
@@ -251,27 +333,31 @@ class P2PTransport(_GroupTransport):
             works += self._transfer(rank, buffer, encode_sums([entry[3] for entry in listing], device))
             self._partial["done"].add(rank)
             buffers.append(buffer)
-            sent.append(listing)
         self._partial = None
         self._next += 1
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
-        self._open_vote(bucket, sent, list(self._requests), works, buffers, started)
+        self._open_vote(bucket, listings, list(self._requests), works, buffers, started)
 
-    def _announce(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        """Submit the stage ticket: every bucket of this sender from ``bucket`` on, each engine
-        rank's listing without checksums (those follow the bytes)."""
+    def _announce(self, bucket: Bucket) -> None:
+        """Submit the stage ticket (the stage sender; the other senders only take note): every
+        bucket of this stage from ``bucket`` on, each engine rank's listing without checksums
+        (those follow the bytes) and, with several senders, which group rank sends it."""
         from megarl.weight_sync.wire import checksum_algo
 
-        self._algo = checksum_algo(flat.device)
+        self._algo = checksum_algo(group_device(self.group))  # the same on every sender of the stage
         stage = [b for b in self.plan.buckets if b.sender_rank == bucket.sender_rank and b.index >= bucket.index]
         self._stage = [(b, self._listings(b)) for b in stage]
         self._next = 0
+        self._finish_announced = True
+        if self.sender_index:
+            return
         tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
-                    "buckets": [{"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]}
+                    "buckets": [dict({"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]},
+                                     **({"source": self.senders.index(self._owners.owners(b)[rank])}
+                                        if self._owners is not None else {}))
                                 for b, listings in self._stage]}
                    for rank in range(self.plan.engine_layout.tp_size)]
         self._submit_tickets(tickets)
-        self._finish_announced = True
 
     def abort(self) -> None:
         """Release the receivers after this sender failed mid-stage (call before raising).
@@ -281,6 +367,16 @@ class P2PTransport(_GroupTransport):
         receiver returns; the group stays usable for the next sync. Nothing to do when no stage is
         announced, every bucket was sent, or a vote already failed (the receivers returned).
         """
+        if self._stage is None and len(self.senders) > 1:  # the other senders wait for this one
+            if self.group is None and self.sender_index == 0:
+                self._handoff({"failed": True})  # they wait for the group's name
+                return
+            try:
+                if self.group is None:
+                    self._join_helper()
+                self._announce(self._buckets[0])
+            except Exception:  # noqa: BLE001 - the caller's error is the one to report
+                return
         if self._stage is None or self.group is None:
             return
         partial, self._partial = self._partial, None
@@ -298,12 +394,12 @@ class P2PTransport(_GroupTransport):
         self._next = len(self._stage)
         device = group_device(self.group)
         for rank, listing in enumerate(listings):
-            if rank in done:  # this bucket's real bytes went to that rank already
+            if rank in done or not self._is_mine(bucket, rank):  # real bytes went there, or another sender's
                 continue
             zeros = torch.zeros(_nbytes(listing), dtype=torch.uint8, device=device)
             sums = torch.zeros(len(listing) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device)
             works += self._transfer(rank, zeros, sums)
-        self._open_vote(bucket, [[] for _ in listings], list(self._requests), works, None, time.perf_counter(),
+        self._open_vote(bucket, listings, list(self._requests), works, None, time.perf_counter(),
                         sender_status=8)
         try:
             self._wait_vote()
@@ -319,13 +415,12 @@ class P2PTransport(_GroupTransport):
     def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:
         """Start sending engine rank ``rank`` of every engine its bytes ``buffer``, then its checksums
         ``sums``; returns the handles."""
-        tp = self.plan.engine_layout.tp_size
-        return [isend(message, 1 + i * tp + rank, group=self.group)
+        return [isend(message, self._engine_rank(i, rank), group=self.group)
                 for i in range(len(self.engines)) for message in (buffer, sums) if message.numel()]
 
     def _open_vote(self, bucket, listings, futures, works, refs, started, *, sender_status: int = 0) -> None:
         votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=group_device(self.group))
-        votes[0, 0] = sender_status
+        votes[self.sender_index, 0] = sender_status
         work = all_reduce(votes, group=self.group, async_op=True)
         self._pending = {"bucket": bucket, "listings": listings, "futures": futures, "works": works,
                          "refs": refs, "votes": votes, "work": work, "started": started}
@@ -342,10 +437,12 @@ class P2PTransport(_GroupTransport):
             self.stats.transfer_s += time.perf_counter() - pending["started"]
         votes = pending["votes"].cpu()
         tp = self.plan.engine_layout.tp_size
-        problems = []
+        problems = [f"trainer rank {self.senders[k]} (sender {k} of this stage): {STATUS.get(int(status), status)}"
+                    for k, status in enumerate(votes[:self.n_senders, 0].tolist())
+                    if status and k != self.sender_index]  # this sender's own error is raised by its caller
         for i in range(len(self.engines)):
             for r in range(tp):
-                status, index, received, _ = votes[1 + i * tp + r].tolist()
+                status, index, received, _ = votes[self._engine_rank(i, r)].tolist()
                 self.received[i][r] += received
                 if status:
                     listing = pending["listings"][r] if pending["bucket"] is not None else []
@@ -369,7 +466,7 @@ class P2PTransport(_GroupTransport):
             requests, self._requests = self._requests, []
             wait_all(requests, self.timeout_s)
             raise failure
-        futures = list(self._requests) if self._finish_announced else self._submit_tickets(
+        futures = list(self._requests) if self._finish_announced or self.sender_index else self._submit_tickets(
             [{"op": "finish", "group": self.group_name}] * self.plan.engine_layout.tp_size)
         self._open_vote(None, [[] for _ in range(self.plan.engine_layout.tp_size)], futures, [], None, started)
         self._wait_vote()
@@ -388,6 +485,10 @@ class P2PTransport(_GroupTransport):
             EngineRequestError: an engine refused a request.
         """
         if self.group is None:
+            return
+        if self.sender_index:  # the stage sender closes the engines' side
+            dist.destroy_process_group(self.group)
+            self.group = None
             return
         try:
             self._open_close_session(timeout_s=60)

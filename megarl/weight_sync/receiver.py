@@ -7,11 +7,13 @@ of ``/update_weights_from_tensor``. SGLang 0.5.23 hands each TP rank only its ow
 the loader on that rank's scheduler thread; the payload holds one control ticket
 (:mod:`megarl.weight_sync.wire`), and the loader does what it says:
 
-- ``connect``: join the stage sender's process group (sender = rank 0, engine ``i`` rank ``r`` =
-  ``1 + i * T + r``; NCCL on GPU, gloo on CPU: the same code) and keep it for every later sync;
+- ``connect``: join the stage sender's process group (senders = ranks ``0 .. n - 1``, the stage
+  sender first; engine ``i`` rank ``r`` = ``n + i * T + r``, the ticket's ``rank_offset``; NCCL on
+  GPU, gloo on CPU: the same code) and keep it for every later sync;
 - ``stage``: every bucket of one stage sender's sync, in order (one request per sync and stage:
-  no HTTP hop between two buckets). Per bucket: receive this rank's bytes from rank 0 and then
-  the sender's checksums (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check
+  no HTTP hop between two buckets). Per bucket: receive this rank's bytes from its sender (the
+  bucket entry's ``source``: with several senders per stage, the trainer rank that assembled this
+  rank's segment; default 0, the stage sender) and then the sender's checksums (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check
   every tensor against its checksum and against the served checkpoint (name known, dtype equal,
   shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
   only if every rank of every engine (and the sender) is content does any rank load the bucket.
@@ -134,7 +136,7 @@ def _bucket(model, state: dict, ticket: dict) -> bool:
     for message in (buffer, sums):  # both posted before loading: the sender never waits on our load
         if message.numel():
             works.append(broadcast(message, 0, group=state["group"], async_op=True) if whole  # one broadcast to all
-                         else irecv(message, 0, group=state["group"]))
+                         else irecv(message, int(ticket.get("source", 0)), group=state["group"]))
     received = nbytes
     _load_deferred(model, state)  # the previous bucket loads while this one's bytes arrive
     for work in works:

@@ -37,7 +37,7 @@ from megarl.training.collectives import recv as recv_tensor
 from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
 from megarl.weight_sync.engines import EngineGroup
-from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
+from megarl.weight_sync.gather import RING_SLOTS, SegmentOwners, StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.transports import Transport, make_transport
 from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
@@ -56,12 +56,16 @@ class WeightSynchronizer:
             None skips that check (engines on another host).
         pause_mode: ``retract``, ``abort`` or ``in_place``.
         group: the trainer's process group (default group if None).
+        segment_senders: with ``p2p`` (buckets laid out per engine rank), each engine rank's
+            segment is sent by the trainer rank of the stage holding most of it
+            (:class:`~megarl.weight_sync.gather.SegmentOwners`; ``weight_sync.segment_senders``).
         transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s`` (see ``make_transport``).
     """
 
     def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, placement,
                  manifest: Optional[Mapping] = None, pause_mode: str = "retract",
-                 group: Optional[dist.ProcessGroup] = None, **transport_kwargs) -> None:
+                 group: Optional[dist.ProcessGroup] = None, segment_senders: bool = True,
+                 **transport_kwargs) -> None:
         if pause_mode not in ("retract", "abort", "in_place"):
             raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
         if manifest is not None:
@@ -89,6 +93,12 @@ class WeightSynchronizer:
             self._transport_engines = EngineGroup([engine_urls[i] for i in self.mine.engines])
             self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
         self.transport_name = transport
+        self._engine_urls, self._transport_kwargs = list(engine_urls), transport_kwargs
+        self.segment_senders = segment_senders
+        self.owners: Optional[SegmentOwners] = None
+        """Who sends each engine rank's segment, when this rank's stage has several senders (set in :meth:`connect`)."""
+        self.is_helper = False
+        """This rank sends segments of its stage besides the stage sender (several senders per stage)."""
         self._connected = False
         self.sliced = False
         """Buckets are laid out per engine rank (decided in :meth:`connect`, the same on every rank)."""
@@ -126,7 +136,30 @@ class WeightSynchronizer:
         flag = all_reduce(torch.tensor([1.0 if takes else 0.0], dtype=torch.float64), op=dist.ReduceOp.MIN,
                           group=self.control)
         self.sliced = bool(flag.item() > 0)
+        if self.sliced and self.segment_senders and self.stage is not None:
+            self._connect_segment_senders()
         self._connected = True
+
+    def _connect_segment_senders(self) -> None:
+        """Several senders per stage (``p2p``; every rank of the stage computes the same owners
+        from the plan): the stage's helpers get a ``p2p`` transport of their own, and every sender
+        learns the others (the group itself is made in the first sync)."""
+        from megarl.weight_sync.transports import make_transport
+
+        owners = SegmentOwners(self.mine, self.placement)
+        senders = owners.senders(self.stage)
+        if len(senders) < 2:
+            return
+        self.owners = owners
+        if self.rank not in senders:
+            return
+        index = senders.index(self.rank)
+        if index > 0:
+            self.is_helper = True
+            self._transport_engines = EngineGroup([self._engine_urls[i] for i in self.mine.engines])
+            self.transport = make_transport("p2p", self.mine, self._transport_engines, **self._transport_kwargs)
+            self.transport.connect(self._senders().index(senders[0]))
+        self.transport.set_senders(senders, index, self.control, owners, list(self.mine.stage_buckets(self.stage)))
 
     # ------------------------------------------------------------------ the sync
     def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int) -> dict[str, float]:
@@ -154,7 +187,7 @@ class WeightSynchronizer:
         gatherer = None
         if self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
-                                     ring=self._ring if on_cpu else None, sliced=self.sliced)
+                                     ring=self._ring if on_cpu else None, sliced=self.sliced, owners=self.owners)
         try:
             stats, failure = (self._push(gatherer, version) if gatherer is not None else {}), None  # 2. push
         except WeightSyncError as err:  # every rank must learn it (the others finished their part)
@@ -228,14 +261,14 @@ class WeightSynchronizer:
     def _push(self, gatherer: StageGatherer, version: str) -> dict[str, float]:
         stats = {"gather_s": 0.0, "convert_s": 0.0, "quantize_s": 0.0, "transfer_s": 0.0, "engine_load_s": 0.0,
                  "bytes_sent": 0.0, "gather_bytes": 0.0}
-        if not self.is_sender:
+        if not self.is_sender and not self.is_helper:
             stats["gather_bytes"] = float(gatherer.send_contributions())
             return stats
         transport = self.transport
         transport.start_sync()
         senders = self._senders()
-        index = senders.index(self.rank)
-        ordered = transport.ordered_stages and len(senders) > 1
+        index = senders.index(self.rank) if self.is_sender else 0
+        ordered = transport.ordered_stages and len(senders) > 1 and self.is_sender  # helpers follow their stage sender
         # Contributions of this stage are gathered while we may still wait for our turn.
         buckets = gatherer.iter_hf_buckets()
         quantizer = None
@@ -375,5 +408,6 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
                                           tp_size=parallel.tp_size)
     return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, placement=Placement(layout),
                               manifest=read_manifest(hf_dir) if check_manifest else None,
-                              pause_mode=cfg.pause_mode, group=group, backend=cfg.backend,
+                              pause_mode=cfg.pause_mode, group=group, segment_senders=getattr(cfg, "segment_senders", True),
+                              backend=cfg.backend,
                               master_address=master_address, directory=directory, timeout_s=cfg.timeout_s)
