@@ -194,12 +194,14 @@ class StageGatherer:
         owners: with ``sliced``: each engine rank's segment is assembled by the trainer rank
             :class:`SegmentOwners` names (several senders per stage); None: all by the stage
             sender. Every rank of the stage must pass the same.
+        cache: a dict kept across syncs of the same plan (message lists, positions, layouts:
+            metadata only); None: this gatherer's own.
     """
 
     def __init__(self, plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor], placement: Placement,
                  *, max_in_flight: int = 2, group: Optional[dist.ProcessGroup] = None,
                  ring: Optional[list[Optional[torch.Tensor]]] = None, sliced: bool = False,
-                 owners: Optional[SegmentOwners] = None) -> None:
+                 owners: Optional[SegmentOwners] = None, cache: Optional[dict] = None) -> None:
         if owners is not None and not sliced:
             raise ValueError("segment owners need sliced buckets")
         self.plan, self.rank, self.local, self.placement = plan, rank, local, placement
@@ -208,8 +210,11 @@ class StageGatherer:
         if ring is not None and len(ring) != RING_SLOTS:
             raise ValueError(f"ring must hold {RING_SLOTS} slots, got {len(ring)}")
         self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
-        self._layouts: dict[int, tuple] = {}  # bucket index -> sliced_layout
-        self._positions: dict[int, dict[str, list[int]]] = {}  # bucket index -> _where
+        cache = cache if cache is not None else {}
+        mode = (sliced, owners is not None)  # the messages depend on it
+        self._layouts: dict[int, tuple] = cache.setdefault(("layouts", mode), {})  # bucket index -> sliced_layout
+        self._positions: dict[int, dict[str, list[int]]] = cache.setdefault(("positions", mode), {})  # -> _where
+        self._message_lists: dict[int, list] = cache.setdefault(("messages", mode), {})  # bucket index -> _messages
         self._sends: deque = deque()  # this assembler's open sends to other assemblers, per bucket
 
     def _where(self, bucket: Bucket) -> dict[str, list[int]]:
@@ -274,9 +279,14 @@ class StageGatherer:
                     dests.add(owners[rank])
         return sorted(dests)
 
-    def _messages(self, bucket: Bucket):
+    def _messages(self, bucket: Bucket) -> list:
         """Every point-to-point message of a bucket, in the order both sides use: ``(source_rank,
-        dest_rank, transfer, source, piece or None)``; None = the whole shard (to a temporary)."""
+        dest_rank, transfer, source, piece or None)``; None = the whole shard (to a temporary). Cached."""
+        if bucket.index not in self._message_lists:
+            self._message_lists[bucket.index] = list(self._make_messages(bucket))
+        return self._message_lists[bucket.index]
+
+    def _make_messages(self, bucket: Bucket):
         where = self._where(bucket)
         for transfer in bucket.params:
             pieces = self.placement.pieces(transfer)

@@ -127,6 +127,12 @@ class P2PTransport(_GroupTransport):
             return True
         return self._owners.owners(bucket)[rank] == self.senders[self.sender_index]
 
+    def _source(self, bucket: Optional[Bucket], rank: int) -> int:
+        """Group rank of the sender of engine rank ``rank``'s segment of ``bucket`` (None: the finish vote)."""
+        if self._owners is None or bucket is None:
+            return 0
+        return self.senders.index(self._owners.owners(bucket)[rank])
+
     def _engine_rank(self, engine: int, rank: int) -> int:
         """Group rank of engine ``engine``'s TP rank ``rank``."""
         return self.n_senders + engine * self.plan.engine_layout.tp_size + rank
@@ -353,8 +359,7 @@ class P2PTransport(_GroupTransport):
             return
         tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
                     "buckets": [dict({"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]},
-                                     **({"source": self.senders.index(self._owners.owners(b)[rank])}
-                                        if self._owners is not None else {}))
+                                     **({"source": self._source(b, rank)} if self._owners is not None else {}))
                                 for b, listings in self._stage]}
                    for rank in range(self.plan.engine_layout.tp_size)]
         self._submit_tickets(tickets)
@@ -440,10 +445,13 @@ class P2PTransport(_GroupTransport):
         problems = [f"trainer rank {self.senders[k]} (sender {k} of this stage): {STATUS.get(int(status), status)}"
                     for k, status in enumerate(votes[:self.n_senders, 0].tolist())
                     if status and k != self.sender_index]  # this sender's own error is raised by its caller
+        stopped = {k for k, status in enumerate(votes[:self.n_senders, 0].tolist()) if status == 8}
         for i in range(len(self.engines)):
             for r in range(tp):
                 status, index, received, _ = votes[self._engine_rank(i, r)].tolist()
                 self.received[i][r] += received
+                if status and self._source(pending["bucket"], r) in stopped:
+                    continue  # the zeros a stopped sender released this rank with: not a second error
                 if status:
                     listing = pending["listings"][r] if pending["bucket"] is not None else []
                     what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"

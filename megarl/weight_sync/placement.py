@@ -58,6 +58,7 @@ class Placement:
 
         self.layout = model_layout
         self.table = family_table(model_layout)
+        self._pieces: dict[tuple, tuple[Piece, ...]] = {}
 
     def pieces(self, transfer: ParamTransfer) -> tuple[Piece, ...]:
         """The pieces of one parameter, ordered by HF tensor then destination.
@@ -68,10 +69,14 @@ class Placement:
         """
         from megarl.checkpoint.mapping import lookup, template_of
 
-        entry, _ = lookup(self.table, transfer.param.name)
-        template, _ = template_of(transfer.param.name)
         shapes = tuple(t.shape for t in transfer.param.hf)
-        pieces = self._trace(template, entry, transfer.param.shape, len(transfer.sources), shapes)
+        key = (transfer.param.name, tuple(transfer.param.shape), len(transfer.sources), shapes)
+        pieces = self._pieces.get(key)
+        if pieces is None:  # the name lookups cost more than the copies of a small tensor: once per parameter
+            entry, _ = lookup(self.table, transfer.param.name)
+            template, _ = template_of(transfer.param.name)
+            pieces = self._pieces[key] = self._trace(template, entry, transfer.param.shape, len(transfer.sources),
+                                                     shapes)
         return pieces
 
     @functools.lru_cache(maxsize=4096)

@@ -104,6 +104,7 @@ class WeightSynchronizer:
         """Buckets are laid out per engine rank (decided in :meth:`connect`, the same on every rank)."""
         self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
         self._wire_ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # quantised buckets (FP8 engines)
+        self._gather_cache: dict = {}  # the gatherers' metadata, kept across syncs
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
@@ -187,7 +188,8 @@ class WeightSynchronizer:
         gatherer = None
         if self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
-                                     ring=self._ring if on_cpu else None, sliced=self.sliced, owners=self.owners)
+                                     ring=self._ring if on_cpu else None, sliced=self.sliced, owners=self.owners,
+                                     cache=self._gather_cache)
         try:
             stats, failure = (self._push(gatherer, version) if gatherer is not None else {}), None  # 2. push
         except WeightSyncError as err:  # every rank must learn it (the others finished their part)

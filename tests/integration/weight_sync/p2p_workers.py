@@ -127,6 +127,8 @@ def _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrup
         out["abort_error"] = str(err)
     if p2p.transport is not None:
         p2p.transport.tamper = None
+    out["abort_errors"] = [None] * dist.get_world_size()  # every rank's: the failing sender's own error is among them
+    dist.all_gather_object(out["abort_errors"], out["abort_error"])
     if rank == 0:
         with workers_engines(urls) as engines:
             engines.call_all("end_weight_update")
