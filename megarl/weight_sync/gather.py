@@ -79,11 +79,16 @@ class RankSlices:
     """A bucket laid out per engine rank (``StageGatherer(sliced=True)``).
 
     ``parts[r]``: engine rank ``r``'s ``[(hf_name, view)]`` in wire order (views of its slices);
-    ``segments[r]``: ``[nbytes_r]`` uint8, those slices back to back (what rank ``r`` receives).
+    ``segments[r]``: ``[nbytes_r]`` uint8, those slices back to back (what rank ``r`` receives);
+    ``messages[r]``: the same bytes as the messages they travel in (:meth:`SegmentOwners.runs`:
+    flat uint8 views of the segment, or of this rank's own parameters where a slice is a
+    contiguous part of one: those slices' views in ``parts`` are of the parameter too, and their
+    place in ``segments`` stays unwritten). None entries: segments another rank sends.
     """
 
     parts: list
     segments: list
+    messages: Optional[list] = None
 
 
 def sliced_layout(plan: WeightSyncPlan, bucket: Bucket) -> tuple[list[tuple[int, int]], list[list[tuple]]]:
@@ -118,6 +123,30 @@ def _overlap_bytes(spec, piece, sl) -> int:
     return torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
 
 
+def _own_rows(spec, sl, pieces: list, owner: int) -> Optional[tuple[str, int]]:
+    """``(param name, byte offset in its shard)`` when engine slice ``sl`` of HF tensor ``spec`` is
+    one contiguous part of ``owner``'s own shard (see :meth:`SegmentOwners.runs`), else None.
+    ``pieces``: ``[(transfer, piece)]`` of that HF tensor."""
+    over = [(t, p) for t, p in pieces
+            if sl.axis is None or sl.axis != p.axis or (sl.start < p.dst[1] and p.dst[0] < sl.stop)]
+    if len(over) != 1:
+        return None
+    transfer, piece = over[0]
+    source = transfer.sources[piece.shard]
+    if source.trainer_rank != owner or transfer.param.dtype != spec.dtype:
+        return None
+    if piece.axis == 0 and sl.axis in (None, 0):
+        lo, hi = (0, spec.shape[0]) if sl.axis is None else (sl.start, sl.stop)
+        if piece.dst[0] <= lo and hi <= piece.dst[1]:
+            row = torch.Size(spec.shape[1:]).numel() * torch_dtype(spec.dtype).itemsize
+            return transfer.param.name, (piece.src[0] + lo - piece.dst[0]) * row
+        return None
+    if piece.axis == 1 and sl.axis == 1 and tuple(piece.dst) == (sl.start, sl.stop) and \
+            tuple(piece.src) == (0, source.shape[1]):
+        return transfer.param.name, 0
+    return None
+
+
 class SegmentOwners:
     """Which trainer rank assembles and sends each engine rank's segment of each sliced bucket.
 
@@ -132,12 +161,15 @@ class SegmentOwners:
 
     Args:
         plan: the (replica's) plan; placement: the conversion as copy instructions.
+        several: False: the stage sender assembles every segment (one sender per stage; the
+            messages of :meth:`runs` still send its own contiguous slices from the parameters).
     """
 
-    def __init__(self, plan: WeightSyncPlan, placement: Placement) -> None:
-        self.plan, self.placement = plan, placement
+    def __init__(self, plan: WeightSyncPlan, placement: Placement, *, several: bool = True) -> None:
+        self.plan, self.placement, self.several = plan, placement, several
         self._owners: dict[int, list[int]] = {}
         self._layouts: dict[int, tuple] = {}
+        self._runs: dict[int, tuple] = {}
 
     def layout(self, bucket: Bucket) -> tuple:
         """:func:`sliced_layout` of ``bucket`` (cached)."""
@@ -147,6 +179,8 @@ class SegmentOwners:
 
     def owners(self, bucket: Bucket) -> list[int]:
         """The trainer rank assembling each engine rank's segment of ``bucket`` ``[engine tp]``."""
+        if bucket.index not in self._owners and not self.several:
+            self._owners[bucket.index] = [bucket.sender_rank] * self.plan.engine_layout.tp_size
         if bucket.index not in self._owners:
             tp = self.plan.engine_layout.tp_size
             credit: list[dict[int, int]] = [{} for _ in range(tp)]
@@ -164,6 +198,57 @@ class SegmentOwners:
             self._owners[bucket.index] = [
                 min(c, key=lambda t: (-c[t], t != lead, t)) if c else lead for c in credit]
         return self._owners[bucket.index]
+
+    def runs(self, bucket: Bucket) -> tuple[list[list[tuple]], dict]:
+        """How each engine rank's segment travels: ``(messages, local)``.
+
+        ``messages[r]``: ``[(offset, nbytes, source)]`` in segment order; ``source`` None: bytes
+        of the bucket buffer at ``offset`` (assembled there); else ``(param name, byte offset)``:
+        ``nbytes`` of the segment's owner's own shard of that parameter from that byte offset,
+        sent from the parameter's memory without a copy. A slice goes that way when exactly one
+        placement piece fills it, from the owner's shard, as contiguous rows (or as the whole shard
+        of a column split), in the same dtype. Consecutive buffer slices, and slices consecutive in
+        the same shard (a GLU shard's gate and up halves), travel as one message.
+        ``local``: ``{(hf tensor index, engine rank): (param name, byte offset)}`` of those slices.
+        Metadata only: the stage sender puts the message sizes in the stage ticket.
+        """
+        if bucket.index not in self._runs:
+            segments, regions = self.layout(bucket)
+            owners = self.owners(bucket)
+            at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
+            pieces: list[list] = [[] for _ in bucket.hf_tensors]
+            for transfer in bucket.params:
+                for piece in self.placement.pieces(transfer):
+                    pieces[at[transfer.param.hf[piece.hf_index].name]].append((transfer, piece))
+            per_rank: list[list] = [[] for _ in segments]
+            local = {}
+            for j, places in enumerate(regions):
+                spec = bucket.hf_tensors[j]
+                for rank, sl, offset in places:
+                    n = torch.Size(sl.shape(spec.shape)).numel() * torch_dtype(spec.dtype).itemsize
+                    src = _own_rows(spec, sl, pieces[j], owners[rank])
+                    if src is not None:
+                        local[(j, rank)] = src
+                    if n:
+                        per_rank[rank].append((offset, n, src))
+            messages = []
+            for entries in per_rank:
+                merged: list = []
+                for offset, n, src in sorted(entries, key=lambda e: e[0]):
+                    if merged:
+                        o, m, last = merged[-1]
+                        if (src is None and last is None and o + m == offset) or (
+                                src is not None and last is not None and src[0] == last[0] and last[1] + m == src[1]):
+                            merged[-1] = (o, m + n, last)
+                            continue
+                    merged.append((offset, n, src))
+                messages.append(merged)
+            self._runs[bucket.index] = (messages, local)
+        return self._runs[bucket.index]
+
+    def message_sizes(self, bucket: Bucket) -> list[list[int]]:
+        """Bytes of each message of each engine rank's segment ``[engine tp][message]``."""
+        return [[n for _, n, _ in msgs] for msgs in self.runs(bucket)[0]]
 
     def senders(self, pp_rank: int) -> list[int]:
         """The trainer ranks sending to the engines in stage ``pp_rank``: its stage sender first,
@@ -211,10 +296,11 @@ class StageGatherer:
             raise ValueError(f"ring must hold {RING_SLOTS} slots, got {len(ring)}")
         self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
         cache = cache if cache is not None else {}
-        mode = (sliced, owners is not None)  # the messages depend on it
+        mode = (sliced, owners.several if owners is not None else None)  # the messages depend on it
         self._layouts: dict[int, tuple] = cache.setdefault(("layouts", mode), {})  # bucket index -> sliced_layout
         self._positions: dict[int, dict[str, list[int]]] = cache.setdefault(("positions", mode), {})  # -> _where
         self._message_lists: dict[int, list] = cache.setdefault(("messages", mode), {})  # bucket index -> _messages
+        self._flat_shards: dict[str, torch.Tensor] = {}  # this sync's shards as bytes (sent without a copy)
         self._sends: deque = deque()  # this assembler's open sends to other assemblers, per bucket
 
     def _where(self, bucket: Bucket) -> dict[str, list[int]]:
@@ -357,27 +443,48 @@ class StageGatherer:
         owners = self.assemblers(bucket)
         ours = [r for r in range(len(segments)) if owners[r] == self.rank]
         if not ours:
-            return None, RankSlices([None] * len(segments), [None] * len(segments)), [
+            return None, RankSlices([None] * len(segments), [None] * len(segments), [None] * len(segments)), [
                 [(sl if sl.axis is not None else None, None) for _, sl, _ in places] for places in regions]
+        runs, local = self.owners.runs(bucket) if self.owners is not None else (None, {})
         base = segments[ours[0]][0]
         end = max(a + n for a, n in (segments[r] for r in ours))
         flat = self._slot(bucket, end - base, device)
         targets = []
         parts: list = [[] if r in ours else None for r in range(len(segments))]
-        for spec, places in zip(bucket.hf_tensors, regions):
+        for j, (spec, places) in enumerate(zip(bucket.hf_tensors, regions)):
             mine = []
             for rank, sl, offset in places:
                 view = None
                 if owners[rank] == self.rank:
                     shape = sl.shape(spec.shape)
                     n = torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
-                    view = flat[offset - base:offset - base + n].view(torch_dtype(spec.dtype)).view(shape)
-                    parts[rank].append((spec.name, view))
+                    src = local.get((j, rank))
+                    if src is not None:  # sent from the parameter itself: nothing to write here
+                        parts[rank].append((spec.name, self._shard_bytes(src[0])[src[1]:src[1] + n]
+                                            .view(torch_dtype(spec.dtype)).view(shape)))
+                    else:
+                        view = flat[offset - base:offset - base + n].view(torch_dtype(spec.dtype)).view(shape)
+                        parts[rank].append((spec.name, view))
                 mine.append((sl if sl.axis is not None else None, view))
             targets.append(mine)
+        messages = [None] * len(segments)
+        for r in ours:
+            if runs is None:
+                a, n = segments[r]
+                messages[r] = [flat[a - base:a - base + n]]
+            else:
+                messages[r] = [flat[o - base:o - base + n] if src is None else self._shard_bytes(src[0])[src[1]:src[1] + n]
+                               for o, n, src in runs[r]]
         handed = RankSlices(parts, [flat[a - base:a - base + n] if r in ours else None
-                                    for r, (a, n) in enumerate(segments)])
+                                    for r, (a, n) in enumerate(segments)], messages)
         return flat, handed, targets
+
+    def _shard_bytes(self, name: str) -> torch.Tensor:
+        """This rank's shard of parameter ``name`` as flat bytes (its own memory when contiguous)."""
+        if name not in self._flat_shards:
+            shard = self.local[name].detach()
+            self._flat_shards[name] = shard.contiguous().reshape(-1).view(torch.uint8)
+        return self._flat_shards[name]
 
     def _post(self, bucket: Bucket, device: torch.device):
         flat, handed, targets = self._targets(bucket, device)

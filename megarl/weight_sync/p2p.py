@@ -239,6 +239,13 @@ class P2PTransport(_GroupTransport):
                 parts[rank].append((name, tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
         return parts
 
+    def _sizes(self, bucket: Bucket, listings: list[list]) -> list[list[int]]:
+        """Bytes of each message each engine rank receives of ``bucket`` (the segment owners' runs
+        when buckets are laid out per engine rank; else one message of its listing's bytes)."""
+        if self._owners is not None:
+            return self._owners.message_sizes(bucket)
+        return [[_nbytes(listing)] for listing in listings]
+
     def _listings(self, bucket: Bucket) -> list[list]:
         """Each engine rank's ticket listing ``[[name, dtype, shape]]`` of ``bucket`` (wire order),
         from the plan alone (the tensors' metadata)."""
@@ -248,9 +255,10 @@ class P2PTransport(_GroupTransport):
                 parts[rank].append([spec.name, spec.dtype, list(sl.shape(spec.shape))])
         return parts
 
-    def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, list]]:
-        """``(rank, bytes [nbytes_r] uint8, listing [[name, dtype, shape, checksum]])`` for each engine
-        rank in order, packed lazily (a rank's bytes may leave while the next rank's are packed)."""
+    def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, list, list]]:
+        """``(rank, messages [[nbytes] uint8, ...], listing [[name, dtype, shape, checksum]])`` for
+        each engine rank this sender sends, in order, packed lazily (a rank's bytes may leave while
+        the next rank's are packed)."""
         from megarl.weight_sync.gather import RankSlices
         from megarl.weight_sync.wire import checksum, checksum_algo
 
@@ -261,7 +269,7 @@ class P2PTransport(_GroupTransport):
                     continue
                 listing = [[name, str(v.dtype).removeprefix("torch."), list(v.shape),
                             checksum(v.reshape(-1).view(torch.uint8), algo)] for name, v in mine]
-                yield rank, segment, listing
+                yield rank, tensors.messages[rank] if tensors.messages is not None else [segment], listing
             return
         flat_device = flat.device
         parts = self._slices(bucket, tensors)
@@ -290,7 +298,7 @@ class P2PTransport(_GroupTransport):
                     sums[key] = checksum(buffer[offset:offset + n], algo)
                 listing.append([name, str(v.dtype).removeprefix("torch."), list(v.shape), sums[key]])
                 offset += n
-            yield rank, buffer, listing
+            yield rank, [buffer], listing
 
     def send(self, bucket, tensors, flat) -> None:
         """Pack, send point to point and open the vote of one bucket; the stage's first bucket also
@@ -315,7 +323,7 @@ class P2PTransport(_GroupTransport):
             self._wait_vote()  # the previous bucket: its buffers are free, the receivers wait for this one
             if self._failure is not None:
                 return
-        expected, listings = self._stage[self._next] if self._next < len(self._stage) else (None, None)
+        expected, listings, sizes = self._stage[self._next] if self._next < len(self._stage) else (None, None, None)
         if expected is not bucket:
             self.abort()
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
@@ -333,12 +341,16 @@ class P2PTransport(_GroupTransport):
                                                     listings[rank] + [None] * len(listing)) if a != b)
                 raise WeightSyncError(f"p2p sender: bucket {bucket.index} engine rank {rank}: converted tensor "
                                       f"{wrong[0]} where the plan announced {wrong[1]}")
+            if [int(m.numel()) for m in buffer] != sizes[rank]:
+                raise WeightSyncError(f"p2p sender: bucket {bucket.index} engine rank {rank}: messages of "
+                                      f"{[int(m.numel()) for m in buffer]} bytes, the ticket announced {sizes[rank]}")
             if self.tamper is not None:
-                tampered = self.tamper(bucket.index, rank, buffer)
-                buffer = buffer if tampered is None else tampered
+                joined = torch.cat(buffer) if len(buffer) > 1 else buffer[0]
+                tampered = self.tamper(bucket.index, rank, joined)
+                buffer = buffer if tampered is None else list(tampered.split(sizes[rank]))
             works += self._transfer(rank, buffer, encode_sums([entry[3] for entry in listing], device))
             self._partial["done"].add(rank)
-            buffers.append(buffer)
+            buffers.extend(buffer)
         self._partial = None
         self._next += 1
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
@@ -352,15 +364,16 @@ class P2PTransport(_GroupTransport):
 
         self._algo = checksum_algo(group_device(self.group))  # the same on every sender of the stage
         stage = [b for b in self.plan.buckets if b.sender_rank == bucket.sender_rank and b.index >= bucket.index]
-        self._stage = [(b, self._listings(b)) for b in stage]
+        self._stage = [(b, listings, self._sizes(b, listings)) for b in stage for listings in [self._listings(b)]]
         self._next = 0
         self._finish_announced = True
         if self.sender_index:
             return
         tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
                     "buckets": [dict({"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]},
-                                     **({"source": self._source(b, rank)} if self._owners is not None else {}))
-                                for b, listings in self._stage]}
+                                     **({"source": self._source(b, rank)} if self._owners is not None else {}),
+                                     **({"messages": sizes[rank]} if len(sizes[rank]) > 1 else {}))
+                                for b, listings, sizes in self._stage]}
                    for rank in range(self.plan.engine_layout.tp_size)]
         self._submit_tickets(tickets)
 
@@ -395,13 +408,13 @@ class P2PTransport(_GroupTransport):
             refused, self._failure = self._failure is not None, None  # the caller raises its own error
             if refused or self._next >= len(self._stage):  # refused: the receivers returned already
                 return
-        bucket, listings = self._stage[self._next]
+        bucket, listings, sizes = self._stage[self._next]
         self._next = len(self._stage)
         device = group_device(self.group)
         for rank, listing in enumerate(listings):
             if rank in done or not self._is_mine(bucket, rank):  # real bytes went there, or another sender's
                 continue
-            zeros = torch.zeros(_nbytes(listing), dtype=torch.uint8, device=device)
+            zeros = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes[rank]]
             sums = torch.zeros(len(listing) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device)
             works += self._transfer(rank, zeros, sums)
         self._open_vote(bucket, listings, list(self._requests), works, None, time.perf_counter(),
@@ -417,11 +430,11 @@ class P2PTransport(_GroupTransport):
         except Exception:  # noqa: BLE001 - the caller's error is the one to report
             pass
 
-    def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:
-        """Start sending engine rank ``rank`` of every engine its bytes ``buffer``, then its checksums
-        ``sums``; returns the handles."""
+    def _transfer(self, rank: int, messages: list, sums: torch.Tensor) -> list:
+        """Start sending engine rank ``rank`` of every engine its bytes (``messages``, in order),
+        then its checksums ``sums``; returns the handles."""
         return [isend(message, self._engine_rank(i, rank), group=self.group)
-                for i in range(len(self.engines)) for message in (buffer, sums) if message.numel()]
+                for i in range(len(self.engines)) for message in (*messages, sums) if message.numel()]
 
     def _open_vote(self, bucket, listings, futures, works, refs, started, *, sender_status: int = 0) -> None:
         votes = torch.zeros(self.world_size, VOTE_FIELDS, dtype=torch.int64, device=group_device(self.group))
@@ -556,17 +569,17 @@ class CheckedDistributedTransport(P2PTransport):
         algo = checksum_algo(flat.device)
         listing = [[name, str(t.dtype).removeprefix("torch."), list(t.shape), checksum(t, algo)] for name, t in tensors]
         for rank in range(self.plan.engine_layout.tp_size):
-            yield rank, flat, listing
+            yield rank, [flat], listing
 
     def _listings(self, bucket: Bucket) -> list[list]:
         """Every engine rank's listing: every tensor whole ``[[name, dtype, shape]]`` (from the plan)."""
         listing = [[spec.name, spec.dtype, list(spec.shape)] for spec in bucket.wire]
         return [listing] * self.plan.engine_layout.tp_size
 
-    def _transfer(self, rank: int, buffer: torch.Tensor, sums: torch.Tensor) -> list:
-        """Engine rank 0's buffer (the whole bucket) goes to every engine rank in one broadcast, then
-        its checksums in another; the other ranks' (the same) send nothing."""
+    def _transfer(self, rank: int, messages: list, sums: torch.Tensor) -> list:
+        """Engine rank 0's buffer (the whole bucket, one message) goes to every engine rank in one
+        broadcast, then its checksums in another; the other ranks' (the same) send nothing."""
         if rank != 0:
             return []
-        return [broadcast(message, 0, group=self.group, async_op=True) for message in (buffer, sums)
+        return [broadcast(message, 0, group=self.group, async_op=True) for message in (*messages, sums)
                 if message.numel()]

@@ -11,7 +11,8 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   sender first; engine ``i`` rank ``r`` = ``n + i * T + r``, the ticket's ``rank_offset``; NCCL on
   GPU, gloo on CPU: the same code) and keep it for every later sync;
 - ``stage``: every bucket of one stage sender's sync, in order (one request per sync and stage:
-  no HTTP hop between two buckets). Per bucket: receive this rank's bytes from its sender (the
+  no HTTP hop between two buckets). Per bucket: receive this rank's bytes (in the entry's
+  ``messages``, byte counts back to back, when they travel in several) from its sender (the
   bucket entry's ``source``: with several senders per stage, the trainer rank that assembled this
   rank's segment; default 0, the stage sender) and then the sender's checksums (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check
   every tensor against its checksum and against the served checkpoint (name known, dtype equal,
@@ -132,8 +133,14 @@ def _bucket(model, state: dict, ticket: dict) -> bool:
     # The sender's checksums follow the bytes (an unknown algorithm: none come, decode_sums refuses).
     sums = torch.empty(len(ticket["tensors"]) * wire.DIGEST_CHARS.get(ticket["algo"], 0), dtype=torch.uint8,
                        device=state["device"])
+    sizes = [int(n) for n in ticket.get("messages", [nbytes])]  # the segment's messages (sent without a copy)
+    if sum(sizes) != nbytes:
+        log.error("p2p receiver: bucket %s: messages of %s bytes for %s announced; receiving one", index,
+                  sum(sizes), nbytes)
+        sizes = [nbytes]
+    messages = list(buffer.split(sizes)) if len(sizes) > 1 else [buffer]
     works = []
-    for message in (buffer, sums):  # both posted before loading: the sender never waits on our load
+    for message in (*messages, sums):  # all posted before loading: the sender never waits on our load
         if message.numel():
             works.append(broadcast(message, 0, group=state["group"], async_op=True) if whole  # one broadcast to all
                          else irecv(message, int(ticket.get("source", 0)), group=state["group"]))

@@ -137,20 +137,19 @@ class WeightSynchronizer:
         flag = all_reduce(torch.tensor([1.0 if takes else 0.0], dtype=torch.float64), op=dist.ReduceOp.MIN,
                           group=self.control)
         self.sliced = bool(flag.item() > 0)
-        if self.sliced and self.segment_senders and self.stage is not None:
+        if self.sliced and self.stage is not None:
             self._connect_segment_senders()
         self._connected = True
 
     def _connect_segment_senders(self) -> None:
-        """Several senders per stage (``p2p``; every rank of the stage computes the same owners
-        from the plan): the stage's helpers get a ``p2p`` transport of their own, and every sender
-        learns the others (the group itself is made in the first sync)."""
+        """Buckets laid out per engine rank (``p2p``; every rank of the stage computes the same
+        owners from the plan): who sends each segment, in which messages; with several senders
+        (``segment_senders``) the stage's helpers get a ``p2p`` transport of their own, and every
+        sender learns the others (the group itself is made in the first sync)."""
         from megarl.weight_sync.transports import make_transport
 
-        owners = SegmentOwners(self.mine, self.placement)
+        owners = SegmentOwners(self.mine, self.placement, several=self.segment_senders)
         senders = owners.senders(self.stage)
-        if len(senders) < 2:
-            return
         self.owners = owners
         if self.rank not in senders:
             return

@@ -120,7 +120,7 @@ def test_a_tp2_sender_gathers_its_peers_shards_over_gloo_into_the_mappings_hf_te
                       specs, bucket_size_mb=16 / 1024)
     full = [(t.param.name, torch.randn(t.param.shape, generator=gen)) for b in plan.buckets for t in b.params]
     expected = dict(megatron_to_hf(full, get_family(hf_config).layout(hf_config, tp_size=1)))
-    assert (peer["sent_bytes"] > 0 or owners) and sorted(got) == sorted(expected)
+    assert peer["sent_bytes"] > 0 and sorted(got) == sorted(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
 
@@ -144,36 +144,48 @@ def _sliced_gather_worker(rank, world_size, engine_tp, engine_ep, owners):
         for source in transfer.sources:
             if source.trainer_rank == rank:
                 local[transfer.param.name] = split_tp(full, entry.tp_split, source.shard_index, len(transfer.sources))
-    gatherer = StageGatherer(plan, rank, local, Placement(layout), sliced=True,
-                             owners=SegmentOwners(plan, Placement(layout)) if owners else None)
+    seg_owners = None if owners == "none" else SegmentOwners(plan, Placement(layout), several=owners == "several")
+    gatherer = StageGatherer(plan, rank, local, Placement(layout), sliced=True, owners=seg_owners)
     if not gatherer.sends_buckets():
-        return {"sent_bytes": gatherer.send_contributions(), "got": {}}
-    got = {}
-    for _, slices, flat in gatherer.iter_hf_buckets():
+        return {"sent_bytes": gatherer.send_contributions(), "got": {}, "from_params": 0}
+    got, from_params = {}, 0
+    for bucket, slices, flat in gatherer.iter_hf_buckets():
         assert isinstance(slices, RankSlices)
         for r, (mine, segment) in enumerate(zip(slices.parts, slices.segments)):
             if segment is None:  # assembled by the other rank
                 continue
+            messages = slices.messages[r]
+            if seg_owners is not None:  # what the stage ticket announces
+                assert [int(m.numel()) for m in messages] == seg_owners.message_sizes(bucket)[r]
+            joined = torch.cat(messages) if messages else torch.empty(0, dtype=torch.uint8)
             offset = 0
             for name, view in mine:  # each rank's segment: its slices back to back, in order
                 n = view.numel() * view.element_size()
-                assert view.data_ptr() == segment.data_ptr() + offset
+                assert torch.equal(joined[offset:offset + n], view.reshape(-1).view(torch.uint8))
+                if seg_owners is None:
+                    assert view.data_ptr() == segment.data_ptr() + offset
                 offset += n
                 got[(r, name)] = view.clone()
-            assert offset == segment.numel()
-    return {"got": got, "sent_bytes": gatherer.timings.bytes_received}
+            assert offset == segment.numel() == joined.numel()
+            inside = range(flat.data_ptr(), flat.data_ptr() + flat.numel())
+            from_params += sum(1 for m in messages if m.numel() and m.data_ptr() not in inside)
+    return {"got": got, "sent_bytes": gatherer.timings.bytes_received, "from_params": from_params}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine_tp,engine_ep,owners", [(1, 1, False), (2, 1, False), (4, 1, False), (8, 1, False),
-                                                        (2, 2, False), (4, 4, False), (1, 1, True), (2, 1, True),
-                                                        (4, 1, True), (8, 1, True), (4, 4, True)])
+@pytest.mark.parametrize("engine_tp,engine_ep,owners", [
+    (1, 1, "none"), (2, 1, "none"), (4, 1, "none"), (8, 1, "none"), (2, 2, "none"), (4, 4, "none"),
+    (2, 1, "one"), (4, 4, "one"), (1, 1, "several"), (2, 1, "several"), (4, 1, "several"), (8, 1, "several"),
+    (4, 4, "several")])
 def test_a_sliced_bucket_holds_each_engine_ranks_slices_of_the_mappings_hf_tensors(engine_tp, engine_ep, owners):
     """TP2 trainer, buckets laid out per engine rank (the p2p transport's, no packing copy): engine
     rank r's segment holds exactly its slices (the plan's ``engine_slices_of``) of the family
     mapping's HF tensors of the unsplit parameters; engine TP 8 replicates the 4 kv heads, EP moves
-    whole experts to one rank. ``owners``: each segment assembled by the trainer rank holding most
-    of it (several senders per stage): every segment exactly once over both ranks, and at engine
+    whole experts to one rank. ``owners``: ``none``: every segment in the stage sender's buffer;
+    ``one``: the stage sender's own contiguous slices travel from its parameters (the messages
+    :class:`SegmentOwners` announces); ``several``: each segment assembled by the trainer rank
+    holding most of it (several senders per stage): every segment exactly once over both ranks,
+    some messages straight from the parameters, and at engine
     TP >= 2 trainer rank 1 assembles segments of the second half of the TP group only, and over 90%
     of their bytes."""
     from transformers import AutoConfig
@@ -184,7 +196,9 @@ def test_a_sliced_bucket_holds_each_engine_ranks_slices_of_the_mappings_hf_tenso
     assert not set(first["got"]) & set(second["got"])  # each segment assembled once
     got = {**first["got"], **second["got"]}
     peer = second
-    if owners and engine_tp > 1 and engine_ep == 1:  # (EP: each whole expert ties between the ETP ranks)
+    if owners != "none":
+        assert first["from_params"] + second["from_params"] > 0
+    if owners == "several" and engine_tp > 1 and engine_ep == 1:  # (EP: each whole expert ties between the ETP ranks)
         assert second["got"] and all(r >= engine_tp // 2 for r, _ in second["got"]), sorted(second["got"])[:4]
         upper = [v for (r, _), v in got.items() if r >= engine_tp // 2]
         mine = sum(v.numel() for v in second["got"].values())
@@ -202,7 +216,7 @@ def test_a_sliced_bucket_holds_each_engine_ranks_slices_of_the_mappings_hf_tenso
         for r, sl in plan.engine_slices_of(spec).items():
             tensor = hf[spec.name]
             expected[(r, spec.name)] = tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)
-    assert (peer["sent_bytes"] > 0 or owners) and sorted(got) == sorted(expected)
+    assert (peer["sent_bytes"] > 0 or owners == "several") and sorted(got) == sorted(expected)
     assert all(torch.equal(got[key], expected[key]) for key in expected)
 
 
