@@ -43,7 +43,7 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
     from megarl.training.parallel_state import destroy_parallel
     from megarl.weight_sync.sync import build_weight_sync
 
-    cfg = workers.make_cfg(hf_dir, workers.LAYOUTS[layout])
+    cfg = workers.make_cfg(hf_dir, {**workers.LAYOUTS, **workers.LAYOUTS_4}[layout])
     trainer = build_trainer(cfg)
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
@@ -98,6 +98,12 @@ def _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrup
             out[transport] = workers.engine_logprobs(urls, probes)
         dist.barrier()
     out["plan_shard_bytes"] = syncers["p2p"].plan.engine_shard_bytes()
+    p2p = syncers["p2p"]  # which trainer ranks sent bytes to the engines, per stage
+    sent = (p2p.stage, rank, p2p.transport is not None and p2p.transport.stats.bytes_sent > 0)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sent)
+    out["senders"] = [sorted(r for s, r, did in everyone if s == stage and did)
+                      for stage in sorted({s for s, _, _ in everyone if s is not None})]
     if corrupt is None:
         return out
     trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))

@@ -67,3 +67,18 @@ def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_
     after = out["metrics_after_abort"]
     for rank in (0, 1):
         assert after[f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_p2p_from_tp2_pp2_sends_from_every_tp_rank_of_both_stages(tp2_p2p_engine, tiny_moe_dir, tmp_path):
+    """Four trainer ranks (TP2 x PP2) into the TP2 engine: each stage has two senders (its TP rank
+    k sends engine rank k's segments, ``SegmentOwners``), the stages take turns; reference: the
+    engine after a disk reload of the same weights; bytes per engine rank / shard from the receiver."""
+    out = run_ranks(p2p_workers.sync_then_corrupt, 4, timeout_s=840, args=(
+        str(tiny_moe_dir), "tp2pp2", [tp2_p2p_engine.url], probes(), 2, str(tmp_path), train_sequences(), None))[0]
+    assert gap(out["p2p"][0], out["disk"][0])[1] < 1e-5
+    metrics = out["metrics"]["p2p"]
+    for rank in (0, 1):
+        assert metrics[f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0)
+    assert out["senders"] == [[0, 1], [2, 3]], out["senders"]  # both TP ranks of each stage sent

@@ -14,6 +14,11 @@ LAYOUTS = {
     "dp2": {},
 }
 """World-size-2 trainer layouts, as ``section.key`` overrides."""
+LAYOUTS_4 = {
+    "tp2pp2": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
+               "parallel.pipeline_model_parallel_size": 2},
+}
+"""World-size-4 trainer layouts."""
 
 
 def make_cfg(hf_dir: str, overrides: dict):
