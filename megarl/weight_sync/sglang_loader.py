@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ CUSTOM_WEIGHT_LOADERS = ["megarl.weight_sync.sglang_loader.load_presharded",
                          "megarl.weight_sync.receiver.receive_shards"]
 """What an engine that may receive ``shard`` or ``p2p`` updates passes to ``--custom-weight-loader``."""
 STATS_DIR_ENV = "MEGARL_WEIGHT_SYNC_STATS_DIR"
+_PRESHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""model -> its modules with a ``use_presharded_weights`` switch."""
 
 
 def load_presharded(model, named_tensors) -> None:
@@ -40,7 +43,10 @@ def load_presharded(model, named_tensors) -> None:
     """
     from megarl.weight_sync.sglang_compat import cpu_presharded_qkv_fix
 
-    toggled = [(m, m.use_presharded_weights) for m in model.modules() if hasattr(m, "use_presharded_weights")]
+    modules = _PRESHARDED.get(model)
+    if modules is None:  # walking the module tree costs ~1 ms per call on a small model: once per model
+        modules = _PRESHARDED[model] = [m for m in model.modules() if hasattr(m, "use_presharded_weights")]
+    toggled = [(m, m.use_presharded_weights) for m in modules]
     for module, _ in toggled:
         module.use_presharded_weights = True
     try:
