@@ -182,22 +182,26 @@ class SegmentOwners:
         if bucket.index not in self._owners and not self.several:
             self._owners[bucket.index] = [bucket.sender_rank] * self.plan.engine_layout.tp_size
         if bucket.index not in self._owners:
-            tp = self.plan.engine_layout.tp_size
-            credit: list[dict[int, int]] = [{} for _ in range(tp)]
-            at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
-            regions = self.layout(bucket)[1]
-            for transfer in bucket.params:
-                for piece in self.placement.pieces(transfer):
-                    holder = transfer.sources[piece.shard].trainer_rank
-                    j = at[transfer.param.hf[piece.hf_index].name]
-                    for rank, sl, _ in regions[j]:
-                        n = _overlap_bytes(bucket.hf_tensors[j], piece, sl)
-                        if n:
-                            credit[rank][holder] = credit[rank].get(holder, 0) + n
             lead = bucket.sender_rank
             self._owners[bucket.index] = [
-                min(c, key=lambda t: (-c[t], t != lead, t)) if c else lead for c in credit]
+                min(c, key=lambda t: (-c[t], t != lead, t)) if c else lead for c in self.holdings(bucket)]
         return self._owners[bucket.index]
+
+    def holdings(self, bucket: Bucket) -> list[dict[int, int]]:
+        """Per engine rank, the bytes of its segment of ``bucket`` each trainer rank holds
+        ``[engine tp]{trainer rank: bytes}`` (from the plan's sources and the placement's pieces)."""
+        credit: list[dict[int, int]] = [{} for _ in range(self.plan.engine_layout.tp_size)]
+        at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
+        regions = self.layout(bucket)[1]
+        for transfer in bucket.params:
+            for piece in self.placement.pieces(transfer):
+                holder = transfer.sources[piece.shard].trainer_rank
+                j = at[transfer.param.hf[piece.hf_index].name]
+                for rank, sl, _ in regions[j]:
+                    n = _overlap_bytes(bucket.hf_tensors[j], piece, sl)
+                    if n:
+                        credit[rank][holder] = credit[rank].get(holder, 0) + n
+        return credit
 
     def runs(self, bucket: Bucket) -> tuple[list[list[tuple]], dict]:
         """How each engine rank's segment travels: ``(messages, local)``.

@@ -13,7 +13,11 @@ bytes it sends to the engines, and for each engine rank the bytes it receives. T
 - stages push one after another (both transports share the engines' collectives):
   ``predicted_s = sum over stages``;
 - ``p2p``: a sender's link carries each engine rank's shard once per engine it serves
-  (``engines * sum_r shard_r``); ``distributed``: a pipelined (ring / tree) NCCL broadcast
+  (``engines * sum_r shard_r``); with segment senders (``weight_sync.segment_senders``, BF16 on
+  the wire) each engine rank's segment of each bucket is sent by the trainer rank holding most of
+  it (:class:`~megarl.weight_sync.gather.SegmentOwners`), which first gathers the rest of it from
+  the ranks holding it: every sending rank of a stage has its own row (its gather, its link), and
+  the stage takes its slowest one; ``distributed``: a pipelined (ring / tree) NCCL broadcast
   carries the stage's bytes once per link whatever the number of receivers, but every engine rank
   receives all of them;
 - engines serving a block-FP8 checkpoint receive FP8 weights and scales (the plan's wire
@@ -61,7 +65,7 @@ class SyncPrediction:
 
 
 def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, intra_gbps: float,
-                 inter_gbps: float) -> SyncPrediction:
+                 inter_gbps: float, placement=None) -> SyncPrediction:
     """Bytes per link and per engine rank and the predicted seconds of one sync (module docstring).
 
     Args:
@@ -69,6 +73,8 @@ def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, i
         transport: ``p2p`` or ``distributed``.
         ranks_per_node: trainer GPUs per node (ranks ``[k * n, (k + 1) * n)`` share node ``k``).
         intra_gbps / inter_gbps: NVLink and network bandwidth per GPU, GB/s (1e9 bytes).
+        placement: the conversion's copy instructions (:class:`~megarl.weight_sync.placement.Placement`):
+            ``p2p`` with segment senders (module docstring); None: one sender per stage.
 
     Raises:
         ValueError: another transport, or non-positive bandwidths / ranks per node.
@@ -81,8 +87,10 @@ def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, i
                          engine_shard_bytes=plan.engine_shard_bytes())
     replicas = [plan.for_replica(k) for k in range(plan.senders_per_stage)]
     for pp_rank in sorted({b.pp_rank for b in plan.buckets}):
-        rows = [_sender_row(replica, pp_rank, transport, ranks_per_node, intra_gbps, inter_gbps)
-                for replica in replicas]
+        segments = transport == "p2p" and placement is not None and plan.quantization is None
+        rows = [row for replica in replicas for row in (
+            _segment_rows(replica, pp_rank, placement, ranks_per_node, intra_gbps, inter_gbps) if segments
+            else [_sender_row(replica, pp_rank, transport, ranks_per_node, intra_gbps, inter_gbps)])]
         out.stages.extend(rows)
         out.seconds += max(row.seconds for row in rows)
     return out
@@ -114,6 +122,32 @@ def _sender_row(plan: WeightSyncPlan, pp_rank: int, transport: str, ranks_per_no
     seconds = max(gather_s, send / (inter_gbps * GB))
     return StagePrediction(pp_rank, sender, sum(b.nbytes for b in buckets), intra, inter, send, seconds,
                            plan.replica, engines)
+
+
+def _segment_rows(plan: WeightSyncPlan, pp_rank: int, placement, ranks_per_node: int, intra_gbps: float,
+                  inter_gbps: float) -> list[StagePrediction]:
+    """One row per trainer rank sending segments of stage ``pp_rank`` (``p2p`` segment senders)."""
+    from megarl.weight_sync.gather import SegmentOwners
+
+    owners = SegmentOwners(plan, placement)
+    engines = len(plan.engines)
+    rows: dict[int, list[int]] = {}  # sender -> [hf bytes, gather intra, gather inter, send]
+    for bucket in plan.stage_buckets(pp_rank):
+        segments = owners.layout(bucket)[0]
+        for rank, (owner, held) in enumerate(zip(owners.owners(bucket), owners.holdings(bucket))):
+            row = rows.setdefault(owner, [0, 0, 0, 0])
+            row[3] += engines * segments[rank][1]
+            for holder, nbytes in held.items():
+                row[0] += nbytes
+                if holder != owner:
+                    row[1 if holder // ranks_per_node == owner // ranks_per_node else 2] += nbytes
+    out = []
+    for sender in sorted(rows):
+        hf, intra, inter, send = rows[sender]
+        gather_s = intra / (intra_gbps * GB) + inter / (inter_gbps * GB)
+        out.append(StagePrediction(pp_rank, sender, hf, intra, inter, send, max(gather_s, send / (inter_gbps * GB)),
+                                   plan.replica, engines))
+    return out
 
 
 def _numel(shape) -> int:
@@ -182,14 +216,27 @@ def plan_from_config(cfg):
                       senders_per_stage=senders_per_stage(cfg.weight_sync))
 
 
+def placement_from_config(cfg):
+    """The conversion's copy instructions for a resolved run config (metadata only)."""
+    from megarl.checkpoint.families import get_family
+    from megarl.training.model import load_hf_config
+    from megarl.weight_sync.placement import Placement
+
+    hf_config = load_hf_config(str(cfg.model.hf_path))
+    return Placement(get_family(hf_config).layout(
+        hf_config, make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
+        tp_size=int(cfg.parallel.tensor_model_parallel_size)))
+
+
 def cmd_plan_sync(args) -> int:
     """``megarl plan-sync CONFIG [overrides] --intra-gbps X --inter-gbps Y`` (see module docstring)."""
     from megarl.cli import prepare_config
 
     cfg = prepare_config(args.config, args.overrides)
     plan = plan_from_config(cfg)
+    placement = placement_from_config(cfg) if getattr(cfg.weight_sync, "segment_senders", True) else None
     predictions = [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
-                                intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+                                intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, placement=placement)
                    for t in ("p2p", "distributed")]
     print(format_prediction(plan, predictions, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps))
     return 0

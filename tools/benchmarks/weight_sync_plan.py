@@ -1,7 +1,8 @@
 """``megarl plan-sync`` for four MoE models on H100 clusters, on paper: bytes per link and per engine
 rank and the predicted sync time of ``p2p`` and ``distributed``, with one and with four engines,
 one sender per stage vs one per engine (``weight_sync.senders_per_stage``), BF16 and block-FP8 on
-the wire. Metadata only (public architecture numbers below); nothing is allocated.
+the wire, and ``p2p`` with segment senders (``weight_sync.segment_senders``: each engine rank's
+segment from the trainer rank of the stage holding most of it; BF16 on the wire only). Metadata only (public architecture numbers below); nothing is allocated.
 
 Links: 200 GB/s NVLink and 50 GB/s network (400 Gb/s) per GPU, 8 GPUs per node (change with
 ``--intra-gbps`` / ``--inter-gbps``). The time model and what it leaves out:
@@ -59,11 +60,18 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.predict import predict_sync
 
+    from transformers import AutoConfig
+
+    from megarl.checkpoint.families import get_family
+    from megarl.weight_sync.placement import Placement
+
     out = []
     for name, (config, trainer, engine_tp, engine_ep) in MODELS.items():
         sizes = dict(trainer)
         layout = TrainerLayout.from_world_size(sizes.pop("world"), **sizes)
         specs = param_specs_from_hf_config(config, tensor_model_parallel_size=layout.tp_size, dtype="bfloat16")
+        hf_config = AutoConfig.for_model(**config)
+        placement = Placement(get_family(hf_config).layout(hf_config, tp_size=layout.tp_size))
         for engines in (1, 4):
             for senders in (1, None):
                 if engines == 1 and senders is None:
@@ -83,6 +91,9 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
                         row[f"{transport}_s"] = p.seconds
                         row[f"{transport}_received_over_shard"] = max(
                             r / s for r, s in zip(p.engine_rank_bytes, p.engine_shard_bytes) if s)
+                    # segment senders (weight_sync.segment_senders; BF16 on the wire only)
+                    row["p2p_segments_s"] = predict_sync(plan, "p2p", ranks_per_node=8, intra_gbps=intra_gbps,
+                                                         inter_gbps=inter_gbps, placement=placement).seconds
                     out.append(row)
     return out
 
@@ -94,12 +105,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     table = rows(args.intra_gbps, args.inter_gbps)
-    print("| model | trainer | engines | senders/stage | wire | p2p s | distributed s | received/shard p2p, distributed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | trainer | engines | senders/stage | wire | p2p s | p2p s, segment senders | distributed s | "
+          "received/shard p2p, distributed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['model']} ({r['model_gb']:.0f} GB) | {r['trainer']} | {r['engines']} x {r['engine']} | "
               f"{r['senders_per_stage']} | {r['wire']} ({r['wire_gb']:.0f} GB) | {r['p2p_s']:.2f} | "
-              f"{r['distributed_s']:.2f} | {r['p2p_received_over_shard']:.2f}, "
+              f"{r['p2p_segments_s']:.2f} | {r['distributed_s']:.2f} | {r['p2p_received_over_shard']:.2f}, "
               f"{r['distributed_received_over_shard']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1))

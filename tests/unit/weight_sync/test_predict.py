@@ -65,3 +65,28 @@ def test_replicas_send_side_by_side_to_their_own_engines():
     assert one.seconds == pytest.approx(max(gather / 100e9, 6 * shard / 10e9))
     text = format_prediction(plan, [p2p, dist], intra_gbps=100, inter_gbps=10)
     assert "2 sender(s) per stage" in text
+
+
+def test_segment_senders_send_each_engine_ranks_segment_from_the_trainer_rank_holding_it():
+    """TP2 trainer -> one TP2 engine, ``p2p`` with segment senders: trainer rank k sends engine rank
+    k's shard over its own link; rank 1 first gathers the norms (held by rank 0 only), rank 0
+    gathers nothing; the stage takes the slower of the two (closed forms as above)."""
+    from transformers import AutoConfig
+
+    from megarl.checkpoint.families import get_family
+    from megarl.weight_sync.placement import Placement
+
+    specs = param_specs_from_hf_config(DENSE, tensor_model_parallel_size=2, dtype="bfloat16")
+    plan = build_plan(TrainerLayout(tensor_model_parallel_size=2), EngineLayout(tensor_parallel_size=2), specs)
+    hf_config = AutoConfig.for_model(**DENSE)
+    placement = Placement(get_family(hf_config).layout(hf_config, tp_size=2))
+    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * I * H + 2 * H + 2 * HD
+    total = 2 * (L * per_layer + 2 * V * H + H)
+    replicated = 2 * (L * (2 * H + 2 * HD) + H)
+    shard = (total - replicated) // 2 + replicated
+    p2p = predict_sync(plan, "p2p", ranks_per_node=8, intra_gbps=100, inter_gbps=10, placement=placement)
+    rows = [(s.sender_rank, s.hf_bytes, s.gather_intra_bytes, s.gather_inter_bytes, s.send_bytes) for s in p2p.stages]
+    assert rows == [(0, shard, 0, 0, shard), (1, shard, replicated, 0, shard)]
+    assert p2p.seconds == pytest.approx(max(replicated / 100e9, shard / 10e9))
+    one = predict_sync(plan, "p2p", ranks_per_node=8, intra_gbps=100, inter_gbps=10)
+    assert one.seconds == pytest.approx(max((total - replicated) / 2 / 100e9, 2 * shard / 10e9))
