@@ -109,7 +109,8 @@ def test_each_engine_rank_receives_its_shard_quantised_at_half_the_bytes(tmp_pat
         for name, view in tensors:  # the full tensors (what `distributed` broadcasts) are the checkpoint's
             assert torch.equal(view.view(torch.uint8), manifest_tensor(tmp_path, name).view(torch.uint8)), name
         packed = list(transport._packed(bucket, tensors, flat))  # what dist.isend sends to each rank
-        buffers, listings, algo = [b for _, b, _ in packed], [lst for _, _, lst in packed], checksum_algo(flat.device)
+        assert all(len(messages) == 1 for _, messages, _ in packed)  # the HF layout: one message per rank
+        buffers, listings, algo = [m[0] for _, m, _ in packed], [lst for _, _, lst in packed], checksum_algo(flat.device)
         for rank in range(TP):
             ticket = {"bucket": bucket.index, "algo": algo, "tensors": listings[rank]}
             status, index, named = receiver._check(buffers[rank].clone(), ticket)
