@@ -199,7 +199,7 @@ class WeightSyncConfig:
     segment_senders: bool = True
     """``p2p``: each engine rank's slices of a bucket are assembled and sent by the trainer rank of
     the stage holding most of them (trainer TP2 -> engine TP2: each TP rank sends its own half),
-    instead of all by the stage sender after a gather (``megarl.weight_sync.gather.SegmentOwners``)."""
+    instead of all by the stage sender after a gather (``megarl.weight_sync.segments.SegmentOwners``)."""
     backend: str = "auto"
     """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
     pause_mode: str = "retract"

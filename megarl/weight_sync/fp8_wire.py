@@ -140,7 +140,7 @@ class WireQuantizer:
         Raises:
             ValueError: a converted tensor does not have its planned name or shape.
         """
-        from megarl.weight_sync.gather import torch_dtype
+        from megarl.weight_sync.segments import torch_dtype
 
         started = time.perf_counter()
         wire = bucket.wire

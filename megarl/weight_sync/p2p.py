@@ -1,7 +1,8 @@
 """Transports whose engine side is megarl's receiver loader: a checked bucket, every time.
 
-Both create one process group between the stage sender (rank 0) and every engine rank (NCCL on
-GPU, gloo on CPU: same code) inside the first sync and reuse it. Per sync the sender announces
+Both create one process group between the stage's senders (ranks ``0 .. n - 1``: the stage
+sender, then, for ``p2p`` with segment senders, the other trainer ranks that send segments) and
+every engine rank (NCCL on GPU, gloo on CPU: same code) inside the first sync and reuse it. Per sync the sender announces
 every bucket of its stage at once, by one ticket to the custom loader
 :func:`megarl.weight_sync.receiver.receive_shards` (an upstream extension point:
 ``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``; the listings come
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from megarl.training.collectives import all_reduce, broadcast, group_device, isend
 from megarl.weight_sync.engines import wait_all
-from megarl.weight_sync.gather import torch_dtype
+from megarl.weight_sync.segments import torch_dtype
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transports import _GroupTransport
 from megarl.weight_sync.validate import WeightSyncError
@@ -46,7 +47,7 @@ class P2PTransport(_GroupTransport):
     the receiver loader) announces every bucket of the stage (names, dtypes, shapes of that rank's
     slices, from the plan), before the first bucket is packed, so the engines' HTTP hop overlaps
     the packing and no other request follows until the stage is done. Per bucket: each engine
-    rank's slices (a :class:`~megarl.weight_sync.gather.RankSlices` bucket, laid out per engine
+    rank's slices (a :class:`~megarl.weight_sync.segments.RankSlices` bucket, laid out per engine
     rank by the gatherer: each rank's segment as it is; an HF-layout bucket: packed, with no copy
     when a rank holds every tensor whole), checksummed per tensor and sent point to point, the checksums right after the bytes; then every group rank joins a
     vote (one all-reduce) and the engines load only if every rank received intact, expected
@@ -55,10 +56,19 @@ class P2PTransport(_GroupTransport):
     engines load ``b`` while ``b + 1``'s bytes arrive. After the last bucket the receivers load it
     and join the finish vote (loading errors) within the same call.
 
+    With segment senders (:meth:`set_senders`), engine rank ``r``'s segment of a bucket comes from
+    the trainer rank :class:`~megarl.weight_sync.segments.SegmentOwners` names (its slices that are
+    contiguous parts of that rank's own shards straight from the parameters, in the messages the
+    ticket lists); every sender joins every vote and sees the same outcome; only the stage sender
+    talks to the engines over HTTP.
+
     A refused bucket ends the stage on both sides (the receivers return, the sender sends no
     more). When the sender itself fails mid-stage (a gather or conversion error), :meth:`abort`
     releases the receivers waiting for the next bucket: a bucket of zeros of the announced size,
-    voted down by the sender, so that no engine loads it and the group stays usable.
+    voted down by the sender (for the ranks it sends to; the others' senders send theirs), so that
+    no engine loads it and the group stays usable. A segment sender other than the stage sender
+    waits for the group's collectives without the engines' HTTP answers to watch: an engine that
+    fails makes it wait up to ``timeout_s``.
 
     ``tamper``: for fault-injection tests only: ``tamper(bucket_index, engine_tp_rank, buffer)``
     is called after the checksums and may return a replacement buffer to send to that rank.
@@ -111,11 +121,11 @@ class P2PTransport(_GroupTransport):
 
         Args:
             senders: the stage's sending trainer ranks (global), the stage sender first
-                (:meth:`~megarl.weight_sync.gather.SegmentOwners.senders`).
+                (:meth:`~megarl.weight_sync.segments.SegmentOwners.senders`).
             index: this rank's position in ``senders``; 0 creates the group and announces the stage.
             control: the trainer's gloo control group (the stage sender hands the group's name and
                 port to the others over it).
-            owners: the :class:`~megarl.weight_sync.gather.SegmentOwners`: who sends each segment.
+            owners: the :class:`~megarl.weight_sync.segments.SegmentOwners`: who sends each segment.
             buckets: the stage's buckets, in order.
         """
         self.senders, self.sender_index, self._control = list(senders), index, control
@@ -259,7 +269,7 @@ class P2PTransport(_GroupTransport):
         """``(rank, messages [[nbytes] uint8, ...], listing [[name, dtype, shape, checksum]])`` for
         each engine rank this sender sends, in order, packed lazily (a rank's bytes may leave while
         the next rank's are packed)."""
-        from megarl.weight_sync.gather import RankSlices
+        from megarl.weight_sync.segments import RankSlices
         from megarl.weight_sync.wire import checksum, checksum_algo
 
         algo = self._algo or checksum_algo(flat.device)
@@ -566,7 +576,7 @@ class CheckedDistributedTransport(P2PTransport):
         """The flat bucket for every engine rank, and the listing ``[[name, dtype, shape, checksum]]``."""
         from megarl.weight_sync.wire import checksum, checksum_algo
 
-        algo = checksum_algo(flat.device)
+        algo = self._algo or checksum_algo(flat.device)  # the ticket's (the group's device)
         listing = [[name, str(t.dtype).removeprefix("torch."), list(t.shape), checksum(t, algo)] for name, t in tensors]
         for rank in range(self.plan.engine_layout.tp_size):
             yield rank, [flat], listing

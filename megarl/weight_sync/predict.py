@@ -15,7 +15,7 @@ bytes it sends to the engines, and for each engine rank the bytes it receives. T
 - ``p2p``: a sender's link carries each engine rank's shard once per engine it serves
   (``engines * sum_r shard_r``); with segment senders (``weight_sync.segment_senders``, BF16 on
   the wire) each engine rank's segment of each bucket is sent by the trainer rank holding most of
-  it (:class:`~megarl.weight_sync.gather.SegmentOwners`), which first gathers the rest of it from
+  it (:class:`~megarl.weight_sync.segments.SegmentOwners`), which first gathers the rest of it from
   the ranks holding it: every sending rank of a stage has its own row (its gather, its link), and
   the stage takes its slowest one; ``distributed``: a pipelined (ring / tree) NCCL broadcast
   carries the stage's bytes once per link whatever the number of receivers, but every engine rank
@@ -127,7 +127,7 @@ def _sender_row(plan: WeightSyncPlan, pp_rank: int, transport: str, ranks_per_no
 def _segment_rows(plan: WeightSyncPlan, pp_rank: int, placement, ranks_per_node: int, intra_gbps: float,
                   inter_gbps: float) -> list[StagePrediction]:
     """One row per trainer rank sending segments of stage ``pp_rank`` (``p2p`` segment senders)."""
-    from megarl.weight_sync.gather import SegmentOwners
+    from megarl.weight_sync.segments import SegmentOwners
 
     owners = SegmentOwners(plan, placement)
     engines = len(plan.engines)

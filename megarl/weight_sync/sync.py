@@ -37,7 +37,8 @@ from megarl.training.collectives import recv as recv_tensor
 from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
 from megarl.weight_sync.engines import EngineGroup
-from megarl.weight_sync.gather import RING_SLOTS, SegmentOwners, StageGatherer
+from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
+from megarl.weight_sync.segments import SegmentOwners
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.transports import Transport, make_transport
 from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
@@ -58,7 +59,7 @@ class WeightSynchronizer:
         group: the trainer's process group (default group if None).
         segment_senders: with ``p2p`` (buckets laid out per engine rank), each engine rank's
             segment is sent by the trainer rank of the stage holding most of it
-            (:class:`~megarl.weight_sync.gather.SegmentOwners`; ``weight_sync.segment_senders``).
+            (:class:`~megarl.weight_sync.segments.SegmentOwners`; ``weight_sync.segment_senders``).
         transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s`` (see ``make_transport``).
     """
 

@@ -82,7 +82,7 @@ class Transport:
     ordered_stages = False
     """Stage senders must push one after another (they share collectives with the engines)."""
     sliced_buckets = False
-    """``send`` accepts buckets laid out per engine rank (:class:`~megarl.weight_sync.gather.RankSlices`)."""
+    """``send`` accepts buckets laid out per engine rank (:class:`~megarl.weight_sync.segments.RankSlices`)."""
 
     def __init__(self, plan: WeightSyncPlan, engines: EngineGroup, *, timeout_s: float = 600.0) -> None:
         self.plan, self.engines, self.timeout_s = plan, engines, timeout_s

@@ -127,7 +127,8 @@ def test_a_tp2_sender_gathers_its_peers_shards_over_gloo_into_the_mappings_hf_te
 def _sliced_gather_worker(rank, world_size, engine_tp, engine_ep, owners):
     from transformers import AutoConfig
 
-    from megarl.weight_sync.gather import RankSlices, SegmentOwners, StageGatherer
+    from megarl.weight_sync.gather import StageGatherer
+    from megarl.weight_sync.segments import RankSlices, SegmentOwners
 
     hf_config = AutoConfig.for_model(**dict(CONFIGS["qwen3_moe"], vocab_size=1024))
     fam = get_family(hf_config)
