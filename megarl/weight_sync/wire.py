@@ -3,16 +3,22 @@
 ``p2p`` (below); the checked ``distributed`` transport sends the same tickets with ``"mode":
 "broadcast"``, whole tensors, and the whole bucket as one broadcast to every engine rank.
 
-Per bucket and engine rank, the sender packs that rank's slices of the bucket's HF tensors back to
+Per bucket and engine rank, the sender lays that rank's slices of the bucket's HF tensors back to
 back (the bucket's wire order, decreasing element size, so every view is aligned) and sends them
-as one ``uint8`` message over the stage's process group. The control message that tells the rank
+as ``uint8`` messages over the stage's process group. The control message that tells the rank
 what to expect travels as the *name* of the only entry of its ``/update_weights_from_tensor``
 payload (the tensor is empty, pickled by value: no shared memory, so it crosses hosts). One
 ticket per sync and stage lists every bucket of the stage (the sender makes it from the plan
 before the first bucket is packed)::
 
     megarl.p2p/{"op": "stage", "mode": "p2p", "group": ..., "algo": "xxh3",
-                "buckets": [{"bucket": 3, "nbytes": 1048576, "tensors": [[hf_name, dtype, shape], ...]}, ...]}
+                "buckets": [{"bucket": 3, "nbytes": 1048576, "tensors": [[hf_name, dtype, shape], ...],
+                             "source": 1, "messages": [524288, 524288]}, ...]}
+
+``source`` (default 0): the group rank that sends this engine rank's bytes of the bucket (segment
+senders, :class:`megarl.weight_sync.segments.SegmentOwners`); ``messages`` (default one of
+``nbytes``): the byte counts of the messages those bytes arrive in, back to back (slices sent from
+the trainer's parameters travel as messages of their own).
 
 The checksums follow each bucket's bytes over the group, one more message per rank
 (:func:`encode_sums`: the hex digests back to back, ``uint8`` on the group's device), so the
