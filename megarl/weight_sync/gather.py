@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megarl.training.collectives import irecv, isend
 from megarl.weight_sync.placement import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
-from megarl.weight_sync.segments import RankSlices, SegmentOwners, sliced_layout, torch_dtype
+from megarl.weight_sync.segments import RankSlices, SegmentOwners, overlaps, sliced_layout, torch_dtype
 
 RING_SLOTS = 3
 
@@ -144,8 +144,7 @@ class StageGatherer:
         regions = self._layout(bucket)[1][hf_positions[piece.hf_index]]
         owners = self.assemblers(bucket)
         d0, d1 = piece.dst
-        overlapping = [k for k, (rank, sl, _) in enumerate(regions) if owners[rank] == dest
-                       and (sl.axis != piece.axis or (sl.start < d1 and d0 < sl.stop))]
+        overlapping = [k for k, (rank, sl, _) in enumerate(regions) if owners[rank] == dest and overlaps(sl, piece)]
         if len(overlapping) != 1:
             return None
         k = overlapping[0]
@@ -162,10 +161,7 @@ class StageGatherer:
             return [bucket.sender_rank]
         layout, owners, dests = self._layout(bucket)[1], self.assemblers(bucket), set()
         for piece in pieces:
-            d0, d1 = piece.dst
-            for rank, sl, _ in layout[hf_positions[piece.hf_index]]:
-                if sl.axis != piece.axis or (sl.start < d1 and d0 < sl.stop):
-                    dests.add(owners[rank])
+            dests.update(owners[rank] for rank, sl, _ in layout[hf_positions[piece.hf_index]] if overlaps(sl, piece))
         return sorted(dests)
 
     def _messages(self, bucket: Bucket) -> list:
@@ -356,7 +352,7 @@ class StageGatherer:
         sender's; with ``owners``, every bucket of a stage this rank assembles any segment of)."""
         if self.owners is None:
             return [b for b in self.plan.buckets if b.sender_rank == self.rank]
-        stages = {b.pp_rank for b in self.plan.buckets if self.rank in self.owners.senders(b.pp_rank)}
+        stages = {pp for pp in {b.pp_rank for b in self.plan.buckets} if self.rank in self.owners.senders(pp)}
         return [b for b in self.plan.buckets if b.pp_rank in stages]
 
     def iter_hf_buckets(self) -> Iterator[tuple[Bucket, object, Optional[torch.Tensor]]]:

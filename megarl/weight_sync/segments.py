@@ -71,6 +71,12 @@ def sliced_layout(plan: WeightSyncPlan, bucket: Bucket) -> tuple[list[tuple[int,
     return segments, regions
 
 
+def overlaps(sl, piece) -> bool:
+    """Placement piece ``piece`` has elements inside engine slice ``sl`` of the same HF tensor (a
+    whole-tensor slice, or one split along the other axis, overlaps every piece)."""
+    return sl.axis != piece.axis or (sl.start < piece.dst[1] and piece.dst[0] < sl.stop)
+
+
 def _overlap_bytes(spec, piece, sl) -> int:
     """Bytes of ``piece`` (of HF tensor ``spec``) inside the slice ``sl`` of that tensor."""
     shape = list(spec.shape)
@@ -86,8 +92,7 @@ def _own_rows(spec, sl, pieces: list, owner: int) -> Optional[tuple[str, int]]:
     """``(param name, byte offset in its shard)`` when engine slice ``sl`` of HF tensor ``spec`` is
     one contiguous part of ``owner``'s own shard (see :meth:`SegmentOwners.runs`), else None.
     ``pieces``: ``[(transfer, piece)]`` of that HF tensor."""
-    over = [(t, p) for t, p in pieces
-            if sl.axis is None or sl.axis != p.axis or (sl.start < p.dst[1] and p.dst[0] < sl.stop)]
+    over = [(t, p) for t, p in pieces if overlaps(sl, p)]
     if len(over) != 1:
         return None
     transfer, piece = over[0]
@@ -129,6 +134,7 @@ class SegmentOwners:
         self._owners: dict[int, list[int]] = {}
         self._layouts: dict[int, tuple] = {}
         self._runs: dict[int, tuple] = {}
+        self._senders: dict[int, list[int]] = {}
 
     def layout(self, bucket: Bucket) -> tuple:
         """:func:`sliced_layout` of ``bucket`` (cached)."""
@@ -150,17 +156,24 @@ class SegmentOwners:
         """Per engine rank, the bytes of its segment of ``bucket`` each trainer rank holds
         ``[engine tp]{trainer rank: bytes}`` (from the plan's sources and the placement's pieces)."""
         credit: list[dict[int, int]] = [{} for _ in range(self.plan.engine_layout.tp_size)]
-        at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
         regions = self.layout(bucket)[1]
-        for transfer in bucket.params:
-            for piece in self.placement.pieces(transfer):
+        for j, pieces in enumerate(self._tensor_pieces(bucket)):
+            for transfer, piece in pieces:
                 holder = transfer.sources[piece.shard].trainer_rank
-                j = at[transfer.param.hf[piece.hf_index].name]
                 for rank, sl, _ in regions[j]:
                     n = _overlap_bytes(bucket.hf_tensors[j], piece, sl)
                     if n:
                         credit[rank][holder] = credit[rank].get(holder, 0) + n
         return credit
+
+    def _tensor_pieces(self, bucket: Bucket) -> list[list[tuple]]:
+        """Per HF tensor of ``bucket`` (wire order), its placement pieces ``[(transfer, piece)]``."""
+        at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
+        pieces: list[list] = [[] for _ in bucket.hf_tensors]
+        for transfer in bucket.params:
+            for piece in self.placement.pieces(transfer):
+                pieces[at[transfer.param.hf[piece.hf_index].name]].append((transfer, piece))
+        return pieces
 
     def runs(self, bucket: Bucket) -> tuple[list[list[tuple]], dict]:
         """How each engine rank's segment travels: ``(messages, local)``.
@@ -178,11 +191,7 @@ class SegmentOwners:
         if bucket.index not in self._runs:
             segments, regions = self.layout(bucket)
             owners = self.owners(bucket)
-            at = {t.name: j for j, t in enumerate(bucket.hf_tensors)}
-            pieces: list[list] = [[] for _ in bucket.hf_tensors]
-            for transfer in bucket.params:
-                for piece in self.placement.pieces(transfer):
-                    pieces[at[transfer.param.hf[piece.hf_index].name]].append((transfer, piece))
+            pieces = self._tensor_pieces(bucket)
             per_rank: list[list] = [[] for _ in segments]
             local = {}
             for j, places in enumerate(regions):
@@ -215,9 +224,10 @@ class SegmentOwners:
 
     def senders(self, pp_rank: int) -> list[int]:
         """The trainer ranks sending to the engines in stage ``pp_rank``: its stage sender first,
-        then every other rank assembling a segment of any of its buckets (ascending)."""
-        buckets = self.plan.stage_buckets(pp_rank)
-        if not buckets:
-            return []
-        lead = buckets[0].sender_rank
-        return [lead] + sorted({t for b in buckets for t in self.owners(b)} - {lead})
+        then every other rank assembling a segment of any of its buckets (ascending; cached)."""
+        if pp_rank not in self._senders:
+            buckets = self.plan.stage_buckets(pp_rank)
+            lead = buckets[0].sender_rank if buckets else None
+            self._senders[pp_rank] = [] if not buckets else [lead] + sorted(
+                {t for b in buckets for t in self.owners(b)} - {lead})
+        return self._senders[pp_rank]
