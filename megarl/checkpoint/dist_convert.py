@@ -20,7 +20,9 @@ Rendezvous, first match wins:
   * neither: one process (rank 0 of 1) on 127.0.0.1.
 
 Backend: gloo (the conversion's collectives are on CPU tensors); with CUDA, ``auto`` gives
-``cpu:gloo,cuda:nccl`` and binds the process to GPU ``LOCAL_RANK``.
+``cpu:gloo,cuda:nccl`` and binds the process to the GPU the project's one device rule picks
+(:func:`megarl.training.devices.select_device_index`: device 0 where the task sees one GPU, as on
+clusters that bind one GPU per task; ``LOCAL_RANK`` only where it sees every GPU of its node).
 
 Atomicity: rank 0 creates the temporary sibling of OUT_DIR and broadcasts its path; after a
 barrier it adds the HF metadata and renames it. A rank that fails removes nothing but makes its
@@ -42,9 +44,11 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from megarl.checkpoint.convert_cli import add_import_arguments  # the flags megarl convert and the tools share
+from megarl.errors import UserError
+from megarl.training.devices import select_device_index
 
 
-class LayoutMismatchError(ValueError):
+class LayoutMismatchError(UserError):
     """The job's world size differs from the number of ranks of the target layout."""
 
 
@@ -119,6 +123,21 @@ def check_world_size(rdzv: Rendezvous, layout_world: int, args: argparse.Namespa
         f"ranks (lcm(TP*PP, ETP*EP*PP)); launch {layout_world} tasks or change the parallel sizes")
 
 
+def cuda_device_index(rdzv: Rendezvous, env: Mapping[str, str], device_count: int) -> int:
+    """The CUDA device this conversion rank binds to (the trainer ranks' rule; not in a Ray actor).
+
+    Args:
+        rdzv: this rank's rendezvous (``local_rank``: ``LOCAL_RANK`` / ``SLURM_LOCALID``).
+        env: the environment (``CUDA_VISIBLE_DEVICES``).
+        device_count: ``torch.cuda.device_count()``.
+
+    Raises:
+        RuntimeError: the chosen index is not a device this process sees (names the values).
+    """
+    return select_device_index(visible_devices=env.get("CUDA_VISIBLE_DEVICES"), assigned_gpu_ids=(),
+                               local_rank=rdzv.local_rank, device_count=device_count)
+
+
 def _init_process_group(rdzv: Rendezvous, backend: str, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
@@ -127,7 +146,7 @@ def _init_process_group(rdzv: Rendezvous, backend: str, timeout_s: float) -> Non
                       MASTER_ADDR=rdzv.master_addr, MASTER_PORT=str(rdzv.master_port))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
     if backend == "auto" and torch.cuda.is_available():
-        torch.cuda.set_device(rdzv.local_rank)
+        torch.cuda.set_device(cuda_device_index(rdzv, os.environ, torch.cuda.device_count()))
         backend = "cpu:gloo,cuda:nccl"
     elif backend == "auto":
         backend = "gloo"
