@@ -370,6 +370,13 @@ def _check_model(c: _Checker) -> None:
                 f"num_moe_experts={experts} (config.json) must be divisible by EP")
         c.check(tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
                 "Megatron requires sequence_parallel=true for MoE models with tensor_model_parallel_size > 1")
+        # FP8 pads each expert's routing map (megarl.training.fp8: moe_router_padding_for_fp8), which
+        # Megatron-Core 0.16.1 refuses with the allgather dispatcher (TransformerConfig.__post_init__).
+        c.check(cfg.train.fp8 is None or cfg.model.moe_token_dispatcher_type != "allgather",
+                "model.moe_token_dispatcher_type",
+                f"train.fp8={cfg.train.fp8} pads the routing map per expert (moe_router_padding_for_fp8), which "
+                "Megatron-Core refuses with the allgather dispatcher: set model.moe_token_dispatcher_type=alltoall "
+                "or train.fp8=null")
     else:
         c.check(ep == 1, "parallel.expert_model_parallel_size", "the model has no experts: use 1")
         c.check(cfg.train.routing_replay == "none", "train.routing_replay",
