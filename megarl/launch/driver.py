@@ -30,7 +30,8 @@ from megarl.launch.metrics import StageTimer, save_plots
 from megarl.launch.pipeline import pipeline_depth, staleness_bound, sync_due
 from megarl.launch.preemption import Preempted, StopGuard
 from megarl.launch.run import PendingRollout, Run
-from megarl.launch.steps import build_train_batch, logprob_mismatch, mean_metrics, rollout_metrics, split_batch
+from megarl.launch.steps import build_train_batch, mean_metrics, rollout_metrics
+from megarl.training.shard import shard_batch
 
 logger = logging.getLogger("megarl.train")
 
@@ -85,12 +86,13 @@ def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
         metrics = {**rollout.metrics, **rollout_metrics(rollout.groups, state.policy_version), **built.metrics}
         if built.batch is not None:
             run.release_engine_memory()  # colocated: the engines lend their GPU memory to the trainer
-            with timer("logprobs"):
-                batch = run.trainer.run("prepare_batch", built.batch)[0]
-            metrics.update(logprob_mismatch(batch))
+            # one shard per data-parallel rank; R3 routes stay references until the rank reads them
+            shards = shard_batch(built.batch, dp_size=run.trainer.dp_size, cp_size=run.trainer.cp_size,
+                                 global_batch_size=cfg.train.global_batch_size, route_refs=built.route_refs)
+            with timer("logprobs"):  # old / ref logprobs, R2 routes, mismatch: computed and kept on the ranks
+                metrics.update(run.trainer.prepare(shards))
             with timer("train"):
-                metrics.update(mean_metrics([run.trainer.run("train_step", mini)[0]
-                                             for mini in split_batch(batch, cfg.train.global_batch_size)]))
+                metrics.update(mean_metrics([run.trainer.train_step(m) for m in range(shards[0].num_minis)]))
             run.resume_engine_memory()
             state.policy_version += 1
             if sync_due(state.policy_version, every, last_step=step + 1 == cfg.train.num_steps,

@@ -54,11 +54,17 @@ def oldest_trained_version(trajectory: Trajectory) -> int:
 
 @dataclasses.dataclass
 class BatchResult:
-    """Output of :func:`build_train_batch`: the batch (None when nothing is left) and its metrics."""
+    """Output of :func:`build_train_batch`: the batch (None when nothing is left) and its metrics.
+
+    ``route_refs`` (R3): one entry per sequence of ``batch``, the trajectory's ``routed_experts``
+    as the rollout actor left it (an object-store reference, or a tensor after a resume), packed
+    only on the rank that trains the sequence; ``batch.routed_experts`` is then None. None without R3.
+    """
 
     batch: TrainBatch | None
     metrics: dict[str, float]
     trajectories: list[Trajectory]
+    route_refs: list[Any] | None = None
 
 
 def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, policy_version: int,
@@ -104,11 +110,30 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, poli
     kwargs = {"eps": algorithm.advantage_eps} if algorithm.advantage_estimator in ("grpo", "reinforce_pp") else {}
     advantages = compute_advantages(algorithm.advantage_estimator, rewards, group_ids, **kwargs)
     metrics["advantages/abs_mean"] = float(advantages.abs().mean())
-    return BatchResult(TrainBatch.from_trajectories(flat, advantages), metrics, flat)
+    return BatchResult(TrainBatch.from_trajectories(flat, advantages, pack_routes=False), metrics, flat,
+                       _route_refs(flat))
+
+
+def _route_refs(trajectories: Sequence[Trajectory]) -> list[Any] | None:
+    """Each trajectory's routes (reference or tensor; None: never reached an engine), or None
+    when no trajectory has any.
+
+    Raises:
+        ValueError: a trajectory with model tokens has no routes while another has them.
+    """
+    refs = [t.routed_experts for t in trajectories]
+    if all(r is None for r in refs):
+        return None
+    missing = [i for i, t in enumerate(trajectories) if refs[i] is None and t.num_model_tokens > 0]
+    if missing:
+        raise ValueError(f"trajectory {missing[0]} has no routed_experts while others have them; "
+                         f"routing replay needs them for every trajectory")
+    return refs
 
 
 def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
-    """Trainer (``old_logprobs``) vs engine (``rollout_logprobs``) on trained tokens.
+    """Trainer (``old_logprobs``) vs engine (``rollout_logprobs``) on trained tokens of a whole batch
+    (the ranks compute the same per shard and reduce it: `megarl.training.trainer.Trainer.prepare`).
 
     ``mismatch/log_ratio_abs_mean`` is the mean ``|old_logprob - rollout_logprob|``: right after a
     weight sync both sides hold the same weights, so it measures the sync's fidelity plus kernel
@@ -119,18 +144,6 @@ def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
     padded = [padded_from_packed(x, batch.cu_seqlens) for x in
               (batch.old_logprobs.float(), batch.rollout_logprobs.float(), batch.loss_mask.float())]
     return {k: float(m.value) for k, m in mismatch_metrics(*padded).items()}
-
-
-def split_batch(batch: TrainBatch, global_batch_size: int) -> list[TrainBatch]:
-    """Consecutive slices of ``global_batch_size`` sequences: one optimizer step each.
-
-    The last slice may be smaller. Sequences keep their order (a group's trajectories are adjacent),
-    and every slice keeps the ``old_logprobs`` computed on the whole batch at the sampling weights.
-    """
-    n = batch.num_sequences
-    if global_batch_size >= n:
-        return [batch]
-    return [batch.select(range(i, min(i + global_batch_size, n))) for i in range(0, n, global_batch_size)]
 
 
 def mean_metrics(per_step: Sequence[dict[str, float]]) -> dict[str, float]:

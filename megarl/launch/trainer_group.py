@@ -5,19 +5,22 @@ Each actor is one torch.distributed process: before the trainer is built it gets
 (its index among the ranks on its node) and ``OMP_NUM_THREADS`` (CUDA: the node's cores over its
 ranks, :func:`omp_threads`, unless set by the user; Ray would leave 1). The CUDA device a rank uses
 is the one Ray gave it (:func:`megarl.training.devices.local_device_index`), never
-``LOCAL_RANK``. Every call fans out to all ranks
-with the same arguments (the batch travels through the Ray object store once); the trainer shards
-it over data-parallel ranks itself. If one rank fails, the group kills every rank instead of letting
-the others hang in a collective, and raises.
+``LOCAL_RANK``. An RL step's data never passes through the group whole: `TrainerGroup.prepare`
+puts one `megarl.training.shard.BatchShard` per data-parallel rank in the Ray object store (the
+ranks of one data-parallel group read the same object), each rank resolves its own R3 route
+references there, and every call returns metrics only (`TrainerGroup.train_step`). Other calls
+fan out to all ranks with the same arguments. If one rank fails, the group kills every rank instead
+of letting the others hang in a collective, and raises.
 """
 from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any, Sequence
 
 import ray
+
+from megarl.rollout.ports import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,16 @@ class TrainerWorker:
         self.trainer: Any = None
         self.syncer: Any = None
 
-    def node_info(self, preferred_port: int = 0) -> tuple[str, str, int, int]:
-        """(node id, node IP, ``preferred_port`` if free on this node, else a free TCP port, CPU cores
-        this process may run on)."""
-        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), _free_port(preferred_port),
+    def node_info(self, master_port: int | None = None) -> tuple[str, str, int, int]:
+        """(node id, node IP, rendezvous port, CPU cores this process may run on).
+
+        Args:
+            master_port: None: no port (0 is returned); else ``cluster.master_port``: the port is the
+                first free one at or above it on this node (0: anywhere below the ephemeral range),
+                from :func:`megarl.rollout.ports.find_free_port`, reserved there for this group.
+        """
+        port = 0 if master_port is None else _free_port(master_port)
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port,
                 len(os.sched_getaffinity(0)))
 
     def device_info(self) -> dict[str, Any]:
@@ -89,6 +98,27 @@ class TrainerWorker:
         # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
         self.trainer = build_trainer(cfg)
         return self.rank
+
+    def dp_rank(self) -> tuple[int, int, int]:
+        """``(dp_rank, dp_size, cp_size)`` of this rank's trainer (`ParallelState`)."""
+        p = self.trainer.parallel
+        return p.dp_rank, p.dp_size, p.cp_size
+
+    def prepare(self, shard: Any) -> dict[str, float]:
+        """Resolve the R3 route references of this rank's shard, then `Trainer.prepare` it
+        (kept on the rank for `train_step`); returns its (reduced) metrics."""
+        from megarl.training.shard import with_routes
+
+        if shard.route_refs is not None:
+            refs = [r for r in shard.route_refs if isinstance(r, ray.ObjectRef)]
+            resolved = dict(zip(refs, ray.get(refs))) if refs else {}
+            shard = with_routes(shard, [resolved.get(r, r) if isinstance(r, ray.ObjectRef) else r
+                                        for r in shard.route_refs])
+        return self.trainer.prepare(shard)
+
+    def train_step(self, mini: int) -> dict[str, float]:
+        """One optimizer step on mini-batch ``mini`` of the prepared shard (`Trainer.train_prepared`)."""
+        return self.trainer.train_prepared(mini)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``self.trainer.<method>(*args, **kwargs)`` and return its result."""
@@ -176,8 +206,9 @@ class TrainerGroup:
         env = dict(env or {})
         self.workers = [TrainerWorker.options(**placement.trainer_options(r), name=None)
                         .remote(r, self.world_size, env) for r in range(self.world_size)]
-        infos = self._gather([w.node_info.remote(int(cfg.cluster.master_port or 0)) for w in self.workers],
-                             setup_timeout_s)
+        # Rank 0's node hosts the rendezvous: only it takes a port (from the one allocator).
+        infos = self._gather([w.node_info.remote(int(cfg.cluster.master_port) if r == 0 else None)
+                              for r, w in enumerate(self.workers)], setup_timeout_s)
         master_ip, master_port = infos[0][1], infos[0][2]
         local_ranks = _local_ranks([info[0] for info in infos])
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -188,6 +219,10 @@ class TrainerGroup:
             threads = [omp_threads(info[3], per_node[info[0]]) for info in infos]
         self._gather([w.setup.remote(master_ip, master_port, lr, cfg_yaml, n)
                       for w, lr, n in zip(self.workers, local_ranks, threads)], setup_timeout_s)
+        layout = self._gather([w.dp_rank.remote() for w in self.workers], setup_timeout_s)
+        self.dp_ranks = [d for d, _, _ in layout]
+        """Each rank's data-parallel rank (rank order)."""
+        self.dp_size, self.cp_size = layout[0][1], layout[0][2]
 
     def _gather(self, refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
         """``ray.get`` of one call per rank; on the first failure or timeout, kill the group and raise."""
@@ -202,6 +237,40 @@ class TrainerGroup:
         except Exception as e:
             self.shutdown()
             raise TrainerGroupError(f"trainer group failed: {e}") from e
+
+    def prepare(self, shards: Sequence[Any]) -> dict[str, float]:
+        """Hand every rank its data-parallel shard of an RL step and prepare it there (old /
+        reference logprobs, R2 routes); the shards stay on the ranks for `train_step`.
+
+        Each shard is put in the object store once and read by the ranks of its data-parallel
+        group only; nothing of batch size comes back.
+
+        Args:
+            shards: ``dp_size`` `megarl.training.shard.BatchShard` (``shard_batch``), rank order.
+
+        Returns:
+            The ranks' ``mismatch/*`` metrics, reduced over every shard (rank 0's copy).
+
+        Raises:
+            ValueError: not one shard per data-parallel rank.
+            TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
+        """
+        if len(shards) != self.dp_size:
+            raise ValueError(f"{len(shards)} shards for {self.dp_size} data-parallel ranks")
+        refs = [ray.put(shard) for shard in shards]
+        return self._gather([w.prepare.remote(refs[d]) for w, d in zip(self.workers, self.dp_ranks)],
+                            self.timeout_s)[0]
+
+    def train_step(self, mini: int) -> dict[str, float]:
+        """One optimizer step on mini-batch ``mini`` of the shards given to `prepare`.
+
+        Returns:
+            The step's metrics, reduced on the ranks (rank 0's copy).
+
+        Raises:
+            TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
+        """
+        return self._gather([w.train_step.remote(int(mini)) for w in self.workers], self.timeout_s)[0]
 
     def run(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``Trainer.<method>`` on every rank with the same arguments; results in rank order.
@@ -261,13 +330,12 @@ def _local_ranks(node_ids: Sequence[str]) -> list[int]:
     return out
 
 
-def _free_port(preferred: int = 0) -> int:
-    """``preferred`` when it can be bound here, else a port the OS picks."""
-    for port in ((preferred, 0) if preferred else (0,)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-                return s.getsockname()[1]
-            except OSError:
-                continue
-    raise OSError("no free port")
+def _free_port(base: int = 0) -> int:
+    """The rendezvous port: free on every interface of this node, at or above ``base`` (0: no base;
+    a random start below the kernel's ephemeral range, where ``bind(0)`` would race with outgoing
+    connections), and reserved on the node (two groups starting at once get different ports).
+
+    Raises:
+        RuntimeError: no free port in ``[base, base + PORT_SPAN)`` (names the range).
+    """
+    return find_free_port("", base or None)

@@ -12,8 +12,9 @@ marks where each sequence starts. Per-token fields are indexed by the token they
   token ``t`` to; a row of ``-1`` means "not recorded" (the router chooses freely for that token),
   which is what the last token of each R3 trajectory holds (no engine forward read it).
 
-The trainer shards a `TrainBatch` over data-parallel ranks itself (every rank receives the whole
-batch; see `megarl.training.batching`), so the driver never needs to know the parallel layout.
+The driver cuts a step's `TrainBatch` into one shard per data-parallel rank
+(`megarl.training.shard`), with the partition the trainer's micro-batch planner uses
+(`megarl.training.batching`); each rank receives only its shard.
 """
 from __future__ import annotations
 
@@ -140,12 +141,15 @@ class TrainBatch:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_trajectories(cls, trajectories: Sequence[Trajectory], advantages: Tensor | Sequence[float]) -> TrainBatch:
+    def from_trajectories(cls, trajectories: Sequence[Trajectory], advantages: Tensor | Sequence[float], *,
+                          pack_routes: bool = True) -> TrainBatch:
         """Pack trajectories (prompt + response each) into one batch.
 
         Args:
             trajectories: ``B`` trajectories; each needs a non-empty prompt.
             advantages: ``[B]`` float, one per trajectory (e.g. from `megarl.algorithms.advantages`).
+            pack_routes: pack R3 ``routed_experts``; False leaves them to the ranks (the driver
+                sends each rank only its sequences' routes: `megarl.training.shard.BatchShard`).
 
         Returns:
             The packed batch. ``routed_experts`` is set when the trajectories carry R3 routes
@@ -174,7 +178,8 @@ class TrainBatch:
         rollout_logprobs = torch.where(loss_mask, rollout_logprobs, torch.zeros_like(rollout_logprobs))
         return cls(
             input_ids=input_ids, cu_seqlens=cu, loss_mask=loss_mask, advantages=advantages,
-            rollout_logprobs=rollout_logprobs, routed_experts=_pack_routed_experts(trajectories),
+            rollout_logprobs=rollout_logprobs,
+            routed_experts=_pack_routed_experts(trajectories) if pack_routes else None,
             policy_version=torch.tensor([t.policy_version for t in trajectories], dtype=torch.int64),
             rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         )

@@ -71,6 +71,23 @@ def karmarkar_karp(weights: Sequence[int], num_parts: int) -> list[list[int]]:
     return [sorted(items) for _, items in sets]
 
 
+def dp_partition(seq_lens: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Which sequences each data-parallel rank trains: Karmarkar-Karp over token counts.
+
+    The one partition of an optimizer step: the driver cuts the ranks' shards with it
+    (`megarl.training.shard.shard_batch`) and `plan_micro_batches` plans each rank's micro batches
+    from it, so a rank's shard is exactly its part of the plan.
+
+    Args:
+        seq_lens: ``[B]`` token counts (CP-padded under context parallelism).
+        dp_size: data-parallel size.
+
+    Returns:
+        ``dp_size`` ascending lists of sequence indices, rank order.
+    """
+    return karmarkar_karp(seq_lens, dp_size)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MicroBatchSpec:
     """One micro batch of one data-parallel rank, packed into ``R`` rows of ``S`` tokens.
@@ -258,7 +275,7 @@ def plan_micro_batches(seq_lens: Sequence[int], *, dp_size: int, max_tokens_per_
     if micro_batch_size < 1:
         raise ValueError(f"train.micro_batch_size must be >= 1, got {micro_batch_size}")
     lengths = {i: int(n) for i, n in enumerate(seq_lens)}
-    ranks = [{i: lengths[i] for i in r} for r in karmarkar_karp(list(lengths.values()), dp_size)]
+    ranks = [{i: lengths[i] for i in r} for r in dp_partition(list(lengths.values()), dp_size)]
     shapes = [_rank_micro_batches(r, max_tokens=max_tokens_per_microbatch, micro_batch_size=micro_batch_size,
                                   pack_rows=pack_rows, multiple=pad_multiple) for r in ranks]
     num_mb = _round_up(max(len(plan) for plan in shapes), microbatch_multiple)

@@ -55,24 +55,29 @@ class LossInputs:
 
 
 def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.device | str,
-                max_response_tokens: int) -> tuple[LossInputs, dict[str, float]]:
-    """Rollout correction over the whole batch and the step's global loss denominators.
+                max_response_tokens: int, dp_group=None) -> tuple[LossInputs, dict[str, Metric]]:
+    """Rollout correction over this rank's sequences and the step's global loss denominators.
 
     The correction (``algorithm.rollout_correction``: TIS, MIS or IcePop of
     `megarl.algorithms.corrections`, from ``old_logprobs`` vs the engine's ``rollout_logprobs``)
-    runs once on the whole batch, so its sequence-level weights and dropped tokens are the same
-    whichever micro batch a sequence lands in; the denominators are then counted from the
-    corrected loss mask (the contract of `megarl.algorithms.aggregation`).
+    is per token or per sequence, so it runs once on the rank's whole shard and its weights and
+    dropped tokens are the same whichever micro batch (or rank) a sequence lands in; the
+    denominators are then counted from the corrected loss mask and summed over the data-parallel
+    group (the contract of `megarl.algorithms.aggregation`).
 
     Args:
-        batch: the step's batch, with ``old_logprobs`` (and ``ref_logprobs`` when ``kl_coef > 0``).
+        batch: the rank's shard of the step (or the whole step), with ``old_logprobs`` (and
+            ``ref_logprobs`` when ``kl_coef > 0``).
         algo: the ``algorithm`` config section.
         device: the compute device (the tensors of the result are moved there).
         max_response_tokens: ``L_max`` of ``seq_mean_token_sum_norm``.
+        dp_group: the data-parallel process group holding the rest of the step: the counts are
+            all-reduced (SUM) over it, on its device (`megarl.training.collectives`); None:
+            ``batch`` is the whole step.
 
     Returns:
         ``(inputs, mismatch_metrics)``: the `LossInputs`, and the correction's ``mismatch/*``
-        metrics as floats (empty without a correction).
+        metrics of this shard as `Metric` (reduce them over ranks; empty without a correction).
 
     Raises:
         ValueError: an unknown ``algorithm.rollout_correction``.
@@ -92,9 +97,13 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
             pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(batch.loss_mask, pad_value=False), **kwargs)
         keep = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)
         loss_mask, is_weights = result.loss_mask[keep], result.weights[keep].float()
-        metrics = {name: float(m.value) for name, m in result.metrics.items()}
+        metrics = dict(result.metrics)
     normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
                                                max_response_tokens=float(max_response_tokens))
+    if dp_group is not None:  # every rank's share of the step: exact integer counts in float64
+        counts = all_reduce(torch.stack([normalizer.num_tokens, normalizer.num_seqs]), group=dp_group)
+        normalizer = LossNormalizer(num_tokens=counts[0], num_seqs=counts[1],
+                                    max_response_tokens=normalizer.max_response_tokens)
     to = functools.partial(torch.Tensor.to, device=device)
     inputs = LossInputs(old_logprobs=to(batch.old_logprobs),
                         ref_logprobs=None if batch.ref_logprobs is None else to(batch.ref_logprobs),

@@ -24,6 +24,7 @@ the CP group (`megarl.training.context_parallel`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -32,17 +33,22 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.algorithms import reduce_metrics
+from megarl.algorithms.corrections import mismatch_metrics
 from megarl.config.schema import MegarlConfig
 from megarl.training import context_parallel as cp
 from megarl.training import forward as fwd
-from megarl.training.batch import TrainBatch
+from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.batching import plan_micro_batches
-from megarl.training.collectives import all_reduce
+from megarl.training.collectives import all_gather_object, all_reduce
 from megarl.training.fp8 import fp8_token_multiple
 from megarl.training.micro_batch import PackedMicroBatch, pack_micro_batch
 from megarl.training.parallel_state import ParallelState
 from megarl.training.reference import reference_weights, snapshot
 from megarl.training.routing_replay import RoutingReplay, replay_routes, store_routes
+from megarl.training.shard import BatchShard, StepView, shard_batch
+
+_ALONE = object()
+"""`Trainer._peer_group` of a rank that shares its data-parallel rank with no other rank."""
 
 
 class Trainer:
@@ -103,13 +109,31 @@ class Trainer:
             from megatron.core import parallel_state as mps
 
             self._cp_group = mps.get_context_parallel_group()
+        self._peer_group = _peer_group(parallel)
+        """The ranks holding the same data-parallel shard (TP x CP x PP), or `_ALONE`."""
+        self._dp_group = None
+        """The data-parallel group (without CP) the step's loss denominators are summed over; None at DP 1."""
+        if parallel.dp_size > 1:
+            from megatron.core import parallel_state as mps
+
+            self._dp_group = mps.get_data_parallel_group()
+        self._prepared: list[tuple[TrainBatch, StepView]] | None = None
+        """This rank's prepared mini-batches of the step (`prepare`), for `train_prepared`."""
 
     # ------------------------------------------------------------------ planning
-    def micro_batches(self, batch: TrainBatch) -> tuple[list[PackedMicroBatch], float]:
+    def micro_batches(self, batch: TrainBatch, step: StepView | None = None) -> tuple[list[PackedMicroBatch], float]:
         """This rank's packed micro batches of ``batch`` (the same for `compute_logprobs` and
-        `train_step`) and the padding fraction of the whole plan (all ranks)."""
+        `train_step`) and the padding fraction of the whole plan (all ranks).
+
+        Args:
+            batch: the whole optimizer step (``step`` None), or this rank's shard of it.
+            step: for a shard: the step's sequence lengths and the shard's positions among them.
+
+        Raises:
+            ValueError: the shard is not this rank's part of the plan (`megarl.training.batching.dp_partition`).
+        """
         p, train = self.parallel, self.cfg.train
-        seq_lens = batch.seq_lens.tolist()
+        seq_lens = batch.seq_lens.tolist() if step is None else list(step.seq_lens)
         pad_multiple = (p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train)
         pack = functools.partial(pack_micro_batch, batch, use_packed_seq_params=self._te_attention)
         if p.cp_size > 1:  # rows hold sequences padded to 2 * CP (padding_fraction then omits that padding)
@@ -122,7 +146,15 @@ class Trainer:
                                   micro_batch_size=train.micro_batch_size, pad_multiple=pad_multiple,
                                   length_policy=self._length_policy, pack_rows=not self._te_attention,
                                   microbatch_multiple=p.pp_size if len(self.model_chunks) > 1 else 1)
-        mbs = [pack(spec).to(self.device) for spec in plan.micro_batches[p.dp_rank]]
+        specs = plan.micro_batches[p.dp_rank]
+        if step is not None:  # plan indices (the step's) -> the shard's
+            local = {j: i for i, j in enumerate(step.seq_indices)}
+            if sorted(i for spec in specs for i in spec.seq_indices) != sorted(local):
+                raise ValueError(f"data-parallel rank {p.dp_rank} received sequences {sorted(local)} of the step, "
+                                 f"the plan gives it {sorted(i for spec in specs for i in spec.seq_indices)}")
+            specs = [dataclasses.replace(spec, rows=tuple(tuple(local[i] for i in row) for row in spec.rows))
+                     for spec in specs]
+        mbs = [pack(spec).to(self.device) for spec in specs]
         return mbs, plan.padding_fraction
 
     def _run(self, step_func, mbs: list[PackedMicroBatch], *, forward_only: bool) -> list:
@@ -148,7 +180,7 @@ class Trainer:
         """Per-token logprobs of the batch under the current (or reference) policy.
 
         Args:
-            batch: the batch (every rank passes the same one).
+            batch: the batch (every rank passes the same one; small: probes, tests, tools).
             reference: use the reference weights (``algorithm.kl_coef > 0``; swapped in from CPU).
             temperature: logits are divided by it; None: the sampling temperature
                 (``rollout.sampling.temperature``, the distribution rollouts were sampled from).
@@ -159,11 +191,16 @@ class Trainer:
         Raises:
             ValueError: ``reference=True`` without reference weights.
         """
-        return self._forward_only(batch, reference=reference, record_routes=False, temperature=temperature)[0]
+        return self._forward_only(batch, None, reference=reference, record_routes=False, temperature=temperature)[0]
 
-    def prepare_batch(self, batch: TrainBatch) -> TrainBatch:
+    def prepare_batch(self, batch: TrainBatch, step: StepView | None = None) -> TrainBatch:
         """Fill ``old_logprobs``, R2 ``routed_experts`` (recorded in the same forward pass) and,
         with a KL penalty, ``ref_logprobs``.
+
+        Args:
+            batch: the whole step (every rank passes it; ``step`` None), or this rank's shard of
+                one optimizer step (``step`` places it): then the results are this shard's rows,
+                reduced over the ranks sharing its data-parallel rank only.
 
         Fields already set are kept. Returns a new batch; the input is unchanged.
         """
@@ -171,24 +208,68 @@ class Trainer:
         record = self.cfg.train.routing_replay == "r2" and batch.routed_experts is None
         if batch.old_logprobs is None or record:
             with torch.no_grad():
-                old, routes = self._forward_only(batch, reference=False, record_routes=record)
+                old, routes = self._forward_only(batch, step, reference=False, record_routes=record)
             if batch.old_logprobs is None:
                 changes["old_logprobs"] = old
             if record:
                 changes["routed_experts"] = routes
         if self.cfg.algorithm.kl_coef > 0 and batch.ref_logprobs is None:
-            changes["ref_logprobs"] = self.compute_logprobs(batch, reference=True)
+            with torch.no_grad():
+                changes["ref_logprobs"] = self._forward_only(batch, step, reference=True, record_routes=False)[0]
         return batch.replace(**changes) if changes else batch
 
-    def _forward_only(self, batch: TrainBatch, *, reference: bool, record_routes: bool,
+    def prepare(self, shard: BatchShard) -> dict[str, float]:
+        """Prepare this rank's shard of an RL step (`prepare_batch` per mini-batch) and keep it
+        for the following `train_prepared` calls.
+
+        Args:
+            shard: this data-parallel rank's `BatchShard` (routes already resolved).
+
+        Returns:
+            ``mismatch/*`` (trainer ``old_logprobs`` vs the engine's ``rollout_logprobs`` on trained
+            tokens, `megarl.algorithms.corrections.mismatch_metrics`) reduced over every rank's
+            shard; the same on every rank.
+
+        Raises:
+            ValueError: the shard is for another data-parallel rank or layout.
+        """
+        p = self.parallel
+        if (shard.dp_rank, shard.dp_size) != (p.dp_rank, p.dp_size):
+            raise ValueError(f"shard for data-parallel rank {shard.dp_rank} of {shard.dp_size} sent to rank "
+                             f"{p.dp_rank} of {p.dp_size}")
+        self._prepared = [(self.prepare_batch(shard.mini(m), shard.view(m)), shard.view(m))
+                          for m in range(shard.num_minis)]
+        per_mini = []
+        for batch, _ in self._prepared:
+            pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
+            per_mini.append(mismatch_metrics(pad(batch.old_logprobs.float()), pad(batch.rollout_logprobs.float()),
+                                             pad(batch.loss_mask, pad_value=False)))
+        return fwd.all_reduce_metrics(reduce_metrics(per_mini), contribute=self._reports)
+
+    def train_prepared(self, mini: int) -> dict[str, float]:
+        """One optimizer step on mini-batch ``mini`` of the shard kept by `prepare` (see `train_step`).
+
+        Raises:
+            RuntimeError: `prepare` was not called; IndexError: no such mini-batch.
+        """
+        if self._prepared is None:
+            raise RuntimeError("Trainer.train_prepared needs a Trainer.prepare(shard) first")
+        if not 0 <= mini < len(self._prepared):
+            raise IndexError(f"mini-batch {mini} of a step with {len(self._prepared)}")
+        batch, step = self._prepared[mini]
+        return self._train(batch, step, prepare_s=0.0)
+
+    def _forward_only(self, batch: TrainBatch, step: StepView | None, *, reference: bool, record_routes: bool,
                       temperature: float | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logprobs ``[T]`` (and R2 routes ``[T, L, K]``) of ``batch``'s tokens; a whole batch is
+        reduced over every rank, a shard (``step`` set) over the ranks sharing its ``dp_rank``."""
         if reference and self.ref_weights is None:
             raise ValueError("reference logprobs need algorithm.kl_coef > 0 (no reference weights kept)")
         routes = None
         if not reference and not record_routes:  # R3 replays the engine's routes in the old pass too
             routes = replay_routes(batch, self.config, self.num_layers, enabled=self.replay is not None,
                                    required=self.cfg.train.routing_replay == "r3")
-        mbs, _ = self.micro_batches(batch)
+        mbs, _ = self.micro_batches(batch, step)
         temperature = self.cfg.rollout.sampling.temperature if temperature is None else temperature
         logprobs = torch.zeros(batch.num_tokens, dtype=torch.float32)
         recorded = torch.zeros(batch.num_tokens, self.num_layers, self.config.moe_router_topk or 1,
@@ -214,16 +295,18 @@ class Trainer:
             self._run(step_func, mbs, forward_only=True)
         if self.replay is not None:
             self.replay.off()
-        all_reduce(logprobs)  # on the default group's device (collectives.py), back on the CPU
+        for tensor in (logprobs, recorded):
+            if tensor is not None and (step is None or self._peer_group is not _ALONE):
+                # on the group's device (collectives.py), back on the CPU
+                all_reduce(tensor, group=None if step is None else self._peer_group)
         if recorded is not None:
-            all_reduce(recorded)
             recorded -= 1
         return logprobs, recorded
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, batch: TrainBatch, loss_fn, *, entropy: str = "none", routes: Tensor | None = None,
-                         forward_only: bool = False,
-                         temperature: float | None = None) -> tuple[list[dict], dict[str, float]]:
+                         forward_only: bool = False, temperature: float | None = None,
+                         step: StepView | None = None) -> tuple[list[dict], dict[str, float]]:
         """Run a loss over this rank's micro batches through Megatron's schedule (all ranks call).
 
         Gradients are zeroed first and, after it returns, hold the gradient of the sum of the
@@ -231,7 +314,7 @@ class Trainer:
         and DDP's ``1 / dp_size`` are undone here). Step the optimizer with `optimizer_step`.
 
         Args:
-            batch: the batch (every rank passes the same one).
+            batch: the batch (every rank passes the same one), or with ``step`` this rank's shard.
             loss_fn: ``loss_fn(logprobs [T_real], entropy [T_real] | None, mb) -> (loss, metrics)``,
                 ``loss`` being the micro batch's share of the global loss (divided by global
                 denominators); a padding-only micro batch (``mb.spec.seq_indices == ()``) must
@@ -241,13 +324,14 @@ class Trainer:
             forward_only: no backward pass (and no gradient zeroing).
             temperature: logits are divided by it before the log-softmax; None: the sampling
                 temperature (``rollout.sampling.temperature``, what the RL losses need).
+            step: where the shard ``batch`` sits in the optimizer step (None: ``batch`` is the step).
 
         Returns:
             ``(metrics, batch_metrics)``: the ``metrics`` dicts ``loss_fn`` returned on this rank
             (reduce them with `reduce`), and ``batch/padding_fraction`` (of the whole plan) and
             ``batch/num_microbatches`` (per rank).
         """
-        mbs, padding_fraction = self.micro_batches(batch)
+        mbs, padding_fraction = self.micro_batches(batch, step)
         # dp_size excludes CP; Megatron's cp_size / num_microbatches and DDP's 1 / (dp_size * cp_size)
         # then cancel (megarl.training.context_parallel)
         scale = len(mbs) * self.parallel.dp_size
@@ -294,9 +378,12 @@ class Trainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step of the configured RL loss on the whole batch (module docstring).
 
+        Every rank passes the same batch and trains its data-parallel shard of it, exactly as
+        the driver's `prepare` / `train_prepared` path does (`megarl.training.shard.shard_batch`).
+
         Args:
-            batch: every rank passes the same batch; missing ``old_logprobs`` (and R2 routes,
-                reference logprobs) are computed first with `prepare_batch`.
+            batch: the step; missing ``old_logprobs`` (and R2 routes, reference logprobs) are
+                computed first with `prepare_batch`.
 
         Returns:
             ``{name: value}`` metrics, the same on every rank: ``loss/*``, ``kl/*`` (the algorithm
@@ -310,25 +397,33 @@ class Trainer:
             RoutingReplayError: replay is on and the batch's routes are missing or invalid.
         """
         start = time.perf_counter()
-        batch = self.prepare_batch(batch)
+        p = self.parallel
+        shard = shard_batch(batch, dp_size=p.dp_size, global_batch_size=batch.num_sequences, cp_size=p.cp_size)
+        mine = shard[p.dp_rank]
+        prepared = self.prepare_batch(mine.batch, mine.view(0))
+        return self._train(prepared, mine.view(0), prepare_s=time.perf_counter() - start)
+
+    def _train(self, batch: TrainBatch, step: StepView, *, prepare_s: float) -> dict[str, float]:
+        """One optimizer step on this rank's prepared shard ``batch`` of the step ``step`` (all ranks call)."""
         prepared = time.perf_counter()
         routes = replay_routes(batch, self.config, self.num_layers, enabled=self.replay is not None)
         algo = self.cfg.algorithm
-        inputs, correction_metrics = fwd.loss_inputs(batch, algo, device=self.device,
-                                                     max_response_tokens=self.cfg.rollout.agent.max_response_tokens)
+        inputs, correction = fwd.loss_inputs(batch, algo, device=self.device,
+                                             max_response_tokens=self.cfg.rollout.agent.max_response_tokens,
+                                             dp_group=self._dp_group)
         loss_fn = functools.partial(fwd.rl_loss, inputs=inputs, algo=algo)
         per_mb, batch_metrics = self.forward_backward(
-            batch, loss_fn, entropy="grad" if algo.entropy_coef > 0 else "metric", routes=routes)
+            batch, loss_fn, entropy="grad" if algo.entropy_coef > 0 else "metric", routes=routes, step=step)
         backward_done = time.perf_counter()
         metrics = self.optimizer_step()
         done = time.perf_counter()
         metrics.update(self.reduce(per_mb))
-        metrics.update(correction_metrics | batch_metrics)
+        metrics.update(fwd.all_reduce_metrics(correction, contribute=self._reports) | batch_metrics)
         step_s = done - prepared
         metrics.update({
-            "batch/num_tokens": float(batch.num_tokens), "batch/num_sequences": float(batch.num_sequences),
-            "perf/tokens_per_s": batch.num_tokens / step_s,
-            "timing/prepare_batch_s": prepared - start, "timing/forward_backward_s": backward_done - prepared,
+            "batch/num_tokens": float(step.num_tokens), "batch/num_sequences": float(len(step.seq_lens)),
+            "perf/tokens_per_s": step.num_tokens / step_s,
+            "timing/prepare_batch_s": prepare_s, "timing/forward_backward_s": backward_done - prepared,
             "timing/optimizer_s": done - backward_done, "timing/train_step_s": step_s,
         })
         return metrics
@@ -371,3 +466,18 @@ class Trainer:
 
         load_trainer_state(directory, self)
 
+
+def _peer_group(parallel: ParallelState):
+    """A process group of the ranks sharing this rank's ``dp_rank`` (collective: every rank calls
+    ``dist.new_group`` for every group, in ``dp_rank`` order); None (the world) at DP 1, `_ALONE`
+    when every rank is its own data-parallel rank."""
+    if parallel.dp_size == 1:
+        return None
+    if parallel.dp_size == parallel.world_size:
+        return _ALONE
+    dp_ranks = all_gather_object(parallel.dp_rank)
+    mine = None
+    for dp_rank in sorted(set(dp_ranks)):
+        group = dist.new_group(ranks=[r for r, d in enumerate(dp_ranks) if d == dp_rank])
+        mine = group if dp_rank == parallel.dp_rank else mine
+    return mine

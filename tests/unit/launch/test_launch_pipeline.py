@@ -51,11 +51,15 @@ class ScriptedRun:
                           reward=reward, policy_version=version,
                           token_policy_versions=torch.full((n,), version, dtype=torch.int32))
 
-    # trainer
-    def run(self, method, batch):
-        if method == "prepare_batch":
-            return [batch.replace(old_logprobs=batch.rollout_logprobs)]
-        return [{"loss/policy": 0.0}]
+    # trainer: one data-parallel rank
+    dp_size, cp_size = 1, 1
+
+    def prepare(self, shards):
+        assert len(shards) == 1
+        return {}
+
+    def train_step(self, mini):
+        return {"loss/policy": 0.0}
 
     def sync_weights(self, version):
         self.syncs.append(version)
