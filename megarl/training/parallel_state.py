@@ -126,7 +126,7 @@ def initialize_parallel(parallel_cfg: ParallelConfig, *, backend: str = "auto", 
     """Initialise ``torch.distributed`` (if needed) and Megatron's model-parallel groups.
 
     On a machine without CUDA the CPU patches of :mod:`megarl.training.cpu_compat` are applied
-    first. ``torch.distributed`` is started from the environment (``RANK``, ``WORLD_SIZE``,
+    first; on CUDA only ``moe_te_gemm`` (an MoE router without Transformer Engine fails there too). ``torch.distributed`` is started from the environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``) when not already initialised. The Megatron RNG tracker is
     seeded (``model_parallel_cuda_manual_seed(seed)``; on CPU it tracks the CPU generator).
 
@@ -147,7 +147,7 @@ def initialize_parallel(parallel_cfg: ParallelConfig, *, backend: str = "auto", 
     from megatron.core import parallel_state as mps
     from megatron.core import tensor_parallel
 
-    from megarl.training.cpu_compat import apply_cpu_patches
+    from megarl.training.cpu_compat import apply_cpu_patches, patch_moe_te_gemm
 
     cuda = torch.cuda.is_available()
     if backend == "auto":
@@ -156,6 +156,8 @@ def initialize_parallel(parallel_cfg: ParallelConfig, *, backend: str = "auto", 
         raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
     if not cuda:
         apply_cpu_patches()
+    else:  # not CPU-only: without Transformer Engine, 0.16.1's MoE router raises NameError on CUDA too
+        patch_moe_te_gemm()
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(local_device_index())
