@@ -9,16 +9,26 @@ Determinism (``rollout.deterministic_sampling``): every generate call gets a ``s
 derived from ``(train.seed, step, token ids of the request, occurrence)``, so a resumed run samples
 exactly what an uninterrupted one would, independent of which engine or in which order requests are
 served. The engines then run with ``--enable-deterministic-inference`` (see ``engines.py``).
+
+R3 routes (``Trajectory.routed_experts`` ``[P + R, L, K]`` int32, ~1.5 KB per token for
+Qwen3-30B-A3B) never pass through the driver: `RolloutWorker.generate` puts each trajectory's
+routes in the Ray object store and leaves the reference in the trajectory the driver receives; the
+trainer rank that trains the sequence reads it (`megarl.launch.trainer_group.TrainerWorker.prepare`).
+This actor owns those objects (it put them) and lives as long as the run, so they outlive the
+rollout call; a reference cannot outlive the Ray session, so a checkpoint stores the tensors
+(`materialize_routes`).
 """
 from __future__ import annotations
 
 import collections
+import copy
 import hashlib
 import logging
 from typing import Any, Sequence
 
 import numpy as np
 import ray
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +79,41 @@ def _eval_rollout_config(rollout: Any, samples_per_prompt: int = 0) -> Any:
                                          "partial_rollouts": False})
     return OmegaConf.merge(rollout, {"group_size": 1, "over_sample_prompts": 0, "partial_rollouts": False,
                                      "sampling": {"temperature": 0.0}})
+
+
+def put_routes(groups: Sequence[Any]) -> None:
+    """Replace every trajectory's ``routed_experts`` tensor by an object-store reference (in place;
+    the caller's process owns the objects)."""
+    for group in groups:
+        for traj in group.trajectories:
+            if isinstance(traj.routed_experts, torch.Tensor):
+                traj.routed_experts = ray.put(traj.routed_experts)
+
+
+def materialize_routes(groups: Sequence[Any]) -> list[Any]:
+    """Copies of ``groups`` whose trajectories hold their routes as tensors again (for pickling
+    into a checkpoint, where a reference would not survive the Ray session); the input is unchanged.
+
+    Returns:
+        The groups (the same objects where no trajectory held a reference).
+    """
+    out = []
+    for group in groups:
+        refs = [t.routed_experts for t in group.trajectories if isinstance(t.routed_experts, ray.ObjectRef)]
+        if not refs:
+            out.append(group)
+            continue
+        tensors = dict(zip(refs, ray.get(refs)))
+        trajs = []
+        for traj in group.trajectories:
+            if isinstance(traj.routed_experts, ray.ObjectRef):
+                traj = copy.copy(traj)
+                traj.routed_experts = tensors[traj.routed_experts]
+            trajs.append(traj)
+        group = copy.copy(group)
+        group.trajectories = trajs
+        out.append(group)
+    return out
 
 
 @ray.remote
@@ -138,6 +183,8 @@ class RolloutWorker:
         manager.policy_version = policy_version
         batch = await manager.generate_groups(rows)
         batch.metrics.update(self.router.metrics())
+        if self.cfg.train.routing_replay == "r3":
+            put_routes(batch.groups)
         first = min(batch.groups, key=lambda g: g.group_id, default=None)
         batch.sample_text = self.describe(first.trajectories[0]) if first else ""  # for the log
         return batch

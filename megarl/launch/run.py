@@ -4,6 +4,11 @@ Build order (:meth:`Run.build`): run directory and resolved config -> data (bad 
 before Ray) -> Ray and placement groups -> engines start (in the background) -> trainer ranks ->
 engines ready -> rollout actor -> resume from the newest checkpoint, or SFT cold start -> weights
 pushed to the engines when they differ from the launch weights -> evaluation before training.
+
+Colocated (synchronous, launched engines): the trainer shares the engines' GPUs, so it is built in
+the memory they lend it: engines ready -> engine memory released (weights, KV cache, CUDA graphs)
+-> trainer ranks -> resume or SFT -> engine memory resumed -> the first weight sync (it rewrites
+the released weights). Engines and trainer are then never both built at full size on one GPU.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from megarl.launch.engines import EngineGroup
 from megarl.launch.hf_export import BackgroundExport
 from megarl.launch.metrics import MetricsLogger
 from megarl.launch.retrieval import start_retrieval, stop_retrieval
-from megarl.launch.rollout_actor import RolloutWorker
+from megarl.launch.rollout_actor import RolloutWorker, materialize_routes
 from megarl.launch.trainer_group import TrainerGroup
 
 logger = logging.getLogger("megarl.train")
@@ -162,6 +167,7 @@ class Run:
                 run.restore(latest)
             else:
                 run.trained_before_rl = run_cold_start(run, demos)
+            run.resume_engine_memory()  # colocated: lent while the trainer was built (module docstring)
             # Engines serve the launch weights: push the trainer's (also when they are the same, so
             # the first sync is verified before any rollout).
             run.sync_weights(run.state.policy_version)
@@ -183,8 +189,15 @@ class Run:
         self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
                                    custom_weight_loaders=engine_custom_weight_loaders(run_transport(cfg)))
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
-        self.trainer = TrainerGroup(trainer_config(cfg, resuming=resuming), self.placement)
-        self.engine_urls = self.engines.wait_ready()
+        if self._lends_engine_memory():
+            # Colocated: the engines free their GPUs before the trainer is built on them (their
+            # weights too: the first weight sync rewrites every one); resumed before that sync.
+            self.engine_urls = self.engines.wait_ready()
+            self.release_engine_memory(weights=True)
+            self.trainer = TrainerGroup(trainer_config(cfg, resuming=resuming), self.placement)
+        else:
+            self.trainer = TrainerGroup(trainer_config(cfg, resuming=resuming), self.placement)
+            self.engine_urls = self.engines.wait_ready()
         self.rollout = RolloutWorker.options(num_cpus=0).remote(
             OmegaConf.to_yaml(cfg, resolve=True), self.engine_urls, self.engines.ids)
 
@@ -224,17 +237,27 @@ class Run:
         self.synced_version = version
         return metrics
 
-    def release_engine_memory(self) -> None:
-        """Colocated, synchronous: the engines (idle after the step's rollout) free their GPU memory
-        for the trainer until :meth:`resume_engine_memory` (:mod:`megarl.launch.colocated`)."""
+    def _lends_engine_memory(self) -> bool:
+        """Colocated, synchronous, launched engines: they lend their GPU memory to the trainer."""
+        cfg = self.cfg
+        return cfg.cluster.placement == "colocated" and not cfg.rollout.async_mode and not cfg.rollout.external_engine_urls
+
+    def release_engine_memory(self, *, weights: bool | None = None) -> None:
+        """Colocated, synchronous: the engines (idle: before the first rollout, or after the step's
+        rollout) free their GPU memory for the trainer until :meth:`resume_engine_memory`
+        (:mod:`megarl.launch.colocated`).
+
+        Args:
+            weights: release the weights too (they come back uninitialised: only when the next weight
+                sync rewrites them); None: when every step ends with a sync (``weight_sync.every_n_steps``).
+        """
         from megarl.launch import colocated
 
-        cfg = self.cfg
-        if cfg.cluster.placement != "colocated" or cfg.rollout.async_mode or cfg.rollout.external_engine_urls:
+        if not self._lends_engine_memory():
             return
-        # Released weights come back uninitialised: only when this step's weight sync rewrites them.
-        self.engine_memory_released = colocated.release(
-            self.engine_urls, weights=int(cfg.weight_sync.get("every_n_steps", 1)) == 1)
+        if weights is None:
+            weights = int(self.cfg.weight_sync.every_n_steps) == 1
+        self.engine_memory_released = colocated.release(self.engine_urls, weights=weights)
 
     def resume_engine_memory(self) -> None:
         """Give the engines their memory back (weights, then KV cache and CUDA graphs); no-op if not lent."""
@@ -312,7 +335,9 @@ class Run:
         self.state.pending_rollouts = []
         for item in pending:  # async: the in-flight rollouts are finished and saved with the state
             batch = item.wait()
-            self.state.pending_rollouts.append({"step": item.step, "rows": item.rows, "groups": list(batch.groups),
+            # R3 routes: references into the object store -> tensors (a reference dies with the session)
+            self.state.pending_rollouts.append({"step": item.step, "rows": item.rows,
+                                                "groups": materialize_routes(batch.groups),
                                                 "metrics": dict(batch.metrics),
                                                 "policy_version": item.policy_version})
         rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))

@@ -10,7 +10,8 @@ Modules:
 - ``micro_batch``: a micro batch's tensors (rows, attention mask or THD params, index maps).
 - ``logprobs``: vocab-parallel logprobs / entropy from ``[T, V/tp]`` logits.
 - ``forward``: one micro batch through the model, the RL loss with global denominators, metrics.
-- ``trainer``: `Trainer` (``prepare_batch``, ``compute_logprobs``, ``train_step``,
+- ``shard``: `BatchShard`, one data-parallel rank's part of an RL step (what the driver sends it).
+- ``trainer``: `Trainer` (``prepare`` / ``train_prepared``, ``prepare_batch``, ``compute_logprobs``, ``train_step``,
   ``forward_backward``, ``named_parameters_for_sync``, checkpoints).
 - ``build``: ``build_*`` steps from a `MegarlConfig`; ``optimizer``: DDP, optimizer, LR schedule.
 - ``routing_replay``: MoE routing replay (R2 / R3) hooked into Megatron's ``TopKRouter``.

@@ -1,22 +1,29 @@
 """The Megatron-Core policy trainer: one object per trainer rank, inside an initialised process group.
 
 Built by `build_trainer(cfg)` from small ``build_*`` functions (parallel state, model, HF weights,
-DDP, optimizer, LR schedule); the driver then calls, per RL step::
+DDP, optimizer, LR schedule); the driver then calls, per RL step (through
+`megarl.launch.trainer_group.TrainerGroup`)::
 
-    batch = trainer.prepare_batch(batch)   # old logprobs (+ R2 routes), reference logprobs if KL
-    metrics = trainer.train_step(batch)    # one optimizer step over the whole batch
+    metrics = trainer.prepare(shard)          # old logprobs (+ R2 routes), ref logprobs, mismatch
+    metrics = trainer.train_prepared(i)       # one optimizer step per mini-batch i of the shard
 
-Every rank receives the **whole** `TrainBatch` and takes its data-parallel share itself
-(`megarl.training.batching`); every rank returns the same metrics. ``compute_logprobs`` and
-``train_step`` plan micro batches the same way, so for the same batch and weights the old-logprob
-pass and the training forward see identical micro batches (on-policy ratios are exactly 1).
+Each rank receives only its data-parallel **shard** (`megarl.training.shard.BatchShard`: the
+sequences the micro-batch planner gives its ``dp_rank``, mini-batch by mini-batch, and the lengths
+of every sequence of each mini-batch); the ranks sharing a ``dp_rank`` (TP / CP / PP) receive the
+same shard. Old / reference logprobs and R2 routes are computed on the shard and kept on the rank
+(reduced over those peers only); every result returned is a metric reduced over all ranks, never
+a tensor of batch size. ``compute_logprobs``, ``prepare_batch`` and ``train_step`` also accept the
+whole batch on every rank (probes, tests, tools): ``train_step`` then cuts its own shard exactly as
+the driver would. ``compute_logprobs`` and ``train_step`` plan micro batches the same way, so for the
+same batch and weights the old-logprob pass and the training forward see identical micro batches
+(on-policy ratios are exactly 1).
 
-Step anatomy (``train_step``): routes validated (routing replay) -> rollout correction on the whole
-batch (detached weights, possibly a smaller loss mask) -> global loss denominators counted from that
-mask -> Megatron ``get_forward_backward_func`` over this rank's micro batches and the pipeline
-stages (loss scaling in `megarl.training.forward`) -> DDP gradient reduction in
-``finalize_model_grads`` -> optimizer step with gradient clipping -> LR schedule step -> metrics
-reduced over micro batches and ranks.
+Step anatomy (``train_prepared``): routes validated (routing replay) -> rollout correction on the
+rank's shard (per token or sequence; detached weights, possibly a smaller loss mask) -> loss
+denominators counted from that mask and summed over the data-parallel group -> Megatron
+``get_forward_backward_func`` over this rank's micro batches and the pipeline stages (loss scaling
+in `megarl.training.forward`) -> DDP gradient reduction in ``finalize_model_grads`` -> optimizer
+step with gradient clipping -> LR schedule step -> metrics reduced over micro batches and ranks.
 
 Context parallelism (Transformer Engine attention only): each micro batch is one THD row split
 over the CP ranks; every CP rank computes the whole micro batch's loss from logprobs gathered over
