@@ -8,8 +8,12 @@
     megarl make-tiny-model OUT_DIR [--family qwen3_moe|qwen3 ...]
     megarl doctor                                 versions, CUDA devices, FP8 recipes, NCCL, interfaces, fixes
     megarl plan-sync CONFIG [key.sub=value ...] [--intra-gbps X --inter-gbps Y]   weight sync on paper
+    megarl plan CONFIG [key.sub=value ...] [--gpu h100 --mfu 0.35 --suggest]   memory, step, sync on paper
 
 Every command that takes a config validates it first and reports all problems at once.
+An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint, a
+plan that cannot be built) is one line on stderr and exit status 2; `--debug` (anywhere on the line)
+or MEGARL_DEBUG=1 adds its traceback.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from megarl.config import ConfigError, load_config, validate
 log = logging.getLogger("megarl")
 
 
-def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = False) -> DictConfig:
+def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = False,
+                   check_fit: bool = True) -> DictConfig:
     """Load, optionally scale down to one CPU host (`megarl.launch.cpu_scale`, its ``cpu-scale:``
     lines printed), resolve ``tiny:`` model paths, and validate a config.
 
@@ -48,13 +53,13 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
 
     absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
     if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
-        return validate(cfg)
+        return validate(cfg, check_fit=check_fit)
     try:
         cfg.model.hf_path = resolve_model_path(cfg.model.hf_path)
     except ValueError as e:
         from megarl.config import ConfigIssue
         raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
-    return validate(cfg)
+    return validate(cfg, check_fit=check_fit)
 
 
 def _summary(cfg: DictConfig) -> str:
@@ -130,7 +135,27 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_plan_sync(args: argparse.Namespace) -> int:
     from megarl.weight_sync.predict import cmd_plan_sync as run
 
-    return run(args)
+    return run(args, prepare_config(args.config, args.overrides))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``megarl plan``: exit 0 when trainer and engine ranks fit the GPU, 1 when not (`megarl.plan`)."""
+    from megarl.plan.commands import run_plan
+    from megarl.weight_sync.predict import predict_from_config
+
+    def sync_seconds(cfg, intra_gbps: float, inter_gbps: float) -> dict[str, float]:
+        return {p.transport: p.seconds
+                for p in predict_from_config(cfg, intra_gbps=intra_gbps, inter_gbps=inter_gbps)[1]}
+
+    from megarl.config.validate import read_hf_config, resolved_precision
+
+    cfg = prepare_config(args.config, args.overrides, check_fit=False)
+    try:
+        return run_plan(args, cfg, read_hf_config(cfg.model.hf_path), sync_seconds,
+                        precision=resolved_precision(cfg))
+    except ValueError as e:
+        print(f"megarl plan: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     from megarl.weight_sync.predict import add_plan_sync_parser
     add_plan_sync_parser(sub)
+    from megarl.plan.commands import add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 
@@ -179,13 +206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megarl.doctor import main as doctor
 
         return doctor()
-    args = parser.parse_args(argv)
+    debug = "--debug" in argv or os.environ.get("MEGARL_DEBUG", "") not in ("", "0")
+    args = parser.parse_args([a for a in argv if a != "--debug"])
     try:
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
-                "index": cmd_index, "plan-sync": cmd_plan_sync}[args.command](args)
-    except ConfigError as e:
-        print(f"megarl {args.command}: {e}", file=sys.stderr)
-        return 2
+                "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan}[args.command](args)
+    except UserError as e:  # expected: what the user gave is wrong; the message says what to change
+        if debug:
+            traceback.print_exc()
+        print(f"megarl {args.command}: {e.one_line()}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -263,6 +263,11 @@ class ClusterConfig:
     """Nodes for the rollout engines (disaggregated)."""
     rollout_devices_per_node: int = 1
     """GPUs (CPU: engine ranks) per rollout node."""
+    gpu: Optional[str] = None
+    """GPU model for capacity planning (`megarl.plan.gpus`): ``h100``, ``h200``, ``b200``, ``gb200``, or
+    ``auto`` (this node's, by ``torch.cuda.get_device_name``); None: unknown (with ``device: cuda``
+    the node's GPU is detected). When known, ``megarl validate`` refuses a layout whose trainer or
+    engine ranks do not fit its memory (``megarl plan`` shows the numbers); CPU runs skip the check."""
     ray_address: Optional[str] = None
     """Existing Ray cluster (``auto`` or ``host:port``); None = start a local one."""
     master_port: int = 0

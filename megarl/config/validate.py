@@ -15,6 +15,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.loader import ConfigError, ConfigIssue
+from megarl.plan.gpus import CHOICES as GPU_CHOICES
 
 CHOICES: dict[str, tuple] = {
     "model.moe_router_dtype": (None, "fp32", "fp64"),
@@ -39,6 +40,7 @@ CHOICES: dict[str, tuple] = {
     "weight_sync.verify": ("off", "first", "always"),
     "cluster.device": ("auto", "cuda", "cpu"),
     "cluster.placement": ("disaggregated", "colocated"),
+    "cluster.gpu": GPU_CHOICES,
 }
 
 POSITIVE_INTS = [
@@ -632,12 +634,31 @@ def _check_engine_packing(c: _Checker) -> None:
             f"engines never straddle nodes): at most {nodes * per_node_engines} engines")
 
 
-def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:
+def _check_fit(c: _Checker) -> None:
+    """Trainer and engine ranks fit the GPU's memory (`megarl.plan.fit`), when the GPU is known."""
+    from megarl.plan.fit import fit_problems, known_gpu
+
+    cfg = c.cfg
+    try:
+        gpu = known_gpu(cfg)
+    except ValueError as e:
+        c.check(False, "cluster.gpu", str(e))
+        return
+    if gpu is None:
+        return  # a CPU run, or no GPU named and none here: nothing to size against
+    for key, message in fit_problems(cfg, read_hf_config(cfg.model.hf_path), gpu, precision=resolved_precision(cfg)):
+        c.check(False, key, message)
+
+
+def validate(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = True) -> DictConfig:
     """Check a loaded config across fields, the model's config.json, the cluster and the registries.
 
     Args:
         cfg: from :func:`megarl.config.loader.load_config`.
         check_paths: also check that model, data and tokenizer paths exist and read config.json.
+        check_fit: with ``check_paths`` and no other problem, also check that the trainer and engine
+            ranks fit the GPU's memory (`megarl.plan.fit`; only when ``cluster.gpu`` is set or
+            ``cluster.device`` is cuda; ``megarl plan`` turns it off to show the numbers instead).
 
     Returns:
         ``cfg``, unchanged, when valid.
@@ -667,6 +688,8 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> DictConfig:
         _check_paths(c)
         if not any(issue.key == "model.hf_path" for issue in c.issues):
             _check_load_dir(c)
+        if check_fit and not c.issues:
+            _check_fit(c)
     if c.issues:
         raise ConfigError(c.issues)
     return cfg

@@ -121,7 +121,8 @@ def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: Paralle
         mb: the packed micro batch (rows ``[R, S]``).
         parallel: this rank's parallel state (selects the sequence-parallel slice of ``routes``).
         replay: the model's `RoutingReplay`, or None.
-        routes: ``[T_total, L, K]`` routes of the whole batch to replay, or None (route freely).
+        routes: ``[T, L, K]`` routes of the batch ``mb`` was packed from (this rank's shard) to replay,
+            or None (route freely).
 
     Returns:
         Last stage: ``[R, S, V/tp]`` logits; other stages: the hidden states to send on.

@@ -252,7 +252,9 @@ def replay_routes(batch, config, num_layers: int, *, enabled: bool, required: bo
 
 def store_routes(buffer: Tensor, mb, taken: dict[int, Tensor], parallel) -> None:
     """Write one stage's recorded routes ``{layer: [N, K]}`` of micro-batch ``mb`` into ``buffer``
-    (``[T, L, K]`` int32, the batch's tokens) as expert ids + 1 (0 = none recorded).
+    (``[T, L, K]`` int32, the tokens of the batch ``mb`` was packed from: this rank's data-parallel
+    shard, so each rank records its own rows) as expert ids + 1 (0 = none recorded). The caller sums
+    the buffers of the ranks sharing the shard (TP / PP / CP) to complete it.
 
     With sequence parallelism each TP rank routed its own slice of tokens and writes it; otherwise
     every TP rank saw all tokens and only TP rank 0 writes. Padding positions are skipped.

@@ -228,16 +228,18 @@ def placement_from_config(cfg):
         tp_size=int(cfg.parallel.tensor_model_parallel_size)))
 
 
-def cmd_plan_sync(args) -> int:
-    """``megarl plan-sync CONFIG [overrides] --intra-gbps X --inter-gbps Y`` (see module docstring)."""
-    from megarl.cli import prepare_config
-
-    cfg = prepare_config(args.config, args.overrides)
+def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[WeightSyncPlan, list[SyncPrediction]]:
+    """The sync plan of a resolved run config and its p2p / distributed predictions (module docstring)."""
     plan = plan_from_config(cfg)
-    placement = placement_from_config(cfg) if getattr(cfg.weight_sync, "segment_senders", True) else None
-    predictions = [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
-                                intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps, placement=placement)
-                   for t in ("p2p", "distributed")]
+    placement = placement_from_config(cfg) if cfg.weight_sync.segment_senders else None
+    return plan, [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
+                               intra_gbps=intra_gbps, inter_gbps=inter_gbps, placement=placement)
+                  for t in ("p2p", "distributed")]
+
+
+def cmd_plan_sync(args, cfg) -> int:
+    """``megarl plan-sync CONFIG [overrides] --intra-gbps X --inter-gbps Y`` on a validated ``cfg``."""
+    plan, predictions = predict_from_config(cfg, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
     print(format_prediction(plan, predictions, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps))
     return 0
 

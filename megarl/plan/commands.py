@@ -1,0 +1,98 @@
+"""``megarl plan CONFIG [overrides]``: capacity before queueing (the report of `megarl.plan.report`).
+
+The command (wired by ``megarl/cli.py``, which hands in the validated config, the model's
+``config.json`` and the weight-sync prediction) prints the most loaded trainer rank's memory by
+consumer, an engine rank's weights and KV cache, the per-step bytes and seconds, and the
+weight-sync seconds of ``megarl plan-sync`` at the GPU's link bandwidths. ``--suggest`` adds the
+fewest nodes of the GPU, and their layout, on which trainer and engines fit.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from megarl.plan.fit import engine_setup, plan_fit, suggest_engine, suggest_trainer
+from megarl.plan.gpus import GPUS, detect_gpu, gpu_spec
+from megarl.plan.memory import GB, TrainerSetup
+from megarl.plan.report import default_tokens_per_trajectory, format_engine, format_step, format_trainer, step_plan
+from megarl.plan.shape import ModelShape
+
+SyncSeconds = Callable[[object, float, float], dict]
+"""``(cfg, intra_gbps, inter_gbps) -> {transport: seconds}`` (``megarl.weight_sync.predict``)."""
+
+
+def add_plan_parser(sub) -> None:
+    """The ``plan`` subcommand's arguments."""
+    p = sub.add_parser("plan", help="memory per trainer / engine rank, bytes and seconds per step, on paper")
+    p.add_argument("config", help="YAML run config (model.hf_path needs only config.json)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    p.add_argument("--gpu", choices=["auto", *GPUS], default=None,
+                   help="GPU preset (default: cluster.gpu, else this node's GPU)")
+    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation (default 0.35)")
+    p.add_argument("--tokens-per-trajectory", type=int, default=None,
+                   help="expected prompt + response tokens (default: half of their budgets)")
+    p.add_argument("--suggest", action="store_true", help="also name the fewest nodes and a layout that fit")
+    p.add_argument("--no-sync", action="store_true", help="skip the weight-sync prediction (slow for 1T models)")
+
+
+def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> list[str]:
+    gpu = fit.gpu
+    per_node = int(cfg.cluster.trainer_devices_per_node)
+    trainer = suggest_trainer(shape, setup, gpu, per_node)
+    lines = []
+    if trainer is None:
+        lines.append(f"suggest: no trainer layout of up to 128 nodes x {per_node} {gpu.name} fits")
+    else:
+        nodes, t, mem = trainer
+        lines.append(f"suggest trainer: {nodes} node(s) x {per_node} {gpu.name}: parallel.tensor_model_parallel_size={t.tp} "
+                     f"pipeline_model_parallel_size={t.pp} expert_model_parallel_size={t.ep} "
+                     f"expert_tensor_parallel_size=1 (DP{t.dp}), {mem.total / GB:.1f} GB on the most loaded rank")
+    cl = cfg.cluster
+    rollout_per_node = int(cl.rollout_devices_per_node if cl.placement == "disaggregated" else per_node)
+    engine = suggest_engine(shape, engine_setup(cfg, hf_config), gpu, rollout_per_node, fit.max_context_tokens)
+    if engine is None:
+        lines.append(f"suggest engine: no engine of up to {rollout_per_node} {gpu.name} (one node) holds "
+                     f"{fit.max_context_tokens} tokens of context: serve a block-FP8 checkpoint or a larger GPU")
+    else:
+        e, mem = engine
+        per_node_engines = max(rollout_per_node // e.tp, 1)
+        nodes = -(-int(cfg.rollout.num_engines) // per_node_engines)
+        lines.append(f"suggest engines: rollout.engine.tensor_parallel_size={e.tp} expert_parallel_size={e.ep}, "
+                     f"{cfg.rollout.num_engines} engine(s) on {nodes} node(s) (cluster.rollout_nodes), "
+                     f"{mem.tokens_fit} tokens of KV cache each")
+    return lines
+
+
+def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str) -> int:
+    """Print the plan of a validated config; 0 when both sides fit the GPU, 1 when one does not.
+
+    Args:
+        args: the ``plan`` subcommand's arguments (:func:`add_plan_parser`).
+        cfg: the validated run config (fit check off).
+        hf_config: the model's ``transformers`` config.
+        sync_seconds: the weight-sync prediction (module docstring of `megarl.weight_sync.predict`).
+        precision: the resolved ``train.precision``.
+
+    Raises:
+        ValueError: no GPU named and none on this node; a bad ``--mfu``.
+    """
+    gpu = gpu_spec(args.gpu or cfg.cluster.gpu) or detect_gpu()
+    if gpu is None:
+        raise ValueError("megarl plan needs a GPU model: set cluster.gpu or pass --gpu (h100, h200, b200, gb200)")
+    shape = ModelShape.from_hf_config(hf_config)
+    setup = TrainerSetup.from_config(cfg, precision=precision)
+    fit = plan_fit(cfg, hf_config, gpu, precision=precision)
+    tokens = args.tokens_per_trajectory or default_tokens_per_trajectory(cfg)
+    step = step_plan(cfg, shape, gpu, setup, tokens_per_trajectory=tokens, mfu=args.mfu)
+    sync = {} if args.no_sync else sync_seconds(cfg, gpu.nvlink_gbps, gpu.network_gbps)
+    lines = [f"model {hf_config.architectures[0]}: {shape.total_params() / 1e9:.1f} B parameters "
+             f"({shape.active_params() / 1e9:.1f} B active per token); GPU {gpu.name}: {gpu.memory_bytes / GB:.0f} GB, "
+             f"{gpu.bf16_tflops:g} / {gpu.fp8_tflops:g} TFLOP/s BF16 / FP8, links {gpu.nvlink_gbps:g} / "
+             f"{gpu.network_gbps:g} GB/s; nodes: {cfg.cluster.trainer_nodes} trainer + "
+             f"{cfg.cluster.rollout_nodes if cfg.cluster.placement == 'disaggregated' else 0} rollout"]
+    lines += format_trainer(fit, shape, setup)
+    lines += format_engine(fit, cfg, engine_setup(cfg, hf_config).fp8)
+    lines += format_step(step, args.mfu, tokens, sync)
+    if args.suggest:
+        lines += _suggest(cfg, shape, setup, fit, hf_config)
+    print("\n".join(lines))
+    return 0 if fit.trainer_fits and fit.engine_fits else 1
