@@ -11,9 +11,6 @@
     megarl plan CONFIG [key.sub=value ...] [--gpu h100 --mfu 0.35 --suggest]   memory, step, sync on paper
 
 Every command that takes a config validates it first and reports all problems at once.
-An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint, a
-plan that cannot be built) is one line on stderr and exit status 2; `--debug` (anywhere on the line)
-or MEGARL_DEBUG=1 adds its traceback.
 """
 from __future__ import annotations
 
@@ -206,16 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megarl.doctor import main as doctor
 
         return doctor()
-    debug = "--debug" in argv or os.environ.get("MEGARL_DEBUG", "") not in ("", "0")
-    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args = parser.parse_args(argv)
     try:
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
                 "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan}[args.command](args)
-    except UserError as e:  # expected: what the user gave is wrong; the message says what to change
-        if debug:
-            traceback.print_exc()
-        print(f"megarl {args.command}: {e.one_line()}", file=sys.stderr)
-        return e.exit_code
+    except ConfigError as e:
+        print(f"megarl {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
