@@ -11,17 +11,23 @@
     megarl plan CONFIG [key.sub=value ...] [--gpu h100 --mfu 0.35 --suggest]   memory, step, sync on paper
 
 Every command that takes a config validates it first and reports all problems at once.
+An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint, a
+plan that cannot be built) is one line on stderr and exit status 2; `--debug` (anywhere on the line)
+or MEGARL_DEBUG=1 adds its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import traceback
 from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import ConfigError, load_config, validate
+from megarl.errors import UserError
 
 log = logging.getLogger("megarl")
 
@@ -158,6 +164,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an expected error too (also MEGARL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("train", "run RL training"), ("validate", "check a config")):
         p = sub.add_parser(name, help=helptext)
@@ -203,13 +211,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megarl.doctor import main as doctor
 
         return doctor()
-    args = parser.parse_args(argv)
+    debug = "--debug" in argv or os.environ.get("MEGARL_DEBUG", "") not in ("", "0")
+    args = parser.parse_args([a for a in argv if a != "--debug"])
     try:
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
                 "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan}[args.command](args)
-    except ConfigError as e:
-        print(f"megarl {args.command}: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:  # expected: what the user gave is wrong; the message says what to change
+        if debug:
+            traceback.print_exc()
+        print(f"megarl {args.command}: {e.one_line()}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

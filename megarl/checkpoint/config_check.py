@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from megarl.checkpoint.hf_io import HFCheckpointReader
+from megarl.errors import UserError
 
 COMPARED_FIELDS = (
     "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -19,7 +20,7 @@ COMPARED_FIELDS = (
 """Architecture fields compared between two configs (after reading either HF spelling)."""
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(UserError):
     """An HF config disagrees with the weights, the checkpoint or another config."""
 
 

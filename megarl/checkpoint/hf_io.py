@@ -24,6 +24,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from megarl.errors import UserError
+
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -34,7 +36,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointFileError(ValueError):
+class CheckpointFileError(UserError):
     """A missing, truncated or malformed checkpoint file (the message names the file)."""
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.schema import MegarlConfig
+from megarl.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class ConfigIssue:
         return f"{self.key}={self.value!r}{where}: {self.message}"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration is invalid. ``issues`` lists every problem found, not only the first."""
 
     def __init__(self, issues: Iterable[ConfigIssue]):

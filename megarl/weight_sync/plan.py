@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 from megarl.checkpoint.fp8_blocks import BlockFP8
+from megarl.errors import UserError
 from megarl.weight_sync.fp8_wire import wire_specs
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecError
@@ -42,7 +43,7 @@ comes before any byte moves, and only the last one's transfer + loading after th
 ones fill and drain the pipeline sooner, and the middle keeps the large size's throughput."""
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """The parameters cannot be synced with these layouts (names the parameter or tensor)."""
 
 
