@@ -45,7 +45,6 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from megarl.checkpoint.convert_cli import add_import_arguments  # the flags megarl convert and the tools share
 from megarl.errors import UserError
-from megarl.errors import UserError
 from megarl.training.devices import select_device_index
 
 
