@@ -126,8 +126,10 @@ def check_env(device: str) -> dict:
     return out
 
 
-def _max_diff(a, b, mask) -> float:
-    return float((a - b)[mask].abs().max())
+def _diffs(a, b, mask) -> tuple[float, float]:
+    """``(max, mean)`` of ``|a - b|`` over the trained tokens (``mask`` True)."""
+    diff = (a - b)[mask].abs()
+    return float(diff.max()), float(diff.mean())
 
 
 def check_replay(device: str, precision: str, workdir: str) -> dict:
@@ -149,7 +151,7 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
     num_experts, topk = trainer.config.num_moe_experts, trainer.config.moe_router_topk
     batch = random_batch(trainer.vocab_size, [40, 64, 96, 128, 50, 77, 110, 33], prompt_tokens=8, seed=3)
     mask, tol = batch.loss_mask, TOLERANCE[precision]
-    out = {"spec": "te" if trainer._te_attention else "local", "device": str(trainer.device),
+    out = {"spec": "te" if trainer._te_attention else "local", "device": str(trainer.device), "precision": precision,
            "num_tokens": batch.num_tokens, "tolerance": tol}
     _require(trainer.device.type == device, f"trainer built on {trainer.device}, expected {device}")
 
@@ -160,17 +162,20 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
              f"R2 routes shape {None if routes is None else tuple(routes.shape)}")
     _require(bool(((routes >= 0) & (routes < num_experts)).all()), "R2 recorded an expert id outside [0, E)")
     _require(bool((routes.sort(-1).values.diff(dim=-1) != 0).all()), "R2 recorded an expert twice for a token")
-    out["r2_old_vs_free"] = _max_diff(prepared.old_logprobs, free, mask)
+    # two free forwards of the same weights: their difference is the kernels' run-to-run noise
+    out["r2_old_vs_free"], noise_mean = _diffs(prepared.old_logprobs, free, mask)
     _require(out["r2_old_vs_free"] <= tol, f"R2 old logprobs differ from a free forward by {out['r2_old_vs_free']}")
 
     trainer.cfg.train.routing_replay = "r3"  # the same trainer: the mode is read at every call
     replayed = trainer.compute_logprobs(batch.replace(routed_experts=routes))
     shifted = trainer.compute_logprobs(batch.replace(routed_experts=(routes + 1) % num_experts))
-    out["r3_replay_vs_free"] = _max_diff(replayed, free, mask)
-    out["r3_shifted_vs_free"] = _max_diff(shifted, free, mask)
+    out["r3_replay_vs_free"], replay_mean = _diffs(replayed, free, mask)
+    out["r3_shifted_vs_free"], out["r3_shifted_vs_free_mean"] = _diffs(shifted, free, mask)
     _require(out["r3_replay_vs_free"] <= tol, f"R3 replay of the free routes moved logprobs by {out['r3_replay_vs_free']}")
-    _require(out["r3_shifted_vs_free"] > max(10 * out["r3_replay_vs_free"], 1e-4),
-             f"R3 replay of other experts changed logprobs by only {out['r3_shifted_vs_free']}")
+    # means, not maxima: under bf16 a single token's noise can be large, the mean of real changes is not
+    _require(out["r3_shifted_vs_free_mean"] > max(10 * max(noise_mean, replay_mean), 1e-5),
+             f"R3 replay of other experts changed logprobs by only {out['r3_shifted_vs_free_mean']} (mean; "
+             f"noise {noise_mean}, replay {replay_mean})")
     try:
         trainer.compute_logprobs(batch)
         out["r3_missing_routes"] = "accepted"
@@ -251,6 +256,28 @@ def check_throughput(device: str, size: str, steps: int, seq_len: int, num_seqs:
     return out
 
 
+def summary(result: dict) -> str:
+    """One line of what a passed check measured."""
+    r = result
+    if r["check"] == "env":
+        return (f"{r.get('device_name', 'cpu')}, Python {r['python']}, torch {r['torch']} (CUDA {r['cuda']}, "
+                f"NCCL {r.get('nccl', '-')}), Megatron-Core {r['megatron_core']}, transformers {r['transformers']}, "
+                f"Transformer Engine {r['transformer_engine']}")
+    if r["check"] == "replay":
+        steps = [r[name][k] for name in ("r3_step", "r2_step") for k in ("ratio_min", "ratio_max")]
+        return (f"{r['spec']} spec, {r['precision']} on {r['device']}, {r['num_tokens']} tokens: |R2 old - free| "
+                f"{r['r2_old_vs_free']:.2g}, |R3 replay - free| {r['r3_replay_vs_free']:.2g}, shifted routes "
+                f"{r['r3_shifted_vs_free']:.2g} (mean {r['r3_shifted_vs_free_mean']:.2g}; tolerance {r['tolerance']:g}); R3 and R2 steps: ratios "
+                f"{min(steps):.6f}..{max(steps):.6f}, grad norms {r['r3_step']['grad_norm']:.3g} / "
+                f"{r['r2_step']['grad_norm']:.3g}")
+    memory = f", peak {r['max_memory_gib']:.1f} GiB" if "max_memory_gib" in r else ""
+    return (f"Qwen3-MoE {r['size']} ({r['num_params'] / 1e6:.1f}M parameters, {r['active_params'] / 1e6:.1f}M "
+            f"active), {r['precision']}, {r['tokens_per_step']} tokens/step of {r['seq_len']}: trainer "
+            f"{r['tokens_per_s']:.0f} tokens/s ({r['step_s']:.2f} s/step), MFU {100 * r['mfu']:.1f}% of "
+            f"{r['peak_tflops']:g} TFLOP/s ({r['device_name']}){memory}; old-logprob pass "
+            f"{r['old_logprob_tokens_per_s']:.0f} tokens/s")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megarl.testing.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("check", choices=["env", "replay", "throughput"])
@@ -272,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         SystemExit: bad arguments (argparse, exit code 2).
     """
+    from megarl.logging_setup import install as filter_known_noise
+
     args = _parser().parse_args(argv)
+    filter_known_noise()  # Megatron's warnings about TE / apex fallbacks (megarl.logging_setup)
     if args.steps < 1:
         _parser().error("--steps must be >= 1")
     cuda = args.device == "cuda"
@@ -290,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         result["ok"] = True
     except CheckFailed as err:
         result.update(ok=False, error=str(err))
-    print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
+    print("SUMMARY " + (summary(result) if result["ok"] else f"FAILED: {result['error']}"), flush=True)
+    print("RESULT " + json.dumps(result, sort_keys=True), flush=True)  # NaN (MFU on CPU) prints as NaN
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return 0 if result["ok"] else 1

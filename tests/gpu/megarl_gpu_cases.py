@@ -1,7 +1,28 @@
-"""Batches for the GPU trainer tests (importable by spawned ranks)."""
+"""Batches and requirement markers for the GPU tests (importable by spawned ranks).
+
+What each test needs beyond CUDA is explicit: `needs_te` (Transformer Engine, e.g. its layer spec,
+FP8 or context-parallel attention). `tools/gpu_check.sh` runs this folder on a node without TE or
+SGLang; those tests skip there and every other one must pass.
+"""
+import pytest
 import torch
 
 from megarl.training.batch import TrainBatch
+
+
+def te_available() -> bool:
+    """Transformer Engine's PyTorch extension imports (False when absent or broken, e.g. no cuDNN)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine_torch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no TE
+        return False
+    return True
+
+
+needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not te_available(),
+                              reason="needs CUDA and Transformer Engine")
+"""Marks a test that needs Transformer Engine (skipped cleanly without it)."""
 
 
 def make_batch(vocab_size: int, *, seed: int = 0, num_seqs: int = 8) -> TrainBatch:

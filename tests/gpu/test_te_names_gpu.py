@@ -9,8 +9,9 @@ grouped-GEMM experts ``...experts.linear_fc1.weight{E}``; the first sync used to
 import pytest
 
 from megarl.testing.multiproc import run_ranks
+from megarl_gpu_cases import needs_te
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_te]  # every test here builds the Transformer Engine layer spec
 
 
 def _worker(rank, world_size, hf_dir, grouped):

@@ -11,21 +11,9 @@ import pytest
 import torch
 
 from megarl.testing.multiproc import run_ranks
+from megarl_gpu_cases import needs_te
 
 pytestmark = pytest.mark.gpu
-
-
-def _te_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-        import transformer_engine_torch  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means no TE
-        return False
-    return True
-
-
-needs_te = pytest.mark.skipif(not torch.cuda.is_available() or not _te_available(),
-                              reason="context parallelism needs CUDA and Transformer Engine")
 
 
 @needs_te

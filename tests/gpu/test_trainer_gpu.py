@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from megarl.testing.multiproc import run_ranks
+from megarl_gpu_cases import needs_te
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_te]  # every test here builds the Transformer Engine layer spec
 
 
 def _cfg(hf_dir, **train):
