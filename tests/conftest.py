@@ -58,13 +58,14 @@ def tiny_glm4_moe_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def official_template_tokenizers(tmp_path_factory):
     """Tokenizers of tiny models built on each official chat template (megarl/rollout/chat_templates):
-    ``{"qwen3": ..., "deepseek_v3": ..., "glm4_moe": ...}`` (Qwen3 dense, DeepSeek-V3, GLM-4.5 families;
+    ``{"qwen3": ..., "deepseek_r1": ..., "deepseek_v31": ..., "glm4_moe": ...}`` (Qwen3 dense, DeepSeek-V3
+    (R1's and V3.1's templates), GLM-4.5 families;
     their directories hold config.json and generation_config.json), built once per session."""
     from transformers import AutoTokenizer
 
     from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
 
-    families = {"qwen3": "qwen3", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
+    families = {"qwen3": "qwen3", "deepseek_r1": "deepseek_v3", "deepseek_v31": "deepseek_v3", "glm4_moe": "glm4_moe"}
     root = tmp_path_factory.mktemp("official_templates")
     return {template: AutoTokenizer.from_pretrained(make_tiny_model(
         root / template, TinyModelSpec(family=family, chat_template=template, num_hidden_layers=1)))

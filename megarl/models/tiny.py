@@ -96,7 +96,7 @@ class TinyModelSpec:
     seed: int = 0
     chat_template: str = "tiny"
     """``tiny`` (the append-only template below) or an official one from
-    :mod:`megarl.rollout.chat_templates` (``qwen3``, ``deepseek_v3``, ``glm4_moe``), whose special
+    :mod:`megarl.rollout.chat_templates` (``qwen3``, ``deepseek_r1``, ``deepseek_v31``, ``glm4_moe``), whose special
     tokens are then added to the tokenizer and whose end-of-turn tokens become the EOS ids."""
 
 

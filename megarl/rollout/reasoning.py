@@ -25,9 +25,21 @@ FAMILY_PARSERS: dict[str, tuple[str | None, str]] = {
     # DeepSeek-V3 / R1: <think>...</think> (the R1 template opens it in the prompt);
     # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name ```json ...``` ...
     "deepseek_v3": ("deepseek-v3", "deepseekv3"),
+    # DeepSeek-V3.1 (model_type deepseek_v3, told apart by its template, TEMPLATE_VARIANTS):
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
+    "deepseek_v31": ("deepseek-v3", "deepseekv31"),
     "glm4_moe": ("glm45", "glm45"),        # <think>...</think>; <tool_call>name <arg_key>k</arg_key>...
 }
-"""HF ``model_type`` -> (reasoning parser, tool-call parser), SGLang names."""
+"""HF ``model_type`` (or a :data:`TEMPLATE_VARIANTS` name) -> (reasoning parser, tool-call parser),
+SGLang names."""
+
+TEMPLATE_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # DeepSeek-V3.1 keeps V3's model_type; its chat template writes a call's name before the
+    # separator (R1's and V3's write the type "function" there, then the name and a ```json fence).
+    "deepseek_v3": (("tool['function']['name'] + '<｜tool▁sep｜>'", "deepseek_v31"),),
+}
+"""``model_type`` -> ``(text in the tokenizer's chat template, family)``: releases that share a
+``model_type`` but write tool calls differently, told apart by their official template."""
 
 
 def model_type_of(tokenizer: Any) -> str | None:
@@ -37,6 +49,17 @@ def model_type_of(tokenizer: Any) -> str | None:
         return json.loads(path.read_text()).get("model_type")
     except (OSError, ValueError):
         return None
+
+
+def family_of(tokenizer: Any) -> str | None:
+    """The :data:`FAMILY_PARSERS` key of a tokenizer's model: its ``model_type``, or the
+    :data:`TEMPLATE_VARIANTS` family whose template text the tokenizer's chat template holds."""
+    model_type = model_type_of(tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    for marker, family in TEMPLATE_VARIANTS.get(model_type or "", ()):
+        if isinstance(template, str) and marker in template:
+            return family
+    return model_type
 
 
 def resolve_parsers(tokenizer: Any, reasoning_parser: str | None = "auto",
@@ -57,7 +80,7 @@ def resolve_parsers(tokenizer: Any, reasoning_parser: str | None = "auto",
     """
     family = None
     if "auto" in (reasoning_parser, tool_call_parser):
-        model_type = model_type_of(tokenizer)
+        model_type = family_of(tokenizer)
         family = FAMILY_PARSERS.get(model_type or "")
         if family is None:
             key = "reasoning_parser" if reasoning_parser == "auto" else "tool_call_parser"

@@ -28,16 +28,22 @@ class TemplateTokens:
     extra_stop: tuple[str, ...] = ()
 
 
+_DEEPSEEK_SPECIAL = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                     "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+                     "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
+"""The special tokens of DeepSeek-V3's tokenizer that the R1 and V3.1 templates write."""
+
 TEMPLATE_TOKENS: dict[str, TemplateTokens] = {
     # Qwen3-8B: eos <|im_end|>; generation_config also stops on <|endoftext|>.
     "qwen3": TemplateTokens(extra_stop=("<|endoftext|>",)),
-    # DeepSeek-R1 / V3: BOS and EOS written by the template, tool-call markers as special tokens.
-    "deepseek_v3": TemplateTokens(
-        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                 "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
-                 "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
-                 "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
-        eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>"),
+    # DeepSeek-R1 (DeepSeek-V3 architecture): BOS and EOS written by the template, tool-call markers
+    # as special tokens.
+    "deepseek_r1": TemplateTokens(special=_DEEPSEEK_SPECIAL, eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>"),
+    # DeepSeek-V3.1 (same architecture and markers): `thinking` switches the generation prompt between
+    # "<｜Assistant｜><think>" and "<｜Assistant｜></think>"; tool calls as name<｜tool▁sep｜>{json}.
+    "deepseek_v31": TemplateTokens(special=_DEEPSEEK_SPECIAL, eos="<｜end▁of▁sentence｜>",
+                                   bos="<｜begin▁of▁sentence｜>"),
     # GLM-4.5: no end-of-turn token; generation stops on <|user|> or <|observation|> (generation_config).
     "glm4_moe": TemplateTokens(
         special=("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",

@@ -76,6 +76,12 @@ _FORMATS: dict[str, _CallFormat] = {
         name=r"<｜tool▁sep｜>([^\n]*)", arguments=r"```json\n(.*)\n```",
         example="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```"
                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "deepseekv31": _CallFormat(  # DeepSeek-V3.1: the name, then the JSON arguments, no type and no fence
+        start="<｜tool▁call▁begin｜>", end="<｜tool▁call▁end｜>",
+        wrap=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
+        name=r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>", arguments=r"<｜tool▁sep｜>(.*)<｜tool▁call▁end｜>",
+        example="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>"
+                "<｜tool▁calls▁end｜>"),
     "glm45": _CallFormat(
         start="<tool_call>", end="</tool_call>", name=r"<tool_call>([^\n<]*)",
         example="<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>"),
@@ -94,7 +100,7 @@ class ToolCallParser:
     Args:
         tools: the tools offered to the model (their OpenAI-style ``schema``).
         parser_name: SGLang ``FunctionCallParser`` name: ``qwen25`` (Qwen2.5 / Qwen3
-            ``<tool_call>{json}</tool_call>``), ``deepseekv3`` (DeepSeek-V3 / R1), ``glm45``
+            ``<tool_call>{json}</tool_call>``), ``deepseekv3`` (DeepSeek-V3 / R1), ``deepseekv31`` (DeepSeek-V3.1), ``glm45``
             (GLM-4.5 ``<arg_key>``/``<arg_value>``); other SGLang names parse, with generic errors.
 
     Raises:

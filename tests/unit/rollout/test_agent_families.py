@@ -1,4 +1,4 @@
-"""The agent loop with official chat templates (Qwen3 thinking on / off, DeepSeek-R1 (V3), GLM-4.5).
+"""The agent loop with official chat templates (Qwen3 thinking on / off, DeepSeek-R1, DeepSeek-V3.1, GLM-4.5).
 
 Per template a scripted trajectory (reasoning, tool call, observation, twice, then an answer) runs
 through the real loop with the family's SGLang reasoning parser and tool-call detector (``auto``):
@@ -31,6 +31,11 @@ def deepseek_call(expression):
             + json.dumps({"expression": expression}) + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
+def v31_call(expression):
+    return ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>"
+            + json.dumps({"expression": expression}) + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
 def glm_call(expression):
     return f"<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>{expression}</arg_value>\n</tool_call>"
 
@@ -44,11 +49,17 @@ SCRIPTS = {
         Reply("<think>\nSo \\boxed{72}.\n</think>\n\nThe answer is \\boxed{72}.")],
     "qwen3-no-thinking": [  # the empty think block is in every generation prompt; the model writes none
         Reply(qwen_call("48 / 2")), Reply(qwen_call("48 + 24")), Reply("The answer is \\boxed{72}.")],
-    "deepseek_v3": [  # the generation prompt ends in "<think>\n": the first turn starts inside reasoning
+    "deepseek_r1": [  # the generation prompt ends in "<think>\n": the first turn starts inside reasoning
         Reply("May is half of April. A draft: " + deepseek_call("999 * 2") + " No, May first.\n</think>\n\n"
               + deepseek_call("48 / 2")),
         Reply("<think>\nNow the sum; " + deepseek_call("999 * 2") + "\n</think>\n\n" + deepseek_call("48 + 24")),
         Reply("<think>\nSo \\boxed{72}.\n</think>\n\nThe answer is \\boxed{72}.")],
+    "deepseek_v31-thinking": [  # thinking: the generation prompt ends in "<think>"
+        Reply("May is half of April. A draft: " + v31_call("999 * 2") + " No, May first.</think>" + v31_call("48 / 2")),
+        Reply("<think>Now the sum; " + v31_call("999 * 2") + "</think>" + v31_call("48 + 24")),
+        Reply("<think>So \\boxed{72}.</think>The answer is \\boxed{72}.")],
+    "deepseek_v31-no-thinking": [  # the default: the generation prompt closes the reasoning ("</think>")
+        Reply(v31_call("48 / 2")), Reply(v31_call("48 + 24")), Reply("The answer is \\boxed{72}.")],
     "glm4_moe": [  # GLM-4.5 stops on <|observation|> / <|user|> (generation_config EOS), not on an EOS token
         Reply("<think>May is half of April. I could call <tool_call> now; a draft: " + glm_call("999 * 2")
               + " No.</think>\n" + glm_call("48 / 2") + "<|observation|>", eos=False),
@@ -60,7 +71,10 @@ TEMPLATES = {  # case: (tiny family, chat template, chat_template_kwargs, genera
     "qwen3-thinking": ("qwen3", "qwen3", {}, "<|im_start|>assistant\n", "<|im_start|>assistant\n"),
     "qwen3-no-thinking": ("qwen3", "qwen3", {"enable_thinking": False},
                           "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-    "deepseek_v3": ("deepseek_v3", "deepseek_v3", {}, "<｜Assistant｜><think>\n", "<｜tool▁outputs▁end｜>"),
+    "deepseek_r1": ("deepseek_v3", "deepseek_r1", {}, "<｜Assistant｜><think>\n", "<｜tool▁outputs▁end｜>"),
+    "deepseek_v31-thinking": ("deepseek_v3", "deepseek_v31", {"thinking": True}, "<｜Assistant｜><think>",
+                              "<｜tool▁output▁end｜>"),
+    "deepseek_v31-no-thinking": ("deepseek_v3", "deepseek_v31", {}, "<｜Assistant｜></think>", "<｜tool▁output▁end｜>"),
     "glm4_moe": ("glm4_moe", "glm4_moe", {}, "<|assistant|>", "<|assistant|>"),
 }
 
@@ -107,7 +121,7 @@ async def test_official_template_trajectory(family_tokenizers, case):
     assert traj.metadata["tool_calls"] == 2 and traj.metadata["tool_errors"] == 0
     assert "24" in observations and "72" in observations and "1998" not in observations
     assert traj.metadata["final_text"].strip() == "The answer is \\boxed{72}."
-    if case != "qwen3-no-thinking":
+    if not case.endswith("no-thinking"):
         assert traj.metadata["reasoning_text"].strip() == "So \\boxed{72}."
     if case == "glm4_moe":  # the model's stop token is trained once, not appended again
         assert observations.startswith("\n<tool_response>\n24\n</tool_response><|assistant|>")
@@ -125,14 +139,14 @@ async def test_without_reasoning_separation_drafts_run_and_mentions_swallow_call
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["qwen3-thinking", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("case", ["qwen3-thinking", "deepseek_r1", "glm4_moe"])
 @pytest.mark.parametrize("final,reward", [
     ("<think>\nIt is \\boxed{72}.\n</think>\n\nI am not sure.", 0.0),       # boxed only while thinking
     ("<think>\nMaybe \\boxed{5}.\n</think>\n\nThe answer is \\boxed{72}.", 1.5),
 ])
 async def test_reward_scores_the_answer_not_the_reasoning(family_tokenizers, case, final, reward):
     tokenizer = family_tokenizers[TEMPLATES[case][1]]
-    if case == "deepseek_v3":  # the prompt opened the reasoning: the model writes no <think>
+    if case == "deepseek_r1":  # the prompt opened the reasoning: the model writes no <think>
         final = final.removeprefix("<think>\n")
     end = "<|user|>" if case == "glm4_moe" else ""
     ctx = make_ctx(tokenizer, case, [Reply(final + end, eos=not end)])
@@ -155,7 +169,7 @@ def test_tiny_models_take_an_official_template(official_template_tokenizers):
     stops = json.loads((Path(glm.name_or_path) / "generation_config.json").read_text())["eos_token_id"]
     assert glm.convert_ids_to_tokens(stops) == ["<|endoftext|>", "<|user|>", "<|observation|>"]
     # The templates' special tokens are single tokens (DeepSeek's BOS is written by the template).
-    deepseek = official_template_tokenizers["deepseek_v3"]
+    deepseek = official_template_tokenizers["deepseek_r1"]
     ids = deepseek.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     ids = deepseek.encode(ids, add_special_tokens=False)
     assert deepseek.convert_ids_to_tokens(ids[:2]) == ["<｜begin▁of▁sentence｜>", "<｜User｜>"]

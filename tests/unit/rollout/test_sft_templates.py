@@ -20,7 +20,7 @@ QUESTION = "Natalia sold 48 clips in April and half as many in May. How many in 
 CASES = {  # case: (template, chat_template_kwargs)
     "qwen3-thinking": ("qwen3", {}),
     "qwen3-no-thinking": ("qwen3", {"enable_thinking": False}),
-    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_r1": ("deepseek_r1", {}),
     "glm4_moe": ("glm4_moe", {}),
 }
 
@@ -90,7 +90,7 @@ def test_trained_spans_follow_each_template(official_template_tokenizers):
         ("qwen3-thinking", True): ["<think>\nHalf of 48.\n</think>\n\n" + call_qwen + "<|im_end|>",
                                    "<think>\nThe tool said 24.\n</think>\n\nThe answer is \\boxed{24}.<|im_end|>"],
         # DeepSeek-R1: the prompt opened <think>; the template renders no reasoning after tool output.
-        ("deepseek_v3", True): [
+        ("deepseek_r1", True): [
             "Half of 48.\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calculator\n"
             '```json\n{"expression": "48 / 2"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>',
             "The answer is \\boxed{24}.<｜end▁of▁sentence｜>"],
