@@ -28,7 +28,7 @@ from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.collectives import all_gather_object, all_reduce
 from megarl.training.context_parallel import CPMicroBatch, cp_micro_batch_logprobs
 from megarl.training.micro_batch import PackedMicroBatch
-from megarl.training.logprobs import next_token_logprobs
+from megarl.training.logprobs import hand_over_logits, next_token_logprobs
 from megarl.training.parallel_state import ParallelState
 from megarl.training.routing_replay import RoutingReplay
 
@@ -112,9 +112,24 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
     return inputs, metrics
 
 
+def _output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output layer of a (DDP-wrapped) ``GPTModel`` chunk of the last stage, else None."""
+    while not hasattr(model, "post_process") and hasattr(model, "module"):
+        model = model.module
+    return model.output_layer if getattr(model, "post_process", False) and hasattr(model, "output_layer") else None
+
+
 def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: ParallelState,
               replay: RoutingReplay | None = None, routes: Tensor | None = None) -> Tensor:
     """Forward one packed micro batch through a model chunk, replaying routes if given.
+
+    The last stage returns the output layer's own ``[S, R, V/tp]`` logits: ``GPTModel`` would
+    return them as ``[R, S, V/tp]`` through ``logits.transpose(0, 1).contiguous()`` (a copy, and a
+    second copy of their gradient in the output layer's backward). A forward hook on the output
+    layer hands ``GPTModel`` the transposed view, so its ``transpose(0, 1).contiguous()`` is the
+    logits themselves (no copy; Megatron-Core 0.16.1, ``GPTModel._postprocess``), and keeps the
+    logits, which are returned marked by `megarl.training.logprobs.hand_over_logits`: the logprob
+    pass works in their memory.
 
     Args:
         model: a (DDP-wrapped) ``GPTModel`` chunk of this pipeline stage.
@@ -125,14 +140,29 @@ def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: Paralle
             or None (route freely).
 
     Returns:
-        Last stage: ``[R, S, V/tp]`` logits; other stages: the hidden states to send on.
+        Last stage: ``[S, R, V/tp]`` logits (contiguous); other stages: the hidden states to send on.
     """
     if replay is not None and routes is not None:
         positions = mb.router_positions(tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
                                         sequence_parallel=parallel.sequence_parallel)
         row = mb.gather(routes, pad_value=-1)[positions.to(routes.device)]  # padding routes freely
         replay.replay(row, chunk=model)
-    return model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+    output_layer = _output_layer(model)
+    if output_layer is None:
+        return model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+    kept = []
+
+    def keep_logits(module, args, output):
+        logits, bias = output  # ColumnParallelLinear: [S, R, V/tp] and its (None) bias
+        kept.append(logits)
+        return logits.transpose(0, 1), bias
+
+    handle = output_layer.register_forward_hook(keep_logits)
+    try:
+        model(mb.input_ids, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+    finally:
+        handle.remove()
+    return hand_over_logits(kept[-1])  # the last call: the main head (after any MTP heads)
 
 
 def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: int, tp_group, temperature: float,
@@ -140,12 +170,14 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
     """Logprobs (and entropy) of the row's real tokens from its vocabulary-sharded logits.
 
     Args:
-        logits: ``[R, S, V/tp]`` model output (a `CPMicroBatch`: ``[1, S / cp, V/tp]``, this CP rank's positions).
+        logits: ``[S, R, V/tp]`` `run_model` output (one row: ``[1, S, V/tp]`` too; a `CPMicroBatch`:
+            ``S / cp`` positions, this CP rank's). Logits from `run_model` are consumed (overwritten).
         mb: the micro batch.
         vocab_size: real vocabulary size (Megatron's padding ids are excluded).
         tp_group: the tensor-parallel process group.
         temperature: rollout sampling temperature (logits are divided by it; <= 0 means 1).
-        entropy: ``"none"``, ``"metric"`` (detached) or ``"grad"`` (differentiable, for a bonus).
+        entropy: ``"none"``, ``"metric"`` (detached, exact, from the logprob pass's log-sum-exp) or
+            ``"grad"`` (differentiable, for a bonus).
 
     Returns:
         ``(logprobs, entropy)``: ``[T_real]`` float32 each (entropy None for ``"none"``); entry
@@ -156,7 +188,7 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
                                        entropy=entropy)
     temperature = temperature if temperature > 0 else 1.0
     logprobs, ent = next_token_logprobs(logits, mb.input_ids, vocab_size=vocab_size, tp_group=tp_group,
-                                        temperature=temperature, entropy=entropy)
+                                        temperature=temperature, entropy=entropy, seq_first=True)
     starts = mb.cu_seqlens[:-1]
     # real tokens only; a sequence start is "predicted" from the previous sequence of its row
     logprobs = logprobs.reshape(-1)[mb.flat_index].index_fill(0, starts, 0.0)

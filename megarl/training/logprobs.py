@@ -10,10 +10,17 @@ log-softmax needs only three numbers per token from the other ranks:
     log p(y) = (z_y - m) - log Z
     H = log Z - sum_v p_v (z_v - m)   (one more all-reduce SUM of sum_v exp(z_v - m) (z_v - m))
 
-so the communication is ``O(T)`` and never ``O(T V)``. Both are `torch.autograd.Function` s with
+so the communication is ``O(T)`` and never ``O(T V)``. The entropy metric (``entropy="metric"``) is
+this exact formula, from the log-sum-exp of the logprob pass and a dot product taken while its exp
+pass runs (no log over the vocabulary, no second ``[T, V/tp]`` buffer); it is computed only when
+asked for (the trainer asks when it logs ``loss/entropy`` or trains on the entropy). Both are `torch.autograd.Function` s with
 hand-written backward passes (``d log p(y) / d z_v = 1[v = y] - p_v``;
 ``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP rank holds the same
 (replicated) loss, so each rank's gradient for its own vocabulary slice is already complete.
+
+Memory: the pass works in one fp32 ``[T, V/tp]`` buffer (the softmax, then the gradient, in place);
+logits marked by `hand_over_logits` (the output layer's, by `megarl.training.forward.run_model`)
+are that buffer, and with ``seq_first`` Megatron's ``[S, B, V/tp]`` layout is used as it is.
 
 Vocabulary padding: Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by x
 tp``; logits of the padding ids (``>= vocab_size``) are excluded from the softmax, so the result
@@ -40,21 +47,73 @@ def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | No
     return tensor
 
 
-def _shifted_local_logits(logits: Tensor, vocab_size: int | None, group: dist.ProcessGroup | None) -> tuple[Tensor, int]:
-    """``z - max`` in fp32 with padding ids at -inf, and the first global vocabulary id held here."""
+_CHUNK_ELEMENTS = 1 << 22
+"""Elements of the ``[rows, V/tp]`` scratch chunk of the entropy pass (16 MiB in fp32)."""
+
+_OWNED = "_megarl_logprobs_may_overwrite"
+
+
+def hand_over_logits(logits: Tensor) -> Tensor:
+    """Mark ``logits`` as a temporary the logprob pass may overwrite (and keep as its softmax).
+
+    `megarl.training.forward.run_model` marks the output layer's logits, which nothing else reads
+    (the output layer saves its input, not its output, for backward), so the pass needs no second
+    ``[tokens, V/tp]`` buffer. Megatron's own ``vocab_parallel_cross_entropy`` overwrites its input
+    the same way. The mark is dropped when the pass consumes the tensor.
+
+    Returns:
+        ``logits`` itself.
+    """
+    setattr(logits, _OWNED, True)
+    return logits
+
+
+def _take_ownership(logits: Tensor) -> bool:
+    owned = getattr(logits, _OWNED, False) and logits.dtype == torch.float32 and logits.is_contiguous()
+    if getattr(logits, _OWNED, False):
+        delattr(logits, _OWNED)
+    return owned
+
+
+def _shifted_local_logits(logits: Tensor, vocab_size: int | None, group: dist.ProcessGroup | None, *,
+                          temperature: float = 1.0, overwrite: bool = False) -> tuple[Tensor, int, int]:
+    """``z / temperature - max`` in fp32 with padding ids at -inf, the first global vocabulary id
+    held here, and the number of real (non-padding) ids held here.
+
+    ``overwrite``: compute in ``logits``' own memory (fp32, contiguous); else in a new buffer.
+    """
     local_vocab = logits.shape[-1]
     rank = dist.get_rank(group) if _group_size(group) > 1 else 0
     vocab_start = rank * local_vocab
-    z = logits.float()
-    if vocab_size is not None and vocab_start + local_vocab > vocab_size:
-        padding = torch.arange(vocab_start, vocab_start + local_vocab, device=z.device) >= vocab_size
-        z = z.masked_fill(padding, float("-inf"))
-    else:
+    z = logits if overwrite else logits.float()
+    if z.data_ptr() == logits.data_ptr() and not overwrite:
         z = z.clone()  # modified in place below; never alias the caller's logits
+    if temperature != 1.0:
+        z.div_(temperature)
+    num_real = local_vocab
+    if vocab_size is not None and vocab_start + local_vocab > vocab_size:
+        num_real = max(vocab_size - vocab_start, 0)
+        z[:, num_real:] = float("-inf")
     max_z = z.max(dim=-1).values
     _all_reduce(max_z, dist.ReduceOp.MAX, group)
     z -= max_z.unsqueeze(-1)
-    return z, vocab_start
+    return z, vocab_start, num_real
+
+
+def _exp_(shifted: Tensor, num_real: int, with_entropy: bool) -> Tensor | None:
+    """``shifted <- exp(shifted)`` in place; with ``with_entropy`` also ``sum_v exp(s_v) s_v`` per row
+    (``[T]``, over the real ids), chunk by chunk so that no second ``[T, V/tp]`` buffer is made."""
+    if not with_entropy:
+        shifted.exp_()
+        return None
+    weighted = shifted.new_zeros(shifted.shape[0])
+    rows = max(min(_CHUNK_ELEMENTS // max(shifted.shape[1], 1), -(-shifted.shape[0] // 8)), 1)  # <= 1/8 of it
+    for start in range(0, shifted.shape[0], rows):
+        chunk = shifted[start:start + rows]
+        values = chunk[:, :num_real].clone()  # s, before it is overwritten by exp(s)
+        chunk.exp_()
+        weighted[start:start + rows] = torch.linalg.vecdot(chunk[:, :num_real], values)
+    return weighted
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -62,26 +121,26 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, vocab_size: int | None, group: dist.ProcessGroup | None,
-                with_entropy: bool) -> tuple[Tensor, Tensor]:
-        z, vocab_start = _shifted_local_logits(logits, vocab_size, group)
+                with_entropy: bool, temperature: float, overwrite: bool) -> tuple[Tensor, Tensor]:
+        z, vocab_start, num_real = _shifted_local_logits(logits, vocab_size, group, temperature=temperature,
+                                                         overwrite=overwrite)
         local_vocab = z.shape[-1]
         local_target = targets - vocab_start
         owned = (local_target >= 0) & (local_target < local_vocab)
         local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
         target_z = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), torch.zeros_like(z[..., 0]))
-        z.exp_()  # z now holds exp(z - max); reuse its memory for the softmax saved for backward
-        sums = torch.stack([z.sum(dim=-1), target_z])  # one all-reduce for both
+        weighted = _exp_(z, num_real, with_entropy)  # z now holds exp(z - max): the softmax saved for backward
+        sums = torch.stack([z.sum(dim=-1), target_z] + ([weighted] if with_entropy else []))  # one all-reduce
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         sum_exp, target_z = sums[0], sums[1]
+        log_sum_exp = sum_exp.log()
         z.div_(sum_exp.unsqueeze(-1))
-        entropy = z.new_zeros(0)
-        if with_entropy:  # H = -sum_v p log p from the softmax already in hand (no second exp pass)
-            entropy = -torch.special.xlogy(z, z).sum(dim=-1)
-            _all_reduce(entropy, dist.ReduceOp.SUM, group)
+        # H = log Z - E_p[z - max], from the log-sum-exp and the exp pass (no log over [T, V/tp])
+        entropy = log_sum_exp - sums[2] / sum_exp if with_entropy else z.new_zeros(0)
         ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(z, local_target, owned)
-        ctx.input_dtype = logits.dtype
-        return target_z - sum_exp.log(), entropy
+        ctx.input_dtype, ctx.temperature = logits.dtype, temperature
+        return target_z - log_sum_exp, entropy
 
     @staticmethod
     def backward(ctx, grad_output: Tensor, _grad_entropy: Tensor):
@@ -89,7 +148,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         grad = softmax.mul_(-grad_output.unsqueeze(-1))  # -p_v * g; softmax is not needed afterwards
         rows = owned.nonzero().squeeze(-1)  # only the rank owning the target id adds the one-hot term
         grad[rows, local_target[rows]] += grad_output[rows]
-        return grad.to(ctx.input_dtype), None, None, None, None
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -97,7 +158,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, vocab_size: int | None, group: dist.ProcessGroup | None) -> Tensor:
-        z, _ = _shifted_local_logits(logits, vocab_size, group)
+        z, _, _ = _shifted_local_logits(logits, vocab_size, group)
         exp_z = z.exp()
         z = torch.nan_to_num(z, neginf=0.0)  # padding ids: p = 0, so 0 * z must not be 0 * -inf
         sums = torch.stack([exp_z.sum(dim=-1), (exp_z * z).sum(dim=-1)])
@@ -136,19 +197,32 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, *, vocab_size: int 
 
 
 def vocab_parallel_logprobs_and_entropy(logits: Tensor, targets: Tensor, *, vocab_size: int | None = None,
-                                        tp_group: dist.ProcessGroup | None = None,
-                                        with_entropy: bool = True) -> tuple[Tensor, Tensor]:
+                                        tp_group: dist.ProcessGroup | None = None, with_entropy: bool = True,
+                                        temperature: float = 1.0, overwrite: bool = False) -> tuple[Tensor, Tensor]:
     """`vocab_parallel_logprobs` plus the entropy (nats) of each row's softmax, detached.
 
-    The entropy reuses the softmax of the logprob pass (one more all-reduce SUM of ``[T]``),
-    for metrics; use `vocab_parallel_entropy` when the entropy itself needs a gradient.
+    The entropy comes from the logprob pass itself: ``H = log Z - sum_v exp(s_v) s_v / Z`` with
+    ``s = z / temperature - max`` and ``Z = sum_v exp(s_v)`` (the log-sum-exp of the pass), the sum
+    taken while the exp pass runs (one more all-reduce SUM of ``[T]``, no log over the vocabulary);
+    use `vocab_parallel_entropy` when the entropy itself needs a gradient.
+
+    Args:
+        logits, targets, vocab_size, tp_group: as in `vocab_parallel_logprobs`.
+        with_entropy: compute the entropy.
+        temperature: logits are divided by it first (> 0); the gradient includes the ``1 / temperature``.
+        overwrite: compute in ``logits``' memory (fp32, contiguous: else a copy is made) and keep it as
+            the softmax for backward; the caller must not read ``logits`` afterwards.
 
     Returns:
         ``(logprobs [T], entropy [T])`` float32; ``entropy`` is empty (``[0]``) when not ``with_entropy``.
+
+    Raises:
+        ValueError: ``logits`` not ``[T, V/tp]`` or ``targets`` not ``[T]``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
-    return _VocabParallelLogprobs.apply(logits, targets, vocab_size, tp_group, with_entropy)
+    overwrite = overwrite and logits.dtype == torch.float32 and logits.is_contiguous()
+    return _VocabParallelLogprobs.apply(logits, targets, vocab_size, tp_group, with_entropy, temperature, overwrite)
 
 
 def vocab_parallel_entropy(logits: Tensor, *, vocab_size: int | None = None,
@@ -170,18 +244,24 @@ def vocab_parallel_entropy(logits: Tensor, *, vocab_size: int | None = None,
 
 def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | None = None,
                         tp_group: dist.ProcessGroup | None = None, temperature: float = 1.0,
-                        entropy: str = "none") -> tuple[Tensor, Tensor | None]:
+                        entropy: str = "none", seq_first: bool = False) -> tuple[Tensor, Tensor | None]:
     """Logprob of every token given the ones before it in its row.
 
     Args:
         logits: ``[..., S, V/tp]`` logits of rows of ``S`` tokens; ``logits[..., s, :]`` predicts
-            token ``s + 1`` of the same row.
+            token ``s + 1`` of the same row. With ``seq_first``: ``[S, R, V/tp]``, the layout of
+            Megatron's output layer (``input_ids`` then ``[R, S]``), used as it is: no copy of the
+            logits, all ``S R`` positions go through one pass (the last one's result is dropped)
+            so that the gradient is one ``[S R, V/tp]`` buffer. Logits marked by
+            `hand_over_logits` (fp32) are overwritten by the pass instead of copied.
         input_ids: ``[..., S]`` int64 token ids of the same rows.
         vocab_size, tp_group: as in `vocab_parallel_logprobs`.
         temperature: logits are divided by it first (the rollout's sampling temperature, so the
             trainer scores tokens under the distribution the engine sampled from).
-        entropy: ``"none"``; ``"metric"`` (detached, from the same softmax); ``"grad"``
-            (differentiable, a second pass: for an entropy bonus).
+        entropy: ``"none"``; ``"metric"`` (detached, from the same pass's log-sum-exp: see
+            `vocab_parallel_logprobs_and_entropy`); ``"grad"`` (differentiable, a second pass: for
+            an entropy bonus).
+        seq_first: ``logits`` are ``[S, R, V/tp]`` (see above).
 
     Returns:
         ``(logprobs, entropy)``: ``[..., S]`` float32 with ``logprobs[..., s] = log p(input_ids[..., s] | ...)``
@@ -190,22 +270,37 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | 
         sequence hold values conditioned on the previous sequence: mask them (``loss_mask`` is 0 there).
 
     Raises:
-        ValueError: on an unknown ``entropy`` mode.
+        ValueError: on an unknown ``entropy`` mode, or logits not matching ``input_ids``.
     """
     if entropy not in ("none", "metric", "grad"):
         raise ValueError(f"entropy must be 'none', 'metric' or 'grad', got {entropy!r}")
-    if temperature != 1.0:
-        logits = logits / temperature
-    lead, length, local_vocab = input_ids.shape[:-1], input_ids.shape[-1], logits.shape[-1]
-    flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
-    scores, ent = vocab_parallel_logprobs_and_entropy(flat_logits, input_ids[..., 1:].reshape(-1),
-                                                      vocab_size=vocab_size, tp_group=tp_group,
-                                                      with_entropy=entropy == "metric")
+    overwrite = _take_ownership(logits) and entropy != "grad"  # the entropy's own pass reads the logits
+    local_vocab = logits.shape[-1]
+    if seq_first:
+        rows, length = input_ids.shape
+        if tuple(logits.shape[:2]) != (length, rows) and not (rows == 1 and logits.shape[:2] == (1, length)):
+            raise ValueError(f"seq_first logits must be [S, R, V/tp] = [{length}, {rows}, V/tp], got {tuple(logits.shape)}")
+        flat_logits = logits.reshape(length * rows, local_vocab)  # a view of contiguous logits
+        # position s predicts s + 1; the last position gets a dummy target and its result is dropped
+        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).t().reshape(-1)
 
-    def shifted(values: Tensor) -> Tensor:
-        values = values.view(*lead, length - 1)
-        return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
+        def shifted(values: Tensor) -> Tensor:  # [S R] in (s, r) order -> [R, S], 0 in column 0
+            return torch.cat([values.new_zeros(1, rows), values.view(length, rows)[:-1]]).t()
+    else:
+        lead, length = input_ids.shape[:-1], input_ids.shape[-1]
+        flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
+        targets = input_ids[..., 1:].reshape(-1)
+
+        def shifted(values: Tensor) -> Tensor:
+            values = values.view(*lead, length - 1)
+            return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
 
     if entropy == "grad":
+        flat_logits = flat_logits / temperature if temperature != 1.0 else flat_logits
+        scores = vocab_parallel_logprobs(flat_logits, targets, vocab_size=vocab_size, tp_group=tp_group)
         ent = vocab_parallel_entropy(flat_logits, vocab_size=vocab_size, tp_group=tp_group)
-    return shifted(scores), shifted(ent) if entropy != "none" else None
+        return shifted(scores), shifted(ent)
+    scores, ent = vocab_parallel_logprobs_and_entropy(flat_logits, targets, vocab_size=vocab_size, tp_group=tp_group,
+                                                      with_entropy=entropy == "metric", temperature=temperature,
+                                                      overwrite=overwrite)
+    return shifted(scores), shifted(ent) if entropy == "metric" else None

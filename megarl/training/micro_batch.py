@@ -91,6 +91,35 @@ class PackedMicroBatch:
         return positions.reshape(-1)
 
 
+SEGMENTS_ATTRIBUTE = "_megarl_block_causal_segments"
+"""Attribute of a mask from `block_causal_mask`: ``(per-row segment lengths, mask._version)``."""
+
+
+def block_causal_mask(row_segments: list[list[int]], length: int) -> Tensor:
+    """``[R, 1, S, S]`` bool mask (True = masked) of rows packed with sequences attending causally to themselves.
+
+    Args:
+        row_segments: per row, the lengths of its consecutive segments (sequences, and the row's
+            padding as a last segment); each row's lengths sum to ``length``.
+        length: ``S``, the row length.
+
+    Returns:
+        The mask, with the segments remembered for ``megarl.training.local_attention.LocalSDPAttention``.
+
+    Raises:
+        ValueError: a row's segments do not sum to ``length``.
+    """
+    seq_id = torch.empty(len(row_segments), length, dtype=torch.int64)
+    for r, lens in enumerate(row_segments):
+        if sum(lens) != length or min(lens, default=1) <= 0:
+            raise ValueError(f"row {r}: segment lengths {lens} must be positive and sum to the row length {length}")
+        seq_id[r] = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    same = seq_id[:, :, None] == seq_id[:, None, :]
+    mask = ~(same & torch.ones(length, length, dtype=torch.bool).tril()).unsqueeze(1)
+    setattr(mask, SEGMENTS_ATTRIBUTE, ([list(lens) for lens in row_segments], mask._version))
+    return mask
+
+
 def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_params: bool = False) -> PackedMicroBatch:
     """Build the rows of one micro batch.
 
@@ -108,8 +137,8 @@ def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_
         raise ValueError(f"THD packed sequences need a single row, the spec has {num_rows}")
     input_ids = torch.zeros(num_rows, length, dtype=torch.int64)
     position_ids = torch.arange(length).repeat(num_rows, 1)
-    seq_id = torch.full((num_rows, length), -1, dtype=torch.int64)  # -1: padding
     flat, tokens, lens = [], [], []
+    row_lens: list[list[int]] = [[] for _ in spec.rows]
     starts, ends = batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()
     for r, row in enumerate(spec.rows):
         offset = 0
@@ -117,10 +146,10 @@ def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_
             n = ends[i] - starts[i]
             input_ids[r, offset:offset + n] = batch.input_ids[starts[i]:ends[i]]
             position_ids[r, offset:offset + n] = torch.arange(n)
-            seq_id[r, offset:offset + n] = len(lens)
             flat.append(torch.arange(r * length + offset, r * length + offset + n))
             tokens.append(torch.arange(starts[i], ends[i]))
             lens.append(n)
+            row_lens[r].append(n)
             offset += n
         position_ids[r, offset:] = torch.arange(length - offset)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
@@ -136,11 +165,10 @@ def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
                                  max_seqlen_q=max_len, max_seqlen_kv=max_len)
     else:
-        # padding positions form their own "sequence" per row (they attend only to padding)
-        seq_id = torch.where(seq_id < 0, -1 - torch.arange(num_rows)[:, None], seq_id)
-        same = seq_id[:, :, None] == seq_id[:, None, :]
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        attention_mask = ~(same & causal).unsqueeze(1)
+        # padding positions form their own "sequence" per row (they attend only to padding); the
+        # mask carries the segments, so the local spec's attention runs once per sequence
+        attention_mask = block_causal_mask([lens_r + ([length - sum(lens_r)] if sum(lens_r) < length else [])
+                                            for lens_r in row_lens], length)
     return PackedMicroBatch(spec=spec, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                             packed_seq_params=packed, cu_seqlens=cu,
                             flat_index=torch.cat(flat) if flat else empty, token_index=torch.cat(tokens) if tokens else empty)

@@ -257,6 +257,10 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
             from megarl.training.local_mla import use_local_mla_attention
 
             use_local_mla_attention(block_spec)  # Megatron-Core 0.16.1's local MLA spec cannot build
+        if not use_te:
+            from megarl.training.local_attention import use_local_sdpa_attention
+
+            use_local_sdpa_attention(block_spec)  # fused SDPA per packed sequence instead of dense scores
         ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
         with ctx:
             model = GPTModel(
