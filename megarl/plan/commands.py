@@ -45,7 +45,9 @@ def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> lis
         nodes, t, mem = trainer
         lines.append(f"suggest trainer: {nodes} node(s) x {per_node} {gpu.name}: parallel.tensor_model_parallel_size={t.tp} "
                      f"pipeline_model_parallel_size={t.pp} expert_model_parallel_size={t.ep} "
-                     f"expert_tensor_parallel_size=1 (DP{t.dp}), {mem.total / GB:.1f} GB on the most loaded rank")
+                     f"expert_tensor_parallel_size=1"
+                     + (f" num_layers_in_last_pipeline_stage={t.num_layers_last}" if t.num_layers_last else "")
+                     + f" (DP{t.dp}), {mem.total / GB:.1f} GB on the most loaded rank")
     cl = cfg.cluster
     rollout_per_node = int(cl.rollout_devices_per_node if cl.placement == "disaggregated" else per_node)
     engine = suggest_engine(shape, engine_setup(cfg, hf_config), gpu, rollout_per_node, fit.max_context_tokens)

@@ -129,8 +129,9 @@ def suggest_trainer(shape: ModelShape, base: TrainerSetup, gpu: GpuSpec, gpus_pe
     """The fewest nodes whose best TP / PP / EP layout fits ``gpu``: ``(nodes, layout, memory)`` or None.
 
     Among the layouts of the smallest node count that fit, the one with the most free memory.
-    TP up to the node size and dividing the attention heads / query groups, PP dividing the
-    layers, EP dividing the experts and the ranks of a stage; ETP 1; CP as ``base``.
+    TP up to the node size and dividing the attention heads / query groups, PP up to 16 (an uneven
+    split puts the rest on the last stage: ``parallel.num_layers_in_last_pipeline_stage``), EP
+    dividing the experts and the ranks of a stage; ETP 1; CP as ``base``.
     """
     heads = shape.num_attention_heads if shape.mla else min(shape.num_attention_heads, shape.num_kv_heads)
     tps = [t for t in (1, 2, 4, 8) if t <= gpus_per_node and heads % t == 0]
@@ -145,8 +146,10 @@ def suggest_trainer(shape: ModelShape, base: TrainerSetup, gpu: GpuSpec, gpus_pe
                 for ep in _divisors(shape.num_experts, world // pp) if shape.num_experts else [1]:
                     if (world // pp) % ep:
                         continue
+                    uneven = shape.num_layers % pp  # Megatron: the rest of an uneven split on the last stage
+                    last = shape.num_layers - (pp - 1) * (shape.num_layers // pp) if uneven else None
                     layout = replace(base, world_size=world, tp=tp, pp=pp, ep=ep, etp=1,
-                                     sequence_parallel=tp > 1, vpp=None, num_layers_first=None, num_layers_last=None)
+                                     sequence_parallel=tp > 1, vpp=None, num_layers_first=None, num_layers_last=last)
                     mem = trainer_memory(shape, layout)
                     if mem.total <= gpu.memory_bytes and (best is None or mem.total < best[2].total):
                         best = (nodes, layout, mem)
