@@ -613,7 +613,8 @@ def _check_megatron_overrides(c: _Checker) -> None:
 
 
 def _check_engine_packing(c: _Checker) -> None:
-    """Each engine fits on one node, and the engines pack onto the nodes whole."""
+    """Each engine fits on one node (or spans whole nodes: :func:`_check_engine_nodes`), and the
+    engines pack onto the nodes whole."""
     cfg = c.cfg
     cl, r = cfg.cluster, cfg.rollout
     if r.external_engine_urls:
@@ -625,13 +626,31 @@ def _check_engine_packing(c: _Checker) -> None:
         nodes, per_node, where = cl.trainer_nodes, cl.trainer_devices_per_node, "cluster.trainer_devices_per_node"
     if tp < 1 or per_node < 1:
         return  # reported by the field checks
-    if not c.check(tp <= per_node, "rollout.engine.tensor_parallel_size",
-                   f"an engine runs on one node: its {tp} devices exceed {where}={per_node}"):
+    if tp > per_node:
+        _check_engine_nodes(c, tp, nodes, per_node, where)
         return
     per_node_engines = per_node // tp
     c.check(r.num_engines <= nodes * per_node_engines, "rollout.num_engines",
             f"{per_node_engines} engine(s) of TP {tp} fit on each of the {nodes} node(s) ({where}={per_node}, "
             f"engines never straddle nodes): at most {nodes * per_node_engines} engines")
+
+
+def _check_engine_nodes(c: _Checker, tp: int, nodes: int, per_node: int, where: str) -> None:
+    """An engine larger than a node spans whole, consecutive nodes (SGLang's ``--nnodes``): only
+    disaggregated, its devices a multiple of the node's, and the engines' nodes within the rollout's."""
+    cfg = c.cfg
+    if not c.check(cfg.cluster.placement == "disaggregated", "rollout.engine.tensor_parallel_size",
+                   f"a colocated engine runs on one node: its {tp} devices exceed {where}={per_node} "
+                   "(engines span nodes only with cluster.placement=disaggregated)"):
+        return
+    if not c.check(tp % per_node == 0, "rollout.engine.tensor_parallel_size",
+                   f"an engine of {tp} devices would span a partial node ({where}={per_node}): an engine larger "
+                   f"than a node spans whole nodes, so make it a multiple of {per_node}"):
+        return
+    span = tp // per_node
+    c.check(cfg.rollout.num_engines * span <= nodes, "rollout.num_engines",
+            f"each engine of TP {tp} spans {span} whole nodes ({where}={per_node}): {cfg.rollout.num_engines} "
+            f"engines need {cfg.rollout.num_engines * span} nodes, cluster.rollout_nodes={nodes}")
 
 
 def _check_fit(c: _Checker) -> None:

@@ -6,6 +6,10 @@ Placement (docs/architecture.md):
   rank (``trainer_nodes x trainer_devices_per_node``; ``{"CPU": 1, "GPU": 1}`` on CUDA); the rollout
   group has one bundle per engine holding all of that engine's devices (``{"CPU": 1, "GPU": tp*ep}``),
   so the engine's SGLang server sees exactly its GPUs. Trainer and engines never share a device.
+  An engine larger than a node (``tp > cluster.rollout_devices_per_node``, a whole multiple of it:
+  :func:`engine_nodes`) has one bundle per node part instead (``{"CPU": 1, "GPU": per_node}``);
+  its parts take the bundles of consecutive nodes (:func:`engine_part_bundles`), and each part's
+  actor starts that node's SGLang process (``--nnodes``/``--node-rank``; node-rank 0 serves HTTP).
 - ``colocated``: one placement group (the trainer's); engine ``i`` sits in the bundle of trainer
   rank ``i * devices_per_engine`` with a fractional GPU share, and its SGLang server is given the GPUs
   of trainer ranks ``i * devices_per_engine ... (i + 1) * devices_per_engine - 1``
@@ -54,6 +58,43 @@ def devices_per_engine(rollout: Any) -> int:
     """Devices (GPUs; CPU: ranks) one SGLang engine uses: its TP size times its EP size over TP."""
     tp, ep = int(rollout.engine.tensor_parallel_size), int(rollout.engine.expert_parallel_size)
     return max(tp, ep)
+
+
+def engine_nodes(cluster: Any, rollout: Any) -> int:
+    """Nodes one engine spans: 1 when its devices fit a node, else devices / devices per node.
+
+    Only disaggregated engines span nodes (``megarl validate`` refuses the rest, and a devices
+    count that is not a whole multiple of ``cluster.rollout_devices_per_node``).
+    """
+    per_engine, per_node = devices_per_engine(rollout), int(cluster.rollout_devices_per_node)
+    if cluster.placement != "disaggregated" or per_engine <= per_node:
+        return 1
+    return per_engine // per_node
+
+
+def engine_part_bundles(nodes: Sequence[str], num_engines: int, parts: int, *, cuda: bool) -> list[list[int]]:
+    """Bundle of each node part of each engine: ``[engine][node_rank]``.
+
+    Bundles are taken in node order (:func:`bundle_order`), ``parts`` at a time, so an engine's
+    parts sit on consecutive nodes, node-rank 0 on the first.
+
+    Args:
+        nodes: node id of each bundle of the rollout placement group (``num_engines * parts``).
+        cuda: on CUDA two parts of one engine on one node are refused (each part must own its node's
+            GPUs); on CPU they may share a host.
+
+    Raises:
+        ValueError: on CUDA, an engine has two parts on one node (names the config key).
+    """
+    order = bundle_order(nodes, [None] * len(nodes))
+    out = [order[e * parts:(e + 1) * parts] for e in range(num_engines)]
+    for e, bundles in enumerate(out):
+        where = [nodes[b] for b in bundles]
+        if cuda and len(set(where)) < len(where):
+            raise ValueError(f"rollout.engine.tensor_parallel_size: engine {e} spans {parts} nodes but two of its parts "
+                             f"landed on one node ({where}); a node must have exactly "
+                             "cluster.rollout_devices_per_node GPUs for the rollout")
+    return out
 
 
 def worker_env(cuda: bool) -> dict[str, str]:
@@ -157,6 +198,8 @@ class Placement:
         colocated: trainer and engines share devices (and bundles: each then asks half a CPU).
         trainer_bundles: bundle index of each trainer rank (:func:`bundle_order`); None = rank order.
         engine_devices: colocated on CUDA: the GPU ids each engine's server sees; else empty.
+        engine_parts: bundle of each node part ``[engine][node_rank]`` (one part per engine unless
+            engines span nodes: :func:`engine_nodes`); ``engine_bundles`` holds the first parts'.
     """
 
     trainer_pg: Any
@@ -167,6 +210,7 @@ class Placement:
     colocated: bool
     trainer_bundles: list[int] | None = None
     engine_devices: list[list[str]] = dataclasses.field(default_factory=list)
+    engine_parts: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def _num_cpus(self) -> float:
@@ -177,10 +221,12 @@ class Placement:
         bundle = rank if self.trainer_bundles is None else self.trainer_bundles[rank]
         return _pg_options(self.trainer_pg, bundle, self._num_cpus, self.trainer_num_gpus)
 
-    def engine_options(self, engine_index: int) -> dict[str, Any]:
-        """``.options(**...)`` for the actor that owns engine ``engine_index``."""
-        return _pg_options(self.rollout_pg, self.engine_bundles[engine_index], self._num_cpus,
-                           self.engine_num_gpus)
+    def engine_options(self, engine_index: int, node_rank: int = 0) -> dict[str, Any]:
+        """``.options(**...)`` for the actor that owns engine ``engine_index`` (its node part
+        ``node_rank`` when it spans nodes)."""
+        bundle = (self.engine_parts[engine_index][node_rank] if self.engine_parts
+                  else self.engine_bundles[engine_index])
+        return _pg_options(self.rollout_pg, bundle, self._num_cpus, self.engine_num_gpus)
 
     def engine_env(self, engine_index: int) -> dict[str, str]:
         """Environment of engine ``engine_index``'s server: colocated on CUDA, the GPUs of its
@@ -283,15 +329,17 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
         placement = Placement(trainer_pg, trainer_pg, bundles,
                               COLOCATED_TRAINER_GPU if cuda else 0, COLOCATED_ENGINE_GPU if cuda else 0, True)
     else:
-        engine_bundle = {"CPU": 1, "GPU": per_engine} if cuda else {"CPU": 1}
+        parts = engine_nodes(cfg.cluster, cfg.rollout)
+        per_part = per_engine // parts  # a whole node's devices when an engine spans nodes
+        engine_bundle = {"CPU": 1, "GPU": per_part} if cuda else {"CPU": 1}
         if roles:
-            engine_bundle["megarl_rollout"] = per_engine
-        rollout_pg = (placement_group([dict(engine_bundle) for _ in range(num_engines)], strategy="PACK",
+            engine_bundle["megarl_rollout"] = per_part
+        rollout_pg = (placement_group([dict(engine_bundle) for _ in range(num_engines * parts)], strategy="PACK",
                                       name="megarl_rollout") if num_engines else trainer_pg)
         if num_engines:
             groups.append(rollout_pg)
         placement = Placement(trainer_pg, rollout_pg, list(range(num_engines)),
-                              1 if cuda else 0, per_engine if cuda else 0, False)
+                              1 if cuda else 0, per_part if cuda else 0, False)
     try:
         ray.get([pg.ready() for pg in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
@@ -300,6 +348,11 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
             f"{num_engines} engines x {per_engine} devices ({cfg.cluster.placement}); cluster has "
             f"{ray.cluster_resources()}") from e
     _order_trainer_bundles(placement, cfg, cuda=cuda, world=world, per_engine=per_engine)
+    if not placement.colocated and num_engines and engine_nodes(cfg.cluster, cfg.rollout) > 1:
+        parts = engine_nodes(cfg.cluster, cfg.rollout)
+        nodes, _ = _bundle_locations(rollout_pg, num_engines * parts, False)
+        placement.engine_parts = engine_part_bundles(nodes, num_engines, parts, cuda=cuda)
+        placement.engine_bundles = [p[0] for p in placement.engine_parts]
     return placement
 
 

@@ -73,6 +73,14 @@ class EngineProcess:
             timeout) instead of spinning. Without it an idle scheduler busy-loops on one CPU core
             (measured here: 70-95% of a core for a server that served nothing for minutes), which
             the trainer ranks or the tools sharing the host lose while the engine waits for them.
+        nnodes, node_rank, dist_init_addr: an engine spanning ``nnodes`` nodes (SGLang 0.5.23
+            ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr``): one such process per node, all
+            with the same ``tp_size`` (the whole engine's), each running the ``tp_size / nnodes``
+            TP ranks ``node_rank * tp_size / nnodes ...`` of its node. ``dist_init_addr``
+            (``host:port``) is where node-rank 0's TP rank 0 hosts torch.distributed's TCP store
+            (the same string on every node). Node-rank 0 serves HTTP (tokenizer, API); the others
+            run only their schedulers and answer ``/health`` on their own ``port`` with a dummy
+            server once their schedulers are ready (``entrypoints/engine.py``).
         extra_args: further ``sglang.launch_server`` arguments, verbatim.
         env: extra environment variables for the server process.
         log_path: file receiving the server's stdout and stderr; default a new file under the
@@ -90,12 +98,14 @@ class EngineProcess:
                  mem_fraction_static: float | None = None, max_total_tokens: int | None = None,
                  grammar_backend: str = "xgrammar", enable_return_routed_experts: bool = False,
                  custom_weight_loaders: Sequence[str] = (), sleep_on_idle: bool = True,
+                 nnodes: int = 1, node_rank: int = 0, dist_init_addr: str | None = None,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
                  engine_id: str | None = None, die_with_parent: bool = True) -> None:
         if tp_size < 1:
             raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
         if ep_size < 1 or tp_size % ep_size:
             raise ValueError(f"engine ep_size must be >= 1 and divide tp_size={tp_size}, got {ep_size}")
+        _check_nodes(tp_size, nnodes, node_rank, dist_init_addr)
         self.model_path = str(model_path)
         self.host = local_host(host)
         self.port = port
@@ -109,6 +119,7 @@ class EngineProcess:
         self.enable_return_routed_experts = enable_return_routed_experts
         self.custom_weight_loaders = list(custom_weight_loaders)
         self.sleep_on_idle = sleep_on_idle
+        self.nnodes, self.node_rank, self.dist_init_addr = nnodes, node_rank, dist_init_addr
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.log_path = Path(log_path) if log_path else None
@@ -156,6 +167,9 @@ class EngineProcess:
             cmd += ["--custom-weight-loader", *self.custom_weight_loaders]
         if self.sleep_on_idle:
             cmd += ["--sleep-on-idle"]
+        if self.nnodes > 1:
+            cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
+                    "--dist-init-addr", self.dist_init_addr]
         return cmd + self.extra_args
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -163,8 +177,8 @@ class EngineProcess:
         env = dict(os.environ if base is None else base)
         if self.device == "cpu":
             env = cpu_shims.apply_to_env(env)
-            if self.tp_size > 1:
-                env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(self.tp_size))
+            if self.tp_size // self.nnodes > 1:  # this node's ranks
+                env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(self.tp_size // self.nnodes))
         env.update(self.extra_env)
         return env
 
@@ -294,6 +308,21 @@ class EngineProcess:
     def __repr__(self) -> str:
         state = "running" if self.is_alive() else "stopped"
         return f"EngineProcess({self.engine_id}, device={self.device}, tp={self.tp_size}, {state})"
+
+
+def _check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None) -> None:
+    """SGLang 0.5.23's rules for an engine over ``nnodes`` nodes (``check_server_args``: the TP
+    size divisible by the node count; ``NetworkAddress.parse``: ``host:port``, IPv6 bracketed)."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"engine nnodes must be >= 1 and node_rank in [0, {nnodes}), got {nnodes}, {node_rank}")
+    if tp_size % nnodes:
+        raise ValueError(f"engine tp_size={tp_size} must be a multiple of its nnodes={nnodes} (SGLang gives "
+                         "every node tp_size / nnodes ranks)")
+    if nnodes > 1:
+        host, _, port = (dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
+            raise ValueError(f"an engine over {nnodes} nodes needs dist_init_addr as host:port (IPv6 in "
+                             f"brackets), got {dist_init_addr!r}")
 
 
 def _kill_with_parent() -> None:

@@ -140,6 +140,7 @@ def test_engines_fit_and_pack_per_node(base):
     assert _issues(two_nodes + ["rollout.num_engines=8"]) == {}
     issues = _issues(two_nodes + ["rollout.num_engines=8", "rollout.engine.tensor_parallel_size=2"])
     assert "rollout.num_engines" in issues  # 8 x TP2 = 16 devices > 8
-    issues = _issues(base + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=4",
-                             "rollout.engine.tensor_parallel_size=8", "rollout.num_engines=1"])
-    assert "one node" in issues["rollout.engine.tensor_parallel_size"]
+    # an engine larger than a node spans whole nodes (issue 25 part 4: tests/unit/config/test_validate_engine_nodes.py)
+    issues = _issues(base + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=3",
+                             "rollout.engine.tensor_parallel_size=4", "rollout.num_engines=1"])
+    assert "partial node" in issues["rollout.engine.tensor_parallel_size"]
