@@ -271,9 +271,14 @@ class ClusterConfig:
     ray_address: Optional[str] = None
     """Existing Ray cluster (``auto`` or ``host:port``); None = start a local one."""
     master_port: int = 0
-    """torch.distributed rendezvous port of the trainer group on rank 0's node; 0 (default): a free
-    port the OS picks there (a fixed default port makes two runs started at once on one machine
-    race for it); a fixed port that is taken is replaced by a free one."""
+    """torch.distributed rendezvous port of the trainer group on rank 0's node: the first free port at
+    or above it there, within 1000 ports (the range a firewalled cluster opens); 0 (default): a free
+    port below the kernel's ephemeral range. Ports handed out are reserved on the node for a while, so
+    two runs started at once on one machine do not race for one (``megarl.rollout.ports``)."""
+    colocated_trainer_memory_fraction: float = 0.4
+    """Colocated on CUDA: the share of each GPU's memory the trainer rank keeps while the engines hold
+    theirs (rollout and weight sync): its parameters, gradients, optimizer states and allocator
+    cache. ``megarl validate`` checks that ``rollout.engine.mem_fraction_static`` + this fits."""
     distributed_timeout_minutes: int = 30
     """Timeout of the trainer's ``torch.distributed`` groups (the default group and Megatron's): a
     collective that waits longer raises instead of hanging."""

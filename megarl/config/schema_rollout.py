@@ -68,9 +68,12 @@ class EngineConfig:
     spans several hosts (trainer ranks and the rollout worker must reach it), ``127.0.0.1`` when it
     is on one host. An explicit loopback address on a multi-host cluster is an error at start."""
     base_port: int = 30000
-    """First HTTP port; engine i uses a free port at or above base_port + 10 * i."""
+    """First HTTP port; engine i uses a free port at or above base_port + 10 * i (within 1000 ports:
+    the range a firewalled cluster opens), chosen on the engine's node."""
     mem_fraction_static: float = 0.8
-    """SGLang ``--mem-fraction-static``."""
+    """SGLang ``--mem-fraction-static`` (weights and KV cache, of each GPU's memory). Colocated on CUDA
+    it shares the GPU with the trainer: with ``cluster.colocated_trainer_memory_fraction`` it must
+    fit (``megarl validate``)."""
     max_total_tokens: Optional[int] = None
     """SGLang ``--max-total-tokens`` (KV cache size); None = SGLang's choice."""
     startup_timeout_s: float = 300.0

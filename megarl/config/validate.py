@@ -62,6 +62,9 @@ NON_NEGATIVE = [
     "data.eval_samples_per_prompt",
 ]
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
+COLOCATED_MEMORY_LIMIT = 0.9
+"""Colocated on CUDA: the most of a GPU's memory the engine's static pool and the trainer's share may
+claim together (``rollout.engine.mem_fraction_static`` + ``cluster.colocated_trainer_memory_fraction``)."""
 GSPO_MAX_CLIP = 0.05  # the paper's clip ranges are 3e-4 / 4e-4; PPO-sized ranges defeat GSPO
 
 
@@ -267,6 +270,16 @@ def _check_cluster(c: _Checker) -> None:
                 f"the {cfg.weight_sync.transport} transport connects trainer and engine ranks over NCCL, which "
                 "cannot connect a trainer rank to the engine rank on its own GPU (NCCL refuses two ranks on "
                 "one device); colocated runs use weight_sync.transport=tensor (CUDA IPC)")
+    if cl.placement == "colocated":
+        from megarl.launch.cluster import use_cuda
+
+        engine, trainer = r.engine.mem_fraction_static, cl.colocated_trainer_memory_fraction
+        c.check(not use_cuda(cl.device) or engine + trainer <= COLOCATED_MEMORY_LIMIT,
+                "rollout.engine.mem_fraction_static",
+                f"colocated engines keep rollout.engine.mem_fraction_static={engine} of each GPU while the trainer "
+                f"keeps cluster.colocated_trainer_memory_fraction={trainer}: {engine + trainer:.2f} together, over "
+                f"{COLOCATED_MEMORY_LIMIT} (the rest holds CUDA contexts, NCCL buffers and the engines' "
+                "activations); lower one of them")
     if cl.placement == "colocated" and cfg.rollout.async_mode:
         from megarl.launch.cluster import use_cuda
 
@@ -459,7 +472,7 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None, str]] = {
     "model.make_vocab_size_divisible_by": (1, None, "[]"),
     "train.adam_beta1": (0, 1, "[)"), "train.adam_beta2": (0, 1, "[)"), "train.adam_eps": (0, None, "()"),
     "algorithm.advantage_eps": (0, None, "()"),
-    "rollout.engine.mem_fraction_static": (0, 1, "()"),
+    "rollout.engine.mem_fraction_static": (0, 1, "()"), "cluster.colocated_trainer_memory_fraction": (0, 1, "()"),
     "rollout.engine.base_port": (1, 65535, "[]"), "cluster.master_port": (0, 65535, "[]"),
     "retrieval.port": (0, 65535, "[]"),
     "rollout.sampling.top_p": (0, 1, "(]"),

@@ -1,6 +1,11 @@
 """Colocated placement: the engines give their GPU memory to the trainer while it trains.
 
 Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.launch.engines.MEMORY_SAVER_FLAG`).
+At start (:meth:`megarl.launch.run.Run.build`) the engines, once ready, release everything before
+the trainer ranks are built, and resume before the first weight sync (which rewrites the weights):
+the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
+weight sync) the trainer keeps its share: ``rollout.engine.mem_fraction_static`` +
+``cluster.colocated_trainer_memory_fraction`` must fit the GPU (``megarl validate``).
 Around each train step (synchronous mode; the engines are idle once the step's rollout is done):
 
 1. :func:`release` — ``/release_memory_occupation`` of ``kv_cache`` and ``cuda_graph``, and of

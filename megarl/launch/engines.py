@@ -85,7 +85,8 @@ class EngineGroup:
             options = dict(placement.engine_options(i))
             if seeding_env(cfg, device):
                 options["runtime_env"] = {"env_vars": seeding_env(cfg, device)}
-            actor = remote_cls.options(**options).remote(model_path, **kwargs)
+            actor = remote_cls.options(**options).remote(model_path, base_port=int(cfg.rollout.engine.base_port),
+                                                         engine_index=i, **kwargs)
             self.actors.append(actor)
             self._start_refs.append(actor.start.remote(timeout_s=self.startup_timeout_s))
 

@@ -11,6 +11,9 @@ Usage (the launch layer does this)::
 
 Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor; the server process inherits it.
 
+Port: the first free one at or above ``rollout.engine.base_port + 10 * i`` for engine ``i``, chosen
+on the engine's node when it starts (:func:`megarl.rollout.ports.engine_port`).
+
 Address (``rollout.engine.host``, :func:`engine_host`): with ``auto`` (the default) the server binds
 and advertises its node's Ray address when the Ray cluster spans more than one host (the rollout
 worker and the trainer's weight-sync sender may sit on another node), and ``127.0.0.1`` when every
@@ -23,6 +26,7 @@ import os
 from typing import Any, Iterable
 
 from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
+from megarl.rollout.ports import engine_port
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -76,13 +80,18 @@ class EngineActor:
 
     Args:
         model_path: model directory, readable on the actor's node.
+        base_port: ``rollout.engine.base_port``; with ``engine_index``, where the port search starts
+            when ``port`` is not given (None: anywhere below the ephemeral range).
+        engine_index: this engine's index in the run.
         **engine_kwargs: :class:`EngineProcess` arguments (``port``, ``host``, ``tp_size``,
             ``device``, ``extra_args``, ``log_path`` ...).
     """
 
-    def __init__(self, model_path: str | os.PathLike, **engine_kwargs: Any) -> None:
+    def __init__(self, model_path: str | os.PathLike, *, base_port: int | None = None, engine_index: int = 0,
+                 **engine_kwargs: Any) -> None:
         self.node_ip, node_ips = _cluster_addresses()
         engine_kwargs["host"] = engine_host(engine_kwargs.get("host", AUTO_HOST), self.node_ip, node_ips)
+        self.base_port, self.engine_index = base_port, engine_index
         self.engine = EngineProcess(model_path, **engine_kwargs)
 
     def start(self, timeout_s: float = 600.0) -> str:
@@ -90,7 +99,10 @@ class EngineActor:
 
         Raises:
             megarl.rollout.engine.EngineStartupError: with the server's log tail.
+            RuntimeError: no free port at or above the base port (names the range).
         """
+        if self.engine.port is None and self.base_port is not None:  # chosen here: the port is free on this node
+            self.engine.port = engine_port(self.engine.host, self.base_port, self.engine_index)
         self.engine.start().wait_healthy(timeout_s)
         return self.url()
 
