@@ -12,11 +12,16 @@ question, response = reference answer, tokenised with the model's tokenizer):
 
 tokens/s = real (unpadded) tokens of the batch / wall time of the step; median of ``--repeats``
 steps after one warm-up step each, the two sides alternating step by step so that both see the
-same machine load. On a shared machine the ratio of CPU-time rates (``ratio_cpu_time``,
+same machine load. ``peak_step_mb``: the most CPU memory a step holds beyond what was live before
+it (activations, logits, gradients, temporaries; `peak_step_mb`), from one extra untimed step.
+Two variants: ``default`` (one GSM8K question and answer per sequence) and ``long`` (a conversation
+of ``--long-turns`` of them per sequence, ``--long-max-tokens`` budget): packing's advantage over
+padding grows with length. On a shared machine the ratio of CPU-time rates (``ratio_cpu_time``,
 ``time.process_time``) is the steadier number; both are reported. Also reports the trainer's padding fraction on GSM8K-length batches
 of several sizes, data-parallel sizes and token budgets. Prints one JSON object.
 
 usage: python tools/benchmarks/trainer_step.py [--hf-dir DIR] [--num-seqs 32] [--max-tokens 4096]
+                                              [--long-turns 4] [--long-max-tokens 8192] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -36,18 +41,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def gsm8k_sequences(tokenizer, num: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """``num`` (prompt_ids, response_ids) pairs from GSM8K train rows."""
+def gsm8k_sequences(tokenizer, num: int, seed: int, turns: int = 1) -> list[tuple[list[int], list[int]]]:
+    """``num`` (prompt_ids, response_ids) pairs from GSM8K train rows.
+
+    ``turns > 1``: each sequence is a conversation of ``turns`` GSM8K questions and answers (the
+    earlier exchanges in the prompt, the last answer as the response): ``turns`` times longer.
+    """
     from megarl.models.tiny import _gsm8k_dir
 
     rows = [json.loads(line) for line in open(_gsm8k_dir() / "train.jsonl")]
-    rows = random.Random(seed).sample(rows, num)
+    rows = random.Random(seed).sample(rows, num * turns)
     out = []
-    for row in rows:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}],
-                                               add_generation_prompt=True, tokenize=False)
+    for i in range(num):
+        chat = []
+        for row in rows[i * turns:(i + 1) * turns]:
+            chat += [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+        prompt = tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(row["answer"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(chat[-1]["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
         out.append((prompt_ids, response_ids))
     return out
 
@@ -67,16 +78,21 @@ def make_batch(sequences, seed: int):
                       advantages=torch.randn(len(lens), generator=gen), rollout_logprobs=torch.zeros(len(ids)))
 
 
-def megarl_step(hf_dir: str, batch, max_tokens: int):
-    """``(step, info)``: ``step()`` runs one ``Trainer.train_step`` and returns its wall time."""
+def megarl_trainer(hf_dir: str):
+    """A world-size-1 fp32 CPU `Trainer` of the model (GSPO, the default config otherwise)."""
     from megarl.config.schema import MegarlConfig
     from megarl.training.build import build_trainer
 
     cfg = MegarlConfig()
     cfg.model.hf_path, cfg.cluster.device, cfg.train.precision = hf_dir, "cpu", "fp32"
-    cfg.train.max_tokens_per_microbatch, cfg.train.lr = max_tokens, 1e-6
+    cfg.train.lr = 1e-6
     cfg.parallel.use_distributed_optimizer = False  # world size 1: nothing to shard
-    trainer = build_trainer(cfg)
+    return build_trainer(cfg)
+
+
+def megarl_step(trainer, batch, max_tokens: int):
+    """``(step, info)``: ``step()`` runs one ``Trainer.train_step`` and returns its wall and CPU time."""
+    trainer.cfg.train.max_tokens_per_microbatch = max_tokens
     prepared = trainer.prepare_batch(batch)
     info = {}
 
@@ -162,11 +178,55 @@ def _init_single_rank() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def peak_step_mb(step) -> float:
+    """Peak of the CPU memory one ``step()`` allocates beyond what was live before it (MiB): the
+    running sum of torch's CPU allocations and frees (``torch.profiler`` memory events), so the
+    activations, logits, gradients and temporaries of the step, not the weights or optimizer state
+    that persist across steps. Run untimed (the profiler slows the step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def measure(steps: dict, num_tokens: int, repeats: int) -> dict:
+    """Median wall / CPU time of ``repeats`` steps per side (alternating, after a warm-up step), and
+    each side's peak step memory."""
+    for step, _ in steps.values():
+        step()  # warm-up
+    peaks = {name: peak_step_mb(step) for name, (step, _) in steps.items()}
+    times = {name: [] for name in steps}
+    for _ in range(repeats):  # alternate, so both see the same machine load
+        for name, (step, _) in steps.items():
+            times[name].append(step())
+    results = {}
+    for name in steps:
+        wall = statistics.median(t for t, _ in times[name])
+        cpu = statistics.median(c for _, c in times[name])
+        results[name] = {"step_s": wall, "step_cpu_s": cpu, "tokens_per_s": num_tokens / wall,
+                         "tokens_per_cpu_s": num_tokens / cpu, "peak_step_mb": peaks[name], **steps[name][1]}
+    megarl, hf = results["megarl"], results["transformers"]
+    return {"megarl": megarl, "transformers": hf,
+            "ratio_megarl_over_transformers": megarl["tokens_per_s"] / hf["tokens_per_s"],
+            "ratio_cpu_time": megarl["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"],
+            "ratio_peak_memory": megarl["peak_step_mb"] / hf["peak_step_mb"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-dir", help="HF model directory (default: make the tiny Qwen3-MoE)")
     parser.add_argument("--num-seqs", type=int, default=32, help="sequences in the timed batch")
     parser.add_argument("--max-tokens", type=int, default=4096, help="max_tokens_per_microbatch (both sides)")
+    parser.add_argument("--long-turns", type=int, default=4,
+                        help="GSM8K exchanges per sequence of the longer-sequence variant (0: skip it)")
+    parser.add_argument("--long-max-tokens", type=int, default=8192, help="token budget of the longer variant")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -181,28 +241,20 @@ def main() -> None:
 
             hf_dir = str(make_tiny_model(Path(tmp) / "tiny_moe", TinyModelSpec(family="qwen3_moe")))
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        batch = make_batch(gsm8k_sequences(tokenizer, args.num_seqs, args.seed), args.seed)
         _init_single_rank()
-        steps = {"megarl": megarl_step(hf_dir, batch, args.max_tokens),
-                 "transformers": transformers_step(hf_dir, batch, args.max_tokens)}
-        times = {name: [] for name in steps}
-        for name, (step, _) in steps.items():
-            step()  # warm-up
-        for _ in range(args.repeats):  # alternate, so both see the same machine load
-            for name, (step, _) in steps.items():
-                times[name].append(step())
-        results = {}
-        for name in steps:
-            wall = statistics.median(t for t, _ in times[name])
-            cpu = statistics.median(c for _, c in times[name])
-            results[name] = {"step_s": wall, "step_cpu_s": cpu, "tokens_per_s": batch.num_tokens / wall,
-                             "tokens_per_cpu_s": batch.num_tokens / cpu, **steps[name][1]}
-        megarl, hf = results["megarl"], results["transformers"]
-        report = {"num_seqs": args.num_seqs, "num_tokens": batch.num_tokens, "max_tokens": args.max_tokens,
-                  "threads": torch.get_num_threads(), "megarl": megarl, "transformers": hf,
-                  "ratio_megarl_over_transformers": megarl["tokens_per_s"] / hf["tokens_per_s"],
-                  "ratio_cpu_time": megarl["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"],
-                  "padding_gsm8k": padding_table(tokenizer, args.seed)}
+        trainer = megarl_trainer(hf_dir)
+        variants = {"default": (1, args.max_tokens)}
+        if args.long_turns > 0:
+            variants["long"] = (args.long_turns, args.long_max_tokens)
+        report = {"threads": torch.get_num_threads(), "load_average": os.getloadavg()}
+        for name, (turns, max_tokens) in variants.items():
+            batch = make_batch(gsm8k_sequences(tokenizer, args.num_seqs, args.seed, turns=turns), args.seed)
+            steps = {"megarl": megarl_step(trainer, batch, max_tokens),
+                     "transformers": transformers_step(hf_dir, batch, max_tokens)}
+            report[name] = {"num_seqs": args.num_seqs, "turns": turns, "num_tokens": batch.num_tokens,
+                            "max_tokens": max_tokens, **measure(steps, batch.num_tokens, args.repeats)}
+        report["load_average_after"] = os.getloadavg()
+        report["padding_gsm8k"] = padding_table(tokenizer, args.seed)
     print(json.dumps(report, indent=1))
 
 
