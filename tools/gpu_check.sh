@@ -76,7 +76,8 @@ START=$(date +%s)
 echo "gpu_check: device=$DEVICE python=$PY checks=$ONLY budget=${BUDGET_S}s ($(date -u +%FT%TZ))"
 
 install_wheels() {  # megarl's imports that the node lacks, from .whl/ into a private folder
-    "$PY" -W ignore -c "import megatron.core, omegaconf" 2>/dev/null && return 0
+    "$PY" -c "import importlib.util as u; assert u.find_spec('megatron.core') and u.find_spec('omegaconf')" \
+        2>/dev/null && return 0  # found without importing them (seconds on a busy machine)
     local site="${MEGARL_GPU_CHECK_SITE:-/tmp/megarl_gpu_site}"
     shopt -s nullglob
     local wheels=(.whl/*.whl)

@@ -106,6 +106,9 @@ def random_batch(vocab_size: int, lengths: list[int], *, prompt_tokens: int, see
 
 def check_env(device: str) -> dict:
     """Versions and the device; CUDA, NCCL and a GPU name when ``device == "cuda"``."""
+    if device == "cuda":  # before the slow imports: a node without a usable GPU fails in seconds
+        _require(torch.cuda.is_available(), "CUDA is not available to torch")
+        _require(torch.distributed.is_nccl_available(), "torch.distributed has no NCCL")
     import megatron.core
     import transformers
 
@@ -118,8 +121,6 @@ def check_env(device: str) -> dict:
     except Exception as err:  # noqa: BLE001 - absent or broken: the local layer spec is used
         out["transformer_engine"] = f"absent ({type(err).__name__})"
     if device == "cuda":
-        _require(torch.cuda.is_available(), "CUDA is not available to torch")
-        _require(torch.distributed.is_nccl_available(), "torch.distributed has no NCCL")
         props = torch.cuda.get_device_properties(0)
         out.update(device_name=props.name, device_memory_gib=round(props.total_memory / 2**30, 1),
                    nccl=".".join(map(str, torch.cuda.nccl.version())), num_devices=torch.cuda.device_count())
