@@ -385,13 +385,7 @@ def _check_model(c: _Checker) -> None:
                 f"num_moe_experts={experts} (config.json) must be divisible by EP")
         c.check(tp == 1 or p.sequence_parallel, "parallel.sequence_parallel",
                 "Megatron requires sequence_parallel=true for MoE models with tensor_model_parallel_size > 1")
-        # FP8 pads each expert's routing map (megarl.training.fp8: moe_router_padding_for_fp8), which
-        # Megatron-Core 0.16.1 refuses with the allgather dispatcher (TransformerConfig.__post_init__).
-        c.check(cfg.train.fp8 is None or cfg.model.moe_token_dispatcher_type != "allgather",
-                "model.moe_token_dispatcher_type",
-                f"train.fp8={cfg.train.fp8} pads the routing map per expert (moe_router_padding_for_fp8), which "
-                "Megatron-Core refuses with the allgather dispatcher: set model.moe_token_dispatcher_type=alltoall "
-                "or train.fp8=null")
+        _check_moe_fp8(c)
     else:
         c.check(ep == 1, "parallel.expert_model_parallel_size", "the model has no experts: use 1")
         c.check(cfg.train.routing_replay == "none", "train.routing_replay",
@@ -405,6 +399,15 @@ def _check_model(c: _Checker) -> None:
     etp = cfg.rollout.engine.tensor_parallel_size
     c.check(heads % etp == 0, "rollout.engine.tensor_parallel_size",
             f"num_attention_heads={heads} (config.json) must be divisible by the engine TP")
+
+
+def _check_moe_fp8(c: _Checker) -> None:
+    """FP8 on an MoE model pads each expert's routing map (megarl.training.fp8: moe_router_padding_for_fp8),
+    which Megatron-Core 0.16.1 refuses with the allgather dispatcher (TransformerConfig.__post_init__)."""
+    fp8 = c.cfg.train.fp8
+    c.check(fp8 is None or c.cfg.model.moe_token_dispatcher_type != "allgather", "model.moe_token_dispatcher_type",
+            f"train.fp8={fp8} pads the routing map per expert (moe_router_padding_for_fp8), which Megatron-Core "
+            "refuses with the allgather dispatcher: set model.moe_token_dispatcher_type=alltoall or train.fp8=null")
 
 
 def _uneven_stage_error(p: DictConfig, num_layers: int) -> str | None:
