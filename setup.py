@@ -25,6 +25,7 @@ setup(
         "aiohttp",
         "tensorboard",
         "tqdm",
+        "rich>=13.7",  # megarl show (terminal and HTML rendering of trajectories)
         "matplotlib",
         "math-verify==0.9.0",
         "numpy",

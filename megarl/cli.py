@@ -9,6 +9,7 @@
     megarl doctor                                 versions, CUDA devices, FP8 recipes, NCCL, interfaces, fixes
     megarl plan-sync CONFIG [key.sub=value ...] [--intra-gbps X --inter-gbps Y]   weight sync on paper
     megarl plan CONFIG [key.sub=value ...] [--gpu h100 --mfu 0.35 --suggest]   memory, step, sync on paper
+    megarl show RUN_DIR [--step N] [--filter reward<0.5|truncated|tool_error] [--html OUT]   trajectories
 
 Every command that takes a config validates it first and reports all problems at once.
 An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint, a
@@ -161,6 +162,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_show(args: argparse.Namespace) -> int:
+    from megarl.launch.show import cmd_show as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_sync_parser(sub)
     from megarl.plan.commands import add_plan_parser
     add_plan_parser(sub)
+    from megarl.launch.show import add_show_parser
+    add_show_parser(sub)
     return parser
 
 
@@ -215,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args([a for a in argv if a != "--debug"])
     try:
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
-                "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan}[args.command](args)
+                "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan,
+                "show": cmd_show}[args.command](args)
     except UserError as e:  # expected: what the user gave is wrong; the message says what to change
         if debug:
             traceback.print_exc()
