@@ -3,7 +3,9 @@
 Used by ``tests/integration/launch/test_driver_bytes.py`` and ``tools/benchmarks/driver_bytes.py``.
 Sizes are pickled sizes (protocol 5, what Ray's serializer writes for these objects up to its
 framing): what the driver puts in the object store (`ray.put`, one shard per data-parallel rank),
-what each rank reads (its shard plus its sequences' R3 routes), and what the driver gets back
+what each rank reads (its shard plus the payload of its sequences' R3 routes, ``nbytes``: at
+real scale a trajectory's routes are megabytes and the per-object framing vanishes; the old path
+is counted alike: the batch plus its packed routes' payload), and what the driver gets back
 (`TrainerGroup._gather` results). The old whole-batch path is sized from the same batch: every rank
 read the whole batch and returned it prepared (old logprobs and routes filled).
 """
@@ -71,7 +73,7 @@ def step_bytes(group: Any, batch: Any, routes: list[torch.Tensor] | None, *,
     from megarl.training.shard import shard_batch
 
     refs = [ray.put(r) for r in routes] if routes is not None else None
-    route_size = {id(ref): pickled_bytes(r) for ref, r in zip(refs or [], routes or [])}
+    route_size = {id(ref): r.nbytes for ref, r in zip(refs or [], routes or [])}  # payload: no per-object framing
     shards = shard_batch(batch, dp_size=group.dp_size, cp_size=group.cp_size, global_batch_size=global_batch_size,
                          route_refs=refs)
     with counting(group) as seen:
@@ -82,6 +84,7 @@ def step_bytes(group: Any, batch: Any, routes: list[torch.Tensor] | None, *,
     packed = None if routes is None else torch.cat(routes)
     whole: TrainBatch = batch.replace(routed_experts=packed)
     prepared = whole.replace(old_logprobs=torch.zeros(whole.num_tokens))
+    route_bytes = 0 if packed is None else packed.nbytes
     return {"driver_received": sum(seen["received"]), "driver_put": sum(seen["put"]),
-            "rank_received": rank_received, "baseline_rank_received": pickled_bytes(whole),
+            "rank_received": rank_received, "baseline_rank_received": pickled_bytes(batch) + route_bytes,
             "baseline_driver_received": group.world_size * pickled_bytes(prepared)}, metrics
