@@ -36,7 +36,7 @@ log = logging.getLogger("megarl")
 def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = False,
                    check_fit: bool = True) -> DictConfig:
     """Load, optionally scale down to one CPU host (`megarl.launch.cpu_scale`, its ``cpu-scale:``
-    lines printed), resolve ``tiny:`` model paths, and validate a config.
+    lines printed), resolve ``tiny:`` model paths and hub ids, and validate a config.
 
     Raises:
         ConfigError: every problem found in the config.
@@ -56,6 +56,7 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
     from megarl.plugins import absolute_specs
 
     absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
+    _resolve_hub_ids(cfg)
     if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
         return validate(cfg, check_fit=check_fit)
     try:
@@ -64,6 +65,22 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
         from megarl.config import ConfigIssue
         raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
     return validate(cfg, check_fit=check_fit)
+
+
+def _resolve_hub_ids(cfg: DictConfig) -> None:
+    """``model.hf_path`` / ``model.tokenizer_path`` given as hub ids (``org/name[@revision]``) become
+    their cached snapshot directories (:mod:`megarl.config.hub`), here in the one process that reads
+    the config, so the workers it starts get local paths.
+
+    Raises:
+        ConfigError: a hub id that cannot be resolved (names the key).
+    """
+    from megarl.config.hub import resolve_hub_path
+
+    for key in ("hf_path", "tokenizer_path"):
+        value = None if OmegaConf.is_missing(cfg.model, key) else cfg.model[key]
+        if isinstance(value, str) and value:
+            cfg.model[key] = resolve_hub_path(value, f"model.{key}")
 
 
 def _summary(cfg: DictConfig) -> str:
@@ -106,6 +123,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from megarl.checkpoint import convert_cli
 
+    from megarl.config.hub import resolve_hub_path
+
+    if args.direction == "hf-to-megatron":  # the inputs may be hub ids (megarl.config.hub)
+        args.hf_dir = resolve_hub_path(args.hf_dir, "HF_DIR")
+    elif args.hf_config:
+        args.hf_config = resolve_hub_path(args.hf_config, "--hf-config")
     run = convert_cli.run_hf_to_megatron if args.direction == "hf-to-megatron" else convert_cli.run_megatron_to_hf
     print(f"wrote {run(args)}")
     return 0

@@ -342,7 +342,8 @@ def _check_model(c: _Checker) -> None:
     cfg = c.cfg
     hf_path = cfg.model.hf_path
     if not c.check(Path(hf_path).is_dir() and (Path(hf_path) / "config.json").is_file(), "model.hf_path",
-                   "must be a Hugging Face model directory containing config.json"):
+                   "must be a Hugging Face model directory containing config.json (or a hub id "
+                   "org/name[@revision], which the megarl commands resolve first: megarl.config.hub)"):
         return
     try:
         hf = read_hf_config(hf_path)
