@@ -143,7 +143,6 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
-    from megarl.training.routing_replay import RoutingReplayError
 
     _start_single_rank(device)
     hf_dir = make_tiny_model(Path(workdir) / "tiny_moe", TinyModelSpec(family="qwen3_moe"))
@@ -152,8 +151,8 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
     num_experts, topk = trainer.config.num_moe_experts, trainer.config.moe_router_topk
     batch = random_batch(trainer.vocab_size, [40, 64, 96, 128, 50, 77, 110, 33], prompt_tokens=8, seed=3)
     mask, tol = batch.loss_mask, TOLERANCE[precision]
-    out = {"spec": "te" if trainer._te_attention else "local", "device": str(trainer.device), "precision": precision,
-           "num_tokens": batch.num_tokens, "tolerance": tol}
+    out = {"spec": "te" if trainer._te_attention else "local", "device": str(trainer.device),
+           "precision": precision, "num_tokens": batch.num_tokens, "tolerance": tol}
     _require(trainer.device.type == device, f"trainer built on {trainer.device}, expected {device}")
 
     free = trainer.compute_logprobs(batch)  # no routes given: every router chooses freely
@@ -165,25 +164,10 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
     _require(bool((routes.sort(-1).values.diff(dim=-1) != 0).all()), "R2 recorded an expert twice for a token")
     # two free forwards of the same weights: their difference is the kernels' run-to-run noise
     out["r2_old_vs_free"], noise_mean = _diffs(prepared.old_logprobs, free, mask)
-    _require(out["r2_old_vs_free"] <= tol, f"R2 old logprobs differ from a free forward by {out['r2_old_vs_free']}")
+    _require(out["r2_old_vs_free"] <= tol,
+             f"R2 old logprobs differ from a free forward by {out['r2_old_vs_free']}")
 
-    trainer.cfg.train.routing_replay = "r3"  # the same trainer: the mode is read at every call
-    replayed = trainer.compute_logprobs(batch.replace(routed_experts=routes))
-    shifted = trainer.compute_logprobs(batch.replace(routed_experts=(routes + 1) % num_experts))
-    out["r3_replay_vs_free"], replay_mean = _diffs(replayed, free, mask)
-    out["r3_shifted_vs_free"], out["r3_shifted_vs_free_mean"] = _diffs(shifted, free, mask)
-    _require(out["r3_replay_vs_free"] <= tol, f"R3 replay of the free routes moved logprobs by {out['r3_replay_vs_free']}")
-    # means, not maxima: under bf16 a single token's noise can be large, the mean of real changes is not
-    _require(out["r3_shifted_vs_free_mean"] > max(10 * max(noise_mean, replay_mean), 1e-5),
-             f"R3 replay of other experts changed logprobs by only {out['r3_shifted_vs_free_mean']} (mean; "
-             f"noise {noise_mean}, replay {replay_mean})")
-    try:
-        trainer.compute_logprobs(batch)
-        out["r3_missing_routes"] = "accepted"
-    except RoutingReplayError:
-        out["r3_missing_routes"] = "refused"
-    _require(out["r3_missing_routes"] == "refused", "R3 accepted a batch without routed_experts")
-
+    out.update(_check_r3(trainer, batch, routes, free, tol=tol, noise_mean=noise_mean))
     out["r3_step"] = _step_metrics(trainer.train_step(batch.replace(routed_experts=routes)))
     trainer.cfg.train.routing_replay = "r2"
     out["r2_step"] = _step_metrics(trainer.train_step(batch))  # records anew on the stepped weights
@@ -195,6 +179,33 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
         _require(m["grad_norm"] > 0 and m["update_successful"] == 1, f"{name}: no gradient step {m}")
     del trainer
     destroy_parallel(destroy_process_group=True)
+    return out
+
+
+def _check_r3(trainer, batch, routes, free, *, tol: float, noise_mean: float) -> dict:
+    """R3 on ``trainer`` (left in ``r3`` mode): replaying the free forward's own ``routes``
+    ``[T, L, K]`` reproduces its logprobs ``free`` ``[T]``; shifted routes change them; no routes
+    are refused."""
+    from megarl.training.routing_replay import RoutingReplayError
+
+    out, mask, num_experts = {}, batch.loss_mask, trainer.config.num_moe_experts
+    trainer.cfg.train.routing_replay = "r3"  # the same trainer: the mode is read at every call
+    replayed = trainer.compute_logprobs(batch.replace(routed_experts=routes))
+    shifted = trainer.compute_logprobs(batch.replace(routed_experts=(routes + 1) % num_experts))
+    out["r3_replay_vs_free"], replay_mean = _diffs(replayed, free, mask)
+    out["r3_shifted_vs_free"], out["r3_shifted_vs_free_mean"] = _diffs(shifted, free, mask)
+    _require(out["r3_replay_vs_free"] <= tol,
+             f"R3 replay of the free routes moved logprobs by {out['r3_replay_vs_free']}")
+    # means, not maxima: under bf16 a single token's noise can be large, the mean of real changes is not
+    _require(out["r3_shifted_vs_free_mean"] > max(10 * max(noise_mean, replay_mean), 1e-5),
+             f"R3 replay of other experts changed logprobs by only {out['r3_shifted_vs_free_mean']} (mean; "
+             f"noise {noise_mean}, replay {replay_mean})")
+    try:
+        trainer.compute_logprobs(batch)
+        out["r3_missing_routes"] = "accepted"
+    except RoutingReplayError:
+        out["r3_missing_routes"] = "refused"
+    _require(out["r3_missing_routes"] == "refused", "R3 accepted a batch without routed_experts")
     return out
 
 
@@ -268,7 +279,8 @@ def summary(result: dict) -> str:
         steps = [r[name][k] for name in ("r3_step", "r2_step") for k in ("ratio_min", "ratio_max")]
         return (f"{r['spec']} spec, {r['precision']} on {r['device']}, {r['num_tokens']} tokens: |R2 old - free| "
                 f"{r['r2_old_vs_free']:.2g}, |R3 replay - free| {r['r3_replay_vs_free']:.2g}, shifted routes "
-                f"{r['r3_shifted_vs_free']:.2g} (mean {r['r3_shifted_vs_free_mean']:.2g}; tolerance {r['tolerance']:g}); R3 and R2 steps: ratios "
+                f"{r['r3_shifted_vs_free']:.2g} (mean {r['r3_shifted_vs_free_mean']:.2g}; tolerance "
+                f"{r['tolerance']:g}); R3 and R2 steps: ratios "
                 f"{min(steps):.6f}..{max(steps):.6f}, grad norms {r['r3_step']['grad_norm']:.3g} / "
                 f"{r['r2_step']['grad_norm']:.3g}")
     memory = f", peak {r['max_memory_gib']:.1f} GiB" if "max_memory_gib" in r else ""
@@ -280,7 +292,8 @@ def summary(result: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m megarl.testing.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megarl.testing.gpu_check",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("check", choices=["env", "replay", "throughput"])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--precision", choices=sorted(TOLERANCE), default=None,
