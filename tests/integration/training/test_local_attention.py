@@ -46,6 +46,28 @@ def _run(model, mb, vocab_size, weights, parallel):
     return lp.detach(), grads, plain, no_copy
 
 
+def _module_paths(model, packed_mask):
+    """Max |LocalSDPAttention - DotProductAttention| of one layer's core attention for each kind of
+    mask: the packed mask, the same mask without its remembered segments (found from the mask),
+    a mask that is not block-diagonal (SDPA with the bool mask), and no mask (causal)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    module = model.decoder.layers[0].self_attention.core_attention
+    heads, groups = module.num_attention_heads_per_partition, module.num_query_groups_per_partition
+    length, rows = packed_mask.shape[-1], packed_mask.shape[0]
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(length, rows, heads, module.hidden_size_per_attention_head, generator=gen)
+    k, v = (torch.randn(length, rows, groups, module.hidden_size_per_attention_head, generator=gen) for _ in range(2))
+    other = torch.rand(rows, 1, length, length, generator=gen) < 0.5
+    other &= ~torch.eye(length, dtype=torch.bool)  # every query sees itself: no fully masked row
+    diffs = {}
+    for name, mask in {"packed": packed_mask, "found": packed_mask.clone(), "general": other, "none": None}.items():
+        out = module(q, k, v, mask)
+        ref = DotProductAttention.forward(module, q, k, v, mask)
+        diffs[name] = float((out - ref).abs().max())
+    return diffs
+
+
 def _worker(rank, world_size, hf_dir):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -69,16 +91,18 @@ def _worker(rank, world_size, hf_dir):
         with mock.patch.object(LocalSDPAttention, "forward", DotProductAttention.forward):
             reference = _run(model, mb, vocab_size, weights, parallel)
             model_output = model(mb.input_ids, mb.position_ids, mb.attention_mask).detach()  # GPTModel's [R, S, V]
-        return kinds, fused, reference, model_output[..., :vocab_size], mb.input_ids, mb.flat_index, mb.cu_seqlens
+        paths = _module_paths(model, mb.attention_mask)
+        return kinds, fused, reference, model_output[..., :vocab_size], mb.input_ids, mb.flat_index, mb.cu_seqlens, paths
     finally:
         destroy_parallel()
 
 
 @pytest.mark.timeout(300)
 def test_sdpa_attention_matches_megatron_dot_product_attention(tiny_moe_dir):
-    kinds, fused, reference, model_output, input_ids, flat_index, cu = run_ranks(
+    kinds, fused, reference, model_output, input_ids, flat_index, cu, paths = run_ranks(
         _worker, 1, args=(str(tiny_moe_dir),), timeout_s=280)[0]
     assert kinds == {"LocalSDPAttention"}
+    assert max(paths.values()) <= 1e-6, paths
     (lp, grads, logits, no_copy), (ref_lp, ref_grads, ref_logits, _) = fused, reference
     torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)
     assert grads.keys() == ref_grads.keys() and len(grads) > 10
