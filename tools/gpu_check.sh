@@ -67,7 +67,9 @@ if [[ "$CPU" == 1 ]]; then
 else
     DEVICE=cuda
     BUDGET_S="${BUDGET_S:-570}"  # a device run may last 600 s
-    [[ -n "$PY" ]] || { if [[ -x /opt/torch/.venv/bin/python3 ]]; then PY=/opt/torch/.venv/bin/python3; else PY=python3; fi; }
+    if [[ -z "$PY" ]]; then  # the device image's torch interpreter, else the first python3
+        if [[ -x /opt/torch/.venv/bin/python3 ]]; then PY=/opt/torch/.venv/bin/python3; else PY=python3; fi
+    fi
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
@@ -91,7 +93,8 @@ install_wheels() {  # megarl's imports that the node lacks, from .whl/ into a pr
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         "${wheels[@]}" || return 1
     export PYTHONPATH="$PYTHONPATH:$site"
-    "$PY" -W ignore -c "import megatron.core as m, omegaconf; print('gpu_check: Megatron-Core', m.__version__, 'from', m.__file__)"
+    "$PY" -W ignore -c "import megatron.core as m, omegaconf
+print('gpu_check: Megatron-Core', m.__version__, 'from', m.__file__)"
 }
 
 SUMMARY=()
@@ -138,12 +141,16 @@ python_check() {  # python_check NAME LIMIT_S ARGS...: one megarl.testing.gpu_ch
 tests_check() {  # pytest tests/gpu; on a GPU, none may skip for want of CUDA and some must pass
     local text counts status=PASS
     run_step tests 300 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout 280
-    counts="$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$STEP_LOG" | tail -n1 | sed 's/=//g; s/^ *//; s/ *$//')"
+    counts="$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$STEP_LOG" | tail -n1 \
+              | sed 's/=//g; s/^ *//; s/ *$//')"
     text="${counts:-no pytest summary (exit $STEP_RC)}"
     if (( STEP_RC != 0 )); then
         status=FAIL
     elif [[ "$DEVICE" == cuda ]]; then
-        if grep -qE '^SKIPPED.*: needs CUDA$' "$STEP_LOG"; then status=FAIL; text="$text; tests skipped for want of CUDA"; fi
+        if grep -qE '^SKIPPED.*: needs CUDA$' "$STEP_LOG"; then
+            status=FAIL
+            text="$text; tests skipped for want of CUDA"
+        fi
         if ! grep -qE '[0-9]+ passed' <<< "$counts"; then status=FAIL; text="$text; none passed"; fi
     fi
     text="$text (skip reasons in the log)"
