@@ -44,6 +44,7 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
     from megarl.models.tiny import resolve_model_path
 
     cfg = load_config(path, overrides)
+    _resolve_hub_ids(cfg)  # before --cpu-scale, which reads the model's config.json
     if cpu_scale:
         from megarl.launch import cpu_scale as scale
 
@@ -56,7 +57,6 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
     from megarl.plugins import absolute_specs
 
     absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
-    _resolve_hub_ids(cfg)
     if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
         return validate(cfg, check_fit=check_fit)
     try:
