@@ -173,6 +173,25 @@ def test_cpu_gsm8k_recipe_end_to_end(reference_run):
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
+def test_megarl_show_reads_the_run(reference_run):
+    """``megarl show`` on the recipe's run directory (issue 29 §3): every trajectory of step 1 shown,
+    its turns covering the response exactly (trained tokens = the loss mask's sum the line records)."""
+    import io
+
+    from rich.console import Console
+
+    from megarl.launch.show import show
+
+    rows = [json.loads(line) for line in (reference_run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    buf = io.StringIO()
+    assert show(reference_run, step=1, console=Console(file=buf, width=160, color_system=None)) == len(rows)
+    for row in rows:
+        assert sum(t["tokens"] for t in row["turns"]) == row["response_tokens"]
+        assert sum(t["tokens"] for t in row["turns"] if t["trained"]) == row["trained_tokens"]
+    assert buf.getvalue().count("model turn 1 |") == len(rows)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120)
 def test_hf_export_every_n_steps_loads_with_transformers(reference_run):
     """``checkpoint.hf_export_interval``: the step-4 weights as a Hugging Face directory, loadable by
     transformers, with the launch model's names and shapes and trained (different) values."""
