@@ -64,3 +64,35 @@ def test_plan_exit_status_says_whether_it_fits(capsys):
     assert "block FP8 weights" in out and "DOES NOT FIT" not in out
     assert main(["plan", recipe, "--no-sync", "--gpu", "h100"]) == 1  # 85 GB of FP8 weights per GPU
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_suggested_layout_validates_and_one_node_less_does_not_fit():
+    """``--suggest``'s trainer layout passes ``megarl validate`` (Megatron's divisibility rules and
+    the fit check); when it needs more than one node, on one node fewer no layout of the searched
+    space fits (the planner's memory for every TP / PP / EP there; the 30B recipe fits one node)."""
+    from transformers import AutoConfig
+
+    from megarl.plan.fit import suggest_trainer
+    from megarl.plan.gpus import GPUS
+    from megarl.plan.memory import TrainerSetup, trainer_memory
+    from megarl.plan.shape import ModelShape
+
+    cfg = load_config(RECIPE_30B, ["cluster.gpu=h100"])
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(REPO / "configs" / "models" / "qwen3-30b-a3b"))
+    base = TrainerSetup.from_config(cfg, precision="bf16")
+    nodes, layout, _ = suggest_trainer(shape, base, GPUS["h100"], 8)
+    _validate(RECIPE_30B, "cluster.gpu=h100", f"cluster.trainer_nodes={nodes}",
+              f"parallel.tensor_model_parallel_size={layout.tp}", f"parallel.pipeline_model_parallel_size={layout.pp}",
+              f"parallel.expert_model_parallel_size={layout.ep}", "parallel.expert_tensor_parallel_size=1",
+              f"parallel.sequence_parallel={layout.tp > 1}", f"train.global_batch_size={8 * layout.dp}")
+    if nodes > 1:
+        world = (nodes - 1) * 8
+        for tp in (1, 2, 4, 8):
+            for pp in (1, 2, 4, 8, 16):
+                for ep in (1, 2, 4, 8, 16, 32, 64, 128):
+                    if world % (tp * pp) or (world // pp) % ep:
+                        continue
+                    smaller = TrainerSetup(**{**base.__dict__, "world_size": world, "tp": tp, "pp": pp, "ep": ep,
+                                              "etp": 1, "num_layers_first": None, "num_layers_last": None})
+                    assert trainer_memory(shape, smaller).total > GPUS["h100"].memory_bytes
