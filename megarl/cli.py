@@ -170,6 +170,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megarl.plan.commands import run_plan
     from megarl.weight_sync.predict import predict_from_config
 
+    def step_bytes(cfg, tokens_per_trajectory: int) -> tuple[float, float, float]:
+        import json
+        from pathlib import Path
+
+        from megarl.launch.data_plan import plan_step_bytes
+
+        model_config = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+        b = plan_step_bytes(cfg, model_config, mean_seq_tokens=tokens_per_trajectory)
+        return b.object_store_bytes, b.rank_received_bytes, b.driver_received_bytes
+
     def sync_seconds(cfg, intra_gbps: float, inter_gbps: float) -> dict[str, float]:
         return {p.transport: p.seconds
                 for p in predict_from_config(cfg, intra_gbps=intra_gbps, inter_gbps=inter_gbps)[1]}
@@ -179,7 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = prepare_config(args.config, args.overrides, check_fit=False)
     try:
         return run_plan(args, cfg, read_hf_config(cfg.model.hf_path), sync_seconds,
-                        precision=resolved_precision(cfg))
+                        precision=resolved_precision(cfg), step_bytes=step_bytes)
     except ValueError as e:
         print(f"megarl plan: {e}", file=sys.stderr)
         return 2

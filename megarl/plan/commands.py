@@ -18,6 +18,9 @@ from megarl.plan.shape import ModelShape
 
 SyncSeconds = Callable[[object, float, float], dict]
 """``(cfg, intra_gbps, inter_gbps) -> {transport: seconds}`` (``megarl.weight_sync.predict``)."""
+StepBytes = Callable[[object, int], tuple]
+"""``(cfg, tokens_per_trajectory) -> (object store, per rank, driver) bytes`` of one step
+(``megarl.launch.data_plan.plan_step_bytes``, the data path's own prediction)."""
 
 
 def add_plan_parser(sub) -> None:
@@ -64,7 +67,8 @@ def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> lis
     return lines
 
 
-def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str) -> int:
+def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str,
+             step_bytes: StepBytes | None = None) -> int:
     """Print the plan of a validated config; 0 when both sides fit the GPU, 1 when one does not.
 
     Args:
@@ -73,6 +77,7 @@ def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str)
         hf_config: the model's ``transformers`` config.
         sync_seconds: the weight-sync prediction (module docstring of `megarl.weight_sync.predict`).
         precision: the resolved ``train.precision``.
+        step_bytes: the data path's byte prediction (None: `megarl.plan.report.step_plan`'s own).
 
     Raises:
         ValueError: no GPU named and none on this node; a bad ``--mfu``.
@@ -85,6 +90,8 @@ def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str)
     fit = plan_fit(cfg, hf_config, gpu, precision=precision)
     tokens = args.tokens_per_trajectory or default_tokens_per_trajectory(cfg)
     step = step_plan(cfg, shape, gpu, setup, tokens_per_trajectory=tokens, mfu=args.mfu)
+    if step_bytes is not None:
+        step.object_store_bytes, step.rank_bytes, step.driver_bytes = step_bytes(cfg, tokens)
     sync = {} if args.no_sync else sync_seconds(cfg, gpu.nvlink_gbps, gpu.network_gbps)
     lines = [f"model {hf_config.architectures[0]}: {shape.total_params() / 1e9:.1f} B parameters "
              f"({shape.active_params() / 1e9:.1f} B active per token); GPU {gpu.name}: {gpu.memory_bytes / GB:.0f} GB, "

@@ -4,8 +4,9 @@ Per step, from the run config and an expected trajectory length ``S`` tokens (pr
 ``--tokens-per-trajectory``, default half of ``data.max_prompt_tokens + rollout.agent.max_response_tokens``):
 
 - tokens per step ``N = num_prompts_per_step x group_size x S``;
-- bytes the object store carries to the trainer per step: token ids (8 B), loss mask (1 B),
-  rollout logprobs (4 B) per token, R3's routes ``L x K x 4 B`` per token (``train.routing_replay:
+- bytes the object store carries to the trainer per step (``megarl plan`` prints the data path's
+  own prediction, ``megarl.launch.data_plan.plan_step_bytes``, handed in by the CLI; this is the
+  fallback): token ids (8 B), loss mask (1 B), rollout logprobs (4 B) per token, R3's routes ``L x K x 4 B`` per token (``train.routing_replay:
   r3``); each trainer rank receives its data-parallel share (``/ DP``); old logprobs (4 B per token)
   are computed and kept on the ranks; the driver receives metrics only (``METRICS_BYTES`` per rank);
 - trainer seconds = FLOPs / (world x peak x MFU): ``6 x active x N`` for the training pass, ``2 x
