@@ -62,6 +62,9 @@ class SyncPrediction:
     """Bytes each rank of one engine receives."""
     engine_shard_bytes: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    engine_rank_node: list[int] = field(default_factory=list)
+    """Which of its engine's nodes each engine rank is on (all 0 unless the engine spans nodes:
+    ``megarl.launch.cluster.engine_nodes``); empty when not known (no run config)."""
 
 
 def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, intra_gbps: float,
@@ -172,12 +175,29 @@ def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *
         lines.append(f"[{p.transport}] predicted {p.seconds:.2f} s; per engine rank received "
                      f"{max(p.engine_rank_bytes) / GB:.2f} GB (max), shard {max(p.engine_shard_bytes) / GB:.2f} GB, "
                      f"received/shard {ratio:.2f}")
+        lines.extend(_engine_node_lines(p, inter_gbps))
         lines.append("  stage  replica  sender  engines  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB  seconds")
         for s in p.stages:
             lines.append(f"  {s.pp_rank:5d}  {s.replica:7d}  {s.sender_rank:6d}  {s.engines:7d}  {s.hf_bytes / GB:8.2f}"
                          f"  {s.gather_intra_bytes / GB:15.2f}  {s.gather_inter_bytes / GB:15.2f}"
                          f"  {s.send_bytes / GB:14.2f}  {s.seconds:7.2f}")
     return "\n".join(lines)
+
+
+def _engine_node_lines(p: SyncPrediction, inter_gbps: float) -> list[str]:
+    """An engine over several nodes: what each of its nodes receives, over its own GPUs' network
+    links (each engine rank has its own; a lower bound per node, not added to the stage times,
+    which the senders' links bound)."""
+    nodes = max(p.engine_rank_node, default=0) + 1
+    if nodes == 1:
+        return []
+    out = [f"  each engine spans {nodes} nodes; per engine node: ranks, received_GB, receive_s over its links"]
+    for node in range(nodes):
+        ranks = [r for r, n in enumerate(p.engine_rank_node) if n == node]
+        got = sum(p.engine_rank_bytes[r] for r in ranks)
+        out.append(f"    node {node}: ranks {ranks[0]}-{ranks[-1]}, {got / GB:.2f} GB, "
+                   f"{max(p.engine_rank_bytes[r] for r in ranks) / GB / inter_gbps:.2f} s")
+    return out
 
 
 def plan_from_config(cfg):
@@ -232,9 +252,15 @@ def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[W
     """The sync plan of a resolved run config and its p2p / distributed predictions (module docstring)."""
     plan = plan_from_config(cfg)
     placement = placement_from_config(cfg) if cfg.weight_sync.segment_senders else None
-    return plan, [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
-                               intra_gbps=intra_gbps, inter_gbps=inter_gbps, placement=placement)
-                  for t in ("p2p", "distributed")]
+    predictions = [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
+                                intra_gbps=intra_gbps, inter_gbps=inter_gbps, placement=placement)
+                   for t in ("p2p", "distributed")]
+    tp, node = plan.engine_layout.tp_size, int(cfg.cluster.rollout_devices_per_node)
+    spans = cfg.cluster.placement == "disaggregated" and tp > node  # whole nodes (megarl validate)
+    per_node = node if spans else tp  # engine ranks per node (SGLang: node r runs r*tp/N ...)
+    for p in predictions:
+        p.engine_rank_node = [r // per_node for r in range(tp)]
+    return plan, predictions
 
 
 def cmd_plan_sync(args, cfg) -> int:
