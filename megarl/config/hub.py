@@ -59,7 +59,7 @@ def resolve_hub_path(value: str, key: str) -> str:
     except IncompleteSnapshotError as e:
         raise ConfigError([ConfigIssue(key, f"the cached snapshot is incomplete: {e}", value)]) from e
     except LocalEntryNotFoundError as e:
-        where = f"not in the hub cache {constants.HF_HUB_CACHE}"
+        where = f"not a local directory, and as a hub id not in the cache {constants.HF_HUB_CACHE}"
         why = "and HF_HUB_OFFLINE is set" if is_offline_mode() else "and the hub could not be reached"
         hint = f"download it where the hub is reachable (hf download {repo_id}" + (
             f" --revision {revision})" if revision else ")") + ", or give a local directory"

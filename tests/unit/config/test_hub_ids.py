@@ -59,7 +59,7 @@ def test_resolves_branch_tag_and_commit_from_the_cache(offline_cache):
 
 
 def test_offline_and_not_cached_names_the_key(offline_cache):
-    with pytest.raises(ConfigError, match=r"model.tokenizer_path='megarl-test/absent'.*not in the hub cache .*"
+    with pytest.raises(ConfigError, match=r"model.tokenizer_path='megarl-test/absent'.*not a local directory, and as a hub id not in the cache .*"
                                           r"HF_HUB_OFFLINE is set"):
         resolve_hub_path("megarl-test/absent", "model.tokenizer_path")
     with pytest.raises(ConfigError, match="model.hf_path"):
