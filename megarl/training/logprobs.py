@@ -102,23 +102,27 @@ def _shifted_local_logits(logits: Tensor, vocab_size: int | None, group: dist.Pr
     return z, vocab_start, num_real
 
 
-def _exp_(shifted: Tensor, num_real: int, with_entropy: bool) -> Tensor | None:
-    """``shifted <- exp(shifted)`` in place; with ``with_entropy`` also ``sum_v exp(s_v) s_v`` per row
-    (``[T]``, over the real ids), chunk by chunk so that no second ``[T, V/tp]`` buffer is made."""
-    if not with_entropy:
-        shifted.exp_()
-        return None
-    weighted = shifted.new_zeros(shifted.shape[0])
+def _exp_(shifted: Tensor, num_real: int, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``shifted <- exp(shifted)`` in place, chunk by chunk (on CPU a chunk stays in the cache while
+    it is summed); returns ``sum_v exp(s_v)`` per row and, with ``with_entropy``,
+    ``sum_v exp(s_v) s_v`` (over the real ids), both ``[T]``, without a second ``[T, V/tp]`` buffer."""
+    sum_exp = shifted.new_empty(shifted.shape[0])
+    weighted = shifted.new_empty(shifted.shape[0]) if with_entropy else None
     budget = _CHUNK_ELEMENTS.get(shifted.device.type, _CHUNK_ELEMENTS_DEFAULT)
-    rows = max(min(budget // max(shifted.shape[1], 1), -(-shifted.shape[0] // 8)), 1)  # <= 1/8 of the buffer
-    scratch = shifted.new_empty(rows, num_real)
+    # at least 8 rows (few Python steps for a large V/tp), at most 1/8 of the buffer (the entropy's scratch)
+    rows = max(min(max(budget // max(shifted.shape[1], 1), 8), -(-shifted.shape[0] // 8)), 1)
+    scratch = shifted.new_empty(rows, num_real) if with_entropy else None
+    shifted[:, num_real:] = 0.0  # the padding ids' exp(-inf)
     for start in range(0, shifted.shape[0], rows):
         chunk = shifted[start:start + rows, :num_real]
-        exp_chunk = torch.exp(chunk, out=scratch[:chunk.shape[0]])
-        weighted[start:start + rows] = torch.linalg.vecdot(exp_chunk, chunk)
-        chunk.copy_(exp_chunk)
-    shifted[:, num_real:] = 0.0  # the padding ids' exp(-inf)
-    return weighted
+        if with_entropy:
+            exp_chunk = torch.exp(chunk, out=scratch[:chunk.shape[0]])
+            weighted[start:start + rows] = torch.linalg.vecdot(exp_chunk, chunk)
+            chunk.copy_(exp_chunk)
+        else:
+            chunk.exp_()
+        torch.sum(chunk, dim=-1, out=sum_exp[start:start + rows])
+    return sum_exp, weighted
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -134,8 +138,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         owned = (local_target >= 0) & (local_target < local_vocab)
         local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
         target_z = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), torch.zeros_like(z[..., 0]))
-        weighted = _exp_(z, num_real, with_entropy)  # z now holds exp(z - max): the softmax saved for backward
-        sums = torch.stack([z.sum(dim=-1), target_z] + ([weighted] if with_entropy else []))  # one all-reduce
+        sum_exp, weighted = _exp_(z, num_real, with_entropy)  # z now holds exp(z - max): the softmax, for backward
+        sums = torch.stack([sum_exp, target_z] + ([weighted] if with_entropy else []))  # one all-reduce
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         sum_exp, target_z = sums[0], sums[1]
         log_sum_exp = sum_exp.log()
