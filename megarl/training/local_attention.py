@@ -29,6 +29,7 @@ from torch import Tensor
 
 from megarl.training.micro_batch import SEGMENTS_ATTRIBUTE as _SEGMENTS
 
+
 def _segments_of(mask: Tensor) -> list[list[int]] | None:
     """Per-row segment lengths if ``mask`` ([R or 1, 1, S, S] bool) is block-diagonal causal, else None."""
     known = getattr(mask, _SEGMENTS, None)

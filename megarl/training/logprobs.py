@@ -13,9 +13,10 @@ log-softmax needs only three numbers per token from the other ranks:
 so the communication is ``O(T)`` and never ``O(T V)``. The entropy metric (``entropy="metric"``) is
 this exact formula, from the log-sum-exp of the logprob pass and a dot product taken while its exp
 pass runs (no log over the vocabulary, no second ``[T, V/tp]`` buffer); it is computed only when
-asked for (the trainer asks when it logs ``loss/entropy`` or trains on the entropy). Both are `torch.autograd.Function` s with
-hand-written backward passes (``d log p(y) / d z_v = 1[v = y] - p_v``;
-``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP rank holds the same
+asked for (the trainer asks when it logs ``loss/entropy`` or trains on the entropy).
+
+Both are `torch.autograd.Function` s with hand-written backward passes
+(``d log p(y) / d z_v = 1[v = y] - p_v``; ``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP rank holds the same
 (replicated) loss, so each rank's gradient for its own vocabulary slice is already complete.
 
 Memory: the pass works in one fp32 ``[T, V/tp]`` buffer (the softmax, then the gradient, in place);
@@ -288,7 +289,8 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | 
     if seq_first:
         rows, length = input_ids.shape
         if tuple(logits.shape[:2]) != (length, rows) and not (rows == 1 and logits.shape[:2] == (1, length)):
-            raise ValueError(f"seq_first logits must be [S, R, V/tp] = [{length}, {rows}, V/tp], got {tuple(logits.shape)}")
+            raise ValueError(f"seq_first logits must be [S, R, V/tp] = [{length}, {rows}, V/tp], "
+                             f"got {tuple(logits.shape)}")
         flat_logits = logits.reshape(length * rows, local_vocab)  # a view of contiguous logits
         # position s predicts s + 1; the last position gets a dummy target and its result is dropped
         targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).t().reshape(-1)

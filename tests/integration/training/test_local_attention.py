@@ -1,8 +1,8 @@
 """The local spec's fused attention (`LocalSDPAttention`) == Megatron-Core's own ``DotProductAttention``.
 
-One gloo rank, the tiny Qwen3-MoE (grouped-query attention), fp32. Packed micro batches of several sequences per row (block-diagonal causal mask) go through
-``run_model`` and ``micro_batch_logprobs``; the logprobs and every parameter gradient are compared
-with the same model run through ``DotProductAttention.forward`` (the reference: Megatron's code),
+One gloo rank, the tiny Qwen3-MoE (grouped-query attention), fp32. Packed micro batches of several
+sequences per row (block-diagonal causal mask) go through ``run_model`` and
+``micro_batch_logprobs``; the logprobs and every parameter gradient are compared with the same model run through ``DotProductAttention.forward`` (the reference: Megatron's code),
 to 1e-6. Also: the logits ``run_model`` returns are the output layer's own ``[S, R, V/tp]`` tensor
 (no copy), equal to ``GPTModel``'s ``[R, S, V/tp]`` output, and the logprobs equal a full-vocabulary
 ``log_softmax`` of that output.
@@ -25,8 +25,8 @@ def _batch():
     n = int(cu[-1])
     loss_mask = torch.ones(n, dtype=torch.bool)
     loss_mask[cu[:-1]] = False
-    return TrainBatch(input_ids=torch.randint(0, 150, (n,), generator=gen), cu_seqlens=cu, loss_mask=loss_mask, advantages=torch.zeros(len(LENS)),
-                      rollout_logprobs=torch.zeros(n))
+    return TrainBatch(input_ids=torch.randint(0, 150, (n,), generator=gen), cu_seqlens=cu, loss_mask=loss_mask,
+                      advantages=torch.zeros(len(LENS)), rollout_logprobs=torch.zeros(n))
 
 
 def _run(model, mb, vocab_size, weights, parallel):
