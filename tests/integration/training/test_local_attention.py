@@ -1,11 +1,12 @@
 """The local spec's fused attention (`LocalSDPAttention`) == Megatron-Core's own ``DotProductAttention``.
 
 One gloo rank, the tiny Qwen3-MoE (grouped-query attention), fp32. Packed micro batches of several
-sequences per row (block-diagonal causal mask) go through ``run_model`` and
-``micro_batch_logprobs``; the logprobs and every parameter gradient are compared with the same model run through ``DotProductAttention.forward`` (the reference: Megatron's code),
-to 1e-6. Also: the logits ``run_model`` returns are the output layer's own ``[S, R, V/tp]`` tensor
-(no copy), equal to ``GPTModel``'s ``[R, S, V/tp]`` output, and the logprobs equal a full-vocabulary
-``log_softmax`` of that output.
+sequences per row (block-diagonal causal mask) go through ``run_model`` and ``micro_batch_logprobs``;
+the logprobs and every parameter gradient are compared with the same model run through
+``DotProductAttention.forward`` (the reference: Megatron's code), to 1e-6. Also: the logits
+``run_model`` returns are the output layer's own ``[S, R, V/tp]`` tensor (no copy), equal to
+``GPTModel``'s ``[R, S, V/tp]`` output, and the logprobs equal a full-vocabulary ``log_softmax`` of
+that output.
 """
 from unittest import mock
 
