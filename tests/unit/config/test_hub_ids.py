@@ -85,3 +85,16 @@ def test_megarl_validate_with_a_hub_id(hf_home):
     lines = [line for line in missing.stderr.splitlines() if line.strip()]
     assert missing.returncode == 2 and len(lines) == 1, missing.stderr
     assert "model.hf_path='Qwen/Qwen3-30B-A3B'" in lines[0] and "HF_HUB_OFFLINE" in lines[0]
+
+
+@pytest.mark.slow  # a conversion of the tiny model (~1-3 min on a shared CPU)
+@pytest.mark.timeout(400)
+def test_megarl_convert_takes_a_hub_id(offline_cache, tmp_path, capsys):
+    from megarl.cli import main as cli_main
+
+    assert cli_main(["convert", "hf-to-megatron", "megarl-test/tiny-qwen3@v1", str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "hf_config" / "config.json").read_text() == (offline_cache / TAGGED / "config.json").read_text()
+    assert cli_main(["convert", "hf-to-megatron", "megarl-test/absent", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("megarl convert: invalid configuration") and "HF_DIR='megarl-test/absent'" in err[-1]
+    assert not (tmp_path / "none").exists()
