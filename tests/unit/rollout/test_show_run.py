@@ -13,7 +13,6 @@ import shutil
 import subprocess
 
 import pytest
-import torch
 
 from megarl.launch.rollout_log import write_rollouts
 from megarl.launch.show import ShowError, show, step_summary
@@ -154,10 +153,11 @@ def chromium():
 @pytest.mark.skipif(chromium() is None, reason="needs Chromium (apt-get install chromium)")
 def test_html_page_in_a_headless_browser(run_dir, tmp_path):
     from PIL import Image, ImageStat
+    from rich.console import Console
 
     root, tok, trajs = run_dir
     page = tmp_path / "run.html"
-    show(root, step=1, html_out=page, console=__import__("rich.console").console.Console(file=io.StringIO()))
+    show(root, step=1, html_out=page, console=Console(file=io.StringIO()))
     html = page.read_text()
     assert not any(s in html for s in ("http://", "https://", "<script", "<link", "src=")), "external assets"
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
