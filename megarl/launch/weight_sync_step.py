@@ -7,6 +7,11 @@ engine -> push the resharded buckets -> flush the prefix caches -> set the engin
 sequences are compared with the trainer's (SGLang reports success even for tensors it ignored, so
 the only proof of a sync is the engines' output), and the engines' ``weight_version`` is read
 back so the log shows it advancing.
+
+With ``train.routing_replay: r3`` the trainer's forward replays routes and refuses a batch without
+them, while the engines route freely: the probes then carry the routes the first engine chose for
+them (:func:`probe_routes`, asked after the sync), so the trainer replays exactly what the engine
+did and every other difference (a q/k/v layout error that keeps shapes) still shows in the logprobs.
 """
 from __future__ import annotations
 
@@ -42,6 +47,35 @@ def probe_batch(run: Any) -> TrainBatch:
                       rollout_logprobs=torch.zeros(total))
 
 
+def probe_routes(engine_url: str, probes: TrainBatch) -> torch.Tensor:
+    """The experts the engine at ``engine_url`` routes each probe token to (R3 verification).
+
+    One request per probe (one new token, greedy): SGLang returns the routes of every prompt
+    position (``[P + 1 - 1, L, K]``: the new token is never forwarded).
+
+    Args:
+        engine_url: an engine launched with ``--enable-return-routed-experts`` (R3 runs are).
+        probes: the probe batch (``input_ids [T_total]``, ``cu_seqlens [N + 1]``).
+
+    Returns:
+        ``[T_total, L, K]`` int32 HF expert ids, the probes' tokens in order.
+
+    Raises:
+        megarl.rollout.client.EngineRequestError: the engine returned no routes.
+    """
+    from megarl.weight_sync.engines import EngineGroup
+
+    cu = probes.cu_seqlens.tolist()
+    rows = []
+    with EngineGroup([engine_url]) as engine:
+        for start, end in zip(cu[:-1], cu[1:]):
+            out = engine.call_all("generate", probes.input_ids[start:end].tolist(),
+                                  {"max_new_tokens": 1, "temperature": 0.0}, return_routed_experts=True,
+                                  return_logprob=False)[0]
+            rows.append(out.routed_experts[:end - start].to(torch.int32))
+    return torch.cat(rows)
+
+
 def connect(run: Any) -> None:
     """Build the synchronizers on every trainer rank (after the engines are up, or restarted)."""
     directory = str(run.run_dir / "weight_sync")
@@ -59,17 +93,17 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
     metrics = dict(run.trainer.run_worker("sync_weights", version)[0])
     verify = cfg.weight_sync.verify
     if verify == "always" or (verify == "first" and not run.synced_once):
-        if cfg.train.routing_replay == "r3":
-            logger.info("weight-sync verification skipped: the probes carry no engine routes (R3)")
-        else:
-            if getattr(run, "probes", None) is None:
-                run.probes = probe_batch(run)
-            from megarl.training.fp8 import verify_tolerance
+        if getattr(run, "probes", None) is None:
+            run.probes = probe_batch(run)
+        probes = run.probes
+        if cfg.train.routing_replay == "r3":  # the trainer replays the engine's routes (module docstring)
+            probes = probes.replace(routed_experts=probe_routes(run.engine_urls[0], probes))
+        from megarl.training.fp8 import verify_tolerance
 
-            # FP8 trainer logprobs vs the engine's BF16 ones: the tolerance covers quantisation.
-            tolerance = verify_tolerance(cfg.train, float(cfg.weight_sync.verify_tolerance))
-            results = run.trainer.run_worker("verify_weights", run.probes, tolerance)
-            metrics.update(next((r for r in results if r), {}))
+        # FP8 trainer logprobs vs the engine's BF16 ones: the tolerance covers quantisation.
+        tolerance = verify_tolerance(cfg.train, float(cfg.weight_sync.verify_tolerance))
+        results = run.trainer.run_worker("verify_weights", probes, tolerance)
+        metrics.update(next((r for r in results if r), {}))
     run.synced_once = True
     versions = ray.get(run.rollout.weight_versions.remote(), timeout=120)
     numeric = [int(v) for v in versions.values() if v is not None and str(v).isdigit()]
