@@ -4,6 +4,13 @@ Each engine is one :class:`megarl.rollout.engine_actor.EngineActor` (the engine 
 in its placement bundle; the actor starts an SGLang server on its node and reports the URL. Traffic
 goes to that URL over HTTP (the rollout actor's router), never through Ray. With
 ``rollout.external_engine_urls`` no engine is launched and the URLs are used as they are.
+
+An engine larger than a node (:func:`megarl.launch.cluster.engine_nodes`) is one actor per node
+part, each in its own bundle (consecutive nodes), each starting its node's SGLang process with
+``--nnodes N --node-rank r --dist-init-addr HEAD:PORT`` (HEAD: node-rank 0's address and a free port
+there). Only node-rank 0 serves HTTP, so the engine's URL is its first part's; the parts are one
+engine for everything else: a part that stops answering takes the whole engine down
+(:meth:`EngineGroup.stop_broken`), and restart and shutdown act on every part.
 """
 from __future__ import annotations
 
@@ -64,31 +71,41 @@ class EngineGroup:
 
     def __init__(self, cfg: Any, placement: Any, model_path: str, log_dir: Path, *,
                  custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        from megarl.launch.cluster import use_cuda
+        from megarl.launch.cluster import engine_nodes, use_cuda
         from megarl.rollout.engine_actor import EngineActor
 
         self.startup_timeout_s = float(cfg.rollout.engine.startup_timeout_s)
         self.external = list(cfg.rollout.external_engine_urls)
         self.actors: list[Any] = []
-        self._start_refs: list[Any] = []
+        """Each engine's first (HTTP-serving) actor."""
+        self.parts: list[list[Any]] = []
+        """Each engine's actors by node rank (one unless the engine spans nodes)."""
+        self._start_refs: list[list[Any]] = []
         if self.external:
             self.ids = [f"engine{i}" for i in range(len(self.external))]
             return
         device = "cuda" if use_cuda(cfg.cluster.device) else "cpu"
         remote_cls = ray.remote(EngineActor)
         self.ids = [f"engine{i}" for i in range(int(cfg.rollout.num_engines))]
+        nnodes = engine_nodes(cfg.cluster, cfg.rollout)
         for i, engine_id in enumerate(self.ids):
-            kwargs = engine_kwargs(cfg, device=device, log_path=str(log_dir / f"{engine_id}.log"),
-                                   engine_id=engine_id, custom_weight_loaders=custom_weight_loaders,
-                                   env={**(env or {}), **placement.engine_env(i)})  # colocated: its GPUs
-            # One thread: the server's parent-death signal is tied to the thread that started it.
-            options = dict(placement.engine_options(i))
-            if seeding_env(cfg, device):
-                options["runtime_env"] = {"env_vars": seeding_env(cfg, device)}
-            actor = remote_cls.options(**options).remote(model_path, base_port=int(cfg.rollout.engine.base_port),
-                                                         engine_index=i, **kwargs)
-            self.actors.append(actor)
-            self._start_refs.append(actor.start.remote(timeout_s=self.startup_timeout_s))
+            parts = []
+            for rank in range(nnodes):
+                name = engine_id if rank == 0 else f"{engine_id}.node{rank}"
+                kwargs = engine_kwargs(cfg, device=device, log_path=str(log_dir / f"{name}.log"),
+                                       engine_id=name, custom_weight_loaders=custom_weight_loaders,
+                                       env={**(env or {}), **placement.engine_env(i)})  # colocated: its GPUs
+                if nnodes > 1:
+                    kwargs.update(nnodes=nnodes, node_rank=rank)
+                # One thread: the server's parent-death signal is tied to the thread that started it.
+                options = dict(placement.engine_options(i, rank))
+                if seeding_env(cfg, device):
+                    options["runtime_env"] = {"env_vars": seeding_env(cfg, device)}
+                parts.append(remote_cls.options(**options).remote(
+                    model_path, base_port=int(cfg.rollout.engine.base_port), engine_index=i, **kwargs))
+            self.parts.append(parts)
+            self.actors.append(parts[0])
+            self._start_refs.append(self._start(parts))
 
     def wait_ready(self) -> list[str]:
         """Block until every launched engine is healthy; returns the URLs in engine order.
@@ -98,33 +115,66 @@ class EngineGroup:
         """
         if self.external:
             return self.external
-        urls = ray.get(self._start_refs, timeout=self.startup_timeout_s + 60)
+        started = ray.get([ref for refs in self._start_refs for ref in refs], timeout=self.startup_timeout_s + 60)
+        urls, at = [], 0
+        for refs in self._start_refs:  # the engine's URL is node-rank 0's
+            urls.append(started[at])
+            at += len(refs)
         for engine_id, url in zip(self.ids, urls):
             logger.info("%s ready at %s", engine_id, url)
         return urls
 
     def restart(self, index: int) -> str:
-        """Restart engine ``index`` (launch weights: the caller re-syncs it); returns its URL.
+        """Restart engine ``index``, every node part of it (launch weights: the caller re-syncs it);
+        returns its URL.
 
         Raises:
             RuntimeError: external engines cannot be restarted by megarl.
         """
         if self.external:
             raise RuntimeError(f"{self.ids[index]} is external ({self.external[index]}); restart it yourself")
-        return ray.get(self.actors[index].restart.remote(timeout_s=self.startup_timeout_s),
-                       timeout=self.startup_timeout_s + 60)
+        parts = self.parts[index]
+        if len(parts) > 1:  # every part stops before any starts: the ranks rejoin one new rendezvous
+            ray.get([p.kill.remote() for p in parts], timeout=60)
+        refs = [p.restart.remote(timeout_s=self.startup_timeout_s) for p in parts]
+        return ray.get(refs, timeout=self.startup_timeout_s + 60)[0]
 
-    def kill(self, index: int) -> None:
-        """SIGKILL engine ``index``'s server (fault injection)."""
-        ray.get(self.actors[index].kill.remote(), timeout=60)
+    def kill(self, index: int, node_rank: int = 0) -> None:
+        """SIGKILL engine ``index``'s server (its node part ``node_rank``; fault injection)."""
+        ray.get(self.parts[index][node_rank].kill.remote(), timeout=60)
+
+    def stop_broken(self) -> list[str]:
+        """Take down every engine that spans nodes and has a part not answering ``/health``: its
+        ranks on the other nodes cannot serve without it (its HTTP part would hang or fail on the
+        next collective), so all its parts are stopped and the health check sees the engine down.
+
+        Returns:
+            The ids of the engines stopped (a warning each).
+        """
+        spanning = [i for i, parts in enumerate(self.parts) if len(parts) > 1]
+        refs = {i: [p.health.remote() for p in self.parts[i][1:]] for i in spanning}
+        broken = [i for i in spanning if not all(ray.get(refs[i], timeout=60))]
+        for i in broken:
+            logger.warning("%s: a node part stopped answering; stopping all %d parts", self.ids[i],
+                           len(self.parts[i]))
+            ray.get([p.kill.remote() for p in self.parts[i]], timeout=60)
+        return [self.ids[i] for i in broken]
 
     def shutdown(self) -> None:
-        """Stop every launched server and its actor (idempotent)."""
-        refs = [a.stop.remote() for a in self.actors]
-        try:
-            ray.get(refs, timeout=60)
-        except Exception as e:  # noqa: BLE001 - best effort at teardown
-            logger.warning("stopping engines: %s", e)
-        for actor in self.actors:
+        """Stop every launched server and its actor (idempotent); node-rank 0 of each engine first
+        (it stops the engine's ranks on the other nodes)."""
+        for rank in range(max((len(p) for p in self.parts), default=0)):
+            try:
+                ray.get([parts[rank].stop.remote() for parts in self.parts if rank < len(parts)], timeout=60)
+            except Exception as e:  # noqa: BLE001 - best effort at teardown
+                logger.warning("stopping engines (node rank %d): %s", rank, e)
+        for actor in (a for parts in self.parts for a in parts):
             ray.kill(actor, no_restart=True)
-        self.actors = []
+        self.actors, self.parts = [], []
+
+    def _start(self, parts: list[Any]) -> list[Any]:
+        """Start one engine's parts together (node-rank 0's rendezvous address to the others)."""
+        if len(parts) == 1:
+            return [parts[0].start.remote(timeout_s=self.startup_timeout_s)]
+        addr = ray.get(parts[0].dist_init_addr.remote(), timeout=self.startup_timeout_s)
+        return [p.start.remote(timeout_s=self.startup_timeout_s, dist_init_addr=addr) for p in parts]

@@ -281,6 +281,7 @@ class Run:
         """
         from megarl.launch import weight_sync_step
 
+        self.engines.stop_broken()  # an engine over several nodes with a part down is down as a whole
         health = ray.get(self.rollout.engine_health.remote(), timeout=120)
         dead = [eid for eid, ok in health.items() if not ok]
         readmitted = []

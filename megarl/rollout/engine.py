@@ -78,7 +78,7 @@ class EngineProcess:
             with the same ``tp_size`` (the whole engine's), each running the ``tp_size / nnodes``
             TP ranks ``node_rank * tp_size / nnodes ...`` of its node. ``dist_init_addr``
             (``host:port``) is where node-rank 0's TP rank 0 hosts torch.distributed's TCP store
-            (the same string on every node). Node-rank 0 serves HTTP (tokenizer, API); the others
+            (the same string on every node; may be set after construction, before :meth:`start`). Node-rank 0 serves HTTP (tokenizer, API); the others
             run only their schedulers and answer ``/health`` on their own ``port`` with a dummy
             server once their schedulers are ready (``entrypoints/engine.py``).
         extra_args: further ``sglang.launch_server`` arguments, verbatim.
@@ -168,6 +168,9 @@ class EngineProcess:
         if self.sleep_on_idle:
             cmd += ["--sleep-on-idle"]
         if self.nnodes > 1:
+            if self.dist_init_addr is None:
+                raise ValueError(f"{self.engine_id}: node rank {self.node_rank} of {self.nnodes} has no dist_init_addr")
+            _check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
             cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                     "--dist-init-addr", self.dist_init_addr]
         return cmd + self.extra_args
@@ -177,7 +180,7 @@ class EngineProcess:
         env = dict(os.environ if base is None else base)
         if self.device == "cpu":
             env = cpu_shims.apply_to_env(env)
-            if self.tp_size // self.nnodes > 1:  # this node's ranks
+            if self.tp_size > 1:  # SGLang checks the engine's whole TP size, binds this node's ranks
                 env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(self.tp_size // self.nnodes))
         env.update(self.extra_env)
         return env
@@ -318,8 +321,8 @@ def _check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str 
     if tp_size % nnodes:
         raise ValueError(f"engine tp_size={tp_size} must be a multiple of its nnodes={nnodes} (SGLang gives "
                          "every node tp_size / nnodes ranks)")
-    if nnodes > 1:
-        host, _, port = (dist_init_addr or "").rpartition(":")
+    if nnodes > 1 and dist_init_addr is not None:  # None until node-rank 0 picks it (EngineActor)
+        host, _, port = dist_init_addr.rpartition(":")
         if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
             raise ValueError(f"an engine over {nnodes} nodes needs dist_init_addr as host:port (IPv6 in "
                              f"brackets), got {dist_init_addr!r}")

@@ -26,7 +26,7 @@ import os
 from typing import Any, Iterable
 
 from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
-from megarl.rollout.ports import engine_port
+from megarl.rollout.ports import engine_port, find_free_port
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -92,15 +92,47 @@ class EngineActor:
         self.node_ip, node_ips = _cluster_addresses()
         engine_kwargs["host"] = engine_host(engine_kwargs.get("host", AUTO_HOST), self.node_ip, node_ips)
         self.base_port, self.engine_index = base_port, engine_index
+        if engine_kwargs.get("nnodes", 1) > 1:
+            # SGLang's cross-node broadcast queue advertises SGLANG_HOST_IP, else an address it guesses
+            # (a UDP route to 8.8.8.8, the host name): pin it to the address the other nodes reach.
+            host = self.node_ip if engine_kwargs["host"] in _WILDCARD_HOSTS else engine_kwargs["host"]
+            engine_kwargs["env"] = {"SGLANG_HOST_IP": host, **(engine_kwargs.get("env") or {})}
         self.engine = EngineProcess(model_path, **engine_kwargs)
 
-    def start(self, timeout_s: float = 600.0) -> str:
+    def dist_init_addr(self) -> str:
+        """Node-rank 0 of an engine over several nodes: ``host:port`` of its torch.distributed
+        rendezvous (``--dist-init-addr``; a free port on this node, the node's address), which the
+        engine's other node parts are started with.
+
+        Raises:
+            RuntimeError: called on another node rank.
+        """
+        if self.engine.node_rank != 0:
+            raise RuntimeError(f"{self.engine.engine_id}: only node-rank 0 hosts the rendezvous")
+        if self.engine.dist_init_addr is None:
+            host = self.node_ip if self.engine.host in _WILDCARD_HOSTS else self.engine.host
+            port = find_free_port(self.engine.host if self.engine.host not in _WILDCARD_HOSTS else "0.0.0.0")
+            self.engine.dist_init_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return self.engine.dist_init_addr
+
+    def start(self, timeout_s: float = 600.0, dist_init_addr: str | None = None) -> str:
         """Start the server, wait until healthy, and return its URL as seen from other nodes.
+
+        Args:
+            timeout_s: how long to wait for ``/health``.
+            dist_init_addr: node ranks above 0 of an engine over several nodes: node-rank 0's
+                :meth:`dist_init_addr` (their ``/health`` answers once every rank joined).
 
         Raises:
             megarl.rollout.engine.EngineStartupError: with the server's log tail.
+            ValueError: a node part above rank 0 without ``dist_init_addr``.
             RuntimeError: no free port at or above the base port (names the range).
         """
+        if dist_init_addr is not None:
+            self.engine.dist_init_addr = dist_init_addr
+        if self.engine.nnodes > 1 and self.engine.dist_init_addr is None:
+            raise ValueError(f"{self.engine.engine_id}: node rank {self.engine.node_rank} of {self.engine.nnodes} "
+                             "needs node-rank 0's dist_init_addr")
         if self.engine.port is None and self.base_port is not None:  # chosen here: the port is free on this node
             self.engine.port = engine_port(self.engine.host, self.base_port, self.engine_index)
         self.engine.start().wait_healthy(timeout_s)
@@ -112,7 +144,7 @@ class EngineActor:
         return f"http://{host}:{self.engine.port}"
 
     def health(self) -> bool:
-        """The server answers ``/health``."""
+        """The server answers ``/health`` (node ranks above 0: their schedulers' dummy server)."""
         return self.engine.is_alive() and self.engine.health()
 
     def restart(self, timeout_s: float = 600.0) -> str:

@@ -49,7 +49,8 @@ def _run(rollout: RolloutDouble, synced_version: int = 7):
 
     ids = sorted(rollout.answers)
     return SimpleNamespace(rollout=rollout, synced_version=synced_version, state=SimpleNamespace(policy_version=7),
-                           engines=SimpleNamespace(ids=ids, restart=restart), sync_weights=sync_weights), restarted
+                           engines=SimpleNamespace(ids=ids, restart=restart, stop_broken=lambda: []),
+                           sync_weights=sync_weights), restarted
 
 
 @pytest.fixture(autouse=True)

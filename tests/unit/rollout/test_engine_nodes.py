@@ -39,13 +39,15 @@ def test_single_node_engine_has_no_node_flags():
 def test_cpu_threads_bind_covers_this_nodes_ranks_only():
     env = _part(1).environment(base={})
     assert len(env["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2  # 4 ranks over 2 nodes
-    assert "SGLANG_CPU_OMP_THREADS_BIND" not in _part(1, tp=2).environment(base={})  # one rank per node
+    # one rank per node: still set (numa_utils.init_threads_binding asserts the *engine's* rank count
+    # against the NUMA nodes when it is not), one group of cores
+    assert len(_part(1, tp=2).environment(base={})["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 1
 
 
 @pytest.mark.parametrize("kwargs", [dict(tp=3), dict(addr=None), dict(addr="10.0.0.1"), dict(addr="::1:29500")])
 def test_invalid_node_layouts_are_refused(kwargs):
     with pytest.raises(ValueError):
-        _part(0, **kwargs)
+        _part(0, **kwargs).command()  # no rendezvous yet: refused when the command is built
     with pytest.raises(ValueError):
         EngineProcess("/m", tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
 
@@ -66,3 +68,26 @@ def test_two_parts_of_one_engine_on_one_gpu_node_are_refused():
     with pytest.raises(ValueError, match="rollout.engine.tensor_parallel_size"):
         engine_part_bundles(["a", "b", "a", "b"], num_engines=2, parts=2, cuda=True)
     assert engine_part_bundles(["a", "b", "a", "b"], num_engines=2, parts=2, cuda=False) == [[0, 2], [1, 3]]
+
+
+def _actor(monkeypatch, node_ip, rank, **kw):
+    """An EngineActor node part as if Ray had placed it on ``node_ip`` of a two-host cluster."""
+    from megarl.rollout import engine_actor
+
+    monkeypatch.setattr(engine_actor, "_cluster_addresses", lambda: (node_ip, ["10.1.2.3", "10.1.2.4"]))
+    monkeypatch.setattr(engine_actor, "find_free_port", lambda host, start=None: 29500)  # not this machine's address
+    return engine_actor.EngineActor("/m", device="cpu", tp_size=2, nnodes=2, node_rank=rank, **kw)
+
+
+def test_node_rank_0_offers_its_own_address_as_the_rendezvous(monkeypatch):
+    head = _actor(monkeypatch, "10.1.2.3", 0)  # rollout.engine.host: auto -> the node's address
+    assert head.dist_init_addr() == "10.1.2.3:29500"
+    assert head.engine.command()[-2:] == ["--dist-init-addr", "10.1.2.3:29500"]
+    # SGLang's cross-node broadcast queue advertises this address (not a guess from 8.8.8.8)
+    assert head.engine.environment(base={})["SGLANG_HOST_IP"] == "10.1.2.3"
+    other = _actor(monkeypatch, "10.1.2.4", 1)
+    assert other.engine.environment(base={})["SGLANG_HOST_IP"] == "10.1.2.4"
+    with pytest.raises(RuntimeError, match="node-rank 0"):
+        other.dist_init_addr()
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        other.start(timeout_s=1)  # a part above rank 0 cannot start without node 0's rendezvous
