@@ -6,8 +6,8 @@ References: ``sglang.srt.server_args.prepare_server_args`` (the argv of ``sglang
 launching; ``arg_groups/validation_hook.py``: TP divisible by the node count) and
 ``utils/network.NetworkAddress.parse`` (how every node reads ``--dist-init-addr``). They run in one
 subprocess with each part's own server environment (the CPU shims), as the server would. No server
-is started (see the module docstring of megarl/launch/engines.py and the report of issue 25 part 4
-for why multi-node serving is not run on the emulated hosts).
+is started here: tests/integration/rollout/test_engine_nodes_emulated.py serves a TP2 engine across
+two emulated hosts; this covers the GPU-sized layouts (TP16, TP32) that cannot run on CPU.
 """
 import json
 import subprocess
