@@ -183,17 +183,9 @@ def peak_step_mb(step) -> float:
     running sum of torch's CPU allocations and frees (``torch.profiler`` memory events), so the
     activations, logits, gradients and temporaries of the step, not the weights or optimizer state
     that persist across steps. Run untimed (the profiler slows the step)."""
-    from torch.profiler import ProfilerActivity, profile
+    from megarl.testing.memory import peak_cpu_bytes
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak / 2**20
+    return peak_cpu_bytes(step) / 2**20
 
 
 def measure(steps: dict, num_tokens: int, repeats: int) -> dict:

@@ -17,16 +17,6 @@ def test_every_shipped_config_validates(path, monkeypatch, tmp_path):
     assert cli_main(["validate", str(path)]) == 0
 
 
-@pytest.fixture()
-def good_overrides(tiny_moe_dir):
-    """A valid 2-rank CPU config on the tiny MoE."""
-    data = REPO / "data" / "gsm8k"
-    return [f"model.hf_path={tiny_moe_dir}", f"data.train_path={data / 'train.jsonl'}",
-            f"data.eval_path={data / 'test.jsonl'}", "cluster.device=cpu", "train.precision=fp32",
-            "cluster.trainer_devices_per_node=2", "parallel.expert_model_parallel_size=2",
-            "train.global_batch_size=16", "rollout.num_prompts_per_step=4", "rollout.group_size=4"]
-
-
 def test_good_config_passes(good_overrides):
     cfg = validate(load_config(REPO / "configs" / "base.yaml", good_overrides))
     assert cfg.parallel.expert_model_parallel_size == 2

@@ -14,16 +14,6 @@ from megarl.config import ConfigError, load_config, validate
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture()
-def base(tiny_moe_dir):
-    """A valid 2-rank CPU config on the tiny MoE (4 heads, 8 experts; as test_config_validate's)."""
-    data = REPO / "data" / "gsm8k"
-    return [f"model.hf_path={tiny_moe_dir}", f"data.train_path={data / 'train.jsonl'}",
-            f"data.eval_path={data / 'test.jsonl'}", "cluster.device=cpu", "train.precision=fp32",
-            "cluster.trainer_devices_per_node=2", "parallel.expert_model_parallel_size=2",
-            "train.global_batch_size=16", "rollout.num_prompts_per_step=4", "rollout.group_size=4"]
-
-
 def _issues(overrides) -> dict[str, str]:
     try:
         validate(load_config(REPO / "configs" / "base.yaml", overrides))
@@ -33,27 +23,27 @@ def _issues(overrides) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("tp,per_node,nodes,engines", [(2, 1, 2, 1), (4, 2, 2, 1), (4, 1, 8, 2), (4, 2, 4, 2)])
-def test_engine_over_whole_nodes_is_accepted(base, tp, per_node, nodes, engines):
-    assert _issues(base + [f"rollout.engine.tensor_parallel_size={tp}", f"cluster.rollout_devices_per_node={per_node}",
+def test_engine_over_whole_nodes_is_accepted(good_overrides, tp, per_node, nodes, engines):
+    assert _issues(good_overrides + [f"rollout.engine.tensor_parallel_size={tp}", f"cluster.rollout_devices_per_node={per_node}",
                            f"cluster.rollout_nodes={nodes}", f"rollout.num_engines={engines}"]) == {}
 
 
-def test_engine_over_a_partial_node_is_refused_naming_the_keys(base):
-    issues = _issues(base + ["rollout.engine.tensor_parallel_size=4", "cluster.rollout_devices_per_node=3",
+def test_engine_over_a_partial_node_is_refused_naming_the_keys(good_overrides):
+    issues = _issues(good_overrides + ["rollout.engine.tensor_parallel_size=4", "cluster.rollout_devices_per_node=3",
                              "cluster.rollout_nodes=2"])
     msg = issues["rollout.engine.tensor_parallel_size"]
     assert "partial node" in msg and "cluster.rollout_devices_per_node=3" in msg
 
 
-def test_spanning_engines_need_their_nodes(base):
+def test_spanning_engines_need_their_nodes(good_overrides):
     # 2 engines x 2 nodes each = 4 nodes > 3
-    issues = _issues(base + ["rollout.engine.tensor_parallel_size=4", "cluster.rollout_devices_per_node=2",
+    issues = _issues(good_overrides + ["rollout.engine.tensor_parallel_size=4", "cluster.rollout_devices_per_node=2",
                              "cluster.rollout_nodes=3", "rollout.num_engines=2"])
     assert set(issues) == {"rollout.num_engines"}
     assert "4 nodes" in issues["rollout.num_engines"] and "cluster.rollout_nodes=3" in issues["rollout.num_engines"]
 
 
-def test_colocated_engine_still_runs_on_one_node(base):
-    issues = _issues(base + ["cluster.placement=colocated", "rollout.engine.tensor_parallel_size=4",
+def test_colocated_engine_still_runs_on_one_node(good_overrides):
+    issues = _issues(good_overrides + ["cluster.placement=colocated", "rollout.engine.tensor_parallel_size=4",
                              "cluster.trainer_devices_per_node=2", "weight_sync.transport=tensor"])
     assert "cluster.placement=disaggregated" in issues["rollout.engine.tensor_parallel_size"]

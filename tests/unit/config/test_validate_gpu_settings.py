@@ -8,16 +8,6 @@ from megarl.config import ConfigError, load_config, validate
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture()
-def base(tiny_moe_dir):
-    """A valid 2-rank CPU config on the tiny MoE (same as test_config_validate's)."""
-    data = REPO / "data" / "gsm8k"
-    return [f"model.hf_path={tiny_moe_dir}", f"data.train_path={data / 'train.jsonl'}",
-            f"data.eval_path={data / 'test.jsonl'}", "cluster.device=cpu", "train.precision=fp32",
-            "cluster.trainer_devices_per_node=2", "parallel.expert_model_parallel_size=2",
-            "train.global_batch_size=16", "rollout.num_prompts_per_step=4", "rollout.group_size=4"]
-
-
 def _issues(overrides) -> dict[str, str]:
     try:
         validate(load_config(REPO / "configs" / "base.yaml", overrides))
@@ -29,16 +19,16 @@ def _issues(overrides) -> dict[str, str]:
     return {}
 
 
-def test_fp8_delayed_recipe_rejected_with_gspo(base):
-    issues = _issues(base + ["train.fp8=e4m3", "train.fp8_recipe=delayed"])
+def test_fp8_delayed_recipe_rejected_with_gspo(good_overrides):
+    issues = _issues(good_overrides + ["train.fp8=e4m3", "train.fp8_recipe=delayed"])
     assert "train.fp8_recipe" in issues and "GSPO" in issues["train.fp8_recipe"]
-    assert "train.fp8_recipe" not in _issues(base + ["train.fp8=e4m3", "train.fp8_recipe=tensorwise"])
-    assert "train.fp8_recipe" not in _issues(base + ["train.fp8=e4m3", "train.fp8_recipe=delayed",
+    assert "train.fp8_recipe" not in _issues(good_overrides + ["train.fp8=e4m3", "train.fp8_recipe=tensorwise"])
+    assert "train.fp8_recipe" not in _issues(good_overrides + ["train.fp8=e4m3", "train.fp8_recipe=delayed",
                                                      "algorithm.policy_loss=ppo_clip", "algorithm.clip_low=0.2",
                                                      "algorithm.clip_high=0.28"])
 
 
-def test_fp8_recipe_checked_against_the_visible_gpu(base, monkeypatch):
+def test_fp8_recipe_checked_against_the_visible_gpu(good_overrides, monkeypatch):
     """Where a GPU is visible validate asks fp8_support_error about it (here: an emulated A100)."""
     import torch
 
@@ -48,25 +38,25 @@ def test_fp8_recipe_checked_against_the_visible_gpu(base, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(fp8, "installed_te_version", lambda: "2.9.0")
-    issues = _issues(base + ["cluster.device=cuda", "train.precision=bf16", "train.fp8=e4m3"])
+    issues = _issues(good_overrides + ["cluster.device=cuda", "train.precision=bf16", "train.fp8=e4m3"])
     assert "train.fp8_recipe" in issues and "8.9 or higher" in issues["train.fp8_recipe"]
 
 
-def test_megatron_overrides_checked_against_megatron_dataclasses(base):
-    ok = _issues(base + ["model.megatron_overrides={moe_permute_fusion: false, bucket_size: 1000000}"])
+def test_megatron_overrides_checked_against_megatron_dataclasses(good_overrides):
+    ok = _issues(good_overrides + ["model.megatron_overrides={moe_permute_fusion: false, bucket_size: 1000000}"])
     assert not [k for k in ok if k.startswith("model.megatron_overrides")], ok
-    bad = _issues(base + ["model.megatron_overrides={moe_permute_fusoin: false, tensor_model_parallel_size: 2}"])
+    bad = _issues(good_overrides + ["model.megatron_overrides={moe_permute_fusoin: false, tensor_model_parallel_size: 2}"])
     assert "not a field" in bad["model.megatron_overrides.moe_permute_fusoin"]
     assert "parallel.tensor_model_parallel_size" in bad["model.megatron_overrides.tensor_model_parallel_size"]
 
 
-def test_uneven_pipeline_stages(base, tmp_path):
+def test_uneven_pipeline_stages(good_overrides, tmp_path):
     """A 5-layer model on PP=2 (not divisible) is valid with first=2 / last=3; each bad split names its key."""
     from megarl.testing.tiny_model import TinyModelSpec, _hf_config
 
     hf_config = _hf_config(TinyModelSpec(family="qwen3_moe", num_hidden_layers=5), 2048, 0, 1)[0]
     hf_config.save_pretrained(tmp_path)
-    pp2 = [o for o in base if not o.startswith(("model.hf_path", "parallel.expert_model"))] + [
+    pp2 = [o for o in good_overrides if not o.startswith(("model.hf_path", "parallel.expert_model"))] + [
         f"model.hf_path={tmp_path}", "parallel.pipeline_model_parallel_size=2"]
     assert "parallel.pipeline_model_parallel_size" in _issues(pp2)  # 5 layers, PP=2, even split
     assert _issues(pp2 + ["parallel.num_layers_in_first_pipeline_stage=2"]) == {}
@@ -99,7 +89,7 @@ def test_uneven_pipeline_stages_build_megatrons_layer_assignment():
                                  device="meta")
 
 
-def test_every_numeric_field_has_a_range_and_it_is_enforced(base):
+def test_every_numeric_field_has_a_range_and_it_is_enforced(good_overrides):
     """Table-driven: a value just outside each field's range is an error naming that key."""
     from megarl.config.validate import (NON_NEGATIVE, POSITIVE_INTS, _RANGES_ELSEWHERE, numeric_fields,
                                         numeric_range)
@@ -117,30 +107,30 @@ def test_every_numeric_field_has_a_range_and_it_is_enforced(base):
             value = low - (0 if bounds[0] == "(" else (1 if kind is int else 1e-3))
         outside[key] = int(value) if kind is int else value
     assert len(outside) > 30
-    overrides = base + [f"{key}={value}" for key, value in outside.items()]
+    overrides = good_overrides + [f"{key}={value}" for key, value in outside.items()]
     issues = _issues(overrides)
     missing = sorted(key for key in outside if key not in issues)
     assert not missing, missing
 
 
-def test_cross_feature_conflicts(base):
+def test_cross_feature_conflicts(good_overrides):
     assert "rollout.engine.expert_parallel_size" in _issues(
-        base + ["rollout.engine.tensor_parallel_size=2", "rollout.engine.expert_parallel_size=4",
+        good_overrides + ["rollout.engine.tensor_parallel_size=2", "rollout.engine.expert_parallel_size=4",
                 "cluster.rollout_devices_per_node=2"])
-    assert "model.moe_grouped_gemm" in _issues(base + ["model.moe_grouped_gemm=true"])
+    assert "model.moe_grouped_gemm" in _issues(good_overrides + ["model.moe_grouped_gemm=true"])
     assert "rollout.engine.expert_parallel_size" in _issues(
-        base + ["rollout.engine.tensor_parallel_size=3", "rollout.engine.expert_parallel_size=3",
+        good_overrides + ["rollout.engine.tensor_parallel_size=3", "rollout.engine.expert_parallel_size=3",
                 "cluster.rollout_devices_per_node=3"])  # 8 experts not divisible by engine EP 3
 
 
-def test_engines_fit_and_pack_per_node(base):
+def test_engines_fit_and_pack_per_node(good_overrides):
     # 2 nodes x 4 devices, engine TP 3: one engine per node (the 4th device idles), so at most 2
-    two_nodes = base + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=4",
+    two_nodes = good_overrides + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=4",
                         "rollout.engine.tensor_parallel_size=1"]
     assert _issues(two_nodes + ["rollout.num_engines=8"]) == {}
     issues = _issues(two_nodes + ["rollout.num_engines=8", "rollout.engine.tensor_parallel_size=2"])
     assert "rollout.num_engines" in issues  # 8 x TP2 = 16 devices > 8
     # an engine larger than a node spans whole nodes (issue 25 part 4: tests/unit/config/test_validate_engine_nodes.py)
-    issues = _issues(base + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=3",
+    issues = _issues(good_overrides + ["cluster.rollout_nodes=2", "cluster.rollout_devices_per_node=3",
                              "rollout.engine.tensor_parallel_size=4", "rollout.num_engines=1"])
     assert "partial node" in issues["rollout.engine.tensor_parallel_size"]

@@ -6,8 +6,8 @@ allocations and frees (``torch.profiler`` memory events) for the memory of the l
 """
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from megarl.testing.memory import peak_cpu_bytes
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import MicroBatchSpec
 from megarl.training.forward import micro_batch_logprobs
@@ -60,19 +60,6 @@ def test_seq_first_matches_log_softmax(entropy):
     torch.testing.assert_close(grad, weight.grad, rtol=1e-4, atol=1e-4)
 
 
-def _peak_bytes(fn) -> int:
-    """Peak of (allocated - freed) CPU bytes while ``fn`` runs, from the profiler's memory events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("entropy", ["none", "metric"])
 def test_logprob_pass_needs_no_second_logits_buffer(entropy):
@@ -97,6 +84,6 @@ def test_logprob_pass_needs_no_second_logits_buffer(entropy):
         (lp.sum() + (0 if ent is None else ent.sum() * 0)).backward()
 
     output_layer()
-    extra = _peak_bytes(logprob_pass)
+    extra = peak_cpu_bytes(logprob_pass)
     assert weight.grad is not None and torch.isfinite(weight.grad).all()
     assert extra < 0.5 * buffer_bytes, f"logprob pass peak {extra / buffer_bytes:.2f} x the logits buffer"
