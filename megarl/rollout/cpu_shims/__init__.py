@@ -16,6 +16,9 @@ Shims (each documented in its own file, each shown still needed by
   install omits torchvision. Calling anything raises ``NotImplementedError``.
 - ``sitecustomize.py``: maps SGLang's host allocator for ``"cpu"`` to an unpinned allocation so that
   ``--enable-return-routed-experts`` (Rollout Routing Replay) does not call CUDA.
+- ``sglang_mla_dispatch.py`` (applied by ``sitecustomize``): a ``torch_native`` attention handler for
+  MLA models (DeepSeek-V3, Kimi-K2) that keeps prefill on SGLang's absorbed-MLA path; its MHA path
+  attends over the latent cache on this backend and fails (``tests/integration/rollout/test_engine_mla_cpu.py``).
 
 Guard: :func:`check_sglang_version` is called by the launcher before a CPU server starts; the shims
 were written against, and are only applied to, :data:`SUPPORTED_SGLANG_VERSION`.
@@ -29,7 +32,7 @@ from pathlib import Path
 SUPPORTED_SGLANG_VERSION = "0.5.23"
 """The SGLang version these shims were written and tested for."""
 
-SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize")
+SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize", "sglang_mla_dispatch")
 """What the shim directory provides, by import name."""
 
 ALLOW_OTHER_VERSION_ENV = "MEGARL_ALLOW_UNTESTED_SGLANG"

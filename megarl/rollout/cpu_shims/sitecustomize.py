@@ -14,6 +14,9 @@ Fix: once that module has been imported, map ``"cpu"`` to SGLang's own ``alloc_w
 with pinning off (a plain host tensor). SGLang's sources are not edited; the table entry is only set
 when the running SGLang is the version this was written for (0.5.23) and the table is present.
 
+The same import hook applies ``sglang_mla_dispatch.py`` of this directory (its own docstring says why):
+a ``torch_native`` attention handler for SGLang's MLA models (DeepSeek-V3, Kimi-K2).
+
 Other ``sitecustomize`` modules further down ``sys.path`` are still executed, so this file does not
 hide a site's own customisation.
 """
@@ -57,10 +60,14 @@ def patch_alloc_table(module) -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds :data:`_TARGET_MODULE` with the normal path finder and patches it after it executes."""
+    """Finds each module of ``patches`` with the normal path finder and patches it after it executes."""
+
+    def __init__(self, patches: dict) -> None:
+        self.patches = patches  # module name -> function(module) run right after the module executes
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET_MODULE:
+        patch = self.patches.get(fullname)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -69,7 +76,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original_exec(module)
-            patch_alloc_table(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -84,7 +91,11 @@ def _install() -> None:
               "fix NOT applied (re-check whether it is still needed)", file=sys.stderr)
         return
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+        import sglang_mla_dispatch  # this directory is on the server's sys.path
+
+        sys.meta_path.insert(0, _PatchOnImport({
+            _TARGET_MODULE: patch_alloc_table,
+            sglang_mla_dispatch.TARGET_MODULE: sglang_mla_dispatch.patch_mla_dispatch}))
 
 
 def _chain_next_sitecustomize() -> None:
