@@ -58,7 +58,7 @@ def test_cpu_runs_skip_the_check_and_unknown_gpus_are_named():
 def test_plan_exit_status_says_whether_it_fits(capsys):
     from megarl.cli import main
 
-    recipe = str(REPO / "configs" / "scale" / "deepseek_v3_gpu.yaml")
+    recipe = str(REPO / "configs" / "deepseek_v3_gpu.yaml")
     assert main(["plan", recipe, "--no-sync"]) == 0
     out = capsys.readouterr().out
     assert "block FP8 weights" in out and "DOES NOT FIT" not in out
