@@ -8,8 +8,9 @@ from omegaconf import OmegaConf
 from megarl.config.schema import MegarlConfig
 from megarl.launch.engines import DETERMINISTIC_FLAG, SEEDING_SHIM_DIR, engine_kwargs, seeding_env
 from megarl.launch.rollout_actor import SeededEngine
-from megarl.launch.steps import mean_metrics, split_batch
+from megarl.launch.steps import mean_metrics
 from megarl.training.batch import TrainBatch
+from megarl.training.shard import mini_batches
 
 
 class RecordingEngine:
@@ -68,7 +69,9 @@ def test_engine_kwargs_follow_the_config():
     assert kw["tp_size"] == cfg.rollout.engine.tensor_parallel_size and kw["engine_id"] == "engine0"
 
 
-def test_split_batch_and_mean_metrics():
+def test_mini_batches_and_mean_metrics():
+    """A step of 5 sequences at ``train.global_batch_size`` 2 is three optimizer steps over
+    consecutive sequences; the selected mini batches put the whole batch back together."""
     lens = [3, 4, 2, 5, 3]
     cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()])
     mask = torch.ones(int(cu[-1]), dtype=torch.bool)
@@ -76,10 +79,13 @@ def test_split_batch_and_mean_metrics():
     batch = TrainBatch(input_ids=torch.arange(int(cu[-1])), cu_seqlens=cu, loss_mask=mask,
                        advantages=torch.arange(5.0), rollout_logprobs=torch.zeros(int(cu[-1])),
                        old_logprobs=-torch.arange(float(cu[-1])))
-    parts = split_batch(batch, 2)
+    ranges = mini_batches(batch.num_sequences, 2)
+    parts = [batch.select(r) for r in ranges]
     assert [p.num_sequences for p in parts] == [2, 2, 1]
     assert torch.equal(torch.cat([p.input_ids for p in parts]), batch.input_ids)
     assert torch.equal(torch.cat([p.old_logprobs for p in parts]), batch.old_logprobs)
-    assert split_batch(batch, 8) == [batch]
+    assert mini_batches(batch.num_sequences, 8) == [range(0, 5)]
+    with pytest.raises(ValueError, match="global_batch_size"):
+        mini_batches(5, 0)
     m = mean_metrics([{"a": 1.0, "b": 2.0}, {"a": 3.0}])
     assert m == {"a": 2.0, "b": 2.0, "train/num_optimizer_steps": 2.0}
