@@ -11,13 +11,9 @@ safetensors files, and SGLang's own ``load_weights`` / server.
   the expert bias (frozen, HF ``e_score_correction_bias``) gets none.
 - Conversion: HF -> Megatron dist checkpoint (TP1 / EP2 / PP2) -> HF is bit-identical; DeepSeek's
   multi-token-prediction layer is dropped on import.
-- SGLang (CPU): GLM-4.5 is served from the exported directory (prompt logprobs vs transformers).
-  DeepSeek-V3 cannot run on SGLang 0.5.23's CPU path: its only CPU attention without the
-  ``sgl_kernel`` CPU build (AMX Xeons) is ``torch_native``, which reads keys/values back from the KV
-  pool, and for MLA that pool holds the compressed latent (``kv_lora_rank + qk_rope_head_dim``
-  wide) instead of per-head keys/values, so the first prefill fails (``RuntimeError: Expected size
-  for first two dimensions of batch2 tensor ...`` in ``torch_native_backend._run_sdpa_forward_extend``).
-  The test asserts that failure and, for both families, checks every exported HF name against the
+- SGLang (CPU): both families are served from the exported directory (prompt logprobs and greedy
+  tokens vs transformers; DeepSeek-V3's MLA prefill runs through megarl's CPU shim
+  ``rollout/cpu_shims/sglang_mla_dispatch.py``), and every exported HF name is checked against the
   served model's own ``load_weights`` (``test_families_v3_glm_probe.py``).
 """
 import asyncio
@@ -210,22 +206,16 @@ def test_deepseek_mtp_layer_dropped_on_import(tiny_deepseek_v3_dir, work_dir, ca
 
 # ------------------------------------------------------------------------------------ SGLang
 PROBE = "test_families_v3_glm_probe.check_sglang_names"
-MLA_CPU_FAILURE = "torch_native_backend.py"  # where the first MLA prefill fails (see module docstring)
 
 
-def _engine(model_dir: Path, log_dir: Path, name: str, *, serves: bool):
+def _engine(model_dir: Path, log_dir: Path, name: str):
     from megarl.rollout import cpu_shims
     from megarl.rollout.engine import EngineProcess
 
     pythonpath = cpu_shims.apply_to_env(dict(os.environ))["PYTHONPATH"] + os.pathsep + str(Path(__file__).parent)
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, "MEGARL_NAME_PROBE_OUT": str(log_dir / f"{name}.json")}
-    extra = []
-    if not serves:  # without a CPU MLA kernel the warm-up prefill would kill the server before the probe
-        extra = ["--skip-server-warmup"]
-        env.update(SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="0",  # /health must not run a prefill either
-                   SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0")  # die at once
     return EngineProcess(model_dir, device="cpu", dtype="float32", mem_fraction_static=0.05, max_total_tokens=4096,
-                         grammar_backend="none", custom_weight_loaders=[PROBE], extra_args=extra, env=env,
+                         grammar_backend="none", custom_weight_loaders=[PROBE], env=env,
                          log_path=log_dir / f"{name}.log", engine_id=name)
 
 
@@ -238,7 +228,7 @@ def sglang_engines(request, work_dir):
     try:
         for family in FAMILIES:
             exported = _export(_model_dir(request, family), work_dir, "ep2")
-            engines[family] = _engine(exported, work_dir, f"sglang_{family}", serves=family != "deepseek_v3").start()
+            engines[family] = _engine(exported, work_dir, f"sglang_{family}").start()
             engines[family].wait_healthy(300)
         yield engines
     finally:
@@ -278,10 +268,11 @@ def test_sglang_loads_every_exported_name(family, sglang_engines, work_dir):
 
 
 @pytest.mark.timeout(600)
-def test_sglang_serves_exported_glm(sglang_engines):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sglang_serves_exported_family(family, sglang_engines):
     from transformers import AutoModelForCausalLM
 
-    engine = sglang_engines["glm4_moe"]
+    engine = sglang_engines[family]
     input_ids = torch.randint(0, 2000, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     logprobs, generated = asyncio.run(_prompt_logprobs_and_greedy(engine, input_ids, 4))
     model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
@@ -292,21 +283,3 @@ def test_sglang_serves_exported_glm(sglang_engines):
     diff = (torch.tensor(logprobs) - ref_logprobs).abs().max().item()
     assert diff < 2e-3, f"SGLang vs transformers prompt logprob diff {diff:.3g}"
     assert generated == greedy.tolist()
-
-
-@pytest.mark.timeout(600)
-def test_sglang_cpu_cannot_run_mla(sglang_engines):
-    """Records why DeepSeek-V3 is not served on CPU: the first prefill fails in torch_native attention."""
-    from megarl.rollout.client import SGLangClient
-
-    engine = sglang_engines["deepseek_v3"]
-
-    async def generate():
-        async with SGLangClient(engine.url, request_timeout_s=120, max_connect_retries=0) as client:
-            return await client._post("/generate", {"input_ids": [1, 2, 3, 4],
-                                                    "sampling_params": {"max_new_tokens": 1}})
-
-    with pytest.raises(Exception):
-        asyncio.run(generate())
-    log = engine.log_tail(200_000)
-    assert MLA_CPU_FAILURE in log and "_run_sdpa_forward_extend" in log, log[-3000:]
