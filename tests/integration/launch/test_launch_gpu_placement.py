@@ -45,6 +45,7 @@ def _cfg(placement, tp, ranks):
     cfg = OmegaConf.structured(MegarlConfig())
     cfg.cluster.device, cfg.cluster.placement = "cuda", placement
     cfg.cluster.trainer_devices_per_node = ranks
+    cfg.cluster.rollout_devices_per_node = ranks  # one host: each engine on one node (a larger one spans nodes)
     cfg.rollout.engine.tensor_parallel_size = tp
     cfg.rollout.num_engines = ranks // tp
     return cfg
