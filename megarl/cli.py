@@ -262,7 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # expected: what the user gave is wrong; the message says what to change
         if debug:
             traceback.print_exc()
-        print(f"megarl {args.command}: {e.one_line()}", file=sys.stderr)
+        # one line; a configuration with several problems lists one per line (validate reports them all)
+        text = str(e) if len(getattr(e, "issues", ())) > 1 else e.one_line()
+        print(f"megarl {args.command}: {text}", file=sys.stderr)
         return e.exit_code
 
 

@@ -171,7 +171,7 @@ def test_validate_names_the_key_of_each_bad_name(tmp_path, monkeypatch, capsys, 
                          ("my_tasks.arith:demonstrations", "no module named 'my_tasks'"),
                          ("gsm8k_pyton", "unknown demonstration builder 'gsm8k_pyton'")):
         code, out = validate(monkeypatch, capsys, [*base_overrides, f"sft.demonstrations={bad}"])
-        assert code == 2 and "  - sft.demonstrations=" in out.err and message in out.err, out.err
+        assert code == 2 and "invalid configuration (1 problem): sft.demonstrations=" in out.err and message in out.err, out.err
 
 
 def test_validate_rejects_wrong_protocols(tmp_path, monkeypatch, capsys, base_overrides):

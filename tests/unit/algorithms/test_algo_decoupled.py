@@ -82,4 +82,4 @@ def test_loss_inputs_applies_decoupled_weights_from_the_config():
     expected_mask = mask & (weights <= 2.0)
     assert torch.equal(inputs.loss_mask, expected_mask)
     torch.testing.assert_close(inputs.is_weights, torch.where(expected_mask, weights, 0.0))
-    assert metrics["mismatch/is_masked_frac"] == pytest.approx(2 / 8)
+    assert float(metrics["mismatch/is_masked_frac"].value) == pytest.approx(2 / 8)
