@@ -26,10 +26,11 @@ as many logical CPUs as the bundles need (they are a scheduling count, not a cor
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +126,16 @@ machine's network. ``ray.init(_node_ip_address="127.0.0.1")`` does not do it: Ra
 loopback address to the interface address (``services.resolve_ip_for_localhost``)."""
 
 
-def use_loopback_ray() -> None:
-    """Make a Ray instance started by this process (and its children) live on 127.0.0.1 (see
-    :data:`LOCAL_RAY_LOOPBACK_ENV`); call before ``ray.init`` starts a local instance.
+@contextlib.contextmanager
+def loopback_ray() -> Iterator[None]:
+    """Make a Ray instance started inside the block live on 127.0.0.1 (see :data:`LOCAL_RAY_LOOPBACK_ENV`);
+    wrap the ``ray.init`` that starts a local instance.
+
+    Ray's own processes (GCS, raylet, and the workers the raylet starts) take the switch from the
+    environment they are started in; this process keeps ``ENABLE_RAY_CLUSTER = False`` for its own
+    address look-ups. The environment variable is restored when the block ends, so that nothing this
+    process starts afterwards (a Slurm job, a multi-node ``ray start``) inherits it: a Ray worker
+    node started with it refuses to join ("Multi-node Ray clusters are not supported").
 
     Raises:
         RuntimeError: the installed Ray no longer has the switch (the shim needs revisiting).
@@ -137,8 +145,16 @@ def use_loopback_ray() -> None:
     if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
         raise RuntimeError(f"ray {_ray_version()}: ray_constants.ENABLE_RAY_CLUSTER is gone; megarl's "
                            "loopback switch for a local Ray instance needs updating (megarl.launch.cluster)")
+    previous = os.environ.get(LOCAL_RAY_LOOPBACK_ENV)
     os.environ[LOCAL_RAY_LOOPBACK_ENV] = "0"  # Ray's own processes, started from this environment
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process, whose ray_constants is already imported
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LOCAL_RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[LOCAL_RAY_LOOPBACK_ENV] = previous
 
 
 def _ray_version() -> str:
@@ -171,9 +187,9 @@ def init_ray(cfg: Any) -> bool:
     needed = trainer_world_size(cfg.cluster) + int(cfg.rollout.num_engines) + 2
     num_cpus = max(os.cpu_count() or 1, needed)
     logger.info("starting a local Ray instance (%d logical CPUs) on 127.0.0.1", num_cpus)
-    use_loopback_ray()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=_runtime_env(env),
-             log_to_driver=True, logging_level=logging.WARNING)
+    with loopback_ray():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=_runtime_env(env),
+                 log_to_driver=True, logging_level=logging.WARNING)
     return True
 
 

@@ -1,6 +1,6 @@
 """A single-host run's private Ray instance binds and advertises 127.0.0.1 only.
 
-Without megarl's switch (`megarl.launch.cluster.use_loopback_ray`) Ray 2.60 takes the machine's
+Without megarl's switch (`megarl.launch.cluster.loopback_ray`) Ray 2.60 takes the machine's
 interface address for its node (GCS, raylet and workers listen on it, some on 0.0.0.0) and every
 rendezvous megarl takes from Ray's node address (trainer group, weight sync) advertises it.
 """
@@ -32,7 +32,8 @@ for proc in psutil.Process(os.getpid()).children(recursive=True):
     except psutil.Error:
         pass
 print(json.dumps({"driver": ray.util.get_node_ip_address(), "worker": ray.get(worker_ip.remote()),
-                  "nodes": [n["NodeManagerAddress"] for n in ray.nodes()], "listening": sorted(listening)}))
+                  "nodes": [n["NodeManagerAddress"] for n in ray.nodes()], "listening": sorted(listening),
+                  "switch_left_in_env": "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in os.environ}))
 ray.shutdown()
 """
 
@@ -44,3 +45,5 @@ def test_local_ray_instance_lives_on_loopback():
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["driver"] == seen["worker"] == "127.0.0.1" and seen["nodes"] == ["127.0.0.1"], seen
     assert seen["listening"] and set(seen["listening"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, seen
+    # a Slurm job or `ray start` this process starts later must not inherit the single-host switch
+    assert not seen["switch_left_in_env"], seen
