@@ -96,7 +96,9 @@ def _load_optimizer_state(optimizer, state_dict: dict) -> None:
     ``step``): ``DistributedOptimizer.load_state_dict`` first restores ``step`` into every
     parameter's state, then copies the loaded per-parameter tensors over *all* state keys and
     fails with ``KeyError: 'step'`` (the reshardable formats store ``step`` once, in the param
-    groups). Here the two halves run separately and ``step`` is set aside around the second.
+    groups), and it gives every parameter the *same* ``step`` tensor, which torch Adam increments in
+    place once per parameter. Here the two halves run separately, ``step`` is set aside around the
+    second and each parameter gets its own copy.
     Other versions, or with Apex / TE, use Megatron's own method unchanged.
     """
     import megatron.core
@@ -119,7 +121,11 @@ def _load_optimizer_state(optimizer, state_dict: dict) -> None:
         steps = {param: st.pop("step") for param, st in inner.optimizer.state.items() if "step" in st}
         getattr(inner, f"load_parameter_state_from_{_LOADERS[kind]}")(param_state)
         for param, step in steps.items():
-            inner.optimizer.state[param]["step"] = step
+            # one tensor each: Megatron puts one shared ``step`` tensor into every parameter's
+            # state, and torch Adam's ``step += 1`` (in place, per parameter) would then advance it
+            # once per parameter per optimizer step (wrong bias correction after a resume, and
+            # chained optimizers whose steps differ by their parameter counts)
+            inner.optimizer.state[param]["step"] = step.clone() if isinstance(step, torch.Tensor) else step
     if len(chained) > 1 and hasattr(optimizer, "_synchronize_steps"):
         optimizer._synchronize_steps()
 

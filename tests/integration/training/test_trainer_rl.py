@@ -121,12 +121,20 @@ def _worker(rank, world_size, hf_dir, batch, ckpt_dir):
     prepared, out = _stage_gspo_and_r2(trainer, batch)
     out["r3"] = _stage_r3(trainer, batch)
     trainer.save_checkpoint(ckpt_dir)
-    expected = trainer.train_step(prepared)
+    out["adam_steps_at_save"] = max(float(state["step"]) for inner in getattr(trainer.optimizer, "chained_optimizers",
+                                                                             [trainer.optimizer])
+                                    for state in inner.optimizer.state.values() if "step" in state)
+    expected = [trainer.train_step(prepared) for _ in range(2)]
     teardown(trainer)
     trainer = build(make_cfg(hf_dir, RL))  # TP1: the two ranks are data parallel
     trainer.load_checkpoint(ckpt_dir)
-    resumed = trainer.train_step(prepared)
-    out["resume"] = [(m["loss/total"], m["optim/grad_norm"], m["optim/step"]) for m in (expected, resumed)]
+    resumed = [trainer.train_step(prepared) for _ in range(2)]
+    # the second step's loss follows from the first resumed update (Adam's bias correction included)
+    out["resume"] = [[(m["loss/total"], m["optim/grad_norm"], m["optim/step"]) for m in run] for run in (expected, resumed)]
+    out["adam_steps"] = sorted({float(state["step"]) for inner in getattr(trainer.optimizer, "chained_optimizers",
+                                                                         [trainer.optimizer])
+                                for state in inner.optimizer.state.values() if "step" in state})
+    out["adam_steps_expected"] = float(out["adam_steps_at_save"] + 2)
     # IcePop drops tokens whose trainer/engine probability ratio leaves [0.5, 5]: engine logprobs equal
     # to the trainer's for sequences 0-2 (ratio 1, kept) and 0 (probability 1, ratio << 0.5) for the rest
     trainer.cfg.algorithm.rollout_correction = "icepop"
@@ -158,7 +166,9 @@ def test_gspo_replay_and_resume(tiny_moe_dir, tmp_path):
     assert len(errors) == 4, errors
     assert "num_moe_experts" in errors[0] and "repeated" in errors[1] and "routed_experts has" in errors[2]
     assert "no routed_experts" in errors[3]
-    (loss, grad_norm, step), (resumed_loss, resumed_norm, resumed_step) = out["resume"]
-    assert resumed_step == step
-    assert resumed_loss == pytest.approx(loss, rel=1e-5)
-    assert resumed_norm == pytest.approx(grad_norm, rel=1e-4)
+    for (loss, grad_norm, step), (resumed_loss, resumed_norm, resumed_step) in zip(*out["resume"], strict=True):
+        assert resumed_step == step
+        assert resumed_loss == pytest.approx(loss, rel=1e-5)
+        assert resumed_norm == pytest.approx(grad_norm, rel=1e-4)
+    # every parameter's Adam step (dense and expert optimizers alike) advanced once per optimizer step
+    assert out["adam_steps"] == [out["adam_steps_expected"]], out["adam_steps"]
