@@ -10,10 +10,10 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 | ``model.tokenizer_path`` | the tiny model's | it belongs to the replaced model |
 | ``model.load_dir`` | none | a checkpoint of the replaced model |
 | ``model.moe_grouped_gemm`` | off | grouped GEMM kernels are CUDA-only |
-| ``train.fp8`` | off | Transformer Engine FP8 needs a GPU |
+| ``train.fp8`` | off (and ``train.fp8_recipe`` back to its default) | Transformer Engine FP8 needs a GPU |
 | ``train.precision`` | ``fp32`` | CPU compute |
 | ``parallel`` | world size 2: TP 2 (with SP) if the recipe uses TP, else PP 2 if it uses PP, else DP 2; EP ``min(EP, 2)``, ETP 1 with EP; CP 1 | two CPU ranks |
-| ``cluster`` | CPU, one node, 2 trainer devices, 1 rollout device; placement kept | one host |
+| ``cluster`` | CPU, one node, 2 trainer devices, 1 rollout device, no ``cluster.gpu``; placement kept | one host (the planner's GPU does not apply) |
 | ``rollout`` | 1 engine, engine TP/EP 1, fp32, small KV cache; 2 prompts x group 2; at most 2 turns of 32 tokens; prompt 512 and context 1024 tokens (the tiny template renders the tools' JSON schemas) | two cores |
 | ``train`` | 1 RL step, one optimizer step, no LR warm-up | the first step |
 | ``sft``, ``data`` | at most 1 SFT step; no evaluation rollouts | the same code paths, short |
@@ -34,6 +34,8 @@ import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from megarl.config.schema import TrainConfig
 
 WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
@@ -109,6 +111,11 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     if t.fp8 is not None:
         notes.append(f"cpu-scale: train.fp8 {t.fp8} ({t.fp8_recipe}) -> off (Transformer Engine FP8 needs a GPU)")
         t.fp8 = None
+    t.fp8_recipe = TrainConfig.fp8_recipe  # inert without fp8: recipes that differ only here scale alike
+    if c.get("gpu"):
+        notes.append(f"cpu-scale: cluster.gpu {c.gpu} -> none (the planner's GPU; the tiny model on CPU is "
+                     "not planned against it)")
+        c.gpu = None
     if t.precision not in ("fp32", "auto"):
         notes.append(f"cpu-scale: train.precision {t.precision} -> fp32 (CPU)")
     t.precision = "fp32"

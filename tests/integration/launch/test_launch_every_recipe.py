@@ -6,7 +6,11 @@ SGLang CPU server, the recipe's weight-sync transport, placement, routing replay
 async settings. `megarl.launch.cpu_scale` is the one mechanism that scales the recipe down; what it
 switches off (FP8, grouped GEMM, a pipeline stage) it prints as ``cpu-scale:`` lines, checked here
 against the recipe. The tiny models are built once for all recipes (a shared ``MEGARL_CACHE_DIR``).
-A recipe that another CI test trains whole (``TRAINED_ELSEWHERE``) is not run a second time here.
+A recipe that another CI test trains whole (``TRAINED_ELSEWHERE``) is not run a second time here,
+nor is a recipe whose CPU-scaled config is identical (all but ``logging.run_dir``) to one that runs:
+its first step would be the same run (e.g. DeepSeek-V3 and Kimi-K2, both ``tiny:deepseek_v3`` with
+the same scaled layout). `test_scaled_twins_are_identical_and_note_their_features` checks the
+identity and each twin's own ``cpu-scale:`` notes without a run.
 """
 from __future__ import annotations
 
@@ -31,6 +35,34 @@ TRAINED_ELSEWHERE = {
     "examples/arithmetic_tool/arithmetic_tool.yaml": "tests/integration/launch/test_launch_learning_demo.py (30 steps)",
     "examples/search_r1/search_r1.yaml": "tests/integration/launch/test_launch_search_demo.py (30 steps)",
 }
+
+
+def _scaled(recipe: str) -> tuple[str, list[str]] | None:
+    """The recipe's CPU-scaled config as canonical JSON (``logging.run_dir`` left out) and its
+    ``cpu-scale:`` notes; None when it does not load (its run then shows why)."""
+    from megarl.config import load_config
+    from megarl.launch.cpu_scale import cpu_scale
+
+    try:
+        cfg, notes = cpu_scale(load_config(str(REPO / recipe), []))
+    except Exception:  # noqa: BLE001 - reported by the recipe's own run
+        return None
+    data = OmegaConf.to_container(cfg, resolve=False)
+    data["logging"].pop("run_dir", None)
+    return json.dumps(data, sort_keys=True, default=str), notes
+
+
+SCALED = {r: _scaled(r) for r in RECIPES}
+TWIN_OF = {}
+"""Recipe -> the earlier recipe (sorted order) whose CPU-scaled run is identical, for those that have one."""
+for _i, _r in enumerate(RECIPES):
+    if _r in TRAINED_ELSEWHERE or SCALED[_r] is None:
+        continue
+    for _other in RECIPES[:_i]:
+        if _other not in TRAINED_ELSEWHERE and _other not in TWIN_OF and SCALED[_other] is not None \
+                and SCALED[_other][0] == SCALED[_r][0]:
+            TWIN_OF[_r] = _other
+            break
 RUN_TIMEOUT_S = 420  # quiet 2-core machine: ~90-110 s per recipe (engine start, Ray, final checkpoint)
 
 
@@ -59,7 +91,9 @@ def _expected_notes(recipe: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 @pytest.mark.parametrize("recipe", [
-    pytest.param(r, marks=pytest.mark.skip(reason=f"trained by {TRAINED_ELSEWHERE[r]}")) if r in TRAINED_ELSEWHERE else r
+    pytest.param(r, marks=pytest.mark.skip(reason=f"trained by {TRAINED_ELSEWHERE[r]}")) if r in TRAINED_ELSEWHERE
+    else pytest.param(r, marks=pytest.mark.skip(reason=f"CPU-scaled config identical to {TWIN_OF[r]}'s (run there)"))
+    if r in TWIN_OF else r
     for r in RECIPES])
 def test_recipe_runs_its_first_rl_step_on_cpu(recipe, cache_dir, tmp_path):
     run_dir = tmp_path / "run"
@@ -95,3 +129,14 @@ def test_recipe_runs_its_first_rl_step_on_cpu(recipe, cache_dir, tmp_path):
         for key in ("train.routing_replay", "model.recompute_granularity", "rollout.async_mode",
                     "cluster.placement", "algorithm.rollout_correction"):
             assert OmegaConf.select(cfg, key) == OmegaConf.select(recipe_cfg, key), key
+
+
+def test_scaled_twins_are_identical_and_note_their_features():
+    """A skipped twin's scaled config equals its runner's, and its own notes name its GPU-only features."""
+    assert all(SCALED[r] is not None for r in RECIPES), [r for r in RECIPES if SCALED[r] is None]
+    for twin, runner in TWIN_OF.items():
+        assert SCALED[twin][0] == SCALED[runner][0], (twin, runner)
+        assert runner not in TWIN_OF and runner not in TRAINED_ELSEWHERE
+    for recipe in RECIPES:
+        for note in _expected_notes(recipe):
+            assert any(line.startswith(note) for line in SCALED[recipe][1]), (recipe, note, SCALED[recipe][1])
