@@ -15,52 +15,8 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.loader import ConfigError, ConfigIssue
-from megarl.plan.gpus import CHOICES as GPU_CHOICES
+from megarl.config.domains import DOMAINS, domain_issues
 
-CHOICES: dict[str, tuple] = {
-    "model.moe_router_dtype": (None, "fp32", "fp64"),
-    "model.moe_token_dispatcher_type": ("alltoall", "allgather"),
-    "model.recompute_granularity": (None, "selective", "full"),
-    "train.optimizer": ("adam", "sgd"),
-    "train.lr_decay_style": ("constant", "linear", "cosine"),
-    "train.precision": ("auto", "bf16", "fp16", "fp32"),
-    "train.fp8": (None, "e4m3", "hybrid"),
-    "train.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
-    "train.routing_replay": ("none", "r2", "r3"),
-    "algorithm.policy_loss": ("gspo", "gspo_token", "ppo_clip"),
-    "algorithm.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
-    "algorithm.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                   "seq_mean_token_sum_norm"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "algorithm.rollout_correction": ("none", "tis", "mis", "icepop", "decoupled"),
-    "algorithm.rollout_correction_level": ("token", "sequence"),
-    "weight_sync.transport": ("auto", "p2p", "distributed", "shard", "tensor", "disk"),
-    "weight_sync.backend": ("auto", "nccl", "gloo"),
-    "weight_sync.pause_mode": ("retract", "abort", "in_place"),
-    "weight_sync.verify": ("off", "first", "always"),
-    "cluster.device": ("auto", "cuda", "cpu"),
-    "cluster.placement": ("disaggregated", "colocated"),
-    "cluster.gpu": GPU_CHOICES,
-}
-
-POSITIVE_INTS = [
-    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.expert_model_parallel_size", "parallel.context_parallel_size",
-    "train.num_steps", "train.global_batch_size", "train.micro_batch_size",
-    "rollout.num_engines", "rollout.group_size", "rollout.num_prompts_per_step",
-    "rollout.engine.tensor_parallel_size", "rollout.engine.expert_parallel_size",
-    "rollout.agent.max_turns", "rollout.agent.max_response_tokens", "rollout.agent.max_context_tokens",
-    "rollout.sampling.max_new_tokens", "weight_sync.bucket_size_mb", "weight_sync.every_n_steps",
-    "cluster.trainer_nodes", "cluster.trainer_devices_per_node", "cluster.rollout_nodes",
-    "cluster.rollout_devices_per_node", "data.max_prompt_tokens",
-]
-NON_NEGATIVE = [
-    "train.lr", "train.min_lr", "train.weight_decay", "train.clip_grad", "train.lr_warmup_steps",
-    "algorithm.kl_coef", "algorithm.entropy_coef", "model.moe_aux_loss_coeff",
-    "rollout.over_sample_prompts", "checkpoint.save_interval", "checkpoint.keep_last",
-    "checkpoint.hf_export_interval", "data.eval_interval", "rollout.sampling.temperature",
-    "data.eval_samples_per_prompt",
-]
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
 COLOCATED_MEMORY_LIMIT = 0.9
 """Colocated on CUDA: the most of a GPU's memory the engine's static pool and the trainer's share may
@@ -117,25 +73,14 @@ def _device_is_cpu(cfg: DictConfig) -> bool:
 
 
 def _check_fields(c: _Checker) -> None:
-    cfg = c.cfg
-    for key, choices in CHOICES.items():
-        value = _get(cfg, key)
-        c.check(value in choices, key, f"must be one of {', '.join(map(repr, choices))}")
-    for key in POSITIVE_INTS:
-        c.check(_get(cfg, key) >= 1, key, "must be >= 1")
-    for key in NON_NEGATIVE:
-        c.check(_get(cfg, key) >= 0, key, "must be >= 0")
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    """Every field against its declared domain (:mod:`megarl.config.domains`), then the rules that
+    relate a field to another."""
+    for key, message, value in domain_issues(c.cfg):
+        c.check(False, key, message, value=value)
+    vpp = c.cfg.parallel.virtual_pipeline_model_parallel_size
     if vpp is not None:
-        c.check(vpp >= 2 and cfg.parallel.pipeline_model_parallel_size > 1,
-                "parallel.virtual_pipeline_model_parallel_size",
-                "interleaving needs >= 2 chunks per stage and pipeline_model_parallel_size > 1 (or null)")
-    etp = cfg.parallel.expert_tensor_parallel_size
-    if etp is not None:
-        c.check(etp >= 1, "parallel.expert_tensor_parallel_size", "must be >= 1 (or null = TP)")
-    senders = cfg.weight_sync.get("senders_per_stage")
-    if senders is not None:
-        c.check(senders >= 1, "weight_sync.senders_per_stage", "must be >= 1 (or null = one per engine)")
+        c.check(c.cfg.parallel.pipeline_model_parallel_size > 1, "parallel.virtual_pipeline_model_parallel_size",
+                "interleaving needs pipeline_model_parallel_size > 1 (or null)")
 
 
 def _trainer_world_size(cfg: DictConfig) -> int:
@@ -191,20 +136,16 @@ def _check_batches(c: _Checker, dp: int) -> None:
 
 
 def _check_algorithm(c: _Checker) -> None:
+    """The algorithm's cross-field rules; each field's own range is in :data:`DOMAINS`."""
     a = c.cfg.algorithm
-    for key in ("clip_low", "clip_high"):
-        value = a[key]
-        if a.policy_loss in ("gspo", "gspo_token"):
-            c.check(0 < value <= GSPO_MAX_CLIP, f"algorithm.{key}",
+    if a.policy_loss in ("gspo", "gspo_token"):
+        for key in ("clip_low", "clip_high"):
+            value = a[key]
+            c.check(not DOMAINS[f"algorithm.{key}"].allows(value) or value <= GSPO_MAX_CLIP, f"algorithm.{key}",
                     f"GSPO clips the sequence-level ratio: use a small positive range (paper: "
                     f"3e-4 low / 4e-4 high), at most {GSPO_MAX_CLIP}; PPO-sized ranges belong to ppo_clip")
-        else:
-            c.check(0 < value < 1, f"algorithm.{key}", "must be in (0, 1)")
     if a.clip_c is not None:
-        c.check(a.policy_loss == "ppo_clip" and a.clip_c > 1, "algorithm.clip_c",
-                "dual clip needs policy_loss=ppo_clip and clip_c > 1 (or null)")
-    c.check(a.rollout_correction_clip >= 1, "algorithm.rollout_correction_clip", "must be >= 1")
-    c.check(0 <= a.rollout_correction_low <= 1, "algorithm.rollout_correction_low", "must be in [0, 1]")
+        c.check(a.policy_loss == "ppo_clip", "algorithm.clip_c", "dual clip needs policy_loss=ppo_clip (or clip_c=null)")
     ro, every = c.cfg.rollout, c.cfg.weight_sync.every_n_steps
     if ro.async_mode:
         c.check(ro.max_staleness >= 1, "rollout.max_staleness", "async mode needs >= 1")
@@ -235,11 +176,11 @@ def _check_fp8_recipe(c: _Checker) -> None:
 
     recipe = c.cfg.train.fp8_recipe
     if c.cfg.algorithm.policy_loss in ("gspo", "gspo_token"):
-        c.check(recipe in HISTORY_FREE_RECIPES or recipe not in CHOICES["train.fp8_recipe"], "train.fp8_recipe",
+        c.check(recipe in HISTORY_FREE_RECIPES or not DOMAINS["train.fp8_recipe"].allows(recipe), "train.fp8_recipe",
                 "delayed scaling quantises the old-logprob pass and the training forward with different "
                 "(history) scales, so GSPO's first sequence ratio is not 1 and its 3e-4 clip fires on FP8 "
                 f"noise; use one of {', '.join(HISTORY_FREE_RECIPES)}")
-    if recipe in CHOICES["train.fp8_recipe"] and not _device_is_cpu(c.cfg):
+    if DOMAINS["train.fp8_recipe"].allows(recipe) and not _device_is_cpu(c.cfg):
         error = fp8_support_error_here(recipe)  # None where no GPU is visible: checked again at build
         c.check(error is None, "train.fp8_recipe", str(error))
 
@@ -471,89 +412,6 @@ def _check_plugins(c: _Checker) -> None:
         c.check(False, key, message, value=value)
 
 
-NUMERIC_RANGES: dict[str, tuple[float | None, float | None, str]] = {
-    "model.attention_dropout": (0, 1, "[)"), "model.hidden_dropout": (0, 1, "[)"),
-    "model.make_vocab_size_divisible_by": (1, None, "[]"),
-    "train.adam_beta1": (0, 1, "[)"), "train.adam_beta2": (0, 1, "[)"), "train.adam_eps": (0, None, "()"),
-    "algorithm.advantage_eps": (0, None, "()"),
-    "rollout.engine.mem_fraction_static": (0, 1, "()"), "cluster.colocated_trainer_memory_fraction": (0, 1, "()"),
-    "rollout.engine.base_port": (1, 65535, "[]"), "cluster.master_port": (0, 65535, "[]"),
-    "retrieval.port": (0, 65535, "[]"),
-    "rollout.sampling.top_p": (0, 1, "(]"),
-    "rollout.sampling.top_k": (-1, None, "[]"),  # -1 = off (SGLang); 0 is refused below
-    "sft.tool_fraction": (0, 1, "[]"),
-    "weight_sync.verify_tolerance": (0, None, "()"),
-    "cluster.distributed_timeout_minutes": (1, None, "[]"),
-}
-"""Numeric fields with a range of their own: ``(low, high, bounds)``, ``bounds`` two characters
-``[``/``(`` and ``]``/``)`` (closed / open), None = unbounded. Every other numeric field of the schema
-gets a default range by its name (:func:`numeric_range`); the algorithm's clip fields are checked in
-``_check_algorithm``."""
-_RANGES_ELSEWHERE = ("algorithm.clip_low", "algorithm.clip_high", "algorithm.clip_c",
-                     "algorithm.rollout_correction_clip", "algorithm.rollout_correction_low")
-
-
-def numeric_fields() -> dict[str, type]:
-    """Every int / float (or Optional) field of :class:`~megarl.config.schema.MegarlConfig`, by dotted key."""
-    import dataclasses
-    import typing
-
-    from megarl.config.schema import MegarlConfig
-
-    out: dict[str, type] = {}
-
-    def walk(cls, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            kind = hints[f.name]
-            if dataclasses.is_dataclass(kind):
-                walk(kind, f"{prefix}{f.name}.")
-                continue
-            args = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
-            if len(args) == 1 and args[0] in (int, float):
-                out[prefix + f.name] = args[0]
-
-    walk(MegarlConfig, "")
-    return out
-
-
-def numeric_range(key: str) -> tuple[float | None, float | None, str]:
-    """The range of a numeric field: :data:`NUMERIC_RANGES`, else >= 1 for sizes (:data:`POSITIVE_INTS`,
-    ``*_size``, ``*_nodes``, ``*_per_node``), > 0 for timeouts (``*timeout_s``), else >= 0 (counts
-    such as ``sft.num_steps`` use 0 for "off")."""
-    if key in NUMERIC_RANGES:
-        return NUMERIC_RANGES[key]
-    name = key.rsplit(".", 1)[-1]
-    if key in POSITIVE_INTS or name.endswith(("_size", "_nodes", "_per_node")):
-        return 1, None, "[]"
-    if name.endswith("timeout_s"):
-        return 0, None, "()"
-    return 0, None, "[]"
-
-
-def _in_range(value: float, low, high, bounds: str) -> bool:
-    if low is not None and (value < low or (bounds[0] == "(" and value == low)):
-        return False
-    return not (high is not None and (value > high or (bounds[1] == ")" and value == high)))
-
-
-def _check_ranges(c: _Checker) -> None:
-    """Every numeric field of the schema against its range (one table, :func:`numeric_range`)."""
-    for key in numeric_fields():
-        if key in _RANGES_ELSEWHERE or key in POSITIVE_INTS or key in NON_NEGATIVE:
-            continue  # reported by their own checks (no duplicate issue)
-        try:
-            value = _get(c.cfg, key)
-        except Exception:  # noqa: BLE001 - a section another command does not load
-            continue
-        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        low, high, bounds = numeric_range(key)
-        shown = f"{bounds[0]}{'-inf' if low is None else low}, {'inf' if high is None else high}{bounds[1]}"
-        c.check(_in_range(value, low, high, bounds), key, f"must be in {shown}")
-    c.check(c.cfg.rollout.sampling.top_k != 0, "rollout.sampling.top_k", "must be -1 (off) or >= 1")
-
-
 @dataclass(frozen=True)
 class Conflict:
     """Two features that cannot run together: ``applies(cfg)`` is True when ``cfg`` combines them."""
@@ -686,6 +544,17 @@ def _check_fit(c: _Checker) -> None:
         c.check(False, key, message)
 
 
+def _cross_field(c: _Checker, out_of_domain: bool, rule: Callable[..., Any], *args: Any) -> Any:
+    """Run a rule relating several fields. With a field outside its domain (already reported) a rule
+    may not compute (``expert_model_parallel_size=0`` divides by zero): it is skipped, not raised."""
+    try:
+        return rule(c, *args)
+    except (ArithmeticError, TypeError, ValueError):
+        if not out_of_domain:
+            raise
+        return None
+
+
 def validate(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = True) -> DictConfig:
     """Check a loaded config across fields, the model's config.json, the cluster and the registries.
 
@@ -709,18 +578,14 @@ def validate(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = Tru
     if missing:
         raise ConfigError(c.issues)
     _check_fields(c)
-    dp = _check_parallel(c)
-    _check_batches(c, dp)
-    _check_algorithm(c)
-    _check_precision(c)
-    _check_cluster(c)
-    _check_plugins(c)
-    _check_ranges(c)
-    _check_conflicts(c)
-    _check_engine_packing(c)
-    _check_megatron_overrides(c)
+    out_of_domain = bool(c.issues)
+    dp = _cross_field(c, out_of_domain, _check_parallel) or 0
+    for rule in (_check_algorithm, _check_precision, _check_cluster, _check_plugins, _check_conflicts,
+                 _check_engine_packing, _check_megatron_overrides):
+        _cross_field(c, out_of_domain, rule)
+    _cross_field(c, out_of_domain, _check_batches, dp)
     if check_paths:
-        _check_model(c)
+        _cross_field(c, out_of_domain, _check_model)
         _check_paths(c)
         if not any(issue.key == "model.hf_path" for issue in c.issues):
             _check_load_dir(c)
