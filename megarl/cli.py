@@ -210,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("train", "run RL training"), ("validate", "check a config")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("config", help="YAML file (may `extends:` others)")
-        p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+        p.add_argument("overrides", nargs="*",
+                       help="overrides in Hydra's grammar: key.sub=value, +key=value (add), ++key=value (add or "
+                            "override), ~key or ~key=value (remove: a schema field goes back to its default)")
         p.add_argument("--cpu-scale", action="store_true",
                        help="scale the recipe down to one CPU host, features kept (megarl.launch.cpu_scale)")
     from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments

@@ -6,8 +6,9 @@ the value, the file and line it came from (or the override), and what would be v
 :class:`ConfigError` lists them all.
 
 Composition: a YAML file may say ``extends: base.yaml`` (or a list); paths are relative to the file.
-Later files and then the command-line overrides win. Keys whose schema type is a free-form dict
-(``rollout.tools``, ``rollout.reward_kwargs``) are taken whole.
+Later files and then the command-line overrides win; overrides follow Hydra's grammar (``key=value``,
+``+key=value``, ``++key=value``, ``~key``, ``~key=value``: :func:`load_config`). Keys whose schema
+type is a free-form dict (``rollout.tools``, ``rollout.reward_kwargs``) are taken whole.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -24,6 +25,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.schema import MegarlConfig
 from megarl.errors import UserError
+
+
+class _NoValue:
+    def __repr__(self) -> str:
+        return "<no value>"
+
+
+NO_VALUE = _NoValue()
+"""The value of an issue about a key that has none to show (``~key`` of a key that does not exist)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,8 @@ class ConfigIssue:
 
     def __str__(self) -> str:
         where = f" ({self.source})" if self.source else ""
-        return f"{self.key}={self.value!r}{where}: {self.message}"
+        value = "" if self.value is NO_VALUE else f"={self.value!r}"
+        return f"{self.key}{value}{where}: {self.message}"
 
 
 class ConfigError(UserError):
@@ -138,20 +149,53 @@ def _apply(cfg: DictConfig, data: dict, source: str, lines: dict[str, int],
             issues.append(ConfigIssue(dotted, f"wrong type: {msg}", value, where))
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """Parse one ``key.sub=value`` override; the value is read as YAML (``4``, ``true``, ``[a, b]``).
+@dataclass(frozen=True)
+class Override:
+    """One command-line override in Hydra's grammar.
+
+    ``op``: ``set`` (``key=value``), ``add`` (``+key=value``: the key must not exist), ``force``
+    (``++key=value``: add or override) or ``delete`` (``~key``, or ``~key=value``: only if it holds
+    that value). ``value`` is read as YAML; ``has_value`` is False for a bare ``~key``.
+    """
+
+    op: str
+    key: str
+    value: Any = None
+    has_value: bool = True
+    text: str = ""
+
+
+_PREFIXES = (("++", "force"), ("+", "add"), ("~", "delete"))
+
+
+def parse_override(text: str) -> Override:
+    """Parse one override: ``key.sub=value``, ``+key=value``, ``++key=value``, ``~key`` or ``~key=value``.
+
+    The value is read as YAML (``4``, ``true``, ``[a, b]``, ``{timeout_s: 5}``).
+
+    Args:
+        text: the override as typed on the command line.
+
+    Returns:
+        The parsed :class:`Override`.
 
     Raises:
-        ConfigError: the text has no ``=`` or an empty key.
+        ConfigError: an empty key, or no ``=`` where the form needs a value; the issue names ``text``.
     """
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError([ConfigIssue(text, "override must look like key.sub=value", source="command line")])
+    op, rest = "set", text
+    for prefix, name in _PREFIXES:
+        if text.startswith(prefix):
+            op, rest = name, text[len(prefix):]
+            break
+    key, sep, raw = rest.partition("=")
+    if not key.strip() or (not sep and op != "delete"):
+        raise ConfigError([ConfigIssue(text, "override must look like key.sub=value, +key=value, ++key=value, "
+                                       "~key or ~key=value (Hydra's grammar)", source="command line")])
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    return Override(op, key.strip(), value if sep else None, bool(sep), text)
 
 
 def _nest(dotted: str, value: Any) -> dict:
@@ -161,12 +205,71 @@ def _nest(dotted: str, value: Any) -> dict:
     return out
 
 
+def _lookup(cfg: DictConfig, dotted: str) -> tuple[DictConfig | None, str]:
+    """The node holding ``dotted``'s last part and that part, or (None, part) when a parent is absent."""
+    *parents, name = dotted.split(".")
+    node: Any = cfg
+    for part in parents:
+        if not isinstance(node, DictConfig) or part not in node.keys() or OmegaConf.is_missing(node, part):
+            return None, name
+        node = node[part]
+    return (node if isinstance(node, DictConfig) else None), name
+
+
+def _schema_default(node: DictConfig, name: str) -> Any:
+    """The schema default of field ``name`` of a structured node (a section: its default node)."""
+    fresh = OmegaConf.structured(OmegaConf.get_type(node))
+    return "???" if OmegaConf.is_missing(fresh, name) else fresh[name]
+
+
+def _delete(cfg: DictConfig, ov: Override, issue: Callable[[str], None]) -> None:
+    """``~key``: a schema field goes back to its schema default; a key of a free dict is deleted."""
+    node, name = _lookup(cfg, ov.key)
+    if node is None or name not in node.keys():
+        issue("cannot remove: the key does not exist")
+        return
+    if ov.has_value:
+        current = node[name] if not OmegaConf.is_missing(node, name) else "???"
+        if isinstance(current, DictConfig):
+            current = OmegaConf.to_container(current, resolve=True)
+        if current != ov.value:
+            issue(f"not removed: its value is {current!r}, not {ov.value!r}")
+            return
+    obj_type = OmegaConf.get_type(node)
+    if obj_type is not None and dataclasses.is_dataclass(obj_type):
+        node[name] = _schema_default(node, name)
+    else:
+        del node[name]
+
+
+def _apply_override(cfg: DictConfig, ov: Override, issues: list[ConfigIssue]) -> None:
+    """Apply one parsed override to ``cfg``, collecting its problems (each naming the override)."""
+    def issue(message: str) -> None:
+        value = ov.value if ov.has_value else NO_VALUE
+        issues.append(ConfigIssue(ov.key, message, value, f"command line: {ov.text}"))
+
+    if ov.op == "delete":
+        _delete(cfg, ov, issue)
+        return
+    if ov.op == "add":
+        node, name = _lookup(cfg, ov.key)
+        if node is not None and name in node.keys():
+            issue("cannot add: the key already exists (+key adds a new key; use key=value or ++key=value)")
+            return
+    _apply(cfg, _nest(ov.key, ov.value), "command line", {}, issues)
+
+
 def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()) -> DictConfig:
     """Compose the schema defaults, the YAML file chain and the overrides into a typed config.
 
     Args:
         path: a YAML file (may ``extends`` others), or None for schema defaults only.
-        overrides: ``key.sub=value`` strings, applied last.
+        overrides: applied last, in order, in Hydra's grammar (:func:`parse_override`):
+            ``key.sub=value`` sets (a key a free dict lacks is added; elsewhere an unknown key is an
+            error); ``+key=value`` adds a key that does not exist (error if it does: every schema
+            field exists); ``++key=value`` adds or overrides; ``~key`` removes a key, ``~key=value``
+            only if it holds that value. Removing a schema field (or section) resets it to its
+            schema default; removing a key of a free dict (``rollout.tools.python``) deletes it.
 
     Returns:
         A structured ``DictConfig`` of :class:`MegarlConfig` (struct mode: unknown keys raise).
@@ -180,8 +283,7 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()) -
     for data, source, lines in layers:
         _apply(cfg, data, source, lines, issues)
     for text in overrides:
-        key, value = parse_override(text)
-        _apply(cfg, _nest(key, value), "command line", {}, issues)
+        _apply_override(cfg, parse_override(text), issues)
     if issues:
         raise ConfigError(issues)
     return cfg

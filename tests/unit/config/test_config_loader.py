@@ -58,3 +58,61 @@ def test_resolved_config_saved(tmp_path):
     again = OmegaConf.load(out)
     assert again.train.lr == cfg.train.lr
     assert "${" not in again.logging.run_dir
+
+
+def _issue_text(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    return str(err.value)
+
+
+def test_hydra_remove_resets_a_schema_field_to_its_default(tmp_path):
+    """``~key`` on a schema field (or a whole section) goes back to the schema default, not the YAML's."""
+    leaf = write(tmp_path / "leaf.yaml", "train:\n  lr: 1.0e-5\n  fp8: e4m3\nrollout:\n  agent:\n    max_turns: 9\n")
+    cfg = load_config(leaf, ["~train.lr", "~train.fp8=e4m3", "~rollout.agent", "~model.hf_path"])
+    assert cfg.train.lr == MegarlConfig().train.lr and cfg.train.fp8 is None
+    assert cfg.rollout.agent.max_turns == 4 and OmegaConf.get_type(cfg.rollout.agent).__name__ == "AgentConfig"
+    assert OmegaConf.is_missing(cfg.model, "hf_path")
+    cfg.train.lr = -1.0  # still typed after removal
+    with pytest.raises(Exception):
+        cfg.train.lr = "fast"
+
+
+def test_hydra_remove_deletes_a_free_dict_key(tmp_path):
+    leaf = write(tmp_path / "leaf.yaml", "rollout:\n  tools:\n    python: {timeout_s: 2}\n    calculator: {}\n")
+    cfg = load_config(leaf, ["~rollout.tools.calculator", "~rollout.tools.python.timeout_s=2"])
+    assert OmegaConf.to_container(cfg.rollout.tools) == {"python": {}}
+    assert OmegaConf.to_container(load_config(leaf, ["~rollout.tools"]).rollout.tools) == {}
+
+
+def test_hydra_remove_errors_name_the_override(tmp_path):
+    leaf = write(tmp_path / "leaf.yaml", "rollout:\n  tools:\n    python: {timeout_s: 2}\n")
+    text = _issue_text(["~rollout.tools.search", "~train.lr=0.5", "~nosuch.key"], leaf)
+    assert "rollout.tools.search (command line: ~rollout.tools.search): cannot remove: the key does not exist" in text
+    assert "(command line: ~train.lr=0.5): not removed: its value is 1e-06, not 0.5" in text
+    assert "(command line: ~nosuch.key)" in text
+
+
+def test_hydra_add(tmp_path):
+    """``+key=value`` adds a key that does not exist and refuses one that does (every schema field exists)."""
+    leaf = write(tmp_path / "leaf.yaml", "rollout:\n  tools:\n    python: {timeout_s: 2}\n")
+    cfg = load_config(leaf, ["+rollout.tools.calculator={}", "+rollout.tools.python.memory_mb=512"])
+    assert OmegaConf.to_container(cfg.rollout.tools) == {"python": {"timeout_s": 2, "memory_mb": 512}, "calculator": {}}
+    text = _issue_text(["+train.lr=0.1", "+rollout.tools.python.timeout_s=3"], leaf)
+    assert "(command line: +train.lr=0.1): cannot add: the key already exists" in text
+    assert "(command line: +rollout.tools.python.timeout_s=3): cannot add" in text
+    assert "train.nope" in _issue_text(["+train.nope=1"])  # a typed section takes no new key
+    assert "unknown key" in _issue_text(["+train.nope=1"])
+
+
+def test_hydra_force_add_or_override(tmp_path):
+    leaf = write(tmp_path / "leaf.yaml", "rollout:\n  tools:\n    python: {timeout_s: 2}\n")
+    cfg = load_config(leaf, ["++train.lr=0.1", "++rollout.tools.python.timeout_s=3", "++rollout.tools.calculator={}"])
+    assert cfg.train.lr == 0.1 and cfg.rollout.tools.python.timeout_s == 3 and "calculator" in cfg.rollout.tools
+    assert "unknown key" in _issue_text(["++train.nope=1"])
+
+
+def test_override_grammar_errors():
+    for text in ("+train.lr", "++", "~", "=3"):
+        with pytest.raises(ConfigError, match="Hydra's grammar"):
+            load_config(None, [text])
