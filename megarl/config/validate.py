@@ -15,6 +15,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.loader import ConfigError, ConfigIssue
+from megarl.config.builds import build_hint
 from megarl.config.domains import DOMAINS, domain_issues
 
 GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
@@ -145,7 +146,8 @@ def _check_algorithm(c: _Checker) -> None:
                     f"GSPO clips the sequence-level ratio: use a small positive range (paper: "
                     f"3e-4 low / 4e-4 high), at most {GSPO_MAX_CLIP}; PPO-sized ranges belong to ppo_clip")
     if a.clip_c is not None:
-        c.check(a.policy_loss == "ppo_clip", "algorithm.clip_c", "dual clip needs policy_loss=ppo_clip (or clip_c=null)")
+        c.check(a.policy_loss == "ppo_clip", "algorithm.clip_c",
+                "dual clip needs policy_loss=ppo_clip (or clip_c=null)")
     ro, every = c.cfg.rollout, c.cfg.weight_sync.every_n_steps
     if ro.async_mode:
         c.check(ro.max_staleness >= 1, "rollout.max_staleness", "async mode needs >= 1")
@@ -284,7 +286,8 @@ def _check_model(c: _Checker) -> None:
     hf_path = cfg.model.hf_path
     if not c.check(Path(hf_path).is_dir() and (Path(hf_path) / "config.json").is_file(), "model.hf_path",
                    "must be a Hugging Face model directory containing config.json (or a hub id "
-                   "org/name[@revision], which the megarl commands resolve first: megarl.config.hub)"):
+                   "org/name[@revision], which the megarl commands resolve first: megarl.config.hub)"
+                   + build_hint(hf_path)):
         return
     try:
         hf = read_hf_config(hf_path)
@@ -396,11 +399,13 @@ def _check_paths(c: _Checker) -> None:
     d = c.cfg.data
     if d.get("dataset", "file") != "file":  # a plugin's reader decides what its paths mean
         return
-    c.check(Path(d.train_path).is_file(), "data.train_path", "file not found (jsonl or parquet)")
-    if d.eval_path is not None:
-        c.check(Path(d.eval_path).is_file(), "data.eval_path", "file not found (jsonl or parquet)")
-    if c.cfg.model.tokenizer_path is not None:
-        c.check(Path(c.cfg.model.tokenizer_path).is_dir(), "model.tokenizer_path", "directory not found")
+    for key in ("data.train_path", "data.eval_path"):
+        path = _get(c.cfg, key)
+        if path is not None:
+            c.check(Path(path).is_file(), key, "file not found (jsonl or parquet)" + build_hint(path))
+    tokenizer = c.cfg.model.tokenizer_path
+    if tokenizer is not None:
+        c.check(Path(tokenizer).is_dir(), "model.tokenizer_path", "directory not found" + build_hint(tokenizer))
 
 
 def _check_plugins(c: _Checker) -> None:

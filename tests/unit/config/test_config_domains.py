@@ -58,7 +58,8 @@ def test_every_schema_field_has_a_declared_domain():
     fields = _schema_scalars()
     assert {"logging.level", "rollout.agent.tool_timeout_s", "cluster.master_port",
             "weight_sync.bucket_size_mb", "rollout.engine.grammar_backend"} <= set(fields)
-    assert not _undeclared(fields, DOMAINS), f"declare a domain in megarl/config/domains.py: {_undeclared(fields, DOMAINS)}"
+    undeclared = _undeclared(fields, DOMAINS)
+    assert not undeclared, f"declare a domain in megarl/config/domains.py: {undeclared}"
     assert not set(DOMAINS) - set(fields), f"domains of no schema field: {set(DOMAINS) - set(fields)}"
 
 
