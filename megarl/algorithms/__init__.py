@@ -1,4 +1,4 @@
-"""Pure tensor RL math: policy losses, advantages, KL, rollout corrections, loss aggregation.
+"""Pure tensor RL math: policy losses, advantages, KL, rollout corrections, drift filter, loss aggregation.
 
 Only torch is imported here: no config objects and no process groups. See
 `megarl.algorithms.aggregation` for how a trainer must split a batch into micro batches and
@@ -15,6 +15,7 @@ from megarl.algorithms.corrections import (
     masked_is,
     truncated_is,
 )
+from megarl.algorithms.drift import DRIFT_STATISTICS, DriftFilter, behaviour_drift, drift_filter
 from megarl.algorithms.kl import kl_estimate, kl_penalty_loss
 from megarl.algorithms.losses import (
     POLICY_LOSSES,
@@ -28,16 +29,20 @@ from megarl.algorithms.metrics import Metric, reduce_metrics
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DRIFT_STATISTICS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "ROLLOUT_CORRECTIONS",
+    "DriftFilter",
     "LossNormalizer",
     "Metric",
     "RolloutCorrection",
     "aggregate_loss",
+    "behaviour_drift",
     "compute_advantages",
     "compute_policy_loss",
     "decoupled_ppo",
+    "drift_filter",
     "entropy_bonus_loss",
     "gspo_loss",
     "gspo_token_loss",
