@@ -149,6 +149,8 @@ DOMAINS: dict[str, Domain] = {
     "algorithm.rollout_correction_level": Choice(("token", "sequence")),
     "algorithm.rollout_correction_clip": Range(1),
     "algorithm.rollout_correction_low": Range(0, 1),
+    "algorithm.max_behaviour_drift": Range(0, None, "()"),  # null = off
+    "algorithm.behaviour_drift_statistic": Choice(("k3_mean", "log_ratio_abs_mean", "log_ratio_abs_max")),
     "rollout.num_engines": POSITIVE,
     "rollout.group_size": POSITIVE,
     "rollout.num_prompts_per_step": POSITIVE,

@@ -175,6 +175,15 @@ class AlgorithmConfig:
     which a token is dropped (decoupled)."""
     rollout_correction_low: float = 0.5
     """Lower band of masked IS / IcePop."""
+    max_behaviour_drift: Optional[float] = None
+    """Staleness by measured drift: a trajectory whose drift between the engine that sampled it
+    (``rollout_logprobs``) and the trainer at this step's weights (``old_logprobs``), measured by
+    ``behaviour_drift_statistic`` over its loss tokens, exceeds this (> 0, nats per token) is dropped
+    from the loss (``megarl.algorithms.drift``; verl's ``rollout_rs_threshold``); null = off.
+    ``rollout.max_staleness`` stays the outer limit."""
+    behaviour_drift_statistic: str = "k3_mean"
+    """Drift of ``max_behaviour_drift``: ``k3_mean`` (mean k3 estimate of KL(behaviour || old) per
+    token), ``log_ratio_abs_mean`` (mean |log ratio|) or ``log_ratio_abs_max`` (worst token)."""
     filter_zero_variance_groups: bool = True
     """Drop groups whose rewards are all equal (they carry no group-relative signal)."""
 

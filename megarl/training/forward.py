@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, compute_policy_loss, entropy_bonus_loss,
-                               kl_penalty_loss)
+from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, compute_policy_loss, drift_filter,
+                               entropy_bonus_loss, kl_penalty_loss)
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.collectives import all_gather_object, all_reduce
@@ -56,9 +56,13 @@ class LossInputs:
 
 def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.device | str,
                 max_response_tokens: int, dp_group=None) -> tuple[LossInputs, dict[str, Metric]]:
-    """Rollout correction over this rank's sequences and the step's global loss denominators.
+    """Drift filter and rollout correction over this rank's sequences, and the step's global loss
+    denominators.
 
-    The correction (``algorithm.rollout_correction``: TIS, MIS or IcePop of
+    With ``algorithm.max_behaviour_drift`` set, trajectories whose measured drift between the
+    trainer's ``old_logprobs`` and the engine's ``rollout_logprobs`` exceeds it are first dropped
+    from the loss mask (`megarl.algorithms.drift.drift_filter`: a pure function of each
+    trajectory's own logprobs, so the same on any rank, micro batch or restart). The correction (``algorithm.rollout_correction``: TIS, MIS or IcePop of
     `megarl.algorithms.corrections`, from ``old_logprobs`` vs the engine's ``rollout_logprobs``)
     is per token or per sequence, so it runs once on the rank's whole shard and its weights and
     dropped tokens are the same whichever micro batch (or rank) a sequence lands in; the
@@ -76,13 +80,21 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
             ``batch`` is the whole step.
 
     Returns:
-        ``(inputs, mismatch_metrics)``: the `LossInputs`, and the correction's ``mismatch/*``
-        metrics of this shard as `Metric` (reduce them over ranks; empty without a correction).
+        ``(inputs, metrics)``: the `LossInputs`, and the drift filter's ``filter/*`` /
+        ``mismatch/behaviour_drift_*`` and the correction's ``mismatch/*`` metrics of this shard as
+        `Metric` (reduce them over ranks; empty with neither).
 
     Raises:
-        ValueError: an unknown ``algorithm.rollout_correction``.
+        ValueError: an unknown ``algorithm.rollout_correction`` or ``behaviour_drift_statistic``,
+            or ``max_behaviour_drift <= 0``.
     """
     loss_mask, is_weights, metrics = batch.loss_mask, None, {}
+    pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
+    real = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)  # [B, T] real tokens
+    if algo.max_behaviour_drift is not None:  # drop before the correction: it weights the kept ones
+        dropped = drift_filter(pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(loss_mask, pad_value=False),
+                               max_drift=algo.max_behaviour_drift, statistic=algo.behaviour_drift_statistic)
+        loss_mask, metrics = dropped.loss_mask[real], dict(dropped.metrics)
     if algo.rollout_correction != "none":
         if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}, "
@@ -92,12 +104,10 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
             kwargs["level"] = algo.rollout_correction_level
         if algo.rollout_correction in ("mis", "icepop"):
             kwargs["lower"] = algo.rollout_correction_low
-        pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
         result = ROLLOUT_CORRECTIONS[algo.rollout_correction](
-            pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(batch.loss_mask, pad_value=False), **kwargs)
-        keep = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)
-        loss_mask, is_weights = result.loss_mask[keep], result.weights[keep].float()
-        metrics = dict(result.metrics)
+            pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(loss_mask, pad_value=False), **kwargs)
+        loss_mask, is_weights = result.loss_mask[real], result.weights[real].float()
+        metrics.update(result.metrics)
     normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
                                                max_response_tokens=float(max_response_tokens))
     if dp_group is not None:  # every rank's share of the step: exact integer counts in float64

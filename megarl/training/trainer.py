@@ -18,8 +18,9 @@ the driver would. ``compute_logprobs`` and ``train_step`` plan micro batches the
 same batch and weights the old-logprob pass and the training forward see identical micro batches
 (on-policy ratios are exactly 1).
 
-Step anatomy (``train_prepared``): routes validated (routing replay) -> rollout correction on the
-rank's shard (per token or sequence; detached weights, possibly a smaller loss mask) -> loss
+Step anatomy (``train_prepared``): routes validated (routing replay) -> drift filter
+(``algorithm.max_behaviour_drift``, `megarl.algorithms.drift`) and rollout correction on the rank's
+shard (per token or sequence; detached weights, possibly a smaller loss mask) -> loss
 denominators counted from that mask and summed over the data-parallel group -> Megatron
 ``get_forward_backward_func`` over this rank's micro batches and the pipeline stages (loss scaling
 in `megarl.training.forward`) -> DDP gradient reduction in ``finalize_model_grads`` -> optimizer
