@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, compute_policy_loss, drift_filter,
-                               entropy_bonus_loss, kl_penalty_loss)
+from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, RolloutCorrection, compute_policy_loss,
+                               drift_filter, entropy_bonus_loss, kl_penalty_loss)
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.collectives import all_gather_object, all_reduce
@@ -56,18 +56,15 @@ class LossInputs:
 
 def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.device | str,
                 max_response_tokens: int, dp_group=None) -> tuple[LossInputs, dict[str, Metric]]:
-    """Drift filter and rollout correction over this rank's sequences, and the step's global loss
-    denominators.
+    """Drift filter and rollout correction over this rank's sequences; the step's loss denominators.
 
-    With ``algorithm.max_behaviour_drift`` set, trajectories whose measured drift between the
-    trainer's ``old_logprobs`` and the engine's ``rollout_logprobs`` exceeds it are first dropped
-    from the loss mask (`megarl.algorithms.drift.drift_filter`: a pure function of each
-    trajectory's own logprobs, so the same on any rank, micro batch or restart). The correction (``algorithm.rollout_correction``: TIS, MIS or IcePop of
-    `megarl.algorithms.corrections`, from ``old_logprobs`` vs the engine's ``rollout_logprobs``)
-    is per token or per sequence, so it runs once on the rank's whole shard and its weights and
-    dropped tokens are the same whichever micro batch (or rank) a sequence lands in; the
-    denominators are then counted from the corrected loss mask and summed over the data-parallel
-    group (the contract of `megarl.algorithms.aggregation`).
+    Trajectories over ``algorithm.max_behaviour_drift`` are dropped from the loss mask first
+    (`megarl.algorithms.drift.drift_filter`, a pure function of each trajectory). The correction
+    (``algorithm.rollout_correction`` of `megarl.algorithms.corrections`, ``old_logprobs`` vs the
+    engine's ``rollout_logprobs``) then runs on the kept ones. Both are per token or per sequence,
+    so they run once on the rank's whole shard and decide the same whichever micro batch (or rank)
+    a sequence lands in; the denominators are then counted from the final loss mask and summed
+    over the data-parallel group (the contract of `megarl.algorithms.aggregation`).
 
     Args:
         batch: the rank's shard of the step (or the whole step), with ``old_logprobs`` (and
@@ -96,16 +93,8 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
                                max_drift=algo.max_behaviour_drift, statistic=algo.behaviour_drift_statistic)
         loss_mask, metrics = dropped.loss_mask[real], dict(dropped.metrics)
     if algo.rollout_correction != "none":
-        if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}, "
-                             f"got {algo.rollout_correction!r}")
-        kwargs = {"upper": algo.rollout_correction_clip}
-        if algo.rollout_correction in ("tis", "mis"):
-            kwargs["level"] = algo.rollout_correction_level
-        if algo.rollout_correction in ("mis", "icepop"):
-            kwargs["lower"] = algo.rollout_correction_low
-        result = ROLLOUT_CORRECTIONS[algo.rollout_correction](
-            pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(loss_mask, pad_value=False), **kwargs)
+        result = _rollout_correction(pad(batch.old_logprobs), pad(batch.rollout_logprobs),
+                                     pad(loss_mask, pad_value=False), algo)
         loss_mask, is_weights = result.loss_mask[real], result.weights[real].float()
         metrics.update(result.metrics)
     normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
@@ -120,6 +109,24 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
                         advantages=to(batch.advantages), loss_mask=to(loss_mask),
                         is_weights=None if is_weights is None else to(is_weights), normalizer=normalizer)
     return inputs, metrics
+
+
+def _rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
+                        algo: AlgorithmConfig) -> RolloutCorrection:
+    """``algorithm.rollout_correction`` on ``[B, T]`` padded tensors, with its configured bounds.
+
+    Raises:
+        ValueError: an unknown ``algorithm.rollout_correction``.
+    """
+    if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}, "
+                         f"got {algo.rollout_correction!r}")
+    kwargs = {"upper": algo.rollout_correction_clip}
+    if algo.rollout_correction in ("tis", "mis"):
+        kwargs["level"] = algo.rollout_correction_level
+    if algo.rollout_correction in ("mis", "icepop"):
+        kwargs["lower"] = algo.rollout_correction_low
+    return ROLLOUT_CORRECTIONS[algo.rollout_correction](old_logprobs, rollout_logprobs, loss_mask, **kwargs)
 
 
 def _output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
