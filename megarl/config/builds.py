@@ -1,7 +1,8 @@
 """The commands that build the paths a shipped example's recipe names (its model, its data).
 
-Each example owns a manifest, ``examples/<name>/builds.yaml``, mapping a path its scripts write
-(relative to the repository root, where the commands run) to the command that writes it::
+Each example owns a manifest, ``examples/<name>/builds.txt`` (YAML; not ``.yaml``, so that nothing
+that collects the examples' recipes by ``examples/*/*.yaml`` takes it for one), mapping a path its
+scripts write (relative to the repository root, where the commands run) to the command that writes it::
 
     runs/arithmetic_demo/model: python examples/arithmetic_tool/make_model.py runs/arithmetic_demo/model
 
@@ -20,7 +21,7 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 
 def read_manifests(examples_dir: Path = EXAMPLES_DIR) -> dict[str, tuple[str, Path]]:
-    """Every ``examples/*/builds.yaml`` entry.
+    """Every ``examples/*/builds.txt`` entry.
 
     Args:
         examples_dir: the directory holding one folder per example.
@@ -32,7 +33,7 @@ def read_manifests(examples_dir: Path = EXAMPLES_DIR) -> dict[str, tuple[str, Pa
         ValueError: a manifest that is not a mapping of path to command string (names the file).
     """
     out: dict[str, tuple[str, Path]] = {}
-    for manifest in sorted(examples_dir.glob("*/builds.yaml")):
+    for manifest in sorted(examples_dir.glob("*/builds.txt")):
         data = yaml.safe_load(manifest.read_text(encoding="utf-8")) or {}
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
             raise ValueError(f"{manifest}: must map each built path to the command that builds it")

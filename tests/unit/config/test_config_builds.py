@@ -1,5 +1,5 @@
 """A recipe whose path an example's script builds says which command builds it (issue 29 part 4):
-examples/<name>/builds.yaml maps built paths to commands, megarl validate names the command."""
+examples/<name>/builds.txt maps built paths to commands, megarl validate names the command."""
 from pathlib import Path
 
 import pytest
@@ -23,26 +23,26 @@ def test_every_manifest_command_runs_a_shipped_script_writing_its_path():
 def test_every_example_recipe_path_under_runs_has_a_build_command():
     """Each example recipe's model path under runs/ is one a manifest builds."""
     for recipe in sorted(EXAMPLES_DIR.glob("*/*.yaml")):
-        if recipe.name == "builds.yaml":
+        if recipe.name == "builds.txt":
             continue
         hf_path = (yaml.safe_load(recipe.read_text()).get("model") or {}).get("hf_path", "")
         if str(hf_path).startswith("runs/"):
-            assert build_hint(hf_path), f"{recipe}: model.hf_path {hf_path} has no command in a builds.yaml"
+            assert build_hint(hf_path), f"{recipe}: model.hf_path {hf_path} has no command in a builds.txt"
 
 
 def test_build_hint_covers_the_path_and_files_under_it(tmp_path):
     (tmp_path / "examples" / "demo").mkdir(parents=True)
-    manifest = tmp_path / "examples" / "demo" / "builds.yaml"
+    manifest = tmp_path / "examples" / "demo" / "builds.txt"
     manifest.write_text("runs/demo/data: python examples/demo/make.py runs/demo/data\n")
     examples = tmp_path / "examples"
     hint = ("; build it first (from the repository root): python examples/demo/make.py runs/demo/data "
-            "(examples/demo/builds.yaml)")
+            "(examples/demo/builds.txt)")
     assert build_hint("runs/demo/data", examples) == hint
     assert build_hint("./runs/demo/data/train.jsonl", examples) == hint
     assert build_hint("runs/demo/database", examples) == "" and build_hint("runs/other", examples) == ""
-    (tmp_path / "examples" / "demo" / "builds.yaml").write_text("- not a mapping\n")
+    (tmp_path / "examples" / "demo" / "builds.txt").write_text("- not a mapping\n")
     assert build_hint("runs/demo/data", examples) == ""
-    with pytest.raises(ValueError, match="builds.yaml"):
+    with pytest.raises(ValueError, match="builds.txt"):
         read_manifests(examples)
 
 
