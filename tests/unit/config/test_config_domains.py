@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main as cli_main
-from megarl.config import ConfigError, load_config, validate
+from megarl.config import load_config
 from megarl.config.domains import DOMAINS, REWARD_DOMAINS, TOOL_DOMAINS, Choice, Range, Text
 from megarl.config.schema import MegarlConfig
+from config_issues import validate_issues
 
 REPO = Path(__file__).resolve().parents[3]
 SCALARS = (int, float, str)
@@ -99,15 +100,7 @@ def _outside(domain, kind):
     return int(domain.high + step) if kind is int else domain.high + step
 
 
-def _issues(overrides) -> dict[str, str]:
-    try:
-        validate(load_config(REPO / "configs" / "base.yaml", overrides))
-    except ConfigError as err:
-        out: dict[str, str] = {}
-        for issue in err.issues:  # every message about a key, joined
-            out[issue.key] = out.get(issue.key, "") + " | " + str(issue)
-        return out
-    return {}
+_issues = validate_issues
 
 
 @pytest.mark.parametrize("kinds", [(int, float), (str,)], ids=["numbers", "enums"])

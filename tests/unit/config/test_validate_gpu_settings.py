@@ -1,22 +1,9 @@
 """megarl validate: GPU-run settings and cross-feature conflicts, each error naming its key (issue 18)."""
-from pathlib import Path
-
 import pytest
 
-from megarl.config import ConfigError, load_config, validate
+from config_issues import validate_issues
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _issues(overrides) -> dict[str, str]:
-    try:
-        validate(load_config(REPO / "configs" / "base.yaml", overrides))
-    except ConfigError as err:
-        out: dict[str, str] = {}
-        for issue in err.issues:  # every message about a key, joined
-            out[issue.key] = (out[issue.key] + " | " if issue.key in out else "") + str(issue)
-        return out
-    return {}
+_issues = validate_issues
 
 
 def test_fp8_delayed_recipe_rejected_with_gspo(good_overrides):
