@@ -34,7 +34,7 @@ RUN_TIMEOUT_S = 900
 COMPARED = ("rollout/reward_mean", "rollout/response_tokens_mean", "filter/kept_trajectories",
             "filter/trained_staleness_max", "loss/policy", "optim/grad_norm")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * RUN_TIMEOUT_S)]
+pytestmark = [pytest.mark.slow, pytest.mark.ci, pytest.mark.timeout(3 * RUN_TIMEOUT_S)]
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:

@@ -52,6 +52,7 @@ def _cfg(placement, tp, ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # ~30 s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -32,6 +32,7 @@ def _run_demo(out: Path, seeds: tuple[int, ...], timeout_s: float, *args: str) -
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # one seed of each learning demonstration runs in CI
 @pytest.mark.timeout(1200)
 def test_gspo_raises_held_out_reward_on_one_seed(tmp_path):
     out = tmp_path / "demo"

@@ -34,6 +34,7 @@ def _check_run(out: Path, run: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # one seed of each learning demonstration runs in CI
 @pytest.mark.timeout(1800)
 def test_gspo_raises_held_out_search_reward_on_one_seed(tmp_path):
     out = tmp_path / "search"

@@ -153,6 +153,7 @@ def _trainer_rank(rank, world_size, hf_dir, batch, free_turn_mask):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # routing replay R3, end to end
 @pytest.mark.timeout(600)
 def test_r3_engine_routes_replayed_token_by_token_and_lower_mismatch(sglang_engine, tiny_moe_dir, tiny_moe_hf):
     _, tokenizer = tiny_moe_hf

@@ -37,6 +37,7 @@ def tp2_p2p_engine(tiny_moe_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # the p2p weight-sync path
 @pytest.mark.timeout(600)
 def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_p2p_engine, tiny_moe_dir, tmp_path):
     out = run_ranks(p2p_workers.sync_then_corrupt, 2, timeout_s=540, args=(
@@ -70,6 +71,7 @@ def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # the p2p weight-sync path
 @pytest.mark.timeout(900)
 def test_p2p_from_tp2_pp2_sends_from_every_tp_rank_of_both_stages(tp2_p2p_engine, tiny_moe_dir, tmp_path):
     """Four trainer ranks (TP2 x PP2) into the TP2 engine: each stage has two senders (its TP rank
