@@ -155,6 +155,7 @@ def _metrics(job_dir: Path) -> dict[int, dict]:
     return {int(r["step"]): r for r in rows}  # a resumed run's rows replace the stopped run's
 
 
+@pytest.mark.ci  # the one CI test of `megarl train` across two Slurm nodes (~2 min); the requeue test is not
 @pytest.mark.timeout(JOB_TIMEOUT_S + 40)
 def test_megarl_train_cpu_recipe_on_two_nodes(reference_job, local_slurm):
     r, sampler = reference_job
