@@ -30,6 +30,7 @@ from megarl.config.loader import load_config
 from megarl.launch import colocated, run as run_module, weight_sync_step
 from megarl.launch.engines import EngineGroup
 from megarl.rollout.ports import PORT_SPAN
+from megarl.testing.local_ray import private_ray
 
 REPO = Path(__file__).resolve().parents[3]
 SWAP_KV_PLUGIN = Path(__file__).resolve().parent / "swap_kv_plugin.py"
@@ -134,21 +135,8 @@ def test_r3_verification_catches_a_layout_error_that_keeps_shapes(tiny_moe_dir, 
 
 @pytest.fixture
 def local_ray():
-    if ray.is_initialized():
-        pytest.skip("a Ray instance is already running in this process")
-    from ray._private import ray_constants
-
-    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
-
-    with pytest.MonkeyPatch.context() as mp:  # a single-host Ray on 127.0.0.1 (megarl.launch.cluster)
-        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    try:
+    with private_ray(num_cpus=4):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.timeout(240)

@@ -18,27 +18,15 @@ from megarl.launch.cluster import build_placement, devices_per_engine
 from megarl.launch.engines import MEMORY_SAVER_FLAG, engine_kwargs
 from megarl.launch.trainer_group import TrainerWorker
 from megarl.rollout.engine_actor import EngineActor
+from megarl.testing.local_ray import private_ray
 
 NUM_GPUS = 8
 
 
 @pytest.fixture(scope="module")
 def logical_gpu_ray():
-    if ray.is_initialized():
-        pytest.skip("a Ray instance is already running in this process")
-    from ray._private import ray_constants
-
-    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
-
-    with pytest.MonkeyPatch.context() as mp:  # a single-host Ray on 127.0.0.1 (megarl.launch.cluster)
-        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(num_cpus=16, num_gpus=NUM_GPUS, include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    try:
+    with private_ray(num_cpus=16, num_gpus=NUM_GPUS):
         yield
-    finally:
-        ray.shutdown()
 
 
 def _cfg(placement, tp, ranks):

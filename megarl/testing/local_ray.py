@@ -1,0 +1,35 @@
+"""A private single-host Ray instance for a test (tests/integration)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def private_ray(**init_kwargs: Any) -> Iterator[None]:
+    """Start Ray on 127.0.0.1 (megarl's loopback switch, `megarl.launch.cluster.LOCAL_RAY_LOOPBACK_ENV`),
+    yield, shut it down; the switch and the environment are restored right after ``ray.init``.
+
+    Args:
+        init_kwargs: ``ray.init`` arguments (``num_cpus``, ``num_gpus`` logical devices, ...).
+
+    Raises:
+        pytest.skip.Exception: a Ray instance is already running in this process.
+    """
+    import pytest
+    import ray
+    from ray._private import ray_constants
+
+    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already running in this process")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        ray.init(include_dashboard=False, logging_level="WARNING",
+                 runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}, **init_kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
