@@ -64,7 +64,12 @@ def _log_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, keep: Tensor, l
     return torch.where(keep, seq_log.expand_as(log_ratio), zeros)
 
 
-def _check(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+def check_padded(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """Check ``[B, T]`` trainer / engine logprobs and loss mask of one shape; return the mask as bool.
+
+    Raises:
+        ValueError: ``old_logprobs`` is not 2-D, or another input's shape differs from it.
+    """
     if old_logprobs.dim() != 2:
         raise ValueError(f"old_logprobs must be [B, T], got shape {tuple(old_logprobs.shape)}")
     for name, tensor in (("rollout_logprobs", rollout_logprobs), ("loss_mask", loss_mask)):
@@ -91,7 +96,7 @@ def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: 
     Returns:
         ``mismatch/log_ratio_abs_mean``, ``mismatch/token_prob_ratio_error``, ``mismatch/kl_k3``.
     """
-    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    keep = check_padded(old_logprobs, rollout_logprobs, loss_mask)
     log_ratio = _log_weights(old_logprobs.detach(), rollout_logprobs.detach(), keep, "token")
     return {
         "mismatch/log_ratio_abs_mean": mean_metric(log_ratio.abs(), keep),
@@ -139,7 +144,7 @@ def truncated_is(
     Raises:
         ValueError: on an unknown level, bad bounds or mismatched shapes.
     """
-    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    keep = check_padded(old_logprobs, rollout_logprobs, loss_mask)
     if upper <= 0 or (lower is not None and not 0 <= lower <= upper):
         raise ValueError(f"truncated_is needs 0 <= lower <= upper and upper > 0, got lower={lower} upper={upper}")
     raw = torch.exp(_log_weights(old_logprobs, rollout_logprobs, keep, level))
@@ -180,7 +185,7 @@ def masked_is(
     Raises:
         ValueError: on an unknown level, ``not 0 <= lower <= upper`` or mismatched shapes.
     """
-    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    keep = check_padded(old_logprobs, rollout_logprobs, loss_mask)
     if not 0 <= lower <= upper:
         raise ValueError(f"masked_is needs 0 <= lower <= upper, got lower={lower} upper={upper}")
     raw = torch.exp(_log_weights(old_logprobs, rollout_logprobs, keep, level))
@@ -251,7 +256,7 @@ def decoupled_ppo(
     Raises:
         ValueError: ``upper <= 0`` or mismatched shapes.
     """
-    keep = _check(old_logprobs, rollout_logprobs, loss_mask)
+    keep = check_padded(old_logprobs, rollout_logprobs, loss_mask)
     if upper is not None and upper <= 0:
         raise ValueError(f"decoupled_ppo needs upper > 0 (or None), got {upper}")
     raw = torch.exp(_log_weights(old_logprobs, rollout_logprobs, keep, "token"))

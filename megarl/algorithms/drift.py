@@ -64,6 +64,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from megarl.algorithms.corrections import check_padded
 from megarl.algorithms.metrics import Metric, extreme_metric, mean_metric
 
 DRIFT_STATISTICS: tuple[str, ...] = ("k3_mean", "log_ratio_abs_mean", "log_ratio_abs_max")
@@ -89,12 +90,7 @@ class DriftFilter:
 def _check(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, statistic: str) -> Tensor:
     if statistic not in DRIFT_STATISTICS:
         raise ValueError(f"behaviour drift statistic must be one of {DRIFT_STATISTICS}, got {statistic!r}")
-    if old_logprobs.dim() != 2:
-        raise ValueError(f"old_logprobs must be [B, T], got shape {tuple(old_logprobs.shape)}")
-    for name, tensor in (("rollout_logprobs", rollout_logprobs), ("loss_mask", loss_mask)):
-        if tensor.shape != old_logprobs.shape:
-            raise ValueError(f"{name} shape {tuple(tensor.shape)} != old_logprobs shape {tuple(old_logprobs.shape)}")
-    return loss_mask != 0
+    return check_padded(old_logprobs, rollout_logprobs, loss_mask)
 
 
 @torch.no_grad()

@@ -86,17 +86,20 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
             or ``max_behaviour_drift <= 0``.
     """
     loss_mask, is_weights, metrics = batch.loss_mask, None, {}
-    pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
-    real = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)  # [B, T] real tokens
-    if algo.max_behaviour_drift is not None:  # drop before the correction: it weights the kept ones
-        dropped = drift_filter(pad(batch.old_logprobs), pad(batch.rollout_logprobs), pad(loss_mask, pad_value=False),
-                               max_drift=algo.max_behaviour_drift, statistic=algo.behaviour_drift_statistic)
-        loss_mask, metrics = dropped.loss_mask[real], dict(dropped.metrics)
-    if algo.rollout_correction != "none":
-        result = _rollout_correction(pad(batch.old_logprobs), pad(batch.rollout_logprobs),
-                                     pad(loss_mask, pad_value=False), algo)
-        loss_mask, is_weights = result.loss_mask[real], result.weights[real].float()
-        metrics.update(result.metrics)
+    if algo.max_behaviour_drift is not None or algo.rollout_correction != "none":
+        pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
+        real = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)  # [B, T] real tokens
+        old, behaviour = pad(batch.old_logprobs), pad(batch.rollout_logprobs)
+        padded_mask = pad(loss_mask, pad_value=False)
+        if algo.max_behaviour_drift is not None:  # drop before the correction: it weights the kept ones
+            dropped = drift_filter(old, behaviour, padded_mask, max_drift=algo.max_behaviour_drift,
+                                   statistic=algo.behaviour_drift_statistic)
+            padded_mask, metrics = dropped.loss_mask, dict(dropped.metrics)
+        if algo.rollout_correction != "none":
+            result = _rollout_correction(old, behaviour, padded_mask, algo)
+            padded_mask, is_weights = result.loss_mask, result.weights[real].float()
+            metrics.update(result.metrics)
+        loss_mask = padded_mask[real]
     normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
                                                max_response_tokens=float(max_response_tokens))
     if dp_group is not None:  # every rank's share of the step: exact integer counts in float64
