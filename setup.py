@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
     package_data={"megarl": ["rollout/cpu_shims/**/*.py", "rollout/chat_templates/*.jinja",
-                             "rollout/chat_templates/*.md", "py.typed"]},
+                             "rollout/chat_templates/*.md", "cluster/sglang_seeding/*.py", "py.typed"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",

@@ -32,7 +32,7 @@ def compare_configs(expected, actual, *, expected_file: str | os.PathLike,
         ConfigMismatchError: the first differing field, with both values and both files.
         ValueError: the model families differ.
     """
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
 
     if expected.model_type != actual.model_type:
         raise ConfigMismatchError(f"model_type: {expected.model_type!r} in {expected_file} vs "
@@ -61,7 +61,7 @@ def check_weights_match_config(hf_dir: str | os.PathLike, hf_config=None,
         ConfigMismatchError: names the field, the config value, the weights' value and the file.
         CheckpointFileError: missing or truncated shards.
     """
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
 
     hf_dir = Path(hf_dir)
@@ -115,8 +115,8 @@ def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     tensors (no Megatron model is built)."""
     import torch
 
-    from megarl.checkpoint.families import get_family
-    from megarl.checkpoint.mapping import Transform, hf_names_for, lookup, to_hf
+    from megarl.models.families import get_family
+    from megarl.models.mapping import Transform, hf_names_for, lookup, to_hf
 
     family = get_family(hf_config)
     layout = family.layout(hf_config)
@@ -163,7 +163,7 @@ def check_checkpoint_matches_config(shapes: dict, prefix: str, hf_config, config
     Raises:
         ConfigMismatchError: names the field, the config's value, the checkpoint's value and the file.
     """
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
 
     arch = get_family(hf_config).architecture(hf_config)
     ckpt = checkpoint_architecture(shapes, prefix)

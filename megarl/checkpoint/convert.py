@@ -113,9 +113,9 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     Raises:
         ConfigMismatchError: config.json disagrees with the weights (names field, values, file).
         CheckpointFileError: a missing or truncated shard. FileExistsError: destination not empty.
-        megarl.launch.local_ranks.RankError: a rank failed (its traceback is in the message).
+        megarl.procs.local_ranks.RankError: a rank failed (its traceback is in the message).
     """
-    from megarl.launch.local_ranks import run_ranks
+    from megarl.procs.local_ranks import run_ranks
 
     plan = plan_import(hf_dir, tensor_model_parallel_size=tensor_model_parallel_size,
                        pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -168,7 +168,7 @@ def plan_import(hf_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 
         ValueError: expert parallelism asked of a model without experts.
     """
     from megarl.checkpoint.config_check import check_weights_match_config
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
 
     hf_dir = Path(hf_dir).resolve()
@@ -223,11 +223,11 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     Raises:
         ConfigMismatchError: the configs disagree with each other or with the checkpoint's shapes.
         FileNotFoundError: not a dist checkpoint / no HF config. FileExistsError: destination not empty.
-        megarl.launch.local_ranks.RankError: the export process failed (traceback in the message).
+        megarl.procs.local_ranks.RankError: the export process failed (traceback in the message).
     """
     from megarl.checkpoint.config_check import check_checkpoint_matches_config, compare_configs
     from megarl.checkpoint.dist_ckpt import model_prefix, tensor_shapes
-    from megarl.launch.local_ranks import run_ranks
+    from megarl.procs.local_ranks import run_ranks
     from megarl.training.model import load_hf_config
 
     ckpt_dir = resolve_checkpoint_dir(Path(ckpt_dir).resolve())

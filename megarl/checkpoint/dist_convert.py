@@ -104,7 +104,7 @@ def rendezvous_from_env(env: Mapping[str, str] = os.environ, *,
         port = (_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env
                 else 20000 + _int_env(env, "SLURM_JOB_ID") % 20000)
         return Rendezvous(rank, world, local, addr, port, "SLURM_PROCID")
-    from megarl.launch.local_ranks import free_port
+    from megarl.procs.local_ranks import free_port
 
     return Rendezvous(0, 1, 0, "127.0.0.1", free_port(), "single")
 

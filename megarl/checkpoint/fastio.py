@@ -10,8 +10,8 @@ bytes -> ``bytes`` -> ``torch.load`` storage). This module removes both:
 * :func:`read_hf_into`: reads the HF tensors of one parameter straight into that parameter's
   rows with ``preadv`` (the q/k/v interleaving, gate/up fusion, vocabulary padding and
   column-parallel splits are row permutations; the plan is traced once per parameter shape by
-  running the family's own :func:`~megarl.checkpoint.mapping.to_megatron` and
-  :func:`~megarl.checkpoint.mapping.split_tp` on row-index tensors).
+  running the family's own :func:`~megarl.models.mapping.to_megatron` and
+  :func:`~megarl.models.mapping.split_tp` on row-index tensors).
 * :func:`read_torch_save_tensor`: reads one ``torch.save`` blob of a dist checkpoint file (the
   format torch.distributed.checkpoint writes per tensor) straight into a tensor, parsing the zip
   headers and the pickle's tensor description instead of going through ``torch.load``.
@@ -78,8 +78,8 @@ def row_plan(entry, layout, hf_rows: tuple[int, ...], rank: int, size: int) -> O
     """Where each row of a parameter's local shard comes from.
 
     Args:
-        entry: the parameter's mapping :class:`~megarl.checkpoint.mapping.Entry`.
-        layout: the :class:`~megarl.checkpoint.mapping.ModelLayout` (vocabulary padded as the
+        entry: the parameter's mapping :class:`~megarl.models.mapping.Entry`.
+        layout: the :class:`~megarl.models.mapping.ModelLayout` (vocabulary padded as the
             parameter is).
         hf_rows: the first dimension of each HF tensor, in ``entry.hf`` order.
         rank, size: the (expert) tensor-parallel rank and size.
@@ -89,7 +89,7 @@ def row_plan(entry, layout, hf_rows: tuple[int, ...], rank: int, size: int) -> O
         (rows absent from every run are zero padding), or ``None`` when the conversion is not a
         pure row selection (a row-parallel split over more than one rank).
     """
-    from megarl.checkpoint.mapping import TPSplit, split_tp, to_megatron
+    from megarl.models.mapping import TPSplit, split_tp, to_megatron
 
     if entry.tp_split is TPSplit.ROW and size > 1:
         return None

@@ -131,7 +131,7 @@ def _load_param_direct(info, param, reader, layout, ps) -> bool:
     import dataclasses
 
     from megarl.checkpoint.fastio import read_hf_into
-    from megarl.checkpoint.mapping import hf_names_for
+    from megarl.models.mapping import hf_names_for
 
     rank, size = (ps.etp_rank, ps.etp_size) if info.expert else (ps.tp_rank, ps.tp_size)
     names = hf_names_for(info.global_name, layout) or ["model.embed_tokens.weight"]  # tied output
@@ -144,7 +144,7 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     """One rank of ``hf_to_megatron``: fill and save this rank's groups step by step."""
     from megarl.checkpoint.dist_ckpt import StreamingCheckpointWriter
     from megarl.checkpoint.fastio import StoragePool
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.checkpoint.hf_io import HFCheckpointReader
     from megarl.checkpoint.loader import load_param
     from megarl.training.model import build_model, load_hf_config
@@ -201,8 +201,8 @@ def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_b
     from megarl.checkpoint import hf_io
     from megarl.checkpoint.dist_ckpt import CheckpointReader, model_prefix, tensor_shapes
     from megarl.checkpoint.fastio import StoragePool
-    from megarl.checkpoint.families import get_family
-    from megarl.checkpoint.mapping import megatron_to_hf
+    from megarl.models.families import get_family
+    from megarl.models.mapping import megatron_to_hf
     from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel

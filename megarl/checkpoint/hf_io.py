@@ -9,7 +9,7 @@ Block-FP8 checkpoints (DeepSeek-V3's and Qwen3's FP8 releases: ``config.json`` h
 ``quantization_config``, quantised linears are ``float8_e4m3fn`` with a float32
 ``<name>_scale_inv``) read as the unquantised checkpoint they stand for: :meth:`HFCheckpointReader.get`
 of an FP8 weight reads it and its scales and returns ``q * scale_inv`` per block in the config's
-``torch_dtype`` (:mod:`megarl.checkpoint.fp8_blocks`), one tensor at a time, stripe by stripe, so
+``torch_dtype`` (:mod:`megarl.models.fp8_blocks`), one tensor at a time, stripe by stripe, so
 conversion and ``model.hf_path`` loading stream through the model as for a BF16 checkpoint; the
 ``_scale_inv`` tensors are not listed by :meth:`~HFCheckpointReader.keys`. Writing: :class:`SafetensorsStreamWriter` writes the header first (names, dtypes, shapes
 planned in advance) and then each tensor as it is produced, so a shard is never held in memory.
@@ -100,7 +100,7 @@ class HFCheckpointReader:
         """FP8 weight name -> its ``_scale_inv`` tensor name (empty for an unquantised checkpoint)."""
 
     def _find_scales(self) -> dict[str, str]:
-        from megarl.checkpoint.fp8_blocks import scale_name
+        from megarl.models.fp8_blocks import scale_name
 
         fp8 = [k for k, (_, meta, _) in self._entries.items() if meta["dtype"] == "F8_E4M3"]
         if fp8 and self.quantization is None:
@@ -174,7 +174,7 @@ class HFCheckpointReader:
             KeyError: no such tensor. CheckpointFileError: the read came up short.
         """
         if name in self._scales:
-            from megarl.checkpoint.fp8_blocks import dequantize_blockwise
+            from megarl.models.fp8_blocks import dequantize_blockwise
 
             return dequantize_blockwise(self._read(name), self._read(self._scales[name]), self.quantization.block,
                                         dtype=self.dequantized_dtype)
@@ -195,7 +195,7 @@ class HFCheckpointReader:
 
 def _block_fp8_settings(hf_dir: Path):
     """``(BlockFP8 or None, dtype to dequantise to)`` from ``hf_dir/config.json`` (no config: None)."""
-    from megarl.checkpoint.fp8_blocks import parse_quantization_config
+    from megarl.models.fp8_blocks import parse_quantization_config
 
     config_file = hf_dir / "config.json"
     if not config_file.exists():

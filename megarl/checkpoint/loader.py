@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 import torch
 
 from megarl.checkpoint.hf_io import HFCheckpointReader
-from megarl.checkpoint.mapping import (Entry, ModelLayout, TPSplit, global_name, hf_names_for, lookup,
+from megarl.models.mapping import (Entry, ModelLayout, TPSplit, global_name, hf_names_for, lookup,
                                        split_tp, to_megatron)
 
 
@@ -45,7 +45,7 @@ def iter_global_params(model_chunks: Sequence[torch.nn.Module], parallel_state, 
                        table=None) -> Iterator[tuple[ParamInfo, torch.nn.Parameter]]:
     """Every parameter of this rank's chunks with its :class:`ParamInfo`.
 
-    Names are canonical (:mod:`megarl.checkpoint.naming`) under either layer spec.
+    Names are canonical (:mod:`megarl.models.naming`) under either layer spec.
 
     Args:
         model_chunks: the rank's ``GPTModel`` chunks (optionally wrapped: ``.module`` is unwrapped).
@@ -55,8 +55,8 @@ def iter_global_params(model_chunks: Sequence[torch.nn.Module], parallel_state, 
     Raises:
         KeyError: a parameter without a mapping.
     """
-    from megarl.checkpoint.mapping import family_table
-    from megarl.checkpoint.naming import is_duplicated
+    from megarl.models.mapping import family_table
+    from megarl.models.naming import is_duplicated
 
     table = table if table is not None else family_table(layout)
     num_local_experts = max(layout.num_experts // parallel_state.ep_size, 1)
@@ -119,7 +119,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | os.Pa
         ConfigMismatchError: config.json disagrees with the safetensors (names field, values, file).
         ValueError: a tensor shape that does not match the model (names both).
     """
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
 
     from megarl.checkpoint.config_check import check_weights_match_config

@@ -206,7 +206,7 @@ def _check_cluster(c: _Checker) -> None:
         c.check(cl.placement == "colocated", "weight_sync.transport",
                 "the tensor transport shares memory: it needs cluster.placement=colocated")
     if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p"):
-        from megarl.launch.cluster import use_cuda
+        from megarl.cluster.placement import use_cuda
 
         nccl = cfg.weight_sync.backend == "nccl" or (cfg.weight_sync.backend == "auto" and use_cuda(cl.device))
         c.check(not nccl, "weight_sync.transport",
@@ -214,7 +214,7 @@ def _check_cluster(c: _Checker) -> None:
                 "cannot connect a trainer rank to the engine rank on its own GPU (NCCL refuses two ranks on "
                 "one device); colocated runs use weight_sync.transport=tensor (CUDA IPC)")
     if cl.placement == "colocated":
-        from megarl.launch.cluster import use_cuda
+        from megarl.cluster.placement import use_cuda
 
         engine, trainer = r.engine.mem_fraction_static, cl.colocated_trainer_memory_fraction
         c.check(not use_cuda(cl.device) or engine + trainer <= COLOCATED_MEMORY_LIMIT,
@@ -224,7 +224,7 @@ def _check_cluster(c: _Checker) -> None:
                 f"{COLOCATED_MEMORY_LIMIT} (the rest holds CUDA contexts, NCCL buffers and the engines' "
                 "activations); lower one of them")
     if cl.placement == "colocated" and cfg.rollout.async_mode:
-        from megarl.launch.cluster import use_cuda
+        from megarl.cluster.placement import use_cuda
 
         c.check(not use_cuda(cl.device), "rollout.async_mode",
                 "colocated engines share their GPUs with the trainer: they lend it their memory only while "
@@ -244,8 +244,8 @@ def _check_cluster(c: _Checker) -> None:
 
 
 def _family_error(hf_config) -> str | None:
-    """Why the model family registry (megarl.checkpoint.families) cannot handle this config, or None."""
-    from megarl.checkpoint.families import get_family
+    """Why the model family registry (megarl.models.families) cannot handle this config, or None."""
+    from megarl.models.families import get_family
 
     try:
         get_family(hf_config)

@@ -1,7 +1,7 @@
 """HF exports during training, off the driver loop (``checkpoint.hf_export_interval``).
 
 The export of a committed checkpoint (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`) runs
-in its own process (one gloo rank, spawned by :func:`megarl.launch.local_ranks.run_ranks`) and
+in its own process (one gloo rank, spawned by :func:`megarl.procs.local_ranks.run_ranks`) and
 takes as long as reading the model once and writing it once. Waited for in the driver loop, the
 trainer ranks sat idle meanwhile; here a daemon thread of the driver waits for that process while
 the loop goes on (rollouts, training, weight syncs).

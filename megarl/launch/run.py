@@ -25,11 +25,11 @@ from omegaconf import OmegaConf
 from megarl.data.datasets import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.launch import run_state as rs
-from megarl.launch.cluster import build_placement, init_ray
-from megarl.launch.engines import EngineGroup
+from megarl.cluster.placement import build_placement, init_ray
+from megarl.cluster.engines import EngineGroup
 from megarl.launch.hf_export import BackgroundExport
 from megarl.launch.metrics import MetricsLogger
-from megarl.launch.retrieval import start_retrieval, stop_retrieval
+from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.launch.rollout_actor import RolloutWorker, materialize_routes
 from megarl.launch.trainer_group import TrainerGroup
 
@@ -133,7 +133,7 @@ class Run:
     engine_weight_version: float = float("nan")
     """The engines' weight version after the last sync."""
     engine_memory_released: tuple[str, ...] = ()
-    """Colocated: the SGLang memory tags the engines lent to the trainer (:mod:`megarl.launch.colocated`)."""
+    """Colocated: the SGLang memory tags the engines lent to the trainer (:mod:`megarl.cluster.colocated`)."""
     synced_version: int | None = None
     """The policy version last pushed to the engines (None before the first sync)."""
     hf_export: BackgroundExport = dataclasses.field(default_factory=BackgroundExport)
@@ -245,13 +245,13 @@ class Run:
     def release_engine_memory(self, *, weights: bool | None = None) -> None:
         """Colocated, synchronous: the engines (idle: before the first rollout, or after the step's
         rollout) free their GPU memory for the trainer until :meth:`resume_engine_memory`
-        (:mod:`megarl.launch.colocated`).
+        (:mod:`megarl.cluster.colocated`).
 
         Args:
             weights: release the weights too (they come back uninitialised: only when the next weight
                 sync rewrites them); None: when every step ends with a sync (``weight_sync.every_n_steps``).
         """
-        from megarl.launch import colocated
+        from megarl.cluster import colocated
 
         if not self._lends_engine_memory():
             return
@@ -261,7 +261,7 @@ class Run:
 
     def resume_engine_memory(self) -> None:
         """Give the engines their memory back (weights, then KV cache and CUDA graphs); no-op if not lent."""
-        from megarl.launch import colocated
+        from megarl.cluster import colocated
 
         if self.engine_memory_released:
             colocated.resume(self.engine_urls, self.engine_memory_released)

@@ -185,7 +185,7 @@ class TrainerGroup:
 
     Args:
         cfg: the resolved run config (DictConfig).
-        placement: where the ranks go (:class:`megarl.launch.cluster.Placement`).
+        placement: where the ranks go (:class:`megarl.cluster.placement.Placement`).
         env: extra environment for every rank.
         setup_timeout_s: seconds to wait for every rank to build its trainer (default
             ``cluster.trainer_setup_timeout_s``); calls wait ``cluster.trainer_call_timeout_s``.
@@ -198,7 +198,7 @@ class TrainerGroup:
                  setup_timeout_s: float | None = None) -> None:
         from omegaconf import OmegaConf
 
-        from megarl.launch.cluster import trainer_world_size, use_cuda
+        from megarl.cluster.placement import trainer_world_size, use_cuda
 
         self.world_size = trainer_world_size(cfg.cluster)
         self.timeout_s = float(cfg.cluster.trainer_call_timeout_s)

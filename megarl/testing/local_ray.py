@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 @contextlib.contextmanager
 def private_ray(**init_kwargs: Any) -> Iterator[None]:
-    """Start Ray on 127.0.0.1 (megarl's loopback switch, `megarl.launch.cluster.LOCAL_RAY_LOOPBACK_ENV`),
+    """Start Ray on 127.0.0.1 (megarl's loopback switch, `megarl.cluster.placement.LOCAL_RAY_LOOPBACK_ENV`),
     yield, shut it down; the switch and the environment are restored right after ``ray.init``.
 
     Args:
@@ -20,7 +20,7 @@ def private_ray(**init_kwargs: Any) -> Iterator[None]:
     import ray
     from ray._private import ray_constants
 
-    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
+    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process")

@@ -1,7 +1,7 @@
 """Megatron-Core ``GPTModel`` built from a Hugging Face ``config.json``.
 
 The architecture (layers, heads, experts, rope, ...) is read from the HF config through the model
-family registry (``megarl.checkpoint.families``); the run's choices (parallelism, precision,
+family registry (``megarl.models.families``); the run's choices (parallelism, precision,
 router dtype, aux loss, dispatcher, dropout) come from megarl's config. Specs: Megatron's local
 spec on CPU (torch norms, SequentialMLP experts), the Transformer Engine spec on GPU.
 
@@ -70,7 +70,7 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
 
     hf_config = load_hf_config(hf_config)
     if precision not in _DTYPES:
@@ -231,8 +231,8 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megarl.checkpoint.families import get_family
-    from megarl.checkpoint.mapping import padded_vocab_size
+    from megarl.models.families import get_family
+    from megarl.models.mapping import padded_vocab_size
 
     if not mps.model_parallel_is_initialized():
         raise RuntimeError("build_model needs Megatron's parallel state: call initialize_parallel() first")
@@ -289,7 +289,7 @@ def _mapped_buffers_to_parameters(model: torch.nn.Module, table) -> None:
     gradient and no optimizer state. It moves to the device of its module's parameters (``meta``
     for the converters' shape-only models).
     """
-    from megarl.checkpoint.mapping import template_of
+    from megarl.models.mapping import template_of
 
     for prefix, module in model.named_modules():
         for name, buffer in list(module._buffers.items()):

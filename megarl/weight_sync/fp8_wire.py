@@ -6,7 +6,7 @@ and Qwen3's FP8 releases), SGLang holds every quantised linear as a ``float8_e4m
 and a float32 ``weight_scale_inv`` and loads updates in that format. The plan then carries, per
 bucket, the tensors the engines receive (:attr:`~megarl.weight_sync.plan.Bucket.wire_tensors`,
 from :func:`wire_specs`): each quantised HF weight becomes its FP8 tensor plus its
-``<name>_scale_inv`` (:mod:`megarl.checkpoint.fp8_blocks`), the rest is unchanged. The stage sender
+``<name>_scale_inv`` (:mod:`megarl.models.fp8_blocks`), the rest is unchanged. The stage sender
 converts a bucket to BF16 HF tensors as always, then :class:`WireQuantizer` quantises it into a
 wire bucket (about half the bytes of the quantised weights: 1 byte per element plus 4 per 128 x 128
 block), which every transport sends as it is. Engine rank ``r`` receives the FP8 rows/columns of
@@ -15,7 +15,7 @@ SGLang shards ``weight_scale_inv`` in whole blocks along the weight's split, so 
 rank's own shard quantised. The plan is checked against the served checkpoint's headers as before
 (FP8 dtypes and every ``_scale_inv`` included).
 
-Which tensors: :meth:`~megarl.checkpoint.fp8_blocks.BlockFP8.is_quantized` (SGLang 0.5.23's rule:
+Which tensors: :meth:`~megarl.models.fp8_blocks.BlockFP8.is_quantized` (SGLang 0.5.23's rule:
 decoder linears, not norms, embeddings, LM head, MoE router, nor ``modules_to_not_convert``).
 
 Where it is tested: on CPU, the bytes that cross the wire for quantised tensors (~0.5x) and the
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from megarl.checkpoint.fp8_blocks import BlockFP8, parse_quantization_config, quantize_blockwise, scale_name
+from megarl.models.fp8_blocks import BlockFP8, parse_quantization_config, quantize_blockwise, scale_name
 from megarl.weight_sync.specs import HFTensorSpec
 
 if TYPE_CHECKING:

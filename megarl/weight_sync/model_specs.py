@@ -2,7 +2,7 @@
 
 ``param_specs_from_hf_config(config)`` lists every Megatron-Core parameter of the model with its
 full shape, TP split axis and the checkpoint-style HF tensors it converts to, without allocating:
-names and shapes come from the family's ``Family.megatron_shapes`` (``megarl.checkpoint.families``:
+names and shapes come from the family's ``Family.megatron_shapes`` (``megarl.models.families``:
 qwen3, qwen3_moe, deepseek_v3, glm4_moe, ...), the TP split from its mapping table, and the HF
 names and shapes from running the family's own ``megatron_to_hf`` on ``meta`` tensors (no memory).
 
@@ -98,8 +98,8 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
     """
     import torch
 
-    from megarl.checkpoint.families import get_family
-    from megarl.checkpoint.mapping import Transform, hf_names, lookup, megatron_to_hf, template_of
+    from megarl.models.families import get_family
+    from megarl.models.mapping import Transform, hf_names, lookup, megatron_to_hf, template_of
 
     hf_config = _hf_config_object(config)
     try:

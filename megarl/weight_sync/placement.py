@@ -54,7 +54,7 @@ class Placement:
     """
 
     def __init__(self, model_layout) -> None:
-        from megarl.checkpoint.mapping import family_table
+        from megarl.models.mapping import family_table
 
         self.layout = model_layout
         self.table = family_table(model_layout)
@@ -67,7 +67,7 @@ class Placement:
             WeightSyncError: the traced conversion does not produce the planned HF shapes, or does
                 not cover every HF row exactly once.
         """
-        from megarl.checkpoint.mapping import lookup, template_of
+        from megarl.models.mapping import lookup, template_of
 
         shapes = tuple(t.shape for t in transfer.param.hf)
         key = (transfer.param.name, tuple(transfer.param.shape), len(transfer.sources), shapes)
@@ -81,7 +81,7 @@ class Placement:
 
     @functools.lru_cache(maxsize=4096)
     def _trace(self, template: str, entry, full_shape: tuple, num_shards: int, hf_shapes: tuple) -> tuple[Piece, ...]:
-        from megarl.checkpoint.mapping import TPSplit, split_tp, to_hf
+        from megarl.models.mapping import TPSplit, split_tp, to_hf
 
         if entry.tp_split is TPSplit.ROW and num_shards > 1:
             if len(hf_shapes) != 1 or tuple(hf_shapes[0]) != tuple(full_shape):

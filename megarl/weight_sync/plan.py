@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
-from megarl.checkpoint.fp8_blocks import BlockFP8
+from megarl.models.fp8_blocks import BlockFP8
 from megarl.errors import UserError
 from megarl.weight_sync.fp8_wire import wire_specs
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout

@@ -64,7 +64,7 @@ class SyncPrediction:
     seconds: float = 0.0
     engine_rank_node: list[int] = field(default_factory=list)
     """Which of its engine's nodes each engine rank is on (all 0 unless the engine spans nodes:
-    ``megarl.launch.cluster.engine_nodes``); empty when not known (no run config)."""
+    ``megarl.cluster.placement.engine_nodes``); empty when not known (no run config)."""
 
 
 def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, intra_gbps: float,
@@ -238,7 +238,7 @@ def plan_from_config(cfg):
 
 def placement_from_config(cfg):
     """The conversion's copy instructions for a resolved run config (metadata only)."""
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.placement import Placement
 

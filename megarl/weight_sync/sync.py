@@ -388,7 +388,7 @@ def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int
     Raises:
         WeightSyncError / PlanError / LayoutError / SpecError: see the checks they name.
     """
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.fp8_wire import served_quantization
     from megarl.weight_sync.placement import Placement

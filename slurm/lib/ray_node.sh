@@ -43,7 +43,7 @@ if [[ $cmd == probe ]]; then
   exit 0
 fi
 
-# megarl's single-host switch (megarl.launch.cluster.LOCAL_RAY_LOOPBACK_ENV) makes a joining node
+# megarl's single-host switch (megarl.cluster.placement.LOCAL_RAY_LOOPBACK_ENV) makes a joining node
 # refuse ("Multi-node Ray clusters are not supported"): never let an inherited one reach a cluster.
 unset RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
 index=$2 ip_addr=$3 num_cpus=$4 num_gpus=$5 resources=$6 port_lo=$7 port_hi=$8

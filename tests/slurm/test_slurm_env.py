@@ -1,8 +1,8 @@
-"""megarl.launch.slurm_env without Slurm: allocation parsing, checks and the Ray resource plan."""
+"""megarl.cluster.slurm_env without Slurm: allocation parsing, checks and the Ray resource plan."""
 import pytest
 
 from megarl.config import load_config
-from megarl.launch.slurm_env import (Allocation, NodePlan, allocation_issues, expand_counts, missing_nodes,
+from megarl.cluster.slurm_env import (Allocation, NodePlan, allocation_issues, expand_counts, missing_nodes,
                                      plan_nodes, read_plan)
 
 pytestmark = pytest.mark.slurm

@@ -64,3 +64,106 @@ def test_no_import_cycle_at_import_time():
         if module not in state:
             visit(module, [])
     assert cycles == []
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def _layers() -> dict[str, int]:
+    """`docs/architecture.md`'s layer table: top-level package (or module) name -> layer number."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].isdigit():
+            for name in cells[1].replace("`", "").split(","):
+                layers[name.strip()] = int(cells[0])
+    return layers
+
+
+def _top(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def _resolve(name: str, sources: dict) -> str | None:
+    """The megarl module an imported name lives in (``a.b.C`` -> ``a.b``), None when none does."""
+    while name and name not in sources:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_every_package_has_a_layer():
+    layers = _layers()
+    assert layers, "docs/architecture.md has no layer table"
+    missing = sorted({_top(m) for m in _sources() if m != "megarl"} - set(layers))
+    assert missing == [], f"packages missing from docs/architecture.md's layer table: {missing}"
+
+
+def test_every_import_runs_down_the_layers():
+    """Function-local imports count: an import inside a function to dodge a circle is a circle."""
+    layers, sources = _layers(), _sources()
+    upward = []
+    for module, (tree, pkg) in sorted(sources.items()):
+        if module == "megarl":
+            continue
+        for name in sorted(_imports(tree, module, pkg, False)):
+            target = _resolve(name, sources)
+            if target is None or target == "megarl" or _top(target) == _top(module):
+                continue
+            if layers.get(_top(target), 99) >= layers.get(_top(module), -1):
+                upward.append(f"{module} -> {target}")
+    assert upward == [], "imports against docs/architecture.md's layers:\n" + "\n".join(sorted(set(upward)))
+
+
+def test_no_import_circle_counting_imports_inside_functions():
+    sources = _sources()
+    graph = {}
+    for module, (tree, pkg) in sources.items():
+        targets = {_resolve(n, sources) for n in _imports(tree, module, pkg, False)}
+        graph[module] = {t for t in targets if t and t != module and t != "megarl"}
+    # Tarjan's strongly connected components: every component of more than one module is a circle.
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            connect(module)
+    assert circles == [], "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_files_and_functions_within_the_style_guides_sizes():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(PACKAGE.parent)
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
+    assert too_long == [], "over the style guide's sizes:\n" + "\n".join(too_long)

@@ -59,7 +59,7 @@ def measure(hf_dir: str, num_seqs: int, global_batch: int) -> list[dict]:
     import ray
     from transformers import AutoConfig
 
-    from megarl.launch.cluster import build_placement, init_ray
+    from megarl.cluster.placement import build_placement, init_ray
     from megarl.launch.trainer_group import TrainerGroup
     from megarl.testing.driver_bytes import step_bytes
 

@@ -104,8 +104,8 @@ def local_shards(hf_dir: str, plan, rank: int) -> dict[str, torch.Tensor]:
     """This rank's Megatron shards, made from the HF tensors with the family mapping."""
     from safetensors import safe_open
 
-    from megarl.checkpoint.families import get_family
-    from megarl.checkpoint.mapping import lookup, split_tp, to_megatron
+    from megarl.models.families import get_family
+    from megarl.models.mapping import lookup, split_tp, to_megatron
     from megarl.training.model import load_hf_config
 
     hf_config = load_hf_config(hf_dir)
@@ -172,7 +172,7 @@ def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, engine_pid: 
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
     plan = build_plan(TrainerLayout(tensor_model_parallel_size=2), EngineLayout(), specs, bucket_size_mb=bucket_mb)
     shards = local_shards(hf_dir, plan, rank)
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
 
     cfg = WeightSyncConfig(transport=transport, bucket_size_mb=bucket_mb)
     syncer = WeightSynchronizer(plan, transport, [url], rank=rank,
@@ -239,7 +239,7 @@ def side_by_side_worker(rank: int, world_size: int, hf_dir: str, url: str, engin
     """Ranks 0-1: the TP2 trainer; ranks 2..: one raw receiver per engine rank (see module docstring)."""
     import torch.distributed as dist
 
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config

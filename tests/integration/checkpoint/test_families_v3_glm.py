@@ -196,7 +196,7 @@ def test_deepseek_mtp_layer_dropped_on_import(tiny_deepseek_v3_dir, work_dir, ca
     from megarl.testing.tiny_model import append_mtp_layer
 
     with_mtp = append_mtp_layer(shutil.copytree(tiny_deepseek_v3_dir, work_dir / "deepseek_mtp"))
-    with caplog.at_level(logging.WARNING, logger="megarl.checkpoint.families.deepseek_v3"):
+    with caplog.at_level(logging.WARNING, logger="megarl.models.families.deepseek_v3"):
         ckpt = hf_to_megatron(with_mtp, work_dir / "ckpt_mtp", timeout_s=240)
     assert "multi-token-prediction layer(s) (HF model.layers.2..2) are dropped" in caplog.text
     out = _load_all(megatron_to_hf_dir(ckpt, work_dir / "hf_mtp", timeout_s=240))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.checkpoint.fp8_blocks import BlockFP8, quantize_blockwise
+from megarl.models.fp8_blocks import BlockFP8, quantize_blockwise
 from megarl.checkpoint.hf_io import CheckpointFileError, HFCheckpointReader
 from megarl.testing.checkpoints import load_safetensors_dir
 

@@ -9,7 +9,7 @@ the test's own (``MEGARL_TEST_DRIVER_PID``), whose tables later tests still use.
 import dataclasses
 import os
 
-from megarl.checkpoint.families import qwen3_moe
+from megarl.models.families import qwen3_moe
 
 if "RANK" in os.environ and os.getpid() != int(os.environ.get("MEGARL_TEST_DRIVER_PID", "-1")):
     _KEY = qwen3_moe.MC + "self_attention.linear_qkv.weight"

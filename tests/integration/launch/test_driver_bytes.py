@@ -50,7 +50,7 @@ def test_driver_receives_metrics_only_and_each_rank_its_share(tiny_moe_dir):
     import ray
     from transformers import AutoConfig
 
-    from megarl.launch.cluster import build_placement, init_ray
+    from megarl.cluster.placement import build_placement, init_ray
     from megarl.launch.data_plan import METRICS_BYTES, plan_step_bytes
     from megarl.launch.trainer_group import TrainerGroup
 

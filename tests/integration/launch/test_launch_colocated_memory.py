@@ -1,14 +1,14 @@
 """Colocated placement's engine-memory cycle (issue 18 item 8) against the real SGLang server.
 
 The driver releases the engines' memory after a rollout and resumes it before the weight sync
-(:mod:`megarl.launch.colocated`). SGLang keeps the set of released tags and refuses a release while
+(:mod:`megarl.cluster.colocated`). SGLang keeps the set of released tags and refuses a release while
 busy, so the tag sequence must be exactly what its scheduler accepts; after the cycle and a weight
 reload the engine generates exactly as before. (On CPU the memory saver is off, so the release
 frees nothing; the endpoints, tags and ordering are the same code as on GPU.)
 """
 import pytest
 
-from megarl.launch import colocated
+from megarl.cluster import colocated
 from megarl.weight_sync.engines import EngineGroup
 
 PROMPT = list(range(40, 90))

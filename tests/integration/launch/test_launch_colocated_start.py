@@ -27,8 +27,9 @@ import pytest
 import ray
 
 from megarl.config.loader import load_config
-from megarl.launch import colocated, run as run_module, weight_sync_step
-from megarl.launch.engines import EngineGroup
+from megarl.cluster import colocated
+from megarl.launch import run as run_module, weight_sync_step
+from megarl.cluster.engines import EngineGroup
 from megarl.rollout.ports import PORT_SPAN
 from megarl.testing.local_ray import private_ray
 
@@ -58,7 +59,7 @@ def _cfg(run_dir: Path, tiny_moe_dir: Path, *extra: str):
 def run_ray():
     """Start Ray as the run would (:func:`init_ray`), retried: on a loaded 2-core machine Ray 2.60's fixed
     30 s wait for its raylet can expire. ``Run.build`` then uses this instance; stopped here."""
-    from megarl.launch.cluster import init_ray
+    from megarl.cluster.placement import init_ray
 
     def start(cfg) -> None:
         for attempt in range(3):

@@ -2,7 +2,7 @@
 several nodes on this machine (``ray.cluster_utils.Cluster``), each with 2 *logical* GPUs, for
 which Ray sets ``CUDA_VISIBLE_DEVICES`` per actor as on real nodes.
 
-The run's own placement (:func:`megarl.launch.cluster.build_placement`) places an engine of TP 4
+The run's own placement (:func:`megarl.cluster.placement.build_placement`) places an engine of TP 4
 over nodes of 2 GPUs; the real ``EngineActor`` of each node part (no server started) reports its
 Ray node and devices. References: Ray's own answers (the actor's runtime context, the devices Ray
 gave it) and the layout: the engine on two distinct whole nodes, none of them the trainer's,
@@ -13,8 +13,8 @@ tests/unit/rollout/test_engine_nodes.py.)
 import pytest
 import ray
 
-from megarl.launch.cluster import build_placement
-from megarl.launch.engines import engine_kwargs
+from megarl.cluster.placement import build_placement
+from megarl.cluster.engines import engine_kwargs
 from megarl.rollout.engine_actor import EngineActor
 
 ROLLOUT_NODES, GPUS_PER_NODE, TP, ENGINES = 2, 2, 4, 1
@@ -40,9 +40,9 @@ def ray_nodes():
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
-    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
+    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
 
-    with pytest.MonkeyPatch.context() as mp:  # every raylet on 127.0.0.1 (megarl.launch.cluster)
+    with pytest.MonkeyPatch.context() as mp:  # every raylet on 127.0.0.1 (megarl.cluster.placement)
         mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
         mp.setenv("RAY_AUTH_MODE", "disabled")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)

@@ -1,6 +1,6 @@
 """GPU placement without GPUs (issue 18): a Ray node started with 8 *logical* GPUs makes Ray set
 ``CUDA_VISIBLE_DEVICES`` for every actor exactly as on a real node. The run's own placement
-(:func:`megarl.launch.cluster.build_placement`) places the real actor classes (``TrainerWorker``,
+(:func:`megarl.cluster.placement.build_placement`) places the real actor classes (``TrainerWorker``,
 ``EngineActor``; neither builds a model or starts a server here), and each reports what it sees.
 
 Asserted, for disaggregated and colocated placement and engine TP 1, 2 and 4:
@@ -14,8 +14,8 @@ import ray
 from omegaconf import OmegaConf
 
 from megarl.config.schema import MegarlConfig
-from megarl.launch.cluster import build_placement, devices_per_engine
-from megarl.launch.engines import MEMORY_SAVER_FLAG, engine_kwargs
+from megarl.cluster.placement import build_placement, devices_per_engine
+from megarl.cluster.engines import MEMORY_SAVER_FLAG, engine_kwargs
 from megarl.launch.trainer_group import TrainerWorker
 from megarl.rollout.engine_actor import EngineActor
 from megarl.testing.local_ray import private_ray

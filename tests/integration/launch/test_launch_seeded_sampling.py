@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megarl.launch.engines import SEEDING_SHIM_DIR
+from megarl.cluster.engines import SEEDING_SHIM_DIR
 
 
 @pytest.fixture(scope="module")

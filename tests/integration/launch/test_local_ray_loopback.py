@@ -1,6 +1,6 @@
 """A single-host run's private Ray instance binds and advertises 127.0.0.1 only.
 
-Without megarl's switch (`megarl.launch.cluster.loopback_ray`) Ray 2.60 takes the machine's
+Without megarl's switch (`megarl.cluster.placement.loopback_ray`) Ray 2.60 takes the machine's
 interface address for its node (GCS, raylet and workers listen on it, some on 0.0.0.0) and every
 rendezvous megarl takes from Ray's node address (trainer group, weight sync) advertises it.
 """
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 SCRIPT = r"""
 import json, os, psutil, ray
 from megarl.config import load_config
-from megarl.launch.cluster import init_ray
+from megarl.cluster.placement import init_ray
 
 assert init_ray(load_config("configs/cpu_gsm8k.yaml", []))
 

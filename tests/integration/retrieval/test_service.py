@@ -97,7 +97,7 @@ def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(c
     import ray
 
     from megarl.config import load_config
-    from megarl.launch.retrieval import start_retrieval, stop_retrieval
+    from megarl.cluster.retrieval import start_retrieval, stop_retrieval
     from pathlib import Path
 
     corpus, index = corpus_and_index
@@ -108,9 +108,9 @@ def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(c
                              f"retrieval.corpus={corpus}"])
     from ray._private import ray_constants
 
-    from megarl.launch.cluster import LOCAL_RAY_LOOPBACK_ENV
+    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
 
-    monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")  # a single-host Ray on 127.0.0.1 (megarl.launch.cluster)
+    monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")  # a single-host Ray on 127.0.0.1 (megarl.cluster.placement)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:

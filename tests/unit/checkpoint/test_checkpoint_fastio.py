@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megarl.checkpoint.fastio import StoragePool, read_hf_into, read_torch_save_tensor, row_plan
-from megarl.checkpoint.families import get_family
+from megarl.models.families import get_family
 from megarl.checkpoint.hf_io import HFCheckpointReader
-from megarl.checkpoint.mapping import TPSplit, hf_names, split_tp, to_megatron
+from megarl.models.mapping import TPSplit, hf_names, split_tp, to_megatron
 
 
 def _concrete_entries(table, layout):
@@ -51,7 +51,7 @@ def test_direct_hf_reads_equal_the_general_conversion(fixture, rank, size, reque
 
 
 def test_row_plan_pads_vocabulary_and_interleaves_qkv(tiny_moe_dir):
-    from megarl.checkpoint.mapping import Entry, Transform
+    from megarl.models.mapping import Entry, Transform
     from megarl.training.model import load_hf_config
 
     layout = get_family(load_hf_config(tiny_moe_dir)).layout(load_hf_config(tiny_moe_dir), tp_size=1)

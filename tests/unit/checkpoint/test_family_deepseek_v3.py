@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from megarl.checkpoint.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
-from megarl.checkpoint.families import get_family
+from megarl.models.families import get_family
 from megarl.checkpoint.hf_io import HFCheckpointReader
 from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.testing.tiny_model import append_mtp_layer
@@ -98,7 +98,7 @@ def test_unsupported_settings_name_the_field(tiny_deepseek_v3_dir, field, value,
 @pytest.mark.timeout(60)
 def test_mtp_layers_are_dropped_with_a_note(tiny_deepseek_v3_dir, tmp_path, caplog):
     with_mtp = append_mtp_layer(shutil.copytree(tiny_deepseek_v3_dir, tmp_path / "mtp"))
-    with caplog.at_level(logging.WARNING, logger="megarl.checkpoint.families.deepseek_v3"):
+    with caplog.at_level(logging.WARNING, logger="megarl.models.families.deepseek_v3"):
         check_weights_match_config(with_mtp)
     assert "1 multi-token-prediction layer(s) (HF model.layers.2..2) are dropped" in caplog.text
     assert not any(k.startswith("model.layers.2.") for k in expected_hf_shapes(_config(with_mtp)))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megarl.checkpoint.config_check import check_weights_match_config, expected_hf_shapes
-from megarl.checkpoint.families import get_family
+from megarl.models.families import get_family
 from megarl.checkpoint.hf_io import HFCheckpointReader
-from megarl.checkpoint.mapping import lookup, to_hf, to_megatron
+from megarl.models.mapping import lookup, to_hf, to_megatron
 from megarl.config.schema import ModelConfig, ParallelConfig
 
 

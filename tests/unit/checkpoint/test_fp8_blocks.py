@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megarl.checkpoint.fp8_blocks import (BlockFP8, dequantize_blockwise, parse_quantization_config,
+from megarl.models.fp8_blocks import (BlockFP8, dequantize_blockwise, parse_quantization_config,
                                           quantize_blockwise, scale_name)
 
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from megarl.checkpoint.families import get_family
-from megarl.checkpoint.mapping import (ModelLayout, TPSplit, Transform, gather_tp, global_name,
+from megarl.models.families import get_family
+from megarl.models.mapping import (ModelLayout, TPSplit, Transform, gather_tp, global_name,
                                        hf_names_for, lookup, megatron_to_hf, padded_vocab_size,
                                        split_tp, template_of, to_hf, to_megatron)
 

@@ -13,9 +13,9 @@ real Megatron builds), which validates the walk.
 import pytest
 import torch
 
-from megarl.checkpoint.families import get_family
-from megarl.checkpoint.mapping import global_name, lookup
-from megarl.checkpoint.naming import TE_TO_CANONICAL, canonical_name
+from megarl.models.families import get_family
+from megarl.models.mapping import global_name, lookup
+from megarl.models.naming import TE_TO_CANONICAL, canonical_name
 from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.testing.tiny_model import TinyModelSpec, _hf_config
 

@@ -4,8 +4,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from megarl.config.schema import MegarlConfig
-from megarl.launch import cluster
-from megarl.launch.cluster import Placement, bundle_order, check_groups_on_one_node
+from megarl.cluster import placement as cluster
+from megarl.cluster.placement import Placement, bundle_order, check_groups_on_one_node
 from megarl.launch.trainer_group import omp_threads
 
 # Ray's PACK over two 4-GPU nodes may hand out bundles interleaved (and GPUs out of order)
@@ -84,7 +84,7 @@ def test_omp_threads_share_the_nodes_cores():
 @pytest.mark.parametrize("placement, device, saver", [("colocated", "cuda", True), ("disaggregated", "cuda", False),
                                                       ("colocated", "cpu", False)])
 def test_colocated_cuda_engines_start_with_the_memory_saver(placement, device, saver):
-    from megarl.launch.engines import MEMORY_SAVER_FLAG, engine_kwargs
+    from megarl.cluster.engines import MEMORY_SAVER_FLAG, engine_kwargs
 
     kwargs = engine_kwargs(_cfg(**{"cluster.placement": placement}), device=device, log_path=None, engine_id="e0")
     assert (MEMORY_SAVER_FLAG in kwargs["extra_args"]) == saver

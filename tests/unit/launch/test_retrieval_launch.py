@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.launch.retrieval import RetrievalConfigError, check_retrieval, start_retrieval
+from megarl.cluster.retrieval import RetrievalConfigError, check_retrieval, start_retrieval
 
 REPO = Path(__file__).resolve().parents[3]
 

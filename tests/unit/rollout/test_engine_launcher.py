@@ -120,7 +120,7 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
 
     from omegaconf import OmegaConf
 
-    from megarl.launch.engines import engine_kwargs
+    from megarl.cluster.engines import engine_kwargs
 
     cfg = OmegaConf.create({"rollout": {"engine": {**OmegaConf.to_container(OmegaConf.structured(RolloutConfig).engine),
                                                    "tensor_parallel_size": 4, "expert_parallel_size": 4}},

@@ -9,7 +9,7 @@ The parse by SGLang's own parser is in tests/integration/rollout/test_engine_nod
 """
 import pytest
 
-from megarl.launch.cluster import engine_part_bundles
+from megarl.cluster.placement import engine_part_bundles
 from megarl.rollout.engine import EngineProcess
 
 

@@ -109,7 +109,7 @@ def _plan():
 
 
 def _sender(directory: str) -> dict:
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.weight_sync.gather import StageGatherer
     from megarl.weight_sync.p2p import CheckedDistributedTransport
     from megarl.weight_sync.placement import Placement

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.checkpoint.fp8_blocks import BlockFP8
+from megarl.models.fp8_blocks import BlockFP8
 from megarl.weight_sync import receiver
 from megarl.weight_sync.fp8_wire import WireQuantizer, check_sglang_version, served_quantization, wire_specs
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
@@ -72,8 +72,8 @@ def _write_fp8_checkpoint(directory: Path, hf: dict[str, torch.Tensor], quantiza
 def test_each_engine_rank_receives_its_shard_quantised_at_half_the_bytes(tmp_path, monkeypatch, num_kv_heads):
     from transformers import AutoConfig
 
-    from megarl.checkpoint.families import get_family
-    from megarl.checkpoint.mapping import megatron_to_hf
+    from megarl.models.families import get_family
+    from megarl.models.mapping import megatron_to_hf
     from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.placement import Placement

@@ -3,8 +3,8 @@ for every parameter kind of the tiny Qwen3-MoE and dense Qwen3 at TP 1, 2 and 4.
 import pytest
 import torch
 
-from megarl.checkpoint.families import get_family
-from megarl.checkpoint.mapping import gather_tp, lookup, megatron_to_hf, split_tp
+from megarl.models.families import get_family
+from megarl.models.mapping import gather_tp, lookup, megatron_to_hf, split_tp
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.model_specs import param_specs_from_hf_config
 from megarl.weight_sync.placement import Placement

@@ -73,7 +73,7 @@ def test_segment_senders_send_each_engine_ranks_segment_from_the_trainer_rank_ho
     gathers nothing; the stage takes the slower of the two (closed forms as above)."""
     from transformers import AutoConfig
 
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
     from megarl.weight_sync.placement import Placement
 
     specs = param_specs_from_hf_config(DENSE, tensor_model_parallel_size=2, dtype="bfloat16")

@@ -1,8 +1,8 @@
 """The vocabulary of a mapping table: :class:`Entry` rows, their :class:`Transform` and
 :class:`TPSplit`, and the :class:`ModelLayout` dimensions a table is read with.
 
-A leaf module: the family modules (``megarl.checkpoint.families``) build their tables from these
-types, and :mod:`megarl.checkpoint.mapping` interprets the tables (and looks families up); neither
+A leaf module: the family modules (``megarl.models.families``) build their tables from these
+types, and :mod:`megarl.models.mapping` interprets the tables (and looks families up); neither
 imports the other at module level through this file, so there is no import cycle.
 """
 from __future__ import annotations

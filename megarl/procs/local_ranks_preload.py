@@ -1,4 +1,4 @@
-"""Imported once by the :mod:`megarl.launch.local_ranks` fork server, so that rank processes start
+"""Imported once by the :mod:`megarl.procs.local_ranks` fork server, so that rank processes start
 with torch, Megatron-Core, torch.distributed.checkpoint and the HF config classes of the supported
 model families already imported (each costs seconds; forked ranks share them)."""
 from megarl.logging_setup import install as _filter_known_noise
@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - megatron-core is a hard dependency
 try:
     from transformers import CONFIG_MAPPING
 
-    from megarl.checkpoint.families import _registry
+    from megarl.models.families import _registry
 
     for _model_type in {t for family in _registry().values() for t in family.model_types}:
         if _model_type in CONFIG_MAPPING:

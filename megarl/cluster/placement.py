@@ -15,7 +15,7 @@ Placement (docs/architecture.md):
   of trainer ranks ``i * devices_per_engine ... (i + 1) * devices_per_engine - 1``
   (``CUDA_VISIBLE_DEVICES``; Ray gives an actor GPUs of one bundle only). The engines run with
   ``--enable-memory-saver`` and the driver releases their memory around every train step
-  (:mod:`megarl.launch.colocated`).
+  (:mod:`megarl.cluster.colocated`).
 
 Rank order: Ray's ``PACK`` strategy does not order bundles by node, so trainer rank ``r`` takes the
 ``r``-th bundle after sorting them by node and GPU id (:func:`bundle_order`): consecutive ranks (a
@@ -144,7 +144,7 @@ def loopback_ray() -> Iterator[None]:
 
     if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
         raise RuntimeError(f"ray {_ray_version()}: ray_constants.ENABLE_RAY_CLUSTER is gone; megarl's "
-                           "loopback switch for a local Ray instance needs updating (megarl.launch.cluster)")
+                           "loopback switch for a local Ray instance needs updating (megarl.cluster.placement)")
     previous = os.environ.get(LOCAL_RAY_LOOPBACK_ENV)
     os.environ[LOCAL_RAY_LOOPBACK_ENV] = "0"  # Ray's own processes, started from this environment
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process, whose ray_constants is already imported

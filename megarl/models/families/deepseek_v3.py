@@ -33,9 +33,9 @@ import logging
 
 import torch.nn.functional as F
 
-from megarl.checkpoint.families import Family, hf_get, rope_settings
-from megarl.checkpoint.families.qwen3_moe import DENSE_MLP_TABLE, GLOBAL_TABLE, MOE_TABLE
-from megarl.checkpoint.table import Entry, TPSplit, Transform
+from megarl.models.families import Family, hf_get, rope_settings
+from megarl.models.families.qwen3_moe import DENSE_MLP_TABLE, GLOBAL_TABLE, MOE_TABLE
+from megarl.models.table import Entry, TPSplit, Transform
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def check_supported(hf_config) -> None:
         ValueError: a quantisation other than block-wise e4m3 FP8, attention biases,
             non-interleaved rope, a rope type other than default/yarn, or an activation other than SiLU.
     """
-    from megarl.checkpoint.fp8_blocks import parse_quantization_config
+    from megarl.models.fp8_blocks import parse_quantization_config
 
     parse_quantization_config(getattr(hf_config, "quantization_config", None),
                               where=f"HF config ({hf_config.model_type}) quantization_config")

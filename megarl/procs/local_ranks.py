@@ -41,8 +41,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-PRELOAD = ("megarl.launch.local_ranks_preload",)
-"""Modules imported once by the fork server (see :mod:`megarl.launch.local_ranks_preload`)."""
+PRELOAD = ("megarl.procs.local_ranks_preload",)
+"""Modules imported once by the fork server (see :mod:`megarl.procs.local_ranks_preload`)."""
 
 
 def _context(start_method: str):

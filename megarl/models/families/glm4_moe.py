@@ -10,12 +10,12 @@ the same. The q/k norms act on whole heads before rope in both. The q/k/v biases
 """
 from __future__ import annotations
 
-from megarl.checkpoint.families import Family, rope_settings
-from megarl.checkpoint.families import qwen3_moe as qwen
-from megarl.checkpoint.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
+from megarl.models.families import Family, rope_settings
+from megarl.models.families import qwen3_moe as qwen
+from megarl.models.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
                                                     router_architecture, router_config_kwargs)
-from megarl.checkpoint.fp8_blocks import parse_quantization_config
-from megarl.checkpoint.table import Entry, TPSplit, Transform
+from megarl.models.fp8_blocks import parse_quantization_config
+from megarl.models.table import Entry, TPSplit, Transform
 
 HF = "model.layers.{L}."
 MC = "decoder.layers.{L}."
@@ -44,7 +44,7 @@ def architecture(hf_config) -> dict:
     Raises:
         ValueError: an unsupported setting, naming the HF field (rope type other than default,
             activation other than SiLU, a quantisation other than block FP8, or a router setting, see
-            :func:`~megarl.checkpoint.families.deepseek_v3.router_architecture`).
+            :func:`~megarl.models.families.deepseek_v3.router_architecture`).
     """
     theta, rope_type = rope_settings(hf_config)
     unsupported = {"rope_type": (rope_type, rope_type != "default"),

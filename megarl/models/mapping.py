@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-Core parameter mapping: names, tensor transforms, TP sharding.
 
-A model family (``megarl.checkpoint.families``) declares one table from Megatron parameter-name
+A model family (``megarl.models.families``) declares one table from Megatron parameter-name
 templates to :class:`Entry` values: the HF tensor names, the transform between the HF tensors and
 the one Megatron tensor, and how Megatron shards that tensor over tensor parallelism. This module
 interprets such tables; it knows no family.
@@ -10,7 +10,7 @@ Names. Megatron names are *global, canonical, checkpoint-style module names* of 
 or virtual chunk) and, for experts, the global expert index ``E`` in
 ``mlp.experts.local_experts.{E}.…``. Canonical = the local spec's names; Transformer Engine names
 (fused ``layer_norm_weight``, grouped-GEMM ``linear_fc1.weight{E}``) map to them
-(:mod:`megarl.checkpoint.naming`). :func:`global_name` turns a rank's local parameter name of either
+(:mod:`megarl.models.naming`). :func:`global_name` turns a rank's local parameter name of either
 spec into it; tables hold canonical names only.
 
 Tensors. "Full" Megatron tensors are unsharded over TP/ETP, in Megatron's layout: ``linear_qkv``
@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import torch
 
 # The table's types live in a leaf module (the families import them without importing this one).
-from megarl.checkpoint.table import Entry, ModelLayout, TPSplit, Transform, padded_vocab_size  # noqa: F401
+from megarl.models.table import Entry, ModelLayout, TPSplit, Transform, padded_vocab_size  # noqa: F401
 
 
 def _grouped_kind(part: str) -> str:
@@ -63,12 +63,12 @@ def lookup(table: Mapping[str, Entry], name: str) -> tuple[Entry, dict[str, int]
     """The table entry of a concrete Megatron name and its indices.
 
     Names of either layer spec are accepted (Transformer Engine names are looked up under their
-    canonical name, :mod:`megarl.checkpoint.naming`).
+    canonical name, :mod:`megarl.models.naming`).
 
     Raises:
         KeyError: the name is not in the table.
     """
-    from megarl.checkpoint.naming import canonical_template
+    from megarl.models.naming import canonical_template
 
     template, values = template_of(name)
     template = canonical_template(template)
@@ -98,7 +98,7 @@ def hf_names_for(megatron_name: str, layout: ModelLayout,
 
 def family_table(layout: ModelLayout) -> Mapping[str, Entry]:
     """The mapping table of ``layout.family``."""
-    from megarl.checkpoint.families import get_family
+    from megarl.models.families import get_family
 
     return get_family(layout.family).table
 
@@ -175,7 +175,7 @@ def global_expert_id(local_expert: int, ep_rank: int, num_local_experts: int) ->
 def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
                 num_local_experts: int) -> str:
     """The global, canonical checkpoint-style name of a rank-local parameter name of either layer
-    spec (Transformer Engine names become local-spec names: :mod:`megarl.checkpoint.naming`).
+    spec (Transformer Engine names become local-spec names: :mod:`megarl.models.naming`).
 
     Args:
         local_name: name from ``model_chunk.named_parameters()`` (layer index inside the chunk,
@@ -184,7 +184,7 @@ def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
             (None for non-layer parameters).
         ep_rank: expert-parallel rank; num_local_experts: experts held by each EP rank.
     """
-    from megarl.checkpoint.naming import canonical_template
+    from megarl.models.naming import canonical_template
 
     template, values = template_of(local_name)
     template = canonical_template(template)

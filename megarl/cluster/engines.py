@@ -5,7 +5,7 @@ in its placement bundle; the actor starts an SGLang server on its node and repor
 goes to that URL over HTTP (the rollout actor's router), never through Ray. With
 ``rollout.external_engine_urls`` no engine is launched and the URLs are used as they are.
 
-An engine larger than a node (:func:`megarl.launch.cluster.engine_nodes`) is one actor per node
+An engine larger than a node (:func:`megarl.cluster.placement.engine_nodes`) is one actor per node
 part, each in its own bundle (consecutive nodes), each starting its node's SGLang process with
 ``--nnodes N --node-rank r --dist-init-addr HEAD:PORT`` (HEAD: node-rank 0's address and a free port
 there). Only node-rank 0 serves HTTP, so the engine's URL is its first part's; the parts are one
@@ -63,7 +63,7 @@ class EngineGroup:
 
     Args:
         cfg: the resolved run config.
-        placement: :class:`megarl.launch.cluster.Placement`.
+        placement: :class:`megarl.cluster.placement.Placement`.
         model_path: the HF directory the engines load at start.
         log_dir: ``engine{i}.log`` files go here.
         custom_weight_loaders, env: passed to every server (the weight-sync transport's needs).
@@ -71,7 +71,7 @@ class EngineGroup:
 
     def __init__(self, cfg: Any, placement: Any, model_path: str, log_dir: Path, *,
                  custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        from megarl.launch.cluster import engine_nodes, use_cuda
+        from megarl.cluster.placement import engine_nodes, use_cuda
         from megarl.rollout.engine_actor import EngineActor
 
         self.startup_timeout_s = float(cfg.rollout.engine.startup_timeout_s)

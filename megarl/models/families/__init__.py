@@ -11,10 +11,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from megarl.checkpoint.table import Entry, ModelLayout
+from megarl.models.table import Entry, ModelLayout
 
-_MODULES = ("megarl.checkpoint.families.qwen3_moe", "megarl.checkpoint.families.qwen3",
-            "megarl.checkpoint.families.deepseek_v3", "megarl.checkpoint.families.glm4_moe")
+_MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
+            "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Family:
 
     def layout(self, hf_config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> ModelLayout:
         """The :class:`ModelLayout` of an HF config for a given TP size."""
-        from megarl.checkpoint.table import padded_vocab_size
+        from megarl.models.table import padded_vocab_size
 
         arch = self.architecture(hf_config)
         return ModelLayout(

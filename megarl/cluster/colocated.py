@@ -1,6 +1,6 @@
 """Colocated placement: the engines give their GPU memory to the trainer while it trains.
 
-Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.launch.engines.MEMORY_SAVER_FLAG`).
+Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.engines.MEMORY_SAVER_FLAG`).
 At start (:meth:`megarl.launch.run.Run.build`) the engines, once ready, release everything before
 the trainer ranks are built, and resume before the first weight sync (which rewrites the weights):
 the trainer is never built beside their KV cache. While the engines hold their memory (rollout,

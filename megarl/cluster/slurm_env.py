@@ -4,8 +4,8 @@
 GPUs than the job holds fails in seconds, naming the ``cluster.*`` key, instead of after Ray and the
 engines have started::
 
-    python -m megarl.launch.slurm_env check --plan PLAN --resolved CONFIG_OUT CONFIG [key=value ...]
-    python -m megarl.launch.slurm_env wait-nodes --address HEAD:PORT --plan PLAN --timeout-s 300
+    python -m megarl.cluster.slurm_env check --plan PLAN --resolved CONFIG_OUT CONFIG [key=value ...]
+    python -m megarl.cluster.slurm_env wait-nodes --address HEAD:PORT --plan PLAN --timeout-s 300
 
 and ``slurm/engines.sbatch`` runs ``serve-engines`` on each of its nodes (external rollout engines).
 
@@ -280,7 +280,7 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
     """Run ``--num-engines`` SGLang engines of CONFIG on this node for another job (external engines).
 
     Each engine is megarl's own launcher (:class:`megarl.rollout.engine.EngineProcess`, the settings
-    :func:`megarl.launch.engines.engine_kwargs` derives from the config, CPU shims on CPU) bound to
+    :func:`megarl.cluster.engines.engine_kwargs` derives from the config, CPU shims on CPU) bound to
     ``--host``. Once healthy, ``{registry}/{name}-{k}.url`` holds its URL (written atomically).
     Then it supervises: an engine that exits ends this process with status 1, naming it; SIGTERM
     stops every engine and exits 0.
@@ -288,8 +288,8 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
     import signal
 
     from megarl.cli import prepare_config
-    from megarl.launch.cluster import use_cuda
-    from megarl.launch.engines import engine_kwargs
+    from megarl.cluster.placement import use_cuda
+    from megarl.cluster.engines import engine_kwargs
     from megarl.rollout.engine import EngineProcess, find_free_port
 
     for key in [k for k in os.environ if k.startswith("MEGARL_ALLOC_")]:
@@ -336,7 +336,7 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.launch.slurm_env", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m megarl.cluster.slurm_env", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="validate CONFIG against the allocation; print the node plan")

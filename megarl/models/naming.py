@@ -65,7 +65,7 @@ def canonical_name(name: str) -> str:
     ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight`` ->
     ``decoder.layers.3.input_layernorm.weight``. Works on rank-local and global names alike.
     """
-    from megarl.checkpoint.mapping import template_of
+    from megarl.models.mapping import template_of
 
     template, values = template_of(name)
     canonical = TE_TO_CANONICAL.get(template)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from megarl.checkpoint.families import Family, hf_get, rope_settings
-from megarl.checkpoint.table import Entry, TPSplit, Transform
+from megarl.models.families import Family, hf_get, rope_settings
+from megarl.models.table import Entry, TPSplit, Transform
 
 C, G, Q, V = Transform.COPY, Transform.GLU, Transform.QKV, Transform.VOCAB
 HF = "model.layers.{L}."
@@ -42,7 +42,7 @@ DENSE_MLP_TABLE = {
 EXPERT = HF + "mlp.experts.{E}."
 MOE_TABLE = {
     MC + "mlp.router.weight": Entry((HF + "mlp.gate.weight",), C, TPSplit.NONE),
-    # Canonical names (megarl.checkpoint.naming): TEGroupedMLP's linear_fc1.weight{E} maps here.
+    # Canonical names (megarl.models.naming): TEGroupedMLP's linear_fc1.weight{E} maps here.
     MC + "mlp.experts.local_experts.{E}.linear_fc1.weight": Entry(
         (EXPERT + "gate_proj.weight", EXPERT + "up_proj.weight"), G, TPSplit.GLU, expert=True),
     MC + "mlp.experts.local_experts.{E}.linear_fc2.weight": Entry(
@@ -51,7 +51,7 @@ MOE_TABLE = {
 
 TABLE = {**GLOBAL_TABLE, **ATTENTION_TABLE, **DENSE_MLP_TABLE, **MOE_TABLE}
 """Canonical (local-spec) names only; Transformer Engine names are looked up through
-``megarl.checkpoint.naming.canonical_name`` (fused norms, grouped-GEMM experts)."""
+``megarl.models.naming.canonical_name`` (fused norms, grouped-GEMM experts)."""
 
 
 def check_supported(hf_config) -> None:

@@ -1,8 +1,8 @@
 """Qwen3 dense (``Qwen3ForCausalLM``): the Qwen3-MoE attention with a dense SwiGLU MLP."""
 from __future__ import annotations
 
-from megarl.checkpoint.families import Family
-from megarl.checkpoint.families import qwen3_moe as moe
+from megarl.models.families import Family
+from megarl.models.families import qwen3_moe as moe
 
 TABLE = {**moe.GLOBAL_TABLE, **moe.ATTENTION_TABLE, **moe.DENSE_MLP_TABLE}
 

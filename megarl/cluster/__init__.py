@@ -1,0 +1,1 @@
+"""Cluster plumbing: Ray start and placement, the Slurm environment, engine and retrieval actors."""
