@@ -109,7 +109,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     from megarl.data.datasets import DATASET_REGISTRY
     from megarl.data.sft import DEMONSTRATION_BUILDERS, is_demonstrations_file
     from megarl.rollout.agent import AGENT_REGISTRY
-    from megarl.rollout.rewards import REWARD_REGISTRY
+    from megarl.rollout.rewards.registry import REWARD_REGISTRY
     from megarl.rollout.tools import TOOL_REGISTRY
 
     issues: list[Issue] = []

@@ -31,7 +31,7 @@ import torch
 
 from megarl.registry import registrar
 from megarl.rollout.reasoning import ReasoningFormat, resolve_parsers
-from megarl.rollout.rewards import FINAL_TEXT_KEY, REASONING_TEXT_KEY
+from megarl.rollout.rewards.keys import FINAL_TEXT_KEY, REASONING_TEXT_KEY
 from megarl.rollout.tools.calls import ToolCallParser, run_tool_calls
 from megarl.rollout.tools.sessions import release_sessions, sessions_of
 from megarl.rollout.types import GenerateOutput, RolloutEngine, RolloutStatus, Tool, Trajectory

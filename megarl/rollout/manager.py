@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping
 from megarl.rollout.agent import (AgentContext, TrajectoryState, build_template, get_agent_loop,
                                   new_state, run_agent)
 from megarl.rollout.metrics import throughput_metrics, trajectory_metrics
-from megarl.rollout.rewards import build_reward, compute_reward
+from megarl.rollout.rewards.registry import build_reward, compute_reward
 from megarl.rollout.tools import build_tools
 from megarl.rollout.types import (RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory,
                                   TrajectoryGroup)

@@ -20,7 +20,7 @@ import asyncio
 from megarl.data.datasets import register_dataset
 from megarl.data.sft import register_demonstrations
 from megarl.rollout.agent import register_agent, single_turn
-from megarl.rollout.rewards import register_reward
+from megarl.rollout.rewards.registry import register_reward
 from megarl.rollout.tools import register_tool
 
 
@@ -102,7 +102,7 @@ def validate(monkeypatch, capsys, overrides):
 async def test_a_plugin_file_registers_names_used_by_the_builders(tmp_path):
     from megarl.data.datasets import load_rows
     from megarl.rollout.agent import get_agent_loop
-    from megarl.rollout.rewards import build_reward
+    from megarl.rollout.rewards.registry import build_reward
     from megarl.rollout.tools import build_tools
 
     task = write_task(tmp_path, "reg")

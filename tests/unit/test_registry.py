@@ -7,7 +7,7 @@ from megarl.data.datasets import DATASET_REGISTRY, register_dataset
 from megarl.data.sft import DEMONSTRATION_BUILDERS, register_demonstrations
 from megarl.registry import registrar
 from megarl.rollout.agent import AGENT_REGISTRY, register_agent
-from megarl.rollout.rewards import REWARD_REGISTRY, register_reward
+from megarl.rollout.rewards.registry import REWARD_REGISTRY, register_reward
 from megarl.rollout.tools.registry import TOOL_REGISTRY, register_tool
 
 

@@ -18,7 +18,8 @@ import multiprocessing
 import threading
 from typing import TYPE_CHECKING, Any
 
-from megarl.rollout.rewards import FINAL_TEXT_KEY, register_reward
+from megarl.rollout.rewards.keys import FINAL_TEXT_KEY
+from megarl.rollout.rewards.registry import register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory
