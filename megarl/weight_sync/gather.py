@@ -36,7 +36,8 @@ import torch.distributed as dist
 from megarl.training.collectives import irecv, isend
 from megarl.weight_sync.placement import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
-from megarl.weight_sync.segments import RankSlices, SegmentOwners, overlaps, sliced_layout, torch_dtype
+from megarl.weight_sync.segments import RankSlices, SegmentOwners, overlaps, sliced_layout
+from megarl.weight_sync.specs import torch_dtype
 
 RING_SLOTS = 3
 

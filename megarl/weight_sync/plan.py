@@ -26,14 +26,12 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 from megarl.models.fp8_blocks import BlockFP8
-from megarl.errors import UserError
+from megarl.weight_sync.engine_slices import PlanError, TensorSlice, engine_slices
 from megarl.weight_sync.fp8_wire import wire_specs
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
-from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecError
+from megarl.weight_sync.specs import HFTensorSpec, ParamSpec
 
 MIB = 1 << 20
-SGLANG_VOCAB_PADDING = 64
-"""SGLang 0.5.23 ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``)."""
 TRANSPORTS = ("distributed", "p2p", "shard", "tensor", "disk")
 RAMP_STEPS = 3
 """A stage's first buckets hold at most ``bucket_size / 2**RAMP_STEPS``, then twice as much each,
@@ -41,10 +39,6 @@ up to ``bucket_size``; towards its end a bucket holds at most half of the stage'
 left (but at least ``bucket_size / 2**RAMP_STEPS``). Only the first bucket's gather + conversion
 comes before any byte moves, and only the last one's transfer + loading after the rest: small
 ones fill and drain the pipeline sooner, and the middle keeps the large size's throughput."""
-
-
-class PlanError(UserError):
-    """The parameters cannot be synced with these layouts (names the parameter or tensor)."""
 
 
 @dataclass(frozen=True)
@@ -111,20 +105,6 @@ class Bucket:
     def contributions(self, trainer_rank: int) -> list[tuple[ParamTransfer, ShardSource]]:
         """The shards ``trainer_rank`` contributes to this bucket, in wire order."""
         return [(p, s) for p in self.params for s in p.sources if s.trainer_rank == trainer_rank]
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """Rows/columns ``[start, stop)`` along ``axis`` of an HF tensor (``axis`` None = whole tensor)."""
-
-    axis: Optional[int]
-    start: int = 0
-    stop: int = 0
-
-    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
-        if self.axis is None:
-            return full
-        return full[:self.axis] + (self.stop - self.start,) + full[self.axis + 1:]
 
 
 @dataclass(frozen=True)
@@ -324,11 +304,7 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         raise PlanError("param_specs is empty")
     if bucket_size_mb <= 0:
         raise PlanError(f"weight_sync.bucket_size_mb must be > 0, got {bucket_size_mb}")
-    if senders_per_stage is not None and (not isinstance(senders_per_stage, int) or senders_per_stage < 1):
-        raise PlanError(f"weight_sync.senders_per_stage must be a positive integer or null, got {senders_per_stage!r}")
-    senders = min(trainer_layout.replicas_per_stage, engine_layout.num_engines)
-    if senders_per_stage is not None:
-        senders = min(senders, senders_per_stage)
+    senders = _num_senders(trainer_layout, engine_layout, senders_per_stage)
     _check_unique(param_specs)
     layers = [p.layer for p in param_specs if p.layer is not None]
     num_layers = max(layers) + 1 if layers else 0
@@ -345,105 +321,46 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         per_stage[pp_rank].append(ParamTransfer(p, pp_rank, vp_rank, _sources(p, trainer_layout, pp_rank, num_experts)))
     limit = int(bucket_size_mb * MIB)
     buckets: list[Bucket] = []
-
-    def close(pp_rank: int, transfers: list[ParamTransfer]) -> None:
-        hf = _wire_order(transfers)
-        wire = wire_specs(hf, quantization) if quantization is not None else ()
-        buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank), tuple(transfers), hf, wire))
-
     for pp_rank in sorted(per_stage):
-        current: list[ParamTransfer] = []
-        current_bytes = 0
-        first = len(buckets)
-        left = sum(h.nbytes for t in per_stage[pp_rank] for h in t.param.hf)  # not yet in a closed bucket
-        for t in per_stage[pp_rank]:
-            size = sum(h.nbytes for h in t.param.hf)
-            cap = min(limit >> max(RAMP_STEPS - (len(buckets) - first), 0),  # up: 1/8, 1/4, 1/2, 1
-                      max(limit >> RAMP_STEPS, left // 2))  # down: at most half of what is left
-            if current and current_bytes + size > cap:
-                close(pp_rank, current)
-                left -= current_bytes
-                current, current_bytes = [], 0
-            current.append(t)
-            current_bytes += size
-        if current:
-            close(pp_rank, current)
+        for transfers in _stage_buckets(per_stage[pp_rank], limit):
+            hf = _wire_order(transfers)
+            wire = wire_specs(hf, quantization) if quantization is not None else ()
+            buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank), tuple(transfers),
+                                  hf, wire))
     return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit, quantization, senders)
 
 
-def sglang_padded_vocab(vocab_size: int, tp_size: int) -> int:
-    """SGLang 0.5.23's padded vocabulary (``VocabParallelEmbedding.__init__``)."""
-    padding = SGLANG_VOCAB_PADDING
-    padded = -(-vocab_size // padding) * padding
-    if padded % tp_size:
-        padding *= tp_size
-        padded = -(-vocab_size // padding) * padding
-    return padded
-
-
-def _chunk(tensor: HFTensorSpec, axis: int, size: int, rank: int) -> TensorSlice:
-    if tensor.shape[axis] % size:
-        raise PlanError(f"{tensor.name}: dimension {axis} of {tensor.shape} does not split over {size} engine ranks")
-    step = tensor.shape[axis] // size
-    return TensorSlice(axis, rank * step, (rank + 1) * step)
-
-
-def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) -> dict[int, TensorSlice]:
-    """What each SGLang engine rank holds of ``tensor``: ``{tp_rank: slice}``, receivers only.
-
-    Dense tensors are split over the engine's TP ranks; a routed expert lives on the ``moe_tp``
-    ranks of its expert-parallel rank and is split over those.
+def _num_senders(trainer_layout: TrainerLayout, engine_layout: EngineLayout, senders_per_stage: Optional[int]) -> int:
+    """Replicas of each stage that send: at most ``senders_per_stage`` (None: no limit), the
+    complete copies of a stage, and the engines.
 
     Raises:
-        PlanError: a dimension that does not split, or a vocabulary SGLang would pad (its pre-sharded
-            vocab loader accepts only ``vocab_size / T`` rows per rank).
+        PlanError: ``senders_per_stage`` is not a positive integer or None.
     """
-    if tensor.scale_of is not None:
-        return {r: _block_slice(tensor, sl) for r, sl in engine_slices(tensor.scale_of, layout, num_experts).items()}
-    if tensor.expert is not None:
-        moe_tp = layout.moe_tp_size
-        ep_rank = tensor.expert // (num_experts // layout.ep_size)
-        return {ep_rank * moe_tp + k: _split(tensor, moe_tp, k) for k in range(moe_tp)}
-    return {r: _split(tensor, layout.tp_size, r) for r in range(layout.tp_size)}
+    if senders_per_stage is not None and (not isinstance(senders_per_stage, int) or senders_per_stage < 1):
+        raise PlanError(f"weight_sync.senders_per_stage must be a positive integer or null, got {senders_per_stage!r}")
+    senders = min(trainer_layout.replicas_per_stage, engine_layout.num_engines)
+    return senders if senders_per_stage is None else min(senders, senders_per_stage)
 
 
-def _block_slice(scale: HFTensorSpec, weight_slice: TensorSlice) -> TensorSlice:
-    """The scale blocks of an engine rank's slice of a block-FP8 weight (SGLang's
-    ``BlockQuantScaleParameter``: the weight's split, in whole blocks)."""
-    if weight_slice.axis is None:
-        return weight_slice
-    axis, weight = weight_slice.axis, scale.scale_of
-    b = scale.block[axis]
-    if weight_slice.start % b or (weight_slice.stop % b and weight_slice.stop != weight.shape[axis]):
-        raise PlanError(f"{weight.name}: an engine rank holds {('rows', 'columns')[axis]} [{weight_slice.start}, "
-                        f"{weight_slice.stop}), not whole {b}-element FP8 blocks (SGLang refuses block-FP8 layers "
-                        f"split like this)")
-    return TensorSlice(axis, weight_slice.start // b, -(-weight_slice.stop // b))
-
-
-def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
-    split = tensor.engine_split
-    if split is EngineSplit.REPLICATED or size == 1:
-        return TensorSlice(None)
-    if split is EngineSplit.ROWS:
-        return _chunk(tensor, 0, size, rank)
-    if split is EngineSplit.COLS:
-        return _chunk(tensor, 1, size, rank)
-    if split is EngineSplit.VOCAB:
-        vocab = tensor.shape[0]
-        if sglang_padded_vocab(vocab, size) != vocab:
-            raise PlanError(f"{tensor.name}: vocabulary {vocab} is padded by SGLang at TP {size}; pre-sharded "
-                            f"delivery needs vocab_size divisible by {SGLANG_VOCAB_PADDING} and by TP")
-        return _chunk(tensor, 0, size, rank)
-    if split is EngineSplit.KV_HEADS:
-        num_kv_heads = tensor.shape[0] // tensor.head_dim
-        if num_kv_heads >= size:
-            if num_kv_heads % size:
-                raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads do not split over {size} engine ranks")
-            per_rank = num_kv_heads // size
-            return TensorSlice(0, rank * per_rank * tensor.head_dim, (rank + 1) * per_rank * tensor.head_dim)
-        if size % num_kv_heads:
-            raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads cannot be replicated over {size} ranks")
-        head = rank * num_kv_heads // size
-        return TensorSlice(0, head * tensor.head_dim, (head + 1) * tensor.head_dim)
-    raise SpecError(f"{tensor.name}: unknown engine split {split!r}")
+def _stage_buckets(transfers: Sequence[ParamTransfer], limit: int) -> list[list[ParamTransfer]]:
+    """One stage's parameters cut into buckets of at most ``limit`` HF bytes, ramping up from
+    ``limit / 2**RAMP_STEPS`` and down towards the stage's end (:data:`RAMP_STEPS`); a parameter
+    larger than its bucket's cap gets a bucket of its own."""
+    out: list[list[ParamTransfer]] = []
+    current: list[ParamTransfer] = []
+    current_bytes = 0
+    left = sum(h.nbytes for t in transfers for h in t.param.hf)  # not yet in a closed bucket
+    for t in transfers:
+        size = sum(h.nbytes for h in t.param.hf)
+        cap = min(limit >> max(RAMP_STEPS - len(out), 0),  # up: 1/8, 1/4, 1/2, 1
+                  max(limit >> RAMP_STEPS, left // 2))  # down: at most half of what is left
+        if current and current_bytes + size > cap:
+            out.append(current)
+            left -= current_bytes
+            current, current_bytes = [], 0
+        current.append(t)
+        current_bytes += size
+    if current:
+        out.append(current)
+    return out

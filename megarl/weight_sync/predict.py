@@ -204,7 +204,7 @@ def plan_from_config(cfg):
     """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
     from megarl.config.validate import resolved_precision
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.fp8_wire import parse_quantization_config
+    from megarl.models.fp8_blocks import parse_quantization_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.sync import senders_per_stage
     from megarl.weight_sync.model_specs import param_specs_from_hf_config

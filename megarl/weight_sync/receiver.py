@@ -226,7 +226,7 @@ def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[
 
     ``whole``: every tensor must have the checkpoint's shape (broadcast mode), not a shard of it.
     """
-    from megarl.weight_sync.segments import torch_dtype
+    from megarl.weight_sync.specs import torch_dtype
 
     manifest = _manifest()
     views, offset = [], 0

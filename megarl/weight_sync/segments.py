@@ -18,16 +18,7 @@ import torch
 
 from megarl.weight_sync.placement import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-           "float8_e4m3fn": torch.float8_e4m3fn}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``torch.bfloat16`` for ``"bfloat16"``."""
-    return _DTYPES[name]
-
+from megarl.weight_sync.specs import torch_dtype
 
 SEGMENT_ALIGN = 64
 """Bytes each engine rank's segment of a sliced bucket starts on (every dtype view stays aligned)."""

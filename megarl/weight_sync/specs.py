@@ -13,9 +13,20 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+import torch
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "float8_e4m3fn": 1, "int64": 8,
                "int32": 4, "uint8": 1}
 """Bytes per element of the dtypes weight sync moves (torch dtype names without ``torch.``)."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+           "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``torch.bfloat16`` for ``"bfloat16"``."""
+    return _DTYPES[name]
 
 
 class SpecError(ValueError):

@@ -275,7 +275,7 @@ class WeightSynchronizer:
         buckets = gatherer.iter_hf_buckets()
         quantizer = None
         if self.plan.quantization is not None:  # the engines serve block FP8: send what they hold
-            from megarl.weight_sync.fp8_wire import WireQuantizer
+            from megarl.weight_sync.quantizer import WireQuantizer
 
             quantizer = WireQuantizer(self.plan.quantization, self._wire_ring)
             buckets = quantizer.wrap(buckets)

@@ -16,9 +16,11 @@ import torch
 
 from megarl.models.fp8_blocks import BlockFP8
 from megarl.weight_sync import receiver
-from megarl.weight_sync.fp8_wire import WireQuantizer, check_sglang_version, served_quantization, wire_specs
+from megarl.weight_sync.fp8_wire import check_sglang_version, served_quantization, wire_specs
+from megarl.weight_sync.quantizer import WireQuantizer
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-from megarl.weight_sync.plan import PlanError, build_plan, engine_slices
+from megarl.weight_sync.engine_slices import PlanError, engine_slices
+from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec
 from megarl.weight_sync.validate import WeightSyncError, check_plan_against_manifest, read_manifest
 from megarl.weight_sync.wire import checksum_algo

@@ -228,7 +228,8 @@ def test_a_bucket_with_an_fp32_router_bias_among_bf16_tensors_is_placed_by_name(
     still hold what the family mapping converts (TP1 sender; the HF layout and, sliced, engine TP2's
     per-rank slices)."""
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.gather import StageGatherer, torch_dtype
+    from megarl.weight_sync.gather import StageGatherer
+    from megarl.weight_sync.specs import torch_dtype
 
     hf_config = load_hf_config(str(tiny_deepseek_v3_dir))
     layout = get_family(hf_config).layout(hf_config, tp_size=1)

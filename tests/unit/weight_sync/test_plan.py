@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
 from megarl.weight_sync.model_specs import param_specs_from_hf_config
-from megarl.weight_sync.plan import PlanError, build_plan, engine_slices, sglang_padded_vocab
+from megarl.weight_sync.engine_slices import PlanError, engine_slices, sglang_padded_vocab
+from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.specs import EngineSplit, SpecError
 
 sys.path.insert(0, str(Path(__file__).parent))
