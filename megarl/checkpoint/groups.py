@@ -110,7 +110,7 @@ def group_sharded_state_dict(chunk, modules, prefix: str = "", *, materialized_o
 
 def _local_infos(chunks, parallel_state, layout):
     """{(chunk index, local name): ParamInfo}."""
-    from megarl.checkpoint.loader import iter_global_params
+    from megarl.models.params import iter_global_params
 
     infos = {}
     for index, chunk in enumerate(chunks):

@@ -89,6 +89,7 @@ class TrainerWorker:
             torch.set_num_threads(num_threads)
         from omegaconf import OmegaConf
 
+        from megarl.checkpoint.initial_weights import initial_weights
         from megarl.plugins import import_plugins
         from megarl.training.build import build_trainer
 
@@ -96,7 +97,7 @@ class TrainerWorker:
         import_plugins(cfg.get("plugins") or [])  # user modules, before anything is built
         # build_trainer initialises torch.distributed from RANK / WORLD_SIZE / MASTER_* (gloo on
         # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
-        self.trainer = build_trainer(cfg)
+        self.trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
         return self.rank
 
     def dp_rank(self) -> tuple[int, int, int]:

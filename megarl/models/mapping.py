@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import torch
 
 # The table's types live in a leaf module (the families import them without importing this one).
+from megarl.models.naming import TE_TO_CANONICAL, canonical_template
 from megarl.models.table import Entry, ModelLayout, TPSplit, Transform, padded_vocab_size  # noqa: F401
 
 
@@ -59,6 +60,19 @@ def template_of(name: str) -> tuple[str, dict[str, int]]:
     return ".".join(parts), values
 
 
+def canonical_name(name: str) -> str:
+    """The canonical (local-spec) name of a Megatron parameter name of either spec.
+
+    Indices are kept: ``decoder.layers.3.mlp.experts.linear_fc1.weight5`` ->
+    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``;
+    ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight`` ->
+    ``decoder.layers.3.input_layernorm.weight``. Works on rank-local and global names alike.
+    """
+    template, values = template_of(name)
+    canonical = TE_TO_CANONICAL.get(template)
+    return name if canonical is None else canonical.format(**values)
+
+
 def lookup(table: Mapping[str, Entry], name: str) -> tuple[Entry, dict[str, int]]:
     """The table entry of a concrete Megatron name and its indices.
 
@@ -68,8 +82,6 @@ def lookup(table: Mapping[str, Entry], name: str) -> tuple[Entry, dict[str, int]
     Raises:
         KeyError: the name is not in the table.
     """
-    from megarl.models.naming import canonical_template
-
     template, values = template_of(name)
     template = canonical_template(template)
     if template not in table:
@@ -184,8 +196,6 @@ def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
             (None for non-layer parameters).
         ep_rank: expert-parallel rank; num_local_experts: experts held by each EP rank.
     """
-    from megarl.models.naming import canonical_template
-
     template, values = template_of(local_name)
     template = canonical_template(template)
     if "L" in values:

@@ -17,8 +17,8 @@ linear,rmsnorm}.py``):
 The canonical name is the local spec's: it names every norm by its own module and every expert by
 its index, so it is what the families' mapping tables, the weight-sync plan
 (``megarl.weight_sync.model_specs``), the trainer's sync parameters, the HF converters and megarl's
-HF loads use. :func:`canonical_name` turns any name of either spec into it (identity on canonical
-names). Megatron's own distributed checkpoints need nothing from this module: both specs write the
+HF loads use. :func:`megarl.models.mapping.canonical_name` turns any name of either spec into it (identity on
+canonical names). Megatron's own distributed checkpoints need nothing from this module: both specs write the
 same ``sharded_state_dict`` keys (the local spec's ``sharded_state_dict_keys_map`` and
 ``TEGroupedMLP.sharded_state_dict``, which is "interchangeable with SequentialMLP's").
 
@@ -27,7 +27,7 @@ One layout difference goes with the names: under the TE spec MLA's down projecti
 whole on every TP rank, while the local spec's ``ColumnParallelLinear`` splits their rows
 (``multi_latent_attention.py``). :func:`is_duplicated` recognises such a module; the canonical
 layout is the local spec's, so a duplicated parameter is presented to weight sync as its TP shard
-(:func:`megarl.checkpoint.loader.iter_sync_params`).
+(:func:`megarl.models.params.iter_sync_params`).
 """
 from __future__ import annotations
 
@@ -55,21 +55,6 @@ TE_TO_CANONICAL: dict[str, str] = {
 def canonical_template(template: str) -> str:
     """The canonical template of a name template of either spec (identity when already canonical)."""
     return TE_TO_CANONICAL.get(template, template)
-
-
-def canonical_name(name: str) -> str:
-    """The canonical (local-spec) name of a Megatron parameter name of either spec.
-
-    Indices are kept: ``decoder.layers.3.mlp.experts.linear_fc1.weight5`` ->
-    ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight``;
-    ``decoder.layers.3.self_attention.linear_qkv.layer_norm_weight`` ->
-    ``decoder.layers.3.input_layernorm.weight``. Works on rank-local and global names alike.
-    """
-    from megarl.models.mapping import template_of
-
-    template, values = template_of(name)
-    canonical = TE_TO_CANONICAL.get(template)
-    return name if canonical is None else canonical.format(**values)
 
 
 def is_duplicated(module: torch.nn.Module) -> bool:

@@ -140,14 +140,15 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
         CheckFailed: a route, logprob or step metric is off (names which, with the numbers).
         megarl.training.routing_replay.RoutingReplayError: replay refused valid routes.
     """
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     _start_single_rank(device)
     hf_dir = make_tiny_model(Path(workdir) / "tiny_moe", TinyModelSpec(family="qwen3_moe"))
-    trainer = build_trainer(_config(hf_dir, device, precision, routing_replay="r2", lr=1e-5,
-                                    max_tokens_per_microbatch=256))
+    cfg = _config(hf_dir, device, precision, routing_replay="r2", lr=1e-5, max_tokens_per_microbatch=256)
+    trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     num_experts, topk = trainer.config.num_moe_experts, trainer.config.moe_router_topk
     batch = random_batch(trainer.vocab_size, [40, 64, 96, 128, 50, 77, 110, 33], prompt_tokens=8, seed=3)
     mask, tol = batch.loss_mask, TOLERANCE[precision]
@@ -228,6 +229,7 @@ def check_throughput(device: str, size: str, steps: int, seq_len: int, num_seqs:
     """
     from transformers import Qwen3MoeConfig
 
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.launch.mfu import active_params, mfu, peak_tflops
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
@@ -240,7 +242,7 @@ def check_throughput(device: str, size: str, steps: int, seq_len: int, num_seqs:
     precision = "bf16" if device == "cuda" else "fp32"
     cfg = _config(hf_dir, device, precision, lr=1e-6, max_tokens_per_microbatch=4096)
     cfg.model.load_weights = False
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     num_params = sum(p.numel() for chunk in trainer.model_chunks for p in chunk.parameters())
     batch = random_batch(hf_config.vocab_size, [seq_len] * num_seqs, prompt_tokens=seq_len // 4, seed=1)
     start = time.perf_counter()

@@ -1,15 +1,23 @@
 """Build a `Trainer` from a `MegarlConfig`, one small step per function (STYLE.md).
 
-``build_trainer(cfg)`` = parallel state -> model chunks (HF ``config.json`` -> ``GPTModel``,
-Transformer Engine spec on GPU, local spec on CPU) -> HF weights -> DDP -> optimizer -> LR
-schedule -> `Trainer`. Each step is usable alone (tests, benchmarks, converters).
+``build_trainer(cfg, load_weights=...)`` = parallel state -> model chunks (HF ``config.json`` ->
+``GPTModel``, Transformer Engine spec on GPU, local spec on CPU) -> initial weights (the caller's
+loader: `megarl.checkpoint.initial_weights.initial_weights` reads ``model.load_dir`` or the HF
+weights) -> DDP -> optimizer -> LR schedule -> `Trainer`. Each step is usable alone (tests,
+benchmarks, converters).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from megarl.config.schema import MegarlConfig
 from megarl.training.parallel_state import ParallelState
+
+WeightLoader = Callable[[list, ParallelState], object]
+"""``loader(model_chunks, parallel)``: fills this rank's freshly built ``GPTModel`` chunks in place
+(before DDP copies the parameters); the return value is ignored."""
 
 
 def resolve_precision(cfg: MegarlConfig) -> str:
@@ -29,17 +37,22 @@ def build_parallel_state(cfg: MegarlConfig) -> ParallelState:
                                timeout_minutes=int(cfg.cluster.distributed_timeout_minutes))
 
 
-def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState) -> tuple[list, object]:
-    """This rank's ``GPTModel`` chunks, with the weights of ``model.load_dir`` (a Megatron dist
-    checkpoint) when set, else the HF weights when ``model.load_weights``.
+def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState, *,
+                       load_weights: WeightLoader | None) -> tuple[list, object]:
+    """This rank's ``GPTModel`` chunks, filled by ``load_weights`` (None: randomly initialised).
+
+    Args:
+        cfg: the run config.
+        parallel: this rank's initialised parallel state.
+        load_weights: the initial weights' loader (`megarl.checkpoint.initial_weights.initial_weights`).
 
     Returns:
         ``(chunks, hf_config)``.
 
     Raises:
         ValueError: from the model builder (architecture / parallel mismatches) or FP8 settings.
+        Whatever ``load_weights`` raises (missing or mismatched checkpoint files).
     """
-    from megarl.checkpoint import load_hf_weights
     from megarl.training.fp8 import fp8_config
     from megarl.training.model import build_model, load_hf_config
 
@@ -50,13 +63,8 @@ def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState) -> tuple[list
     extra = fp8_config(cfg.train, is_moe=is_moe, cuda=cuda)
     chunks = build_model(hf_config, cfg.parallel, cfg.model, precision=resolve_precision(cfg),
                          device="cuda" if cuda else "cpu", extra_config=extra or None)
-    load_dir = cfg.model.get("load_dir") if hasattr(cfg.model, "get") else cfg.model.load_dir
-    if load_dir:  # a Megatron checkpoint (megarl.checkpoint.load_dir), before DDP copies the params
-        from megarl.checkpoint.load_dir import load_megatron_weights
-
-        load_megatron_weights(chunks, load_dir)
-    elif cfg.model.load_weights:
-        load_hf_weights(chunks, cfg.model.hf_path, parallel)
+    if load_weights is not None:  # before DDP copies the params
+        load_weights(chunks, parallel)
     return chunks, hf_config
 
 
@@ -66,11 +74,13 @@ def optimizer_steps_per_rl_step(cfg: MegarlConfig) -> int:
     return max(-(-trajectories // cfg.train.global_batch_size), 1)
 
 
-def build_trainer(cfg: MegarlConfig, *, parallel: ParallelState | None = None):
+def build_trainer(cfg: MegarlConfig, *, load_weights: WeightLoader | None, parallel: ParallelState | None = None):
     """The whole trainer of this rank.
 
     Args:
         cfg: the run config (a `MegarlConfig` or the equivalent OmegaConf object).
+        load_weights: fills the model chunks before DDP wraps them: the run's initial weights are
+            ``megarl.checkpoint.initial_weights.initial_weights(cfg.model)``; None: random weights.
         parallel: an already initialised parallel state (None: initialise it here).
 
     Returns:
@@ -81,7 +91,7 @@ def build_trainer(cfg: MegarlConfig, *, parallel: ParallelState | None = None):
     from megarl.training.trainer import Trainer
 
     parallel = parallel or build_parallel_state(cfg)
-    chunks, hf_config = build_model_chunks(cfg, parallel)
+    chunks, hf_config = build_model_chunks(cfg, parallel, load_weights=load_weights)
     use_dist_opt = cfg.parallel.use_distributed_optimizer
     _, ddp_overrides = split_megatron_overrides(dict(getattr(cfg.model, "megatron_overrides", None) or {}))
     cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"

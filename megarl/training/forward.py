@@ -23,6 +23,7 @@ from torch import Tensor
 
 from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, RolloutCorrection, compute_policy_loss,
                                drift_filter, entropy_bonus_loss, kl_penalty_loss)
+from megarl.algorithms.corrections import mismatch_metrics
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.collectives import all_gather_object, all_reduce
@@ -30,7 +31,7 @@ from megarl.training.context_parallel import CPMicroBatch, cp_micro_batch_logpro
 from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.logprobs import hand_over_logits, next_token_logprobs
 from megarl.training.parallel_state import ParallelState
-from megarl.training.routing_replay import RoutingReplay
+from megarl.training.routing_replay import RoutingReplay, store_routes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -112,6 +113,15 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
                         advantages=to(batch.advantages), loss_mask=to(loss_mask),
                         is_weights=None if is_weights is None else to(is_weights), normalizer=normalizer)
     return inputs, metrics
+
+
+def mismatch(batch: TrainBatch) -> dict[str, Metric]:
+    """``mismatch/*`` of a prepared batch: its trainer ``old_logprobs`` vs the engine's
+    ``rollout_logprobs`` on its trained tokens (`megarl.algorithms.corrections.mismatch_metrics`,
+    on the sequences padded to ``[B, T_max]``)."""
+    pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
+    return mismatch_metrics(pad(batch.old_logprobs.float()), pad(batch.rollout_logprobs.float()),
+                            pad(batch.loss_mask, pad_value=False))
 
 
 def _rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
@@ -215,6 +225,36 @@ def micro_batch_logprobs(logits: Tensor, mb: PackedMicroBatch, *, vocab_size: in
     if ent is not None:
         ent = ent.reshape(-1)[mb.flat_index].index_fill(0, starts, 0.0)
     return logprobs, ent
+
+
+def step_func(loss_of, *, parallel: ParallelState, replay: RoutingReplay | None, routes: Tensor | None,
+              vocab_size: int, tp_group, temperature: float, entropy: str, recorded: Tensor | None = None):
+    """Megatron's ``forward_step_func`` for one pass over a rank's micro batches.
+
+    Each micro batch runs through the model chunk (`run_model`, replaying ``routes``); its logits
+    become logprobs (`micro_batch_logprobs`) and ``loss_of(logprobs [T_real], entropy [T_real] |
+    None, mb, output_tensor)`` gives the loss Megatron backpropagates (a forward-only pass returns a
+    zero).
+
+    Args:
+        recorded: ``[T_total, L, K]`` int32, filled with the routes the routers chose (R2 recording,
+            `megarl.training.routing_replay.store_routes`); None: nothing recorded.
+        Others: as `run_model` and `micro_batch_logprobs` take them.
+    """
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        if recorded is not None:
+            replay.record(chunk=model)
+        output = run_model(model, mb, parallel=parallel, replay=replay, routes=routes)
+        if recorded is not None:
+            store_routes(recorded, mb, replay.take_recorded(chunk=model), parallel)
+
+        def loss_func(output_tensor):
+            logprobs, ent = micro_batch_logprobs(output_tensor, mb, vocab_size=vocab_size, tp_group=tp_group,
+                                                 temperature=temperature, entropy=entropy)
+            return loss_of(logprobs, ent, mb, output_tensor), {}
+        return output, loss_func
+    return forward_step
 
 
 def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, inputs: LossInputs,

@@ -1,7 +1,7 @@
 """The Megatron-Core policy trainer: one object per trainer rank, inside an initialised process group.
 
-Built by `build_trainer(cfg)` from small ``build_*`` functions (parallel state, model, HF weights,
-DDP, optimizer, LR schedule); the driver then calls, per RL step (through
+Built by `build_trainer(cfg, load_weights=...)` from small ``build_*`` functions (parallel state,
+model, initial weights, DDP, optimizer, LR schedule); the driver then calls, per RL step (through
 `megarl.launch.trainer_group.TrainerGroup`)::
 
     metrics = trainer.prepare(shard)          # old logprobs (+ R2 routes), ref logprobs, mismatch
@@ -32,31 +32,23 @@ the CP group (`megarl.training.context_parallel`).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megarl.algorithms import reduce_metrics
-from megarl.algorithms.corrections import mismatch_metrics
 from megarl.config.schema import MegarlConfig
-from megarl.training import context_parallel as cp
 from megarl.training import forward as fwd
-from megarl.training.batch import TrainBatch, packed_to_padded
-from megarl.training.batching import plan_micro_batches
-from megarl.training.collectives import all_gather_object, all_reduce
-from megarl.training.fp8 import fp8_token_multiple
-from megarl.training.micro_batch import PackedMicroBatch, pack_micro_batch
+from megarl.training import rank_plan
+from megarl.training.batch import TrainBatch
+from megarl.training.collectives import all_reduce
+from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.parallel_state import ParallelState
 from megarl.training.reference import reference_weights, snapshot
-from megarl.training.routing_replay import RoutingReplay, replay_routes, store_routes
+from megarl.training.routing_replay import RoutingReplay, replay_routes
 from megarl.training.shard import BatchShard, StepView, shard_batch
-
-_ALONE = object()
-"""`Trainer._peer_group` of a rank that shares its data-parallel rank with no other rank."""
 
 
 class Trainer:
@@ -89,81 +81,27 @@ class Trainer:
         # (megarl.training.routing_replay, "Activation recomputation").
         self.ref_weights = snapshot(model_chunks) if cfg.algorithm.kl_coef > 0 else None
         self._tp_group = fwd.tp_group_of(parallel)
-        dispatcher = getattr(self.config, "moe_token_dispatcher_type", "alltoall")
-        moe = getattr(self.config, "num_moe_experts", None)
-        self._length_policy = "across_dp" if moe and dispatcher == "allgather" and parallel.ep_size > 1 else "each"
+        length_policy = rank_plan.length_policy(model_chunks, parallel)
         if parallel.pp_size > 1:
-            if (moe and dispatcher == "allgather") or len(model_chunks) > 1:
-                # One shape for every micro batch: Megatron refuses variable_seq_lengths with the
-                # allgather dispatcher, and the interleaved schedule fails with it on gloo.
-                self._length_policy = "uniform"
-            for chunk in model_chunks:
-                # p2p exchanges each micro batch's shape (unless all share one)
-                chunk.config.variable_seq_lengths = self._length_policy != "uniform"
-                if dist.get_backend() == "gloo":
-                    # Batched isend/irecv on gloo mismatches the two tensors a stage exchanges with
-                    # one peer (PP=2: previous = next stage) in the interleaved schedule: activations
-                    # arrive in the wrong buffer. Individual send/recv pairs match in order.
-                    chunk.config.batch_p2p_comm = False
+            rank_plan.configure_pipeline_p2p(model_chunks, length_policy)
         # Transformer Engine attention takes THD packed sequences; the local spec's takes a mask.
-        self._te_attention = any(type(m).__name__ == "TEDotProductAttention"
-                                 for chunk in model_chunks for m in chunk.modules())
-        self._cp_group = None
-        if parallel.cp_size > 1:  # megarl.training.context_parallel
-            if not self._te_attention:
-                raise NotImplementedError(
-                    "parallel.context_parallel_size > 1 needs Transformer Engine attention (TEDotProductAttention, "
-                    "CUDA): Megatron-Core's local DotProductAttention supports context_parallel_size=1 only")
-            from megatron.core import parallel_state as mps
-
-            self._cp_group = mps.get_context_parallel_group()
-        self._peer_group = _peer_group(parallel)
-        """The ranks holding the same data-parallel shard (TP x CP x PP), or `_ALONE`."""
-        self._dp_group = None
+        self._te_attention = rank_plan.uses_te_attention(model_chunks)
+        self._cp_group = rank_plan.cp_group(parallel, te_attention=self._te_attention)
+        self._peer_group = rank_plan.peer_group(parallel)
+        """The ranks holding the same data-parallel shard (TP x CP x PP), or `rank_plan.ALONE`."""
+        self._dp_group = rank_plan.dp_group(parallel)
         """The data-parallel group (without CP) the step's loss denominators are summed over; None at DP 1."""
-        if parallel.dp_size > 1:
-            from megatron.core import parallel_state as mps
-
-            self._dp_group = mps.get_data_parallel_group()
+        self._planner = rank_plan.MicroBatchPlanner(
+            parallel=parallel, train=cfg.train, length_policy=length_policy, te_attention=self._te_attention,
+            num_model_chunks=len(model_chunks), cp_group=self._cp_group, device=self.device)
         self._prepared: list[tuple[TrainBatch, StepView]] | None = None
         """This rank's prepared mini-batches of the step (`prepare`), for `train_prepared`."""
 
     # ------------------------------------------------------------------ planning
     def micro_batches(self, batch: TrainBatch, step: StepView | None = None) -> tuple[list[PackedMicroBatch], float]:
-        """This rank's packed micro batches of ``batch`` (the same for `compute_logprobs` and
-        `train_step`) and the padding fraction of the whole plan (all ranks).
-
-        Args:
-            batch: the whole optimizer step (``step`` None), or this rank's shard of it.
-            step: for a shard: the step's sequence lengths and the shard's positions among them.
-
-        Raises:
-            ValueError: the shard is not this rank's part of the plan (`megarl.training.batching.dp_partition`).
-        """
-        p, train = self.parallel, self.cfg.train
-        seq_lens = batch.seq_lens.tolist() if step is None else list(step.seq_lens)
-        pad_multiple = (p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train)
-        pack = functools.partial(pack_micro_batch, batch, use_packed_seq_params=self._te_attention)
-        if p.cp_size > 1:  # rows hold sequences padded to 2 * CP (padding_fraction then omits that padding)
-            seq_lens = [cp.cp_padded_length(n, p.cp_size) for n in seq_lens]
-            pad_multiple = cp.cp_row_multiple(p.cp_size, pad_multiple)
-            pack = functools.partial(cp.pack_cp_micro_batch, batch, cp_rank=p.cp_rank, cp_size=p.cp_size,
-                                     cp_group=self._cp_group)
-        plan = plan_micro_batches(seq_lens, dp_size=p.dp_size,
-                                  max_tokens_per_microbatch=train.max_tokens_per_microbatch,
-                                  micro_batch_size=train.micro_batch_size, pad_multiple=pad_multiple,
-                                  length_policy=self._length_policy, pack_rows=not self._te_attention,
-                                  microbatch_multiple=p.pp_size if len(self.model_chunks) > 1 else 1)
-        specs = plan.micro_batches[p.dp_rank]
-        if step is not None:  # plan indices (the step's) -> the shard's
-            local = {j: i for i, j in enumerate(step.seq_indices)}
-            if sorted(i for spec in specs for i in spec.seq_indices) != sorted(local):
-                raise ValueError(f"data-parallel rank {p.dp_rank} received sequences {sorted(local)} of the step, "
-                                 f"the plan gives it {sorted(i for spec in specs for i in spec.seq_indices)}")
-            specs = [dataclasses.replace(spec, rows=tuple(tuple(local[i] for i in row) for row in spec.rows))
-                     for spec in specs]
-        mbs = [pack(spec).to(self.device) for spec in specs]
-        return mbs, plan.padding_fraction
+        """This rank's packed micro batches of ``batch`` and the plan's padding fraction
+        (`megarl.training.rank_plan.MicroBatchPlanner.micro_batches`)."""
+        return self._planner.micro_batches(batch, step)
 
     def _run(self, step_func, mbs: list[PackedMicroBatch], *, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -247,11 +185,7 @@ class Trainer:
                              f"{p.dp_rank} of {p.dp_size}")
         self._prepared = [(self.prepare_batch(shard.mini(m), shard.view(m)), shard.view(m))
                           for m in range(shard.num_minis)]
-        per_mini = []
-        for batch, _ in self._prepared:
-            pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
-            per_mini.append(mismatch_metrics(pad(batch.old_logprobs.float()), pad(batch.rollout_logprobs.float()),
-                                             pad(batch.loss_mask, pad_value=False)))
+        per_mini = [fwd.mismatch(batch) for batch, _ in self._prepared]
         return fwd.all_reduce_metrics(reduce_metrics(per_mini), contribute=self._reports)
 
     def train_prepared(self, mini: int) -> dict[str, float]:
@@ -283,28 +217,20 @@ class Trainer:
         recorded = torch.zeros(batch.num_tokens, self.num_layers, self.config.moe_router_topk or 1,
                                dtype=torch.int32) if record_routes else None
 
-        def step_func(data_iterator, model):
-            mb = next(data_iterator)
-            if record_routes:
-                self.replay.record(chunk=model)
-            output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
-            if record_routes:
-                store_routes(recorded, mb, self.replay.take_recorded(chunk=model), self.parallel)
+        def keep(lp, _, mb, output_tensor):
+            if self._reports:
+                logprobs[mb.token_index.cpu()] = lp.detach().float().cpu()
+            return output_tensor.new_zeros(())
 
-            def loss_func(output_tensor):
-                lp, _ = fwd.micro_batch_logprobs(output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
-                                                 temperature=temperature, entropy="none")
-                if self._reports:
-                    logprobs[mb.token_index.cpu()] = lp.detach().float().cpu()
-                return output_tensor.new_zeros(()), {}
-            return output, loss_func
-
+        step_func = fwd.step_func(keep, parallel=self.parallel, replay=self.replay, routes=routes, entropy="none",
+                                  vocab_size=self.vocab_size, tp_group=self._tp_group, temperature=temperature,
+                                  recorded=recorded)
         with reference_weights(self.model_chunks, self.ref_weights if reference else None):
             self._run(step_func, mbs, forward_only=True)
         if self.replay is not None:
             self.replay.off()
         for tensor in (logprobs, recorded):
-            if tensor is not None and (step is None or self._peer_group is not _ALONE):
+            if tensor is not None and (step is None or self._peer_group is not rank_plan.ALONE):
                 # on the group's device (collectives.py), back on the CPU
                 all_reduce(tensor, group=None if step is None else self._peer_group)
         if recorded is not None:
@@ -346,19 +272,14 @@ class Trainer:
         sink: list[dict] = []
         temperature = self.cfg.rollout.sampling.temperature if temperature is None else temperature
 
-        def step_func(data_iterator, model):
-            mb = next(data_iterator)
-            output = fwd.run_model(model, mb, parallel=self.parallel, replay=self.replay, routes=routes)
+        def scaled_loss(logprobs, ent, mb, _):
+            loss, metrics = loss_fn(logprobs, ent, mb)
+            sink.append(metrics)
+            return loss * scale
 
-            def loss_func(output_tensor):
-                logprobs, ent = fwd.micro_batch_logprobs(
-                    output_tensor, mb, vocab_size=self.vocab_size, tp_group=self._tp_group,
-                    temperature=temperature, entropy=entropy)
-                loss, metrics = loss_fn(logprobs, ent, mb)
-                sink.append(metrics)
-                return loss * scale, {}
-            return output, loss_func
-
+        step_func = fwd.step_func(scaled_loss, parallel=self.parallel, replay=self.replay, routes=routes,
+                                  entropy=entropy, vocab_size=self.vocab_size, tp_group=self._tp_group,
+                                  temperature=temperature)
         if not forward_only:
             for chunk in self.model_chunks:
                 chunk.zero_grad_buffer()
@@ -442,12 +363,12 @@ class Trainer:
 
         Yields:
             ``(global_name, parameter)``: canonical checkpoint-style Megatron names with global
-            layer and expert indices (`megarl.checkpoint.global_name`, the same under the local
+            layer and expert indices (`megarl.models.mapping.global_name`, the same under the local
             and Transformer Engine specs); the parameter itself, i.e. this rank's TP / ETP shard of
             the current weights (no copy; a view of the shard for a parameter the TE spec keeps
-            whole on every TP rank: `megarl.checkpoint.loader.iter_sync_params`).
+            whole on every TP rank: `megarl.models.params.iter_sync_params`).
         """
-        from megarl.checkpoint.loader import iter_sync_params
+        from megarl.models.params import iter_sync_params
         from megarl.training.optimizer import gather_params
 
         gather_params(self.model_chunks)  # overlap_param_gather leaves the last step's all-gather pending
@@ -455,8 +376,8 @@ class Trainer:
 
     @functools.cached_property
     def layout(self):
-        """The model's `megarl.checkpoint.ModelLayout` (HF <-> Megatron mapping) at this TP size."""
-        from megarl.checkpoint import get_family
+        """The model's `megarl.models.table.ModelLayout` (HF <-> Megatron mapping) at this TP size."""
+        from megarl.models.families import get_family
 
         return get_family(self.hf_config).layout(self.hf_config, tp_size=self.parallel.tp_size)
 
@@ -473,19 +394,3 @@ class Trainer:
         from megarl.training.checkpointing import load_trainer_state
 
         load_trainer_state(directory, self)
-
-
-def _peer_group(parallel: ParallelState):
-    """A process group of the ranks sharing this rank's ``dp_rank`` (collective: every rank calls
-    ``dist.new_group`` for every group, in ``dp_rank`` order); None (the world) at DP 1, `_ALONE`
-    when every rank is its own data-parallel rank."""
-    if parallel.dp_size == 1:
-        return None
-    if parallel.dp_size == parallel.world_size:
-        return _ALONE
-    dp_ranks = all_gather_object(parallel.dp_rank)
-    mine = None
-    for dp_rank in sorted(set(dp_ranks)):
-        group = dist.new_group(ranks=[r for r, d in enumerate(dp_ranks) if d == dp_rank])
-        mine = group if dp_rank == parallel.dp_rank else mine
-    return mine

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.gpu, needs_te]  # every test here builds the Transform
 
 
 def _worker(rank, world_size, hf_dir, grouped):
-    from megarl.checkpoint import get_family
-    from megarl.checkpoint.loader import iter_sync_params
+    from megarl.models.families import get_family
+    from megarl.models.params import iter_sync_params
     from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel

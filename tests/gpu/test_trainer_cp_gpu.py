@@ -46,12 +46,14 @@ def _cfg(hf_dir, cp_size):
 
 
 def _cp_worker(rank, world_size, hf_dir, batch):
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     out = {}
     for name, cp_size in (("cp1", 1), ("cp2", 2)):
-        trainer = build_trainer(_cfg(hf_dir, cp_size))
+        cfg = _cfg(hf_dir, cp_size)
+        trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
         assert trainer._te_attention and trainer.parallel.cp_size == cp_size
         logprobs = trainer.compute_logprobs(batch)
         if batch.old_logprobs is None:  # the CP=1 logprobs, perturbed, are both layouts' old_logprobs

@@ -80,6 +80,7 @@ def make_batch(sequences, seed: int):
 
 def megarl_trainer(hf_dir: str):
     """A world-size-1 fp32 CPU `Trainer` of the model (GSPO, the default config otherwise)."""
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
     from megarl.training.build import build_trainer
 
@@ -87,7 +88,7 @@ def megarl_trainer(hf_dir: str):
     cfg.model.hf_path, cfg.cluster.device, cfg.train.precision = hf_dir, "cpu", "fp32"
     cfg.train.lr = 1e-6
     cfg.parallel.use_distributed_optimizer = False  # world size 1: nothing to shard
-    return build_trainer(cfg)
+    return build_trainer(cfg, load_weights=initial_weights(cfg.model))
 
 
 def megarl_step(trainer, batch, max_tokens: int):

@@ -59,7 +59,7 @@ MLA_TABLE = {
     MC + "self_attention.linear_q_proj.weight": Entry((ATTN + "q_proj.weight",), C, TPSplit.COLUMN),
     # Local spec: the down projections are ColumnParallelLinear (rows split over TP, gathered in
     # forward). The Transformer Engine spec replicates them (TELinear "duplicated"): the loader
-    # sees that (ParamInfo.tp_split) and weight sync gets their TP shard (loader.iter_sync_params).
+    # sees that (ParamInfo.tp_split) and weight sync gets their TP shard (params.iter_sync_params).
     MC + "self_attention.linear_q_down_proj.weight": Entry((ATTN + "q_a_proj.weight",), C, TPSplit.COLUMN),
     MC + "self_attention.q_layernorm.weight": Entry((ATTN + "q_a_layernorm.weight",), C, TPSplit.NONE),
     MC + "self_attention.linear_q_up_proj.weight": Entry((ATTN + "q_b_proj.weight",), C, TPSplit.COLUMN),

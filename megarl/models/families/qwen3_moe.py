@@ -51,7 +51,7 @@ MOE_TABLE = {
 
 TABLE = {**GLOBAL_TABLE, **ATTENTION_TABLE, **DENSE_MLP_TABLE, **MOE_TABLE}
 """Canonical (local-spec) names only; Transformer Engine names are looked up through
-``megarl.models.naming.canonical_name`` (fused norms, grouped-GEMM experts)."""
+``megarl.models.mapping.canonical_name`` (fused norms, grouped-GEMM experts)."""
 
 
 def check_supported(hf_config) -> None:

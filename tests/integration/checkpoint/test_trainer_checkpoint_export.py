@@ -29,11 +29,13 @@ def _cfg(hf_dir, **model):
 
 
 def _save_worker(rank, world_size, hf_dir, directory):
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     multiprocessing.current_process().daemon = False  # dist_checkpointing's writers fork processes
-    trainer = build_trainer(_cfg(hf_dir))
+    cfg = _cfg(hf_dir)
+    trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     trainer.save_checkpoint(directory)
     del trainer
     destroy_parallel()
@@ -125,11 +127,13 @@ def test_background_export_during_training(tiny_moe_dir, saved):
 
 
 def _params_worker(rank, world_size, hf_dir, load_dir):
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     # load_dir None: the HF loader; else no HF weights read (an ignored load_dir leaves random weights)
-    trainer = build_trainer(_cfg(hf_dir, load_dir=load_dir, load_weights=load_dir is None))
+    cfg = _cfg(hf_dir, load_dir=load_dir, load_weights=load_dir is None)
+    trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     out = {n: p.detach().clone() for n, p in trainer.model_chunks[0].module.named_parameters()}
     del trainer
     destroy_parallel()

@@ -38,13 +38,14 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
             close at PP2); raised after every synchronizer was closed, unless another error is
             already propagating (then printed to stderr and the first error kept).
     """
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
     from megarl.weight_sync.sync import build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, {**workers.LAYOUTS, **workers.LAYOUTS_4}[layout])
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
     syncers = {}

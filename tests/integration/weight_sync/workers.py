@@ -86,6 +86,7 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
     Returns (rank 0): ``{layout: {"trainer": [...], "before": {t: ...}, "after": {t: ...},
     "metrics": {t: {...}}}}``.
     """
+    from megarl.checkpoint.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
@@ -95,7 +96,7 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
     results = {}
     for layout in layouts:
         cfg = make_cfg(hf_dir, LAYOUTS[layout])
-        trainer = build_trainer(cfg)
+        trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
         for step in range(2):
             trainer.train_step(trainer.prepare_batch(packed(train_sequences, train=True, seed=step)))
         out = {"trainer": trainer_probe_logprobs(trainer, probes), "before": {}, "after": {}, "metrics": {},

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megarl.models.families import get_family
-from megarl.models.mapping import global_name, lookup
-from megarl.models.naming import TE_TO_CANONICAL, canonical_name
+from megarl.models.mapping import canonical_name, global_name, lookup
+from megarl.models.naming import TE_TO_CANONICAL
 from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.testing.tiny_model import TinyModelSpec, _hf_config
 
