@@ -33,6 +33,8 @@ TRAINER_SUBDIR = "trainer"
 """A trainer checkpoint's model lives in ``step_N/trainer`` (``megarl.launch.run_state.TRAINER_DIR``)."""
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 _PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+RANK_PRELOAD = ("megarl.checkpoint.rank_preload",)
+"""What the ranks' fork server imports once (``run_ranks(preload=...)``, :mod:`megarl.checkpoint.rank_preload`)."""
 
 
 def copy_hf_metadata(src: Path, dst: Path) -> None:
@@ -125,7 +127,8 @@ def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                        make_vocab_size_divisible_by=make_vocab_size_divisible_by, precision=precision)
     tmp = _atomic_dir(Path(out_dir), overwrite)
     try:
-        run_ranks(import_rank_worker, plan.world_size, timeout_s=timeout_s, args=plan.worker_args(tmp))
+        run_ranks(import_rank_worker, plan.world_size, timeout_s=timeout_s, args=plan.worker_args(tmp),
+                  preload=RANK_PRELOAD)
         finish_import(plan, tmp)
         return _publish(tmp, Path(out_dir))
     except BaseException:
@@ -244,7 +247,7 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     tmp = _atomic_dir(Path(out_dir), overwrite)
     try:
         run_ranks(_export_worker, 1, timeout_s=timeout_s,
-                  args=(str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes))
+                  args=(str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes), preload=RANK_PRELOAD)
         copy_hf_metadata(config_dir, tmp)
         return _publish(tmp, Path(out_dir))
     except BaseException:

@@ -13,9 +13,12 @@ never leaves its peers hanging in a collective); ``OMP_NUM_THREADS=1`` in the ch
 given; the rendezvous is a file store in a private temporary directory (no port races with other
 test runs on the same machine).
 
-Start method: ``forkserver`` by default, with torch, Megatron-Core and transformers preloaded in
-the server (imported once per calling process, ~10 s on 2 busy cores, instead of once per rank
-and call); ``spawn`` is available for code that must not share the server's imports.
+Start method: ``forkserver`` by default, with torch and Megatron-Core preloaded in the server
+(:mod:`megarl.procs.local_ranks_preload`), and the modules the caller names in ``preload`` (what its
+rank function imports: the converter passes Megatron's model builder and the families' HF configs),
+imported once per calling process (~10 s on 2 busy cores) instead of once per rank and call. The
+server starts on a process's first ``forkserver`` call: that call's ``preload`` holds for the
+process. ``spawn`` is available for code that must not share the server's imports.
 """
 from __future__ import annotations
 
@@ -42,13 +45,13 @@ def free_port() -> int:
 
 
 PRELOAD = ("megarl.procs.local_ranks_preload",)
-"""Modules imported once by the fork server (see :mod:`megarl.procs.local_ranks_preload`)."""
+"""Modules the fork server imports first, before the caller's (see :mod:`megarl.procs.local_ranks_preload`)."""
 
 
-def _context(start_method: str):
+def _context(start_method: str, preload: Sequence[str]):
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))
+        ctx.set_forkserver_preload([*PRELOAD, *preload])
     return ctx
 
 
@@ -79,7 +82,8 @@ def _child(fn, rank: int, world_size: int, args: tuple, store_path: str, backend
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
               timeout_s: float = 120.0, backend: str | None = "gloo",
-              env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
+              env: dict[str, str] | None = None, start_method: str = "forkserver",
+              preload: Sequence[str] = ()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
     Args:
@@ -91,6 +95,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
         env: extra environment variables for the children (``OMP_NUM_THREADS`` defaults to 1;
             ``MASTER_ADDR``/``MASTER_PORT`` are set to a free local port).
         start_method: ``forkserver`` (default; see the module docstring) or ``spawn``.
+        preload: modules (dotted names) the fork server imports once after :data:`PRELOAD`, when
+            this call starts it; one that raises ImportError is skipped (the rank imports it itself).
 
     Returns:
         The return values of ``fn``, indexed by rank.
@@ -99,7 +105,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
         RankError: a rank raised or exited without a result (message: its traceback or exit
             code), or the run exceeded ``timeout_s`` (message: the unfinished ranks).
     """
-    ctx = _context(start_method)
+    ctx = _context(start_method, preload)
     child_env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     child_env.update(env or {})
     results = ctx.Queue()
@@ -114,24 +120,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
                 proc.start()
                 procs.append(proc)
             deadline = time.monotonic() + timeout_s
-            grace_until = None  # a rank died: its report may still be in flight
-            while len(done) < world_size:
-                try:
-                    rank, ok, payload = results.get(timeout=0.2)
-                except queue.Empty:
-                    dead = _dead_rank(procs, done)
-                    if dead is not None:
-                        grace_until = grace_until or time.monotonic() + 2.0
-                        if time.monotonic() > grace_until:
-                            raise RankError(f"rank {dead} exited with code "
-                                            f"{procs[dead].exitcode} without a result")
-                    if time.monotonic() > deadline:
-                        pending = [r for r in range(world_size) if r not in done]
-                        raise RankError(f"ranks {pending} did not finish within {timeout_s:.0f} s")
-                    continue
-                if not ok:
-                    raise RankError(f"rank {rank} of {world_size} raised:\n{payload}")
-                done[rank] = pickle.loads(payload)
+            _collect(procs, results, done, deadline=deadline, timeout_s=timeout_s)
             for proc in procs:
                 proc.join(timeout=max(1.0, deadline - time.monotonic()))
         finally:
@@ -142,6 +131,34 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
                 proc.join(timeout=10)
             results.close()
     return [done[r] for r in range(world_size)]
+
+
+def _collect(procs: list, results, done: dict[int, Any], *, deadline: float, timeout_s: float) -> None:
+    """Fill ``done`` (rank -> result) from the ranks' reports until every rank has reported.
+
+    Raises:
+        RankError: a rank raised, died without a result (after a 2 s grace for its report), or
+            ``deadline`` (``timeout_s`` after the start) passed.
+    """
+    world_size = len(procs)
+    grace_until = None  # a rank died: its report may still be in flight
+    while len(done) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = _dead_rank(procs, done)
+            if dead is not None:
+                grace_until = grace_until or time.monotonic() + 2.0
+                if time.monotonic() > grace_until:
+                    raise RankError(f"rank {dead} exited with code "
+                                    f"{procs[dead].exitcode} without a result")
+            if time.monotonic() > deadline:
+                pending = [r for r in range(world_size) if r not in done]
+                raise RankError(f"ranks {pending} did not finish within {timeout_s:.0f} s")
+            continue
+        if not ok:
+            raise RankError(f"rank {rank} of {world_size} raised:\n{payload}")
+        done[rank] = pickle.loads(payload)
 
 
 def _dead_rank(procs, done) -> int | None:

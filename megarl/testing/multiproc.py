@@ -1,8 +1,13 @@
-"""Former home of the local-rank runner, now :mod:`megarl.procs.local_ranks` (the checkpoint
-converter uses it: production code, not a test helper). This name stays importable: it *is* that
-module (same object, same attributes), so existing imports and monkeypatches keep working."""
-import sys
+"""The local-rank runner for tests and benchmarks: :func:`megarl.procs.local_ranks.run_ranks` with
+the fork server preloading what megarl's rank functions import (:data:`RANK_PRELOAD`: the families'
+HF config classes, the converters, Megatron's model builder), as the converter's ranks get it."""
+from megarl.checkpoint.convert import RANK_PRELOAD
+from megarl.procs import local_ranks
+from megarl.procs.local_ranks import RankError, free_port  # noqa: F401  (the tests import them from here)
 
-from megarl.procs import local_ranks as _local_ranks
 
-sys.modules[__name__] = _local_ranks
+def run_ranks(fn, world_size: int, **kwargs):
+    """:func:`megarl.procs.local_ranks.run_ranks` (same arguments, results and errors) with
+    ``preload`` defaulting to :data:`RANK_PRELOAD`."""
+    kwargs.setdefault("preload", RANK_PRELOAD)
+    return local_ranks.run_ranks(fn, world_size, **kwargs)
