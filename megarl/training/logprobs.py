@@ -29,6 +29,8 @@ equals a softmax over the real vocabulary (the rollout engine's).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -252,6 +254,42 @@ def vocab_parallel_entropy(logits: Tensor, *, vocab_size: int | None = None,
     return _VocabParallelEntropy.apply(logits, vocab_size, tp_group)
 
 
+def _next_token_pairs(logits: Tensor, input_ids: Tensor, *,
+                      seq_first: bool) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """The (position, next token) pairs of `next_token_logprobs`, flattened for one pass.
+
+    Returns:
+        ``(flat_logits [N, V/tp], targets [N] int64, shifted)``: ``shifted`` maps per-pair values
+        ``[N]`` back to ``[..., S]`` (``[R, S]`` with ``seq_first``), 0 in column 0. With
+        ``seq_first`` ``N = S R`` (a view of the logits; the last position's dummy target is
+        dropped by ``shifted``), else ``N = (S - 1) x rows``.
+
+    Raises:
+        ValueError: ``seq_first`` logits not ``[S, R, V/tp]`` for ``input_ids`` ``[R, S]``.
+    """
+    local_vocab = logits.shape[-1]
+    if seq_first:
+        rows, length = input_ids.shape
+        if tuple(logits.shape[:2]) != (length, rows) and not (rows == 1 and logits.shape[:2] == (1, length)):
+            raise ValueError(f"seq_first logits must be [S, R, V/tp] = [{length}, {rows}, V/tp], "
+                             f"got {tuple(logits.shape)}")
+        flat_logits = logits.reshape(length * rows, local_vocab)  # a view of contiguous logits
+        # position s predicts s + 1; the last position gets a dummy target and its result is dropped
+        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).t().reshape(-1)
+
+        def shifted(values: Tensor) -> Tensor:  # [S R] in (s, r) order -> [R, S], 0 in column 0
+            return torch.cat([values.new_zeros(1, rows), values.view(length, rows)[:-1]]).t()
+        return flat_logits, targets, shifted
+    lead, length = input_ids.shape[:-1], input_ids.shape[-1]
+    flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
+    targets = input_ids[..., 1:].reshape(-1)
+
+    def shifted(values: Tensor) -> Tensor:
+        values = values.view(*lead, length - 1)
+        return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
+    return flat_logits, targets, shifted
+
+
 def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | None = None,
                         tp_group: dist.ProcessGroup | None = None, temperature: float = 1.0,
                         entropy: str = "none", seq_first: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -285,27 +323,7 @@ def next_token_logprobs(logits: Tensor, input_ids: Tensor, *, vocab_size: int | 
     if entropy not in ("none", "metric", "grad"):
         raise ValueError(f"entropy must be 'none', 'metric' or 'grad', got {entropy!r}")
     overwrite = _take_ownership(logits) and entropy != "grad"  # the entropy's own pass reads the logits
-    local_vocab = logits.shape[-1]
-    if seq_first:
-        rows, length = input_ids.shape
-        if tuple(logits.shape[:2]) != (length, rows) and not (rows == 1 and logits.shape[:2] == (1, length)):
-            raise ValueError(f"seq_first logits must be [S, R, V/tp] = [{length}, {rows}, V/tp], "
-                             f"got {tuple(logits.shape)}")
-        flat_logits = logits.reshape(length * rows, local_vocab)  # a view of contiguous logits
-        # position s predicts s + 1; the last position gets a dummy target and its result is dropped
-        targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).t().reshape(-1)
-
-        def shifted(values: Tensor) -> Tensor:  # [S R] in (s, r) order -> [R, S], 0 in column 0
-            return torch.cat([values.new_zeros(1, rows), values.view(length, rows)[:-1]]).t()
-    else:
-        lead, length = input_ids.shape[:-1], input_ids.shape[-1]
-        flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
-        targets = input_ids[..., 1:].reshape(-1)
-
-        def shifted(values: Tensor) -> Tensor:
-            values = values.view(*lead, length - 1)
-            return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
-
+    flat_logits, targets, shifted = _next_token_pairs(logits, input_ids, seq_first=seq_first)
     if entropy == "grad":
         flat_logits = flat_logits / temperature if temperature != 1.0 else flat_logits
         scores = vocab_parallel_logprobs(flat_logits, targets, vocab_size=vocab_size, tp_group=tp_group)

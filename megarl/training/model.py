@@ -91,9 +91,24 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
                          f"model; {hf_config.model_type} has no experts")
     if is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
         raise ValueError("MoE with parallel.tensor_model_parallel_size > 1 needs parallel.sequence_parallel=True")
-    dtype = _DTYPES[precision]
     kwargs = family.transformer_config_kwargs(arch)
-    kwargs.update(
+    kwargs.update(_layout_kwargs(p, model_cfg, first=first, last=last, precision=precision, device=device))
+    kwargs.update(_feature_kwargs(model_cfg, is_moe=is_moe, use_te=use_te,
+                                  multi_latent_attention=bool(kwargs.get("multi_latent_attention"))))
+    kwargs.update(extra_config or {})
+    config_overrides, _ = split_megatron_overrides(getattr(model_cfg, "megatron_overrides", None) or {})
+    kwargs.update(config_overrides)  # the user's Megatron fields win over every choice above
+    # Multi-latent attention (DeepSeek-V3) needs Megatron's MLA config class (q/kv LoRA ranks, YaRN).
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    return config_class(**kwargs)
+
+
+def _layout_kwargs(p: ParallelConfig, model_cfg: ModelConfig, *, first: Optional[int], last: Optional[int],
+                   precision: str, device: str) -> dict:
+    """``TransformerConfig`` fields of the parallel layout (``first`` / ``last``: layers of the first /
+    last pipeline stage, None: even), the precision, dropout and initialisation on ``device``."""
+    dtype = _DTYPES[precision]
+    return dict(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
@@ -105,10 +120,17 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
         hidden_dropout=model_cfg.hidden_dropout, attention_dropout=model_cfg.attention_dropout,
         use_cpu_initialization=device != "cuda", perform_initialization=device != "meta",
         masked_softmax_fusion=False)  # local attention's fused softmax (apex); TE attention fuses its own
-    fusions, _ = fusion_settings(use_te=use_te, is_moe=any(arch["moe_layers"]),
-                                 multi_latent_attention=bool(kwargs.get("multi_latent_attention")),
-                                 grad_accum_kernel=_grad_accum_kernel_available())
-    kwargs.update(fusions)
+
+
+def _feature_kwargs(model_cfg: ModelConfig, *, is_moe: bool, use_te: bool, multi_latent_attention: bool) -> dict:
+    """``TransformerConfig`` fields of the fusions (:func:`fusion_settings`), activation recomputation
+    (``model.recompute_granularity``) and, for an MoE model, the router and token dispatcher.
+
+    Raises:
+        ValueError: ``model.moe_grouped_gemm=True`` without the Transformer Engine spec.
+    """
+    kwargs, _ = fusion_settings(use_te=use_te, is_moe=is_moe, multi_latent_attention=multi_latent_attention,
+                                grad_accum_kernel=_grad_accum_kernel_available())
     if model_cfg.recompute_granularity is not None:
         kwargs.update(recompute_granularity=model_cfg.recompute_granularity)
         if model_cfg.recompute_granularity == "full":
@@ -121,12 +143,7 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
             moe_router_dtype=model_cfg.moe_router_dtype, moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if model_cfg.moe_aux_loss_coeff > 0 else "none",
             moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type, moe_grouped_gemm=grouped)
-    kwargs.update(extra_config or {})
-    config_overrides, _ = split_megatron_overrides(getattr(model_cfg, "megatron_overrides", None) or {})
-    kwargs.update(config_overrides)  # the user's Megatron fields win over every choice above
-    # Multi-latent attention (DeepSeek-V3) needs Megatron's MLA config class (q/kv LoRA ranks, YaRN).
-    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
-    return config_class(**kwargs)
+    return kwargs
 
 
 FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
@@ -209,7 +226,7 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     Pre/post-processing (embedding / output layer) follows the rank's pipeline stage and each
     chunk's virtual stage. The vocabulary is padded to a multiple of
     ``model.make_vocab_size_divisible_by x TP`` (padded rows are zero after
-    :func:`megarl.checkpoint.load_hf_weights`). Weights are randomly initialised; load HF weights
+    :func:`megarl.checkpoint.loader.load_hf_weights`). Weights are randomly initialised; load HF weights
     with ``load_hf_weights``. ``model.moe_router_freeze`` sets ``requires_grad=False`` on routers.
 
     Args:
@@ -228,8 +245,6 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
         RuntimeError: parallel state not initialised.
     """
     from megatron.core import parallel_state as mps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megarl.models.families import get_family
     from megarl.models.mapping import padded_vocab_size
@@ -251,25 +266,8 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in (range(vpp) if vpp else [None]):
-        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                normalization="RMSNorm", vp_stage=vp_stage)
-        if config.multi_latent_attention and not use_te:
-            from megarl.training.local_mla import use_local_mla_attention
-
-            use_local_mla_attention(block_spec)  # Megatron-Core 0.16.1's local MLA spec cannot build
-        if not use_te:
-            from megarl.training.local_attention import use_local_sdpa_attention
-
-            use_local_sdpa_attention(block_spec)  # fused SDPA per packed sequence instead of dense scores
-        ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
-        with ctx:
-            model = GPTModel(
-                config=config, transformer_layer_spec=block_spec, vocab_size=vocab,
-                pre_process=mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                vp_stage=vp_stage, **gpt_kwargs)
-        if device == "cuda":
-            model.cuda(torch.cuda.current_device())
+        model = _build_chunk(config, vp_stage, use_te=use_te, vocab_size=vocab, device=device,
+                             gpt_kwargs=gpt_kwargs)
         _mapped_buffers_to_parameters(model, family.table)
         if model_cfg.moe_router_freeze:
             for name, param in model.named_parameters():
@@ -277,6 +275,36 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
                     param.requires_grad_(False)
         chunks.append(model)
     return chunks
+
+
+def _build_chunk(config, vp_stage: Optional[int], *, use_te: bool, vocab_size: int, device: str,
+                 gpt_kwargs: dict) -> torch.nn.Module:
+    """One ``GPTModel`` chunk (virtual pipeline stage ``vp_stage``, None without VPP) of this rank, on
+    ``device``; with the local spec, megarl's local MLA and fused-SDPA attention modules."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                            normalization="RMSNorm", vp_stage=vp_stage)
+    if config.multi_latent_attention and not use_te:
+        from megarl.training.local_mla import use_local_mla_attention
+
+        use_local_mla_attention(block_spec)  # Megatron-Core 0.16.1's local MLA spec cannot build
+    if not use_te:
+        from megarl.training.local_attention import use_local_sdpa_attention
+
+        use_local_sdpa_attention(block_spec)  # fused SDPA per packed sequence instead of dense scores
+    ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
+    with ctx:
+        model = GPTModel(
+            config=config, transformer_layer_spec=block_spec, vocab_size=vocab_size,
+            pre_process=mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage, **gpt_kwargs)
+    if device == "cuda":
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def _mapped_buffers_to_parameters(model: torch.nn.Module, table) -> None:
