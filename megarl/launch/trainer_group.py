@@ -135,7 +135,7 @@ class TrainerWorker:
         """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
         from omegaconf import OmegaConf
 
-        from megarl.config.validate import resolved_precision
+        from megarl.config.device import resolved_precision
         from megarl.weight_sync.choice import run_transport
         from megarl.weight_sync.sync import build_weight_sync
 
@@ -199,7 +199,8 @@ class TrainerGroup:
                  setup_timeout_s: float | None = None) -> None:
         from omegaconf import OmegaConf
 
-        from megarl.cluster.placement import trainer_world_size, use_cuda
+        from megarl.config.device import use_cuda
+        from megarl.config.parallel import trainer_world_size
 
         self.world_size = trainer_world_size(cfg.cluster)
         self.timeout_s = float(cfg.cluster.trainer_call_timeout_s)

@@ -49,7 +49,7 @@ def run_transport(cfg) -> str:
     ``tensor`` when trainer and engines share CUDA devices (``cluster.placement=colocated``: NCCL
     cannot connect two ranks on one GPU); otherwise ``auto`` is resolved by the senders
     (:func:`resolve_auto`)."""
-    from megarl.cluster.placement import use_cuda
+    from megarl.config.device import use_cuda
 
     transport = cfg.weight_sync.transport
     if transport == "auto" and cfg.cluster.placement == "colocated" and use_cuda(cfg.cluster.device):

@@ -202,7 +202,7 @@ def _engine_node_lines(p: SyncPrediction, inter_gbps: float) -> list[str]:
 
 def plan_from_config(cfg):
     """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
-    from megarl.config.validate import resolved_precision
+    from megarl.config.device import resolved_precision
     from megarl.training.model import load_hf_config
     from megarl.models.fp8_blocks import parse_quantization_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
