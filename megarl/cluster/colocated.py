@@ -50,7 +50,7 @@ def resume(engine_urls: Sequence[str], tags: Sequence[str]) -> None:
 
 
 def _call(engine_urls: Sequence[str], method: str, tags: Sequence[str]) -> None:
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
 
-    with EngineGroup(list(engine_urls)) as engines:
+    with EngineClients(list(engine_urls)) as engines:
         engines.call_all(method, list(tags))

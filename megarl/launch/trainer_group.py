@@ -136,18 +136,18 @@ class TrainerWorker:
         from omegaconf import OmegaConf
 
         from megarl.config.device import resolved_precision
+        from megarl.weight_sync.build import SyncSpec, build_weight_sync
         from megarl.weight_sync.choice import run_transport
-        from megarl.weight_sync.sync import build_weight_sync
 
         cfg = self.trainer.cfg
         ws = OmegaConf.merge(cfg.weight_sync, {"transport": run_transport(cfg)})  # auto: tensor when colocated on CUDA
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
-        self.syncer = build_weight_sync(
-            cfg.model.hf_path, self.trainer.parallel, engine_urls, ws,
-            engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
-            engine_ep_size=int(cfg.rollout.engine.expert_parallel_size), dtype=dtype,
-            make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by), parallel_cfg=cfg.parallel,
-            directory=directory, master_address=ray.util.get_node_ip_address())
+        spec = SyncSpec(hf_dir=cfg.model.hf_path, engine_urls=engine_urls,
+                        engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
+                        engine_ep_size=int(cfg.rollout.engine.expert_parallel_size), dtype=dtype,
+                        make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
+                        directory=directory, master_address=ray.util.get_node_ip_address())
+        self.syncer = build_weight_sync(spec, self.trainer.parallel, ws, parallel_cfg=cfg.parallel)
 
     def close_weight_sync(self) -> None:
         """Tear the synchronizer down (an engine was restarted: its groups must be rebuilt)."""

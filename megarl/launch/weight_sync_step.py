@@ -63,11 +63,11 @@ def probe_routes(engine_url: str, probes: TrainBatch) -> torch.Tensor:
     Raises:
         megarl.rollout.client.EngineRequestError: the engine returned no routes.
     """
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
 
     cu = probes.cu_seqlens.tolist()
     rows = []
-    with EngineGroup([engine_url]) as engine:
+    with EngineClients([engine_url]) as engine:
         for start, end in zip(cu[:-1], cu[1:]):
             out = engine.call_all("generate", probes.input_ids[start:end].tolist(),
                                   {"max_new_tokens": 1, "temperature": 0.0}, return_routed_experts=True,

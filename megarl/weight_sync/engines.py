@@ -1,7 +1,7 @@
 """Synchronous access to a set of SGLang engines for weight-sync code running on trainer ranks.
 
 Trainer ranks are plain blocking programs (torch.distributed calls); the rollout client
-(:class:`megarl.rollout.client.SGLangClient`) is async. :class:`EngineGroup` runs the clients on a
+(:class:`megarl.rollout.client.SGLangClient`) is async. :class:`EngineClients` runs the clients on a
 private event loop in a background thread and exposes blocking calls over all engines at once
 (``call_all``) and non-blocking ones (``submit_all``) that return ``concurrent.futures.Future`` —
 the weight-update requests must be in flight while this thread joins a collective with the engines.
@@ -14,7 +14,7 @@ import threading
 from typing import Any, Sequence
 
 
-class EngineGroup:
+class EngineClients:
     """All engines that receive weight updates (one :class:`SGLangClient` per server).
 
     Args:
@@ -26,7 +26,7 @@ class EngineGroup:
         from megarl.rollout.client import SGLangClient
 
         if not urls:
-            raise ValueError("EngineGroup needs at least one engine URL")
+            raise ValueError("EngineClients needs at least one engine URL")
         self.urls = list(urls)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
@@ -59,7 +59,7 @@ class EngineGroup:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "EngineGroup":
+    def __enter__(self) -> "EngineClients":
         return self
 
     def __exit__(self, *exc) -> None:

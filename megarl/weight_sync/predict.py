@@ -206,7 +206,7 @@ def plan_from_config(cfg):
     from megarl.training.model import load_hf_config
     from megarl.models.fp8_blocks import parse_quantization_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-    from megarl.weight_sync.sync import senders_per_stage
+    from megarl.weight_sync.build import senders_per_stage
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
 
@@ -218,10 +218,10 @@ def plan_from_config(cfg):
         pipeline_model_parallel_size=int(p.pipeline_model_parallel_size),
         expert_model_parallel_size=int(p.expert_model_parallel_size),
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-        virtual_pipeline_model_parallel_size=p.get("virtual_pipeline_model_parallel_size"),
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         context_parallel_size=int(p.context_parallel_size),
-        num_layers_in_first_pipeline_stage=p.get("num_layers_in_first_pipeline_stage"),
-        num_layers_in_last_pipeline_stage=p.get("num_layers_in_last_pipeline_stage"))
+        num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage)
     hf_config = load_hf_config(str(cfg.model.hf_path))
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=trainer.tp_size,
                                        make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),

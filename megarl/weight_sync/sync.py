@@ -35,12 +35,12 @@ import torch.distributed as dist
 from megarl.training.collectives import all_reduce, barrier, control_group
 from megarl.training.collectives import recv as recv_tensor
 from megarl.training.collectives import send as send_tensor
-from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
-from megarl.weight_sync.engines import EngineGroup
+from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
+from megarl.weight_sync.engines import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
-from megarl.weight_sync.segments import SegmentOwners
 from megarl.weight_sync.plan import WeightSyncPlan
-from megarl.weight_sync.transports import Transport, make_transport
+from megarl.weight_sync.segments import SegmentOwners
+from megarl.weight_sync.transport import Transport
 from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
 
 
@@ -60,7 +60,8 @@ class WeightSynchronizer:
         segment_senders: with ``p2p`` (buckets laid out per engine rank), each engine rank's
             segment is sent by the trainer rank of the stage holding most of it
             (:class:`~megarl.weight_sync.segments.SegmentOwners`; ``weight_sync.segment_senders``).
-        transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s`` (see ``make_transport``).
+        transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s``
+            (:class:`~megarl.weight_sync.transport.TransportOptions`).
     """
 
     def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, placement,
@@ -86,12 +87,12 @@ class WeightSynchronizer:
         self.stage = next((b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
         self.is_sender = any(b.sender_rank == rank for b in buckets)
         self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
-        self.engines = EngineGroup(engine_urls) if self.is_coordinator else None
+        self.engines = EngineClients(engine_urls) if self.is_coordinator else None
         """Every engine (coordinator only): pause, sessions, flush, version, resume, verify."""
         self.transport: Optional[Transport] = None
-        self._transport_engines: Optional[EngineGroup] = None
+        self._transport_engines: Optional[EngineClients] = None
         if self.is_sender:
-            self._transport_engines = EngineGroup([engine_urls[i] for i in self.mine.engines])
+            self._transport_engines = EngineClients([engine_urls[i] for i in self.mine.engines])
             self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
         self.transport_name = transport
         self._engine_urls, self._transport_kwargs = list(engine_urls), transport_kwargs
@@ -147,8 +148,6 @@ class WeightSynchronizer:
         owners from the plan): who sends each segment, in which messages; with several senders
         (``segment_senders``) the stage's helpers get a ``p2p`` transport of their own, and every
         sender learns the others (the group itself is made in the first sync)."""
-        from megarl.weight_sync.transports import make_transport
-
         owners = SegmentOwners(self.mine, self.placement, several=self.segment_senders)
         senders = owners.senders(self.stage)
         self.owners = owners
@@ -157,7 +156,7 @@ class WeightSynchronizer:
         index = senders.index(self.rank)
         if index > 0:
             self.is_helper = True
-            self._transport_engines = EngineGroup([self._engine_urls[i] for i in self.mine.engines])
+            self._transport_engines = EngineClients([self._engine_urls[i] for i in self.mine.engines])
             self.transport = make_transport("p2p", self.mine, self._transport_engines, **self._transport_kwargs)
             self.transport.connect(self._senders().index(senders[0]))
         self.transport.set_senders(senders, index, self.control, owners, list(self.mine.stage_buckets(self.stage)))
@@ -342,74 +341,3 @@ class WeightSynchronizer:
         for engines in (self.engines, self._transport_engines):
             if engines is not None:
                 engines.close()
-
-
-def trainer_layout_of(parallel, parallel_cfg=None):
-    """The :class:`TrainerLayout` of a trainer's ``ParallelState`` (uneven stages from ``parallel_cfg``)."""
-    from megarl.weight_sync.layout import TrainerLayout
-
-    return TrainerLayout(
-        tensor_model_parallel_size=parallel.tp_size, pipeline_model_parallel_size=parallel.pp_size,
-        expert_model_parallel_size=parallel.ep_size, expert_tensor_parallel_size=parallel.etp_size,
-        virtual_pipeline_model_parallel_size=parallel.vpp_size, context_parallel_size=parallel.cp_size,
-        data_parallel_size=parallel.dp_size,
-        num_layers_in_first_pipeline_stage=getattr(parallel_cfg, "num_layers_in_first_pipeline_stage", None),
-        num_layers_in_last_pipeline_stage=getattr(parallel_cfg, "num_layers_in_last_pipeline_stage", None))
-
-
-def senders_per_stage(cfg) -> Optional[int]:
-    """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
-    per stage (``shard``, ``tensor``, ``disk``: same host or files), else the config's value."""
-    if cfg.transport in ONE_SENDER_TRANSPORTS:
-        return 1
-    return getattr(cfg, "senders_per_stage", None)
-
-
-def build_weight_sync(hf_dir, parallel, engine_urls, cfg, *, engine_tp_size: int = 1, engine_ep_size: int = 1,
-                      dtype: str = "bfloat16", make_vocab_size_divisible_by: int = 128, parallel_cfg=None,
-                      check_manifest: bool = True, directory=None, master_address: str = "127.0.0.1",
-                      group=None) -> WeightSynchronizer:
-    """A :class:`WeightSynchronizer` for a trainer rank (call on every rank, same arguments).
-
-    Args:
-        hf_dir: the policy's HF directory (architecture; the engines' checkpoint for the manifest check;
-            its ``quantization_config``: block-FP8 engines get FP8 weights, see ``fp8_wire``).
-        parallel: this rank's ``megarl.training.parallel_state.ParallelState``.
-        engine_urls: every engine to update.
-        cfg: the ``weight_sync`` config section (transport, bucket size, backend, pause mode, timeout).
-        engine_tp_size / engine_ep_size: every engine's ``--tp`` / ``--ep-size``.
-        dtype: the trainer's parameter dtype (``float32`` on CPU tests).
-        make_vocab_size_divisible_by: ``model.make_vocab_size_divisible_by``.
-        parallel_cfg: the ``parallel`` section (uneven pipeline stages), optional.
-        check_manifest: check the plan against ``hf_dir``'s safetensors headers (same host).
-        directory: where the ``disk`` transport writes.
-        master_address: address of this host as the engines reach it (``distributed``).
-
-    Raises:
-        WeightSyncError / PlanError / LayoutError / SpecError: see the checks they name.
-    """
-    from megarl.models.families import get_family
-    from megarl.training.model import load_hf_config
-    from megarl.weight_sync.fp8_wire import served_quantization
-    from megarl.weight_sync.placement import Placement
-    from megarl.weight_sync.layout import EngineLayout
-    from megarl.weight_sync.model_specs import param_specs_from_hf_config
-    from megarl.weight_sync.plan import build_plan
-    from megarl.weight_sync.validate import read_manifest
-
-    hf_config = load_hf_config(str(hf_dir))
-    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=parallel.tp_size,
-                                       make_vocab_size_divisible_by=make_vocab_size_divisible_by, dtype=dtype)
-    engine_layout = EngineLayout(tensor_parallel_size=engine_tp_size, expert_parallel_size=engine_ep_size,
-                                 num_engines=len(engine_urls))
-    plan = build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
-                      bucket_size_mb=cfg.bucket_size_mb,
-                      quantization=served_quantization(hf_config, source=f"{hf_dir}/config.json"),
-                      senders_per_stage=senders_per_stage(cfg))
-    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                          tp_size=parallel.tp_size)
-    return WeightSynchronizer(plan, cfg.transport, engine_urls, rank=parallel.rank, placement=Placement(layout),
-                              manifest=read_manifest(hf_dir) if check_manifest else None,
-                              pause_mode=cfg.pause_mode, group=group, segment_senders=getattr(cfg, "segment_senders", True),
-                              backend=cfg.backend,
-                              master_address=master_address, directory=directory, timeout_s=cfg.timeout_s)

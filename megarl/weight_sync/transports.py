@@ -1,5 +1,10 @@
 """Transports: how a stage sender hands converted buckets to the SGLang engines.
 
+This module holds ``distributed`` as SGLang does it, ``shard``, ``tensor`` and ``disk``; the
+transports checked by megarl's receiver (``p2p``, checked ``distributed``) are in
+:mod:`megarl.weight_sync.p2p`, their base class in :mod:`megarl.weight_sync.transport`, and the
+registry that picks one by name in :mod:`megarl.weight_sync.choice`.
+
 - ``distributed``: one broadcast of the flat bucket per bucket over a process group between this
   sender (group rank 0) and every engine rank (NCCL on GPU, gloo on CPU: same code). Every engine
   rank receives every tensor in full. Where the engines registered megarl's receiver loader (as
@@ -31,155 +36,27 @@ until then. Either way gathering and placing bucket ``b + 1`` overlaps the trans
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import broadcast
-from megarl.weight_sync.engines import EngineGroup, wait_all
-from megarl.weight_sync.plan import Bucket, WeightSyncPlan
+from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.plan import Bucket
+from megarl.weight_sync.transport import GroupTransport, Transport, TransportOptions
 from megarl.weight_sync.validate import WeightSyncError
-
-log = logging.getLogger(__name__)
 
 LOADER = "megarl.weight_sync.sglang_loader.load_presharded"
 """``--custom-weight-loader`` import path of the shard transport's loader."""
 
 
-@dataclass
-class TransferStats:
-    """What one sender's transport did in one sync."""
-
-    transfer_s: float = 0.0
-    """Moving bytes (broadcast, serialisation into shared memory, file writes)."""
-    engine_load_s: float = 0.0
-    """Waiting for the engines to load after the bytes moved."""
-    bytes_sent: int = 0
-    """Bytes handed to the engines (summed over engine ranks that receive them separately)."""
-    engine_rank_bytes: list = field(default_factory=list)
-    """Bytes received by each rank of one engine."""
-
-
-ANSWERED_GRACE_S = 30.0
-"""How long a group collective may stay open after an engine answered the request that joins it
-(the engine will not join any more: its side failed)."""
-
-
-class Transport:
-    """Base class; one instance per stage sender (the coordinator also drives ``finish``)."""
-
-    name = "base"
-    needs_session = True
-    """Wrap the push in ``/begin_weight_update`` ... ``/end_weight_update``."""
-    ordered_stages = False
-    """Stage senders must push one after another (they share collectives with the engines)."""
-    sliced_buckets = False
-    """``send`` accepts buckets laid out per engine rank (:class:`~megarl.weight_sync.segments.RankSlices`)."""
-
-    def __init__(self, plan: WeightSyncPlan, engines: EngineGroup, *, timeout_s: float = 600.0) -> None:
-        self.plan, self.engines, self.timeout_s = plan, engines, timeout_s
-        self.stats = TransferStats(engine_rank_bytes=[0] * plan.engine_layout.tp_size)
-        self._in_flight: Optional[tuple] = None
-
-    def connect(self, pp_rank: int) -> None:
-        """One-time setup for the sender of stage ``pp_rank`` (called in stage order)."""
-
-    def start_sync(self) -> None:
-        self.stats = TransferStats(engine_rank_bytes=[0] * self.plan.engine_layout.tp_size)
-
-    def send(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
-        """Hand one bucket to the engines; may return before they finished (see :meth:`drain`).
-
-        Args:
-            bucket: the plan's bucket.
-            tensors: its HF tensors in wire order, as views of ``flat``.
-            flat: ``[bucket.nbytes]`` uint8, the tensors back to back; not modified by the caller
-                until this transport drained the bucket.
-        """
-        raise NotImplementedError
-
-    def drain(self) -> None:
-        """Wait until the engines finished with every bucket sent so far."""
-        if self._in_flight is None:
-            return
-        futures, refs, started, moved_at = self._in_flight
-        wait_all(futures, self.timeout_s)
-        done = time.perf_counter()
-        self.stats.transfer_s += moved_at - started
-        self.stats.engine_load_s += done - moved_at
-        self._in_flight = None
-        del refs  # the engines are done: the bucket's buffers may go
-
-    def abort(self) -> None:
-        """The sender failed between buckets: leave the engines able to take the next sync (the
-        caller raises its error afterwards). Nothing to do for transports whose engines wait for
-        no further bucket."""
-
-    def finish(self, weight_version: str) -> None:
-        """Coordinator only, after every sender drained (the disk transport reloads here)."""
-
-    def close(self) -> None:
-        """Release transport resources (process groups)."""
-
-    def _count(self, per_rank_bytes: Sequence[int]) -> None:
-        for r, n in enumerate(per_rank_bytes):
-            self.stats.engine_rank_bytes[r] += n
-        self.stats.bytes_sent += sum(per_rank_bytes) * len(self.engines)
-
-
-class _GroupTransport(Transport):
-    """A transport over a process group of this stage's sender (rank 0) and every engine rank.
-
-    Args (beyond `Transport`'s): backend: ``auto`` (nccl with CUDA, else gloo), ``nccl`` or
-    ``gloo``; master_address: the sender's address, which the engines connect to.
-    """
-
-    ordered_stages = True
-
-    def __init__(self, plan, engines, *, backend: str = "auto", master_address: str = "127.0.0.1",
-                 timeout_s: float = 600.0) -> None:
-        super().__init__(plan, engines, timeout_s=timeout_s)
-        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-        self.master_address = master_address
-        self.group = None
-        self.group_name: Optional[str] = None
-
-    def _await_work(self, work, futures, what: str) -> None:
-        """Wait for the group collective ``work`` (the sender's side of a bucket or a vote) while
-        the engines' HTTP requests (``futures``) are in flight.
-
-        Raises:
-            WeightSyncError: an engine request failed (that engine will never join the collective:
-                the group is now unusable), or ``work`` did not finish within ``timeout_s``.
-        """
-        deadline = time.monotonic() + self.timeout_s
-        answered_at = None
-        while not work.is_completed():
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
-                raise WeightSyncError(f"engine rejected {what}: {failed[0].exception()}; "
-                                      f"the update group {self.group_name} is now unusable")
-            if answered_at is None and any(f.done() for f in futures):
-                answered_at = time.monotonic()
-            if answered_at is not None and time.monotonic() > answered_at + ANSWERED_GRACE_S:
-                raise WeightSyncError(f"an engine answered its request but did not join {what} within "
-                                      f"{ANSWERED_GRACE_S:g} s (its receiver failed, see the engine's log); "
-                                      f"the update group {self.group_name} is now unusable")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"{what} not finished within {self.timeout_s} s")
-            time.sleep(0.0005)
-        work.wait()
-
-
-class DistributedTransport(_GroupTransport):
+class DistributedTransport(GroupTransport):
     """Broadcast flat buckets over a group with all engine ranks (see module docstring)."""
 
     name = "distributed"
@@ -321,6 +198,17 @@ class DiskTransport(Transport):
         super().__init__(plan, engines, timeout_s=timeout_s)
         self.directory = Path(directory)
 
+    @classmethod
+    def from_options(cls, plan, engines, options: TransportOptions) -> "DiskTransport":
+        """``disk`` writes into ``options.directory``.
+
+        Raises:
+            ValueError: ``options.directory`` is None.
+        """
+        if options.directory is None:
+            raise ValueError("weight_sync.transport=disk needs a directory for the safetensors files")
+        return cls(plan, engines, directory=options.directory, timeout_s=options.timeout_s)
+
     def start_sync(self) -> None:
         super().start_sync()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -344,45 +232,3 @@ class DiskTransport(Transport):
         self.engines.call_all("update_weights_from_disk", str(self.directory), flush_cache=False,
                               weight_version=weight_version, timeout_s=self.timeout_s)
         self.stats.engine_load_s += time.perf_counter() - started
-
-
-def make_transport(name: str, plan: WeightSyncPlan, engines: EngineGroup, *, backend: str = "auto",
-                   master_address: str = "127.0.0.1", directory: str | os.PathLike | None = None,
-                   timeout_s: float = 600.0) -> Transport:
-    """The transport called ``name`` (``weight_sync.transport``; ``auto``: see :func:`resolve_auto`).
-
-    ``distributed`` is checked per bucket (:class:`~megarl.weight_sync.p2p.CheckedDistributedTransport`)
-    when every engine registered megarl's receiver loader, as engines megarl starts do; otherwise it
-    is SGLang's own ``/update_weights_from_distributed`` (:class:`DistributedTransport`), which
-    loads what it received unchecked (README, "A sync that checks itself"), and a warning says so.
-
-    Raises:
-        ValueError: unknown name, or ``disk`` without a directory.
-    """
-    from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
-
-    from megarl.weight_sync.choice import engines_have_receiver, resolve_auto
-    from megarl.weight_sync.receiver import RECEIVER
-
-    if name == "auto":
-        name = resolve_auto(plan, engines, backend=backend, timeout_s=timeout_s)
-        log.info("weight_sync.transport=auto -> %s (%d engine(s) for this sender)", name, len(engines))
-    if name == "p2p":
-        return P2PTransport(plan, engines, backend=backend, master_address=master_address, timeout_s=timeout_s)
-    if name == "distributed":
-        checked = engines_have_receiver(engines, timeout_s=timeout_s)
-        if not checked:
-            log.warning("weight_sync.transport=distributed: the engines did not register megarl's receiver "
-                        "(--custom-weight-loader %s): buckets are loaded without a per-bucket checksum check",
-                        RECEIVER)
-        cls = CheckedDistributedTransport if checked else DistributedTransport
-        return cls(plan, engines, backend=backend, master_address=master_address, timeout_s=timeout_s)
-    if name == "shard":
-        return ShardTransport(plan, engines, timeout_s=timeout_s)
-    if name == "tensor":
-        return TensorTransport(plan, engines, timeout_s=timeout_s)
-    if name == "disk":
-        if directory is None:
-            raise ValueError("weight_sync.transport=disk needs a directory for the safetensors files")
-        return DiskTransport(plan, engines, directory=directory, timeout_s=timeout_s)
-    raise ValueError(f"weight_sync.transport: unknown {name!r} (auto, p2p, distributed, shard, tensor, disk)")

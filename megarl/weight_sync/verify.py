@@ -14,11 +14,11 @@ from typing import Sequence
 
 import torch
 
-from megarl.weight_sync.engines import EngineGroup
+from megarl.weight_sync.engines import EngineClients
 from megarl.weight_sync.validate import WeightSyncError
 
 
-def engine_prompt_logprobs(engines: EngineGroup, probes: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
+def engine_prompt_logprobs(engines: EngineClients, probes: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:
     """``[engine][probe] -> [P - 1]`` float64 teacher-forced logprobs from every engine.
 
     One probe at a time (all engines in parallel): a probe batched with others can come out
@@ -51,7 +51,7 @@ def logprob_gap(engine: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor])
     return flat.mean().item(), flat.max().item()
 
 
-def verify_engine_logprobs(engines: EngineGroup, probes: Sequence[Sequence[int]],
+def verify_engine_logprobs(engines: EngineClients, probes: Sequence[Sequence[int]],
                            trainer_logprobs: Sequence[torch.Tensor], *, tolerance: float) -> dict[str, float]:
     """Check every engine against the trainer on the probes.
 

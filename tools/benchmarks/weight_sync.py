@@ -319,7 +319,7 @@ def engine_check(url: str, hf_dir: str) -> dict:
     """Engine logprobs on probes vs transformers on the same (bf16) weights: the sync delivered them."""
     from transformers import AutoModelForCausalLM
 
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
     from megarl.weight_sync.verify import engine_prompt_logprobs, logprob_gap
 
     gen = torch.Generator().manual_seed(0)
@@ -330,7 +330,7 @@ def engine_check(url: str, hf_dir: str) -> dict:
         for p in probes:
             lp = torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), -1)
             reference.append(lp.gather(1, torch.tensor(p[1:])[:, None])[:, 0].double())
-    with EngineGroup([url]) as engines:
+    with EngineClients([url]) as engines:
         mean, peak = logprob_gap(engine_prompt_logprobs(engines, probes)[0], reference)
     return {"engine_vs_transformers_logprob_mean": mean, "max": peak}
 

@@ -9,7 +9,7 @@ frees nothing; the endpoints, tags and ordering are the same code as on GPU.)
 import pytest
 
 from megarl.cluster import colocated
-from megarl.weight_sync.engines import EngineGroup
+from megarl.weight_sync.engines import EngineClients
 
 PROMPT = list(range(40, 90))
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
@@ -18,7 +18,7 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 @pytest.mark.timeout(300)
 def test_release_train_resume_sync_cycle_keeps_the_engine_serving(sglang_engine, tiny_moe_dir):
     urls = [sglang_engine.url]
-    with EngineGroup(urls) as engines:
+    with EngineClients(urls) as engines:
         before = engines.call_all("generate", PROMPT, GREEDY)[0]
         released = colocated.release(urls, weights=True)
         try:

@@ -42,7 +42,7 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
-    from megarl.weight_sync.sync import build_weight_sync
+    from megarl.weight_sync.build import SyncSpec, build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, {**workers.LAYOUTS, **workers.LAYOUTS_4}[layout])
     trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
@@ -50,10 +50,11 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
     syncers = {}
     for transport in ("disk", "p2p"):
+        spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, engine_tp_size=engine_tp, dtype="float32",
+                        check_manifest=False, directory=os.path.join(workdir, f"disk-{layout}"),
+                        master_address=master_address)
         syncers[transport] = build_weight_sync(
-            hf_dir, trainer.parallel, urls, WeightSyncConfig(transport=transport, bucket_size_mb=0.25),
-            engine_tp_size=engine_tp, dtype="float32", parallel_cfg=cfg.parallel, check_manifest=False,
-            directory=os.path.join(workdir, f"disk-{layout}"), master_address=master_address)
+            spec, trainer.parallel, WeightSyncConfig(transport=transport, bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
     try:
         out = _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrupt)
     except BaseException:
@@ -168,9 +169,9 @@ def fail_at(target: tuple[int, int]):
 
 
 def workers_engines(urls):
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
 
-    return EngineGroup(urls)
+    return EngineClients(urls)
 
 
 def capture_rank_output(log_dir: str, rank: int, dump_every_s: float):

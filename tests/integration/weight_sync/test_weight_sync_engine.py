@@ -134,7 +134,7 @@ def test_sglang_ignores_a_misnamed_tensor_so_the_plan_check_refuses_it(sglang_en
     """Why names are checked on the trainer side: SGLang answers success for a name it does not know."""
     from transformers import AutoConfig
 
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
@@ -142,7 +142,7 @@ def test_sglang_ignores_a_misnamed_tensor_so_the_plan_check_refuses_it(sglang_en
     from megarl.weight_sync.validate import WeightSyncError, read_manifest
 
     probe = probes()[:1]
-    with EngineGroup([sglang_engine.url]) as engines:
+    with EngineClients([sglang_engine.url]) as engines:
         before = workers.engine_logprobs([sglang_engine.url], probe)
         engines.call_all("begin_weight_update")
         try:

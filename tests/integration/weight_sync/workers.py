@@ -62,18 +62,18 @@ def trainer_probe_logprobs(trainer, probes: list[list[int]]) -> list[list[float]
 
 def engine_logprobs(urls, probes) -> list[list[list[float]]]:
     """``[engine][probe]`` teacher-forced logprobs of tokens 1..P-1."""
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
     from megarl.weight_sync.verify import engine_prompt_logprobs
 
-    with EngineGroup(urls) as engines:
+    with EngineClients(urls) as engines:
         return [[t.tolist() for t in per_engine] for per_engine in engine_prompt_logprobs(engines, probes)]
 
 
 def reset_engines(urls, model_dir: str) -> None:
     """Reload the engines' original weights from disk (the reference transport)."""
-    from megarl.weight_sync.engines import EngineGroup
+    from megarl.weight_sync.engines import EngineClients
 
-    with EngineGroup(urls) as engines:
+    with EngineClients(urls) as engines:
         engines.call_all("update_weights_from_disk", model_dir)
 
 
@@ -90,7 +90,7 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
-    from megarl.weight_sync.sync import build_weight_sync
+    from megarl.weight_sync.build import SyncSpec, build_weight_sync
     from megarl.weight_sync.validate import WeightSyncError
 
     results = {}
@@ -105,9 +105,9 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
         trainer_logprobs = [torch.tensor(t) for t in out["trainer"]]
         for transport in transports:
             ws_cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25)
-            syncer = build_weight_sync(hf_dir, trainer.parallel, urls, ws_cfg, engine_tp_size=engine_tp,
-                                       dtype="float32", parallel_cfg=cfg.parallel,
-                                       directory=os.path.join(workdir, f"disk-{layout}"))
+            spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, engine_tp_size=engine_tp, dtype="float32",
+                            directory=os.path.join(workdir, f"disk-{layout}"))
+            syncer = build_weight_sync(spec, trainer.parallel, ws_cfg, parallel_cfg=cfg.parallel)
             try:
                 if rank == 0:
                     reset_engines(urls, hf_dir)

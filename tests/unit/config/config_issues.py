@@ -8,11 +8,10 @@ def validate_issues(overrides) -> dict[str, str]:
     """``megarl validate``'s problems with ``configs/base.yaml`` plus ``overrides``: key -> its messages
     joined by `` | `` (empty when the config is valid)."""
     from megarl.config.loader import load_config
-    from megarl.config.loader import ConfigError
-    from megarl.launch.preflight import preflight
+    from megarl.config.validate import ConfigError, validate
 
     try:
-        preflight(load_config(REPO / "configs" / "base.yaml", overrides))
+        validate(load_config(REPO / "configs" / "base.yaml", overrides))
     except ConfigError as err:
         out: dict[str, str] = {}
         for issue in err.issues:  # every message about a key, joined

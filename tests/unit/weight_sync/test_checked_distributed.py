@@ -64,7 +64,7 @@ def test_a_shard_is_refused_where_the_whole_tensor_is_expected(monkeypatch):
 
 
 class FileEngines:
-    """Stands in for :class:`~megarl.weight_sync.engines.EngineGroup` (one engine of ``tp`` ranks):
+    """Stands in for :class:`~megarl.weight_sync.engines.EngineClients` (one engine of ``tp`` ranks):
     request ``k``'s payload for rank ``r`` is written to ``r{r}-{k:05d}``; answers at once."""
 
     def __init__(self, directory: str, tp: int) -> None:
@@ -236,17 +236,18 @@ def test_close_waits_for_another_stage_senders_session_then_closes_the_group(mon
     """PP2: both stage senders close at once and SGLang refuses a second open session. close()
     waits its turn (engine by engine) instead of failing, and fails naming the engine when the
     session never frees; either way the local group is destroyed."""
-    from megarl.weight_sync import p2p
+    from megarl.weight_sync import receiver_group
+    from megarl.weight_sync.p2p import CheckedDistributedTransport
     from megarl.weight_sync.validate import WeightSyncError
 
     _, plan = _plan()
     destroyed = []
-    monkeypatch.setattr(p2p.dist, "destroy_process_group", destroyed.append)
+    monkeypatch.setattr(receiver_group.dist, "destroy_process_group", destroyed.append)
     engines = SessionEngines(busy)
-    transport = p2p.CheckedDistributedTransport(plan, engines, backend="gloo", timeout_s=60)
+    transport = CheckedDistributedTransport(plan, engines, backend="gloo", timeout_s=60)
     transport.group, transport.group_name = "group", "g"
-    monkeypatch.setattr(p2p.time, "monotonic", iter(range(0, 10**7, 10)).__next__ if not closes else time.monotonic)
-    monkeypatch.setattr(p2p.time, "sleep", lambda s: None)
+    monkeypatch.setattr(receiver_group.time, "monotonic", iter(range(0, 10**7, 10)).__next__ if not closes else time.monotonic)
+    monkeypatch.setattr(receiver_group.time, "sleep", lambda s: None)
     if closes:
         transport.close()
         begins = [c for c in engines.calls if c[1] == "begin_weight_update"]

@@ -35,7 +35,7 @@ CONFIG = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2,
 
 
 class _OneEngine:
-    """Stands in for an EngineGroup where only the packing is exercised (nothing is submitted)."""
+    """Stands in for the EngineClients where only the packing is exercised (nothing is submitted)."""
 
     urls = ["http://engine"]
 
