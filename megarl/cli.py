@@ -25,66 +25,17 @@ import sys
 import traceback
 from typing import Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from megarl.config import ConfigError, load_config, validate
+from megarl.config import ConfigError
+from megarl.launch.preflight import prepare_config
 from megarl.errors import UserError
 
 log = logging.getLogger("megarl")
 
 
-def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = False,
-                   check_fit: bool = True) -> DictConfig:
-    """Load, optionally scale down to one CPU host (`megarl.launch.cpu_scale`, its ``cpu-scale:``
-    lines printed), resolve ``tiny:`` model paths and hub ids, and validate a config.
-
-    Raises:
-        ConfigError: every problem found in the config.
-    """
-    from megarl.models.tiny import resolve_model_path
-
-    cfg = load_config(path, overrides)
-    _resolve_hub_ids(cfg)  # before --cpu-scale, which reads the model's config.json
-    if cpu_scale:
-        from megarl.launch import cpu_scale as scale
-
-        try:
-            cfg, notes = scale.cpu_scale(cfg)
-        except ValueError as e:
-            from megarl.config import ConfigIssue
-            raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
-        scale.print_notes(notes)
-    from megarl.plugins import absolute_specs
-
-    absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
-    if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
-        return validate(cfg, check_fit=check_fit)
-    try:
-        cfg.model.hf_path = resolve_model_path(cfg.model.hf_path)
-    except ValueError as e:
-        from megarl.config import ConfigIssue
-        raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
-    return validate(cfg, check_fit=check_fit)
-
-
-def _resolve_hub_ids(cfg: DictConfig) -> None:
-    """``model.hf_path`` / ``model.tokenizer_path`` given as hub ids (``org/name[@revision]``) become
-    their cached snapshot directories (:mod:`megarl.config.hub`), here in the one process that reads
-    the config, so the workers it starts get local paths.
-
-    Raises:
-        ConfigError: a hub id that cannot be resolved (names the key).
-    """
-    from megarl.config.hub import resolve_hub_path
-
-    for key in ("hf_path", "tokenizer_path"):
-        value = None if OmegaConf.is_missing(cfg.model, key) else cfg.model[key]
-        if isinstance(value, str) and value:
-            cfg.model[key] = resolve_hub_path(value, f"model.{key}")
-
-
 def _summary(cfg: DictConfig) -> str:
-    from megarl.config.validate import num_experts_of, read_hf_config
+    from megarl.config.model_rules import num_experts_of, read_hf_config
 
     hf = read_hf_config(cfg.model.hf_path)
     p, cl = cfg.parallel, cfg.cluster
@@ -184,7 +135,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return {p.transport: p.seconds
                 for p in predict_from_config(cfg, intra_gbps=intra_gbps, inter_gbps=inter_gbps)[1]}
 
-    from megarl.config.validate import read_hf_config, resolved_precision
+    from megarl.config.device import resolved_precision
+    from megarl.config.model_rules import read_hf_config
 
     cfg = prepare_config(args.config, args.overrides, check_fit=False)
     try:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megarl.models.tiny import CHAT_TEMPLATE, TinyModelSpec, make_tiny_model
+from megarl.models.tiny import TinyModelSpec, make_tiny_model
+from megarl.models.tiny_tokenizer import CHAT_TEMPLATE
 
 _TOOLS_START = "{{- '# Tools\\n\\n"
 _TOOLS_END = "</tool_call><|im_end|>\\n' }}"

@@ -71,7 +71,8 @@ class EngineGroup:
 
     def __init__(self, cfg: Any, placement: Any, model_path: str, log_dir: Path, *,
                  custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        from megarl.cluster.placement import engine_nodes, use_cuda
+        from megarl.cluster.placement import engine_nodes
+        from megarl.config.device import use_cuda
         from megarl.rollout.engine_actor import EngineActor
 
         self.startup_timeout_s = float(cfg.rollout.engine.startup_timeout_s)

@@ -32,27 +32,14 @@ import logging
 import os
 from typing import Any, Iterator, Sequence
 
+from megarl.config.device import use_cuda
+from megarl.config.parallel import trainer_world_size
+
 logger = logging.getLogger(__name__)
 
 COLOCATED_TRAINER_GPU = 0.5
 """GPU share a trainer rank requests when colocated (the engine in the same bundle gets the rest)."""
 COLOCATED_ENGINE_GPU = 0.4
-
-
-def use_cuda(device: str) -> bool:
-    """``cluster.device`` -> whether the run uses CUDA (``auto`` = when available here)."""
-    if device == "cpu":
-        return False
-    if device == "cuda":
-        return True
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def trainer_world_size(cluster: Any) -> int:
-    """Number of trainer ranks: ``trainer_nodes * trainer_devices_per_node``."""
-    return int(cluster.trainer_nodes) * int(cluster.trainer_devices_per_node)
 
 
 def devices_per_engine(rollout: Any) -> int:

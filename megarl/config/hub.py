@@ -67,3 +67,19 @@ def resolve_hub_path(value: str, key: str) -> str:
     except (HfHubHTTPError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError([ConfigIssue(key, f"Hugging Face hub id could not be resolved: {first}", value)]) from e
+
+
+def resolve_hub_ids(cfg) -> None:
+    """``model.hf_path`` / ``model.tokenizer_path`` given as hub ids (``org/name[@revision]``) become
+    their cached snapshot directories, here in the one process that reads the config, so the workers
+    it starts get local paths.
+
+    Raises:
+        ConfigError: a hub id that cannot be resolved (names the key).
+    """
+    from omegaconf import OmegaConf
+
+    for key in ("hf_path", "tokenizer_path"):
+        value = None if OmegaConf.is_missing(cfg.model, key) else cfg.model[key]
+        if isinstance(value, str) and value:
+            cfg.model[key] = resolve_hub_path(value, f"model.{key}")

@@ -241,14 +241,14 @@ def _mfu(run: Run, metrics: dict[str, float], groups: Any) -> float:
     import json
     from pathlib import Path
 
-    from megarl.cluster.placement import trainer_world_size
+    from megarl.config.parallel import trainer_world_size
     from megarl.launch.rollout_log import mean_seq_len, step_mfu
 
     cfg = run.cfg
     if not hasattr(run, "_model_config"):
         path = Path(_model_dir(cfg) or ".") / "config.json"
         run._model_config = json.loads(path.read_text(encoding="utf-8")) if _model_dir(cfg) and path.is_file() else None
-    from megarl.cluster.placement import use_cuda
+    from megarl.config.device import use_cuda
     from megarl.launch.rollout_log import gpu_name
 
     if not hasattr(run, "_device_name"):

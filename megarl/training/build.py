@@ -10,22 +10,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
+from megarl.config.device import resolved_precision, use_cuda
+from megarl.config.model_rules import num_experts_of
 from megarl.config.schema import MegarlConfig
 from megarl.training.parallel_state import ParallelState
 
 WeightLoader = Callable[[list, ParallelState], object]
 """``loader(model_chunks, parallel)``: fills this rank's freshly built ``GPTModel`` chunks in place
 (before DDP copies the parameters); the return value is ignored."""
-
-
-def resolve_precision(cfg: MegarlConfig) -> str:
-    """``train.precision`` with ``auto`` resolved: bf16 on CUDA, fp32 on CPU (Megatron's CPU path)."""
-    if cfg.train.precision != "auto":
-        return cfg.train.precision
-    cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"
-    return "bf16" if cuda else "fp32"
 
 
 def build_parallel_state(cfg: MegarlConfig) -> ParallelState:
@@ -57,11 +49,10 @@ def build_model_chunks(cfg: MegarlConfig, parallel: ParallelState, *,
     from megarl.training.model import build_model, load_hf_config
 
     hf_config = load_hf_config(cfg.model.hf_path)
-    cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"
-    is_moe = bool(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-                  or getattr(hf_config, "n_routed_experts", None))
+    cuda = use_cuda(cfg.cluster.device)
+    is_moe = num_experts_of(hf_config) > 0
     extra = fp8_config(cfg.train, is_moe=is_moe, cuda=cuda)
-    chunks = build_model(hf_config, cfg.parallel, cfg.model, precision=resolve_precision(cfg),
+    chunks = build_model(hf_config, cfg.parallel, cfg.model, precision=resolved_precision(cfg),
                          device="cuda" if cuda else "cpu", extra_config=extra or None)
     if load_weights is not None:  # before DDP copies the params
         load_weights(chunks, parallel)
@@ -93,8 +84,8 @@ def build_trainer(cfg: MegarlConfig, *, load_weights: WeightLoader | None, paral
     parallel = parallel or build_parallel_state(cfg)
     chunks, hf_config = build_model_chunks(cfg, parallel, load_weights=load_weights)
     use_dist_opt = cfg.parallel.use_distributed_optimizer
-    _, ddp_overrides = split_megatron_overrides(dict(getattr(cfg.model, "megatron_overrides", None) or {}))
-    cuda = torch.cuda.is_available() and cfg.cluster.device != "cpu"
+    _, ddp_overrides = split_megatron_overrides(dict(cfg.model.megatron_overrides or {}))
+    cuda = use_cuda(cfg.cluster.device)
     # GPU: overlap gradient reduction and (distributed optimizer) parameter all-gather, as Megatron-LM runs.
     ddp_chunks = build_ddp(chunks, use_distributed_optimizer=use_dist_opt, overrides=ddp_overrides, overlap=cuda)
     optimizer = build_optimizer(cfg.train, ddp_chunks, use_distributed_optimizer=use_dist_opt)

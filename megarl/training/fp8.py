@@ -12,7 +12,8 @@ micro batches are padded to that multiple (times TP under sequence parallelism),
 maps are padded per expert (Megatron's ``moe_router_padding_for_fp8``).
 
 On CPU these settings are rejected (``megarl.config.validate`` does so before a run; `fp8_config`
-again at build time).
+again at build time). The recipe's own rules (:func:`fp8_recipe_issues`) run in ``megarl validate``
+through the launch layer's preflight.
 
 Device support (:func:`fp8_support_error`, a pure function of the device's compute capability, the
 CUDA version torch was built with and the Transformer Engine version) follows TE's own checks
@@ -113,6 +114,33 @@ def fp8_support_error_here(recipe: str) -> Optional[str]:
         return None
     return fp8_support_error(recipe, capability=tuple(torch.cuda.get_device_capability()),
                              torch_cuda=torch.version.cuda, te_version=installed_te_version())
+
+
+def fp8_recipe_issues(train_cfg: TrainConfig, policy_loss: str, *, cuda: bool) -> list[tuple[str, str]]:
+    """``train.fp8_recipe`` against the algorithm and, where a GPU is visible, the device, torch and TE.
+
+    Args:
+        train_cfg: the ``train`` section, with ``fp8`` set.
+        policy_loss: ``algorithm.policy_loss``.
+        cuda: the run uses CUDA (``megarl.config.device.use_cuda``).
+
+    Returns:
+        ``(key, message)`` pairs; empty when the recipe can run (an unknown recipe is the config
+        domain's to report).
+    """
+    recipe, issues = train_cfg.fp8_recipe, []
+    if recipe not in FP8_RECIPES:
+        return issues
+    if policy_loss in ("gspo", "gspo_token") and recipe not in HISTORY_FREE_RECIPES:
+        issues.append(("train.fp8_recipe",
+                       "delayed scaling quantises the old-logprob pass and the training forward with different "
+                       "(history) scales, so GSPO's first sequence ratio is not 1 and its 3e-4 clip fires on FP8 "
+                       f"noise; use one of {', '.join(HISTORY_FREE_RECIPES)}"))
+    if cuda:
+        error = fp8_support_error_here(recipe)  # None where no GPU is visible: checked again at build
+        if error is not None:
+            issues.append(("train.fp8_recipe", error))
+    return issues
 
 
 def verify_tolerance(train_cfg: TrainConfig, tolerance: float) -> float:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from megarl.config.model_rules import num_experts_of
+from megarl.config.parallel import model_split_issues
 from megarl.config.schema import ModelConfig, ParallelConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -78,25 +80,17 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
     family = get_family(hf_config)
     arch = family.architecture(hf_config)
     p = parallel_cfg
-    first = getattr(p, "num_layers_in_first_pipeline_stage", None)
-    last = getattr(p, "num_layers_in_last_pipeline_stage", None)
-    stages = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-    if first is None and last is None and arch["num_hidden_layers"] % stages:
-        raise ValueError(f"num_hidden_layers={arch['num_hidden_layers']} (HF config) is not divisible by "
-                         f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {stages} "
-                         "(uneven stages: parallel.num_layers_in_first/last_pipeline_stage)")
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
     is_moe = any(arch["moe_layers"])
-    if not is_moe and (p.expert_model_parallel_size > 1 or (p.expert_tensor_parallel_size or 1) > 1):
-        raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size > 1 need an MoE "
-                         f"model; {hf_config.model_type} has no experts")
-    if is_moe and p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
-        raise ValueError("MoE with parallel.tensor_model_parallel_size > 1 needs parallel.sequence_parallel=True")
+    num_experts = num_experts_of(hf_config) if is_moe else 0
+    for key, message in model_split_issues(p, num_layers=arch["num_hidden_layers"], num_experts=num_experts):
+        raise ValueError(f"{key}: {message}")  # the rules megarl validate reports (megarl.config.parallel)
     kwargs = family.transformer_config_kwargs(arch)
     kwargs.update(_layout_kwargs(p, model_cfg, first=first, last=last, precision=precision, device=device))
     kwargs.update(_feature_kwargs(model_cfg, is_moe=is_moe, use_te=use_te,
                                   multi_latent_attention=bool(kwargs.get("multi_latent_attention"))))
     kwargs.update(extra_config or {})
-    config_overrides, _ = split_megatron_overrides(getattr(model_cfg, "megatron_overrides", None) or {})
+    config_overrides, _ = split_megatron_overrides(model_cfg.megatron_overrides or {})
     kwargs.update(config_overrides)  # the user's Megatron fields win over every choice above
     # Multi-latent attention (DeepSeek-V3) needs Megatron's MLA config class (q/kv LoRA ranks, YaRN).
     config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig

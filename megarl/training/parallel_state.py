@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megarl.config.device import use_cuda
+from megarl.config.parallel import parallel_size_issues
 from megarl.config.schema import ParallelConfig
 from megarl.training.devices import local_device_index
 
@@ -91,7 +93,8 @@ class ParallelState:
 
 
 def check_parallel_sizes(parallel_cfg: ParallelConfig, world_size: int) -> None:
-    """Check that the parallel sizes fit ``world_size`` (Megatron's own checks, with field names).
+    """Check that the parallel sizes fit ``world_size`` (Megatron's own checks, with field names;
+    the rules are :func:`megarl.config.parallel.parallel_size_issues`, which ``megarl validate`` reports).
 
     Raises:
         ValueError: names the offending ``parallel.*`` field and the values involved.
@@ -101,24 +104,8 @@ def check_parallel_sizes(parallel_cfg: ParallelConfig, world_size: int) -> None:
                  "expert_model_parallel_size", "context_parallel_size"):
         if getattr(p, name) < 1:
             raise ValueError(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    if world_size % model_parallel:
-        raise ValueError(
-            f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size x "
-            f"pipeline_model_parallel_size x context_parallel_size = {model_parallel}")
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-    expert_model_parallel = etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size
-    if world_size % expert_model_parallel:
-        raise ValueError(
-            f"world size {world_size} is not divisible by parallel.expert_tensor_parallel_size "
-            f"({etp}{' = TP' if p.expert_tensor_parallel_size is None else ''}) x "
-            f"expert_model_parallel_size ({p.expert_model_parallel_size}) x "
-            f"pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) = {expert_model_parallel}")
-    if p.virtual_pipeline_model_parallel_size is not None and p.pipeline_model_parallel_size < 2:
-        raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
-                         "parallel.pipeline_model_parallel_size >= 2")
-    if p.sequence_parallel and p.tensor_model_parallel_size < 2:
-        raise ValueError("parallel.sequence_parallel=True needs parallel.tensor_model_parallel_size >= 2")
+    for key, message in parallel_size_issues(p, world_size, f"{world_size} (torch.distributed)"):
+        raise ValueError(f"{key}: {message}")
 
 
 def initialize_parallel(parallel_cfg: ParallelConfig, *, backend: str = "auto", seed: int = 1234,
@@ -149,7 +136,7 @@ def initialize_parallel(parallel_cfg: ParallelConfig, *, backend: str = "auto", 
 
     from megarl.training.cpu_compat import apply_cpu_patches, patch_moe_te_gemm
 
-    cuda = torch.cuda.is_available()
+    cuda = use_cuda("auto")  # this process's devices: the ranks of a CUDA run see their GPU
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     if backend == "nccl" and not cuda:

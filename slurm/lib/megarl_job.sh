@@ -153,7 +153,7 @@ megarl_python() {  # run python on the head node: in the container when one is c
 
 megarl_check_config() {  # CONFIG OVERRIDES...: validate against the allocation, read the node plan
   local plan=$JOB_DIR/plan.txt rc=0
-  megarl_python -m megarl.cluster.slurm_env check --plan "$plan" --resolved "$JOB_DIR/config.yaml" "$@" \
+  megarl_python -m megarl.launch.slurm check --plan "$plan" --resolved "$JOB_DIR/config.yaml" "$@" \
     >"$JOB_DIR/check.log" 2>&1 || rc=$?
   if ((rc != 0)); then
     cat "$JOB_DIR/check.log" >&2
@@ -219,7 +219,7 @@ megarl_start_ray() {  # head on plan node 0, workers on every other used node, w
     if [[ ${PLAN_ROLE[i]} == unused ]]; then megarl_log "WARNING: node ${PLAN_HOST[i]} is not used by this config"; fi
   done
   : >"$JOB_DIR/wait_nodes.log"  # a requeued job starts this log anew
-  megarl_python -m megarl.cluster.slurm_env wait-nodes --address "$MEGARL_RAY_HEAD" --plan "$JOB_DIR/plan.txt" \
+  megarl_python -m megarl.launch.slurm wait-nodes --address "$MEGARL_RAY_HEAD" --plan "$JOB_DIR/plan.txt" \
     --timeout-s "$timeout" >>"$JOB_DIR/wait_nodes.log" 2>&1 &
   local waiter=$! rc=0
   while kill -0 "$waiter" 2>/dev/null; do

@@ -4,7 +4,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from megarl.testing.tiny_model import _gsm8k_dir, parse_tiny_uri
+from megarl.models.tiny_tokenizer import default_gsm8k_dir
+from megarl.testing.tiny_model import parse_tiny_uri
 
 
 def test_loads_in_transformers_and_generates(tiny_moe_dir):
@@ -36,7 +37,7 @@ def test_tokenizer_round_trips_every_gsm8k_question(tiny_moe_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_moe_dir)
-    root = _gsm8k_dir()
+    root = default_gsm8k_dir()
     questions = [json.loads(line)["question"] for split in ("train.jsonl", "test.jsonl")
                  for line in open(root / split, encoding="utf-8")]
     assert len(questions) > 8000

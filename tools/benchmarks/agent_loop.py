@@ -44,7 +44,7 @@ CALL_REGEX = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression"
 
 
 def questions(n: int) -> list[str]:
-    from megarl.models.tiny import gsm8k_texts
+    from megarl.models.tiny_tokenizer import gsm8k_texts
 
     texts = gsm8k_texts()
     return [next(texts) for _ in range(2 * n)][::2][:n]

@@ -47,9 +47,9 @@ def gsm8k_sequences(tokenizer, num: int, seed: int, turns: int = 1) -> list[tupl
     ``turns > 1``: each sequence is a conversation of ``turns`` GSM8K questions and answers (the
     earlier exchanges in the prompt, the last answer as the response): ``turns`` times longer.
     """
-    from megarl.models.tiny import _gsm8k_dir
+    from megarl.models.tiny_tokenizer import default_gsm8k_dir
 
-    rows = [json.loads(line) for line in open(_gsm8k_dir() / "train.jsonl")]
+    rows = [json.loads(line) for line in open(default_gsm8k_dir() / "train.jsonl")]
     rows = random.Random(seed).sample(rows, num * turns)
     out = []
     for i in range(num):

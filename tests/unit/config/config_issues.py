@@ -8,10 +8,11 @@ def validate_issues(overrides) -> dict[str, str]:
     """``megarl validate``'s problems with ``configs/base.yaml`` plus ``overrides``: key -> its messages
     joined by `` | `` (empty when the config is valid)."""
     from megarl.config.loader import load_config
-    from megarl.config.validate import ConfigError, validate
+    from megarl.config.loader import ConfigError
+    from megarl.launch.preflight import preflight
 
     try:
-        validate(load_config(REPO / "configs" / "base.yaml", overrides))
+        preflight(load_config(REPO / "configs" / "base.yaml", overrides))
     except ConfigError as err:
         out: dict[str, str] = {}
         for issue in err.issues:  # every message about a key, joined

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.cli import main as cli_main, prepare_config
+from megarl.cli import main as cli_main
+from megarl.launch.preflight import prepare_config
 from megarl.config import ConfigError, load_config, validate
 
 REPO = Path(__file__).resolve().parents[3]

@@ -1,0 +1,104 @@
+"""The rules of the cluster section: devices for the engines, placement against transport and memory,
+engines packed onto nodes, and the Slurm allocation's sizes (``MEGARL_ALLOC_*``)."""
+from __future__ import annotations
+
+import os
+
+from megarl.config.checker import Checker, get_key
+from megarl.config.device import use_cuda
+from megarl.config.parallel import trainer_world_size
+
+COLOCATED_MEMORY_LIMIT = 0.9
+"""Colocated on CUDA: the most of a GPU's memory the engine's static pool and the trainer's share may
+claim together (``rollout.engine.mem_fraction_static`` + ``cluster.colocated_trainer_memory_fraction``)."""
+
+
+def check_cluster(c: Checker) -> None:
+    cfg = c.cfg
+    cl, r = cfg.cluster, cfg.rollout
+    if r.external_engine_urls:
+        return
+    engine_devices = r.num_engines * r.engine.tensor_parallel_size
+    if cl.placement == "disaggregated":
+        available = cl.rollout_nodes * cl.rollout_devices_per_node
+        c.check(engine_devices <= available, "rollout.num_engines",
+                f"num_engines*engine.tensor_parallel_size = {engine_devices} devices, but the rollout "
+                f"side has cluster.rollout_nodes*cluster.rollout_devices_per_node = {available}")
+    else:
+        world = trainer_world_size(cfg.cluster)
+        c.check(engine_devices <= world, "rollout.num_engines",
+                f"colocated engines need {engine_devices} devices; the trainer has {world}")
+    if cfg.weight_sync.transport == "tensor":
+        c.check(cl.placement == "colocated", "weight_sync.transport",
+                "the tensor transport shares memory: it needs cluster.placement=colocated")
+    if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p"):
+        nccl = cfg.weight_sync.backend == "nccl" or (cfg.weight_sync.backend == "auto" and use_cuda(cl.device))
+        c.check(not nccl, "weight_sync.transport",
+                f"the {cfg.weight_sync.transport} transport connects trainer and engine ranks over NCCL, which "
+                "cannot connect a trainer rank to the engine rank on its own GPU (NCCL refuses two ranks on "
+                "one device); colocated runs use weight_sync.transport=tensor (CUDA IPC)")
+    if cl.placement == "colocated":
+        engine, trainer = r.engine.mem_fraction_static, cl.colocated_trainer_memory_fraction
+        c.check(not use_cuda(cl.device) or engine + trainer <= COLOCATED_MEMORY_LIMIT,
+                "rollout.engine.mem_fraction_static",
+                f"colocated engines keep rollout.engine.mem_fraction_static={engine} of each GPU while the trainer "
+                f"keeps cluster.colocated_trainer_memory_fraction={trainer}: {engine + trainer:.2f} together, over "
+                f"{COLOCATED_MEMORY_LIMIT} (the rest holds CUDA contexts, NCCL buffers and the engines' "
+                "activations); lower one of them")
+    if cl.placement == "colocated" and cfg.rollout.async_mode:
+        c.check(not use_cuda(cl.device), "rollout.async_mode",
+                "colocated engines share their GPUs with the trainer: they lend it their memory only while "
+                "they are idle, so generation cannot run during training; use cluster.placement=disaggregated "
+                "for async RL")
+    alloc_nodes = os.environ.get("MEGARL_ALLOC_NODES")
+    if alloc_nodes:
+        need = cl.trainer_nodes + (cl.rollout_nodes if cl.placement == "disaggregated" else 0)
+        c.check(need <= int(alloc_nodes), "cluster.trainer_nodes",
+                f"the run needs {need} nodes (trainer_nodes + rollout_nodes) but the allocation has "
+                f"{alloc_nodes} (MEGARL_ALLOC_NODES)")
+    alloc_gpus = os.environ.get("MEGARL_ALLOC_GPUS_PER_NODE")
+    if alloc_gpus:
+        for key in ("cluster.trainer_devices_per_node", "cluster.rollout_devices_per_node"):
+            c.check(get_key(cfg, key) <= int(alloc_gpus), key,
+                    f"more devices per node than the allocation's {alloc_gpus} (MEGARL_ALLOC_GPUS_PER_NODE)")
+
+
+def check_engine_packing(c: Checker) -> None:
+    """Each engine fits on one node (or spans whole nodes: :func:`_check_engine_nodes`), and the
+    engines pack onto the nodes whole."""
+    cfg = c.cfg
+    cl, r = cfg.cluster, cfg.rollout
+    if r.external_engine_urls:
+        return
+    tp = r.engine.tensor_parallel_size
+    if cl.placement == "disaggregated":
+        nodes, per_node, where = cl.rollout_nodes, cl.rollout_devices_per_node, "cluster.rollout_devices_per_node"
+    else:
+        nodes, per_node, where = cl.trainer_nodes, cl.trainer_devices_per_node, "cluster.trainer_devices_per_node"
+    if tp < 1 or per_node < 1:
+        return  # reported by the field checks
+    if tp > per_node:
+        _check_engine_nodes(c, tp, nodes, per_node, where)
+        return
+    per_node_engines = per_node // tp
+    c.check(r.num_engines <= nodes * per_node_engines, "rollout.num_engines",
+            f"{per_node_engines} engine(s) of TP {tp} fit on each of the {nodes} node(s) ({where}={per_node}, "
+            f"engines never straddle nodes): at most {nodes * per_node_engines} engines")
+
+
+def _check_engine_nodes(c: Checker, tp: int, nodes: int, per_node: int, where: str) -> None:
+    """An engine larger than a node spans whole, consecutive nodes (SGLang's ``--nnodes``): only
+    disaggregated, its devices a multiple of the node's, and the engines' nodes within the rollout's."""
+    cfg = c.cfg
+    if not c.check(cfg.cluster.placement == "disaggregated", "rollout.engine.tensor_parallel_size",
+                   f"a colocated engine runs on one node: its {tp} devices exceed {where}={per_node} "
+                   "(engines span nodes only with cluster.placement=disaggregated)"):
+        return
+    if not c.check(tp % per_node == 0, "rollout.engine.tensor_parallel_size",
+                   f"an engine of {tp} devices would span a partial node ({where}={per_node}): an engine larger "
+                   f"than a node spans whole nodes, so make it a multiple of {per_node}"):
+        return
+    span = tp // per_node
+    c.check(cfg.rollout.num_engines * span <= nodes, "rollout.num_engines",
+            f"each engine of TP {tp} spans {span} whole nodes ({where}={per_node}): {cfg.rollout.num_engines} "
+            f"engines need {cfg.rollout.num_engines * span} nodes, cluster.rollout_nodes={nodes}")
