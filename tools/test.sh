@@ -2,7 +2,15 @@
 # Install megarl (tools/install.sh) and run the test suite as CI does: unit, integration and slurm
 # tests, and of the `slow` ones those also marked `ci` (every recipe's first step, one seed of each
 # learning demonstration, the core end-to-end paths); not `gpu` (skips itself without CUDA), not the
-# multi-seed `demo` runs. Extra arguments go to pytest (a later -m replaces the default one).
+# multi-seed `demo` runs.
+#
+# Without arguments (CI) the suite runs in two phases on the 2-core CI machine:
+#   1. tests/unit and tests/slurm side by side: the unit tests keep one core busy, the Slurm tests
+#      mostly wait (job scheduling, nodes joining, the bounded-failure timers), so the second core
+#      is otherwise idle; each writes its own report, printed in full when both have ended;
+#   2. tests/integration (servers, trainer ranks, whole runs: they need both cores).
+# The run fails when either phase fails. With arguments, one pytest gets them (a later -m replaces
+# the default one):
 #   bash tools/test.sh                     # the suite, as CI runs it
 #   bash tools/test.sh tests/unit -x       # a part of it
 #   bash tools/test.sh -m slow             # the slow tests CI leaves out (and those it runs)
@@ -12,4 +20,36 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 bash tools/install.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -m "not gpu and not demo and (not slow or ci)" --durations=25 "$@"
+PYTEST=(.venv/bin/python -m pytest -m "not gpu and not demo and (not slow or ci)" --durations=25)
+if [[ $# -gt 0 ]]; then
+  exec "${PYTEST[@]}" "$@"
+fi
+
+# pytest exit 5 = nothing collected in that part: not a failure of the part
+ok() { [[ $1 -eq 0 || $1 -eq 5 ]]; }
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+start=$SECONDS
+"${PYTEST[@]}" tests/slurm > "$LOGS/slurm.log" 2>&1 &
+slurm_pid=$!
+set +e
+"${PYTEST[@]}" tests/unit
+unit_rc=$?
+wait "$slurm_pid"
+slurm_rc=$?
+set -e
+echo "================ tests/slurm (ran beside tests/unit) ================"
+cat "$LOGS/slurm.log"
+echo "test.sh: phase 1 (unit beside slurm) took $((SECONDS - start)) s; unit exit $unit_rc, slurm exit $slurm_rc"
+start=$SECONDS
+set +e
+"${PYTEST[@]}" tests/integration
+integration_rc=$?
+set -e
+echo "test.sh: phase 2 (integration) took $((SECONDS - start)) s; exit $integration_rc"
+if ok $unit_rc && ok $slurm_rc && ok $integration_rc; then
+  exit 0
+fi
+for rc in $unit_rc $slurm_rc $integration_rc; do
+  if ! ok "$rc"; then exit "$rc"; fi
+done

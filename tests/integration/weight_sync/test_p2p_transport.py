@@ -19,29 +19,12 @@ import workers  # noqa: E402
 from test_weight_sync_engine import gap, probes, train_sequences  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tp2_p2p_engine(tiny_moe_dir, tmp_path_factory):
-    from megarl.rollout.engine import EngineProcess
-    from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
-
-    engine = EngineProcess(tiny_moe_dir, tp_size=2, device="cpu", dtype="float32", mem_fraction_static=0.15,
-                           max_total_tokens=4096, grammar_backend="none", custom_weight_loaders=CUSTOM_WEIGHT_LOADERS,
-                           env={"OMP_NUM_THREADS": "1"},
-                           log_path=tmp_path_factory.mktemp("logs") / "tp2_p2p.log", engine_id="tp2_p2p")
-    engine.start()
-    try:
-        engine.wait_healthy(300)
-        yield engine
-    finally:
-        engine.stop(grace_s=0)
-
-
 @pytest.mark.slow
 @pytest.mark.ci  # the p2p weight-sync path
 @pytest.mark.timeout(600)
-def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_p2p_engine, tiny_moe_dir, tmp_path):
+def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_engine, tiny_moe_dir, tmp_path):
     out = run_ranks(p2p_workers.sync_then_corrupt, 2, timeout_s=540, args=(
-        str(tiny_moe_dir), "tp2", [tp2_p2p_engine.url], probes(), 2, str(tmp_path), train_sequences(), (0, 1)))[0]
+        str(tiny_moe_dir), "tp2", [tp2_engine[0].url], probes(), 2, str(tmp_path), train_sequences(), (0, 1)))[0]
     # engine outputs after the p2p sync == after loading the same weights from disk (to float rounding:
     # SGLang's CPU loading of full vs pre-sharded experts sums in another order)
     assert gap(out["p2p"][0], out["disk"][0])[1] < 1e-5
@@ -73,12 +56,12 @@ def test_p2p_delivers_each_ranks_shard_checks_it_and_refuses_a_flipped_byte(tp2_
 @pytest.mark.slow
 @pytest.mark.ci  # the p2p weight-sync path
 @pytest.mark.timeout(900)
-def test_p2p_from_tp2_pp2_sends_from_every_tp_rank_of_both_stages(tp2_p2p_engine, tiny_moe_dir, tmp_path):
+def test_p2p_from_tp2_pp2_sends_from_every_tp_rank_of_both_stages(tp2_engine, tiny_moe_dir, tmp_path):
     """Four trainer ranks (TP2 x PP2) into the TP2 engine: each stage has two senders (its TP rank
     k sends engine rank k's segments, ``SegmentOwners``), the stages take turns; reference: the
     engine after a disk reload of the same weights; bytes per engine rank / shard from the receiver."""
     out = run_ranks(p2p_workers.sync_then_corrupt, 4, timeout_s=840, args=(
-        str(tiny_moe_dir), "tp2pp2", [tp2_p2p_engine.url], probes(), 2, str(tmp_path), train_sequences(), None))[0]
+        str(tiny_moe_dir), "tp2pp2", [tp2_engine[0].url], probes(), 2, str(tmp_path), train_sequences(), None))[0]
     assert gap(out["p2p"][0], out["disk"][0])[1] < 1e-5
     metrics = out["metrics"]["p2p"]
     for rank in (0, 1):

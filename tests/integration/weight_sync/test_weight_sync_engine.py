@@ -71,25 +71,6 @@ def test_sync_after_training_matches_trainer_at_tp2_ep2_pp2(sglang_engine, tiny_
         print(f"  {layout} {transport}: {before:.4f} -> {mean:.2e} (max {peak:.2e})")
 
 
-@pytest.fixture(scope="module")
-def tp2_engine(tiny_moe_dir, tmp_path_factory):
-    """An SGLang CPU server at TP=2 whose shard loader reports the bytes each rank receives."""
-    from megarl.rollout.engine import EngineProcess
-    from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS, STATS_DIR_ENV
-
-    stats = tmp_path_factory.mktemp("loader_stats")
-    engine = EngineProcess(tiny_moe_dir, tp_size=2, device="cpu", dtype="float32", mem_fraction_static=0.15,
-                           max_total_tokens=4096, grammar_backend="none", custom_weight_loaders=CUSTOM_WEIGHT_LOADERS,
-                           env={"OMP_NUM_THREADS": "1", STATS_DIR_ENV: str(stats)},
-                           log_path=tmp_path_factory.mktemp("logs") / "tp2_engine.log", engine_id="tp2_engine")
-    engine.start()
-    try:
-        engine.wait_healthy(300)
-        yield engine, stats
-    finally:
-        engine.stop(grace_s=0)
-
-
 def tp2_rank_shard_bytes(model_dir) -> int:
     """Bytes of one rank's shard of the tiny Qwen3-MoE at engine TP=2 (SGLang's sharding, written out):
     vocab rows / 2, q heads / 2, one of the two kv heads, o_proj columns / 2, each expert's gate/up rows
