@@ -150,14 +150,14 @@ def _absolute(spec: str) -> str:
 def absolute_specs(cfg: Any) -> None:
     """Make the file paths in ``plugins`` and the plugin names of ``cfg`` absolute, in place, so
     the resolved config means the same thing in every process (whatever its working directory)."""
-    if cfg.get("plugins"):
+    if cfg.plugins:
         cfg.plugins = [_absolute(str(m)) for m in cfg.plugins]
     r = cfg.rollout
     r.reward = _absolute(r.reward)
     r.agent.name = _absolute(r.agent.name)
     if any(is_file_module(str(k).rpartition(":")[0]) for k in r.tools):
         r.tools = {_absolute(str(k)): v for k, v in r.tools.items()}
-    if cfg.data.get("dataset"):
+    if cfg.data.dataset:
         cfg.data.dataset = _absolute(cfg.data.dataset)
-    if cfg.get("sft") is not None and is_import_path(str(cfg.sft.demonstrations)):  # a file of rows stays as written
+    if is_import_path(str(cfg.sft.demonstrations)):  # a file of rows stays as written
         cfg.sft.demonstrations = _absolute(cfg.sft.demonstrations)

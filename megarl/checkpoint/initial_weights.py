@@ -22,7 +22,7 @@ def initial_weights(model_cfg) -> WeightLoader | None:
         ``model.load_dir``'s loader when set, else the HF loader of ``model.hf_path`` when
         ``model.load_weights``, else None (training starts from the random initialisation).
     """
-    load_dir = model_cfg.get("load_dir") if hasattr(model_cfg, "get") else model_cfg.load_dir
+    load_dir = model_cfg.load_dir
     if load_dir:
         return functools.partial(_load_megatron, load_dir=load_dir)
     if model_cfg.load_weights:

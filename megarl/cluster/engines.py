@@ -34,7 +34,7 @@ the CPU attention backend); see ``sglang_seeding/sitecustomize.py``."""
 
 def seeding_env(cfg: Any, device: str) -> dict[str, str]:
     """Environment of an engine actor for ``rollout.deterministic_sampling`` on CPU (else empty)."""
-    if not cfg.rollout.get("deterministic_sampling", False) or device != "cpu":
+    if not cfg.rollout.deterministic_sampling or device != "cpu":
         return {}
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(SEEDING_SHIM_DIR)]
     return {"PYTHONPATH": os.pathsep.join(parts), "MEGARL_SEEDED_SAMPLING": "1"}
@@ -45,7 +45,7 @@ def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str
     """:class:`~megarl.rollout.engine.EngineProcess` keyword arguments from the run config."""
     ecfg = cfg.rollout.engine
     extra = list(ecfg.extra_args)
-    if cfg.rollout.get("deterministic_sampling", False) and device != "cpu" and DETERMINISTIC_FLAG not in extra:
+    if cfg.rollout.deterministic_sampling and device != "cpu" and DETERMINISTIC_FLAG not in extra:
         extra.append(DETERMINISTIC_FLAG)
     if cfg.cluster.placement == "colocated" and device != "cpu" and MEMORY_SAVER_FLAG not in extra:
         extra.append(MEMORY_SAVER_FLAG)

@@ -56,14 +56,14 @@ def _placement_options(cfg: Any) -> dict[str, Any]:
     """Pin the actor to the first rollout node when nodes advertise ``megarl_node_<i>`` (Slurm)."""
     resources = ray.cluster_resources()
     cluster = cfg.cluster
-    colocated = str(cluster.get("placement", "disaggregated")) == "colocated"
-    node = 0 if colocated else int(cluster.get("trainer_nodes", 1))
+    colocated = cluster.placement == "colocated"
+    node = 0 if colocated else int(cluster.trainer_nodes)
     key = f"megarl_node_{node}"
     return {"resources": {key: 0.001}} if key in resources else {}
 
 
 def uses_search(cfg: Any) -> bool:
-    return "search" in (cfg.rollout.get("tools") or {})
+    return "search" in (cfg.rollout.tools or {})
 
 
 def check_retrieval(cfg: Any) -> None:

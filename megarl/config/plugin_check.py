@@ -100,7 +100,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     Returns:
         The problems found, each ``(key, message, value)``; empty when all resolve and fit.
     """
-    plugins = list(cfg.get("plugins") or [])
+    plugins = list(cfg.plugins)
     try:
         import_plugins(plugins)
     except PluginError as e:
@@ -132,10 +132,10 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     check(r.reward, REWARD_REGISTRY, "rollout.reward", "reward",
           lambda obj: _reward_issue(r.reward, obj, reward_kwargs))
     check(r.agent.name, AGENT_REGISTRY, "rollout.agent.name", "agent loop", _agent_issue)
-    dataset_kwargs = dict(cfg.data.get("dataset_kwargs") or {})
-    check(cfg.data.get("dataset", "file"), DATASET_REGISTRY, "data.dataset", "dataset",
+    dataset_kwargs = dict(cfg.data.dataset_kwargs or {})
+    check(cfg.data.dataset, DATASET_REGISTRY, "data.dataset", "dataset",
           lambda reader: _dataset_issue(reader, dataset_kwargs))
-    demonstrations = str(cfg.sft.demonstrations) if cfg.get("sft") is not None else ""
+    demonstrations = str(cfg.sft.demonstrations)
     if demonstrations and not is_demonstrations_file(demonstrations):  # a file may be made at run time
         check(demonstrations, DEMONSTRATION_BUILDERS, "sft.demonstrations", "demonstration builder", _builder_issue)
     return issues

@@ -94,14 +94,23 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     """
     cfg = copy.deepcopy(cfg)
     notes: list[str] = []
-    m, t, r, c = cfg.model, cfg.train, cfg.rollout, cfg.cluster
+    _device_and_model(cfg, notes)
+    _parallel(cfg.parallel, notes)
+    _one_host(cfg)
+    _one_step(cfg, notes)
+    return cfg, notes
+
+
+def _device_and_model(cfg: DictConfig, notes: list[str]) -> None:
+    """CPU, the tiny model (no checkpoint, no tokenizer of its own), CUDA-only features off, fp32."""
+    m, t, c = cfg.model, cfg.train, cfg.cluster
     if str(c.device) != "cpu":
         notes.append(f"cpu-scale: cluster.device {c.device} -> cpu (Transformer Engine layer spec -> Megatron's "
                      "local spec, CUDA kernels off)")
     m.hf_path, note = _tiny_model(str(m.hf_path))
     notes += [note] if note else []
     m.tokenizer_path = None
-    if m.get("load_dir"):
+    if m.load_dir:
         notes.append(f"cpu-scale: model.load_dir {m.load_dir} -> none (a checkpoint of the replaced model; the "
                      "tiny model starts from its own weights)")
         m.load_dir = None
@@ -112,14 +121,18 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
         notes.append(f"cpu-scale: train.fp8 {t.fp8} ({t.fp8_recipe}) -> off (Transformer Engine FP8 needs a GPU)")
         t.fp8 = None
     t.fp8_recipe = TrainConfig.fp8_recipe  # inert without fp8: recipes that differ only here scale alike
-    if c.get("gpu"):
+    if c.gpu:
         notes.append(f"cpu-scale: cluster.gpu {c.gpu} -> none (the planner's GPU; the tiny model on CPU is "
                      "not planned against it)")
         c.gpu = None
     if t.precision not in ("fp32", "auto"):
         notes.append(f"cpu-scale: train.precision {t.precision} -> fp32 (CPU)")
     t.precision = "fp32"
-    _parallel(cfg.parallel, notes)
+
+
+def _one_host(cfg: DictConfig) -> None:
+    """Trainer ranks and one engine on this host; short rollouts of 2 prompts x 2."""
+    c, r = cfg.cluster, cfg.rollout
     c.device, c.trainer_nodes, c.trainer_devices_per_node = "cpu", 1, WORLD_SIZE
     c.rollout_nodes, c.rollout_devices_per_node = 1, 1
     r.num_engines, r.external_engine_urls = 1, []
@@ -132,6 +145,11 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     a.max_turns = min(int(a.max_turns), 2)
     a.max_response_tokens = min(int(a.max_response_tokens), 96)
     a.max_context_tokens = 1024  # the tiny model's template renders the tools' JSON schemas (~400 tokens)
+
+
+def _one_step(cfg: DictConfig, notes: list[str]) -> None:
+    """One RL step (and at most one SFT step) on small batches, no evaluation, checkpoints or plots."""
+    t = cfg.train
     t.num_steps, t.global_batch_size = 1, 4
     if int(t.lr_warmup_steps) > 0:
         notes.append(f"cpu-scale: train.lr_warmup_steps {t.lr_warmup_steps} -> 0 (the run has one optimizer step)")
@@ -155,7 +173,6 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     cfg.weight_sync.bucket_size_mb = min(int(cfg.weight_sync.bucket_size_mb), 64)
     lg = cfg.logging
     lg.progress_bar, lg.wandb, lg.plots = False, False, False
-    return cfg, notes
 
 
 def print_notes(notes: list[str]) -> None:

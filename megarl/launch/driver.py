@@ -46,7 +46,7 @@ def train(cfg: Any) -> dict[str, float]:
         logger.warning("rollout.async_mode trains on slightly stale rollouts: using "
                        "algorithm.rollout_correction=tis (set it explicitly to silence this)")
         cfg.algorithm.rollout_correction = "tis"
-    stop = StopGuard(cfg.train.get("max_wall_time_s")).install()  # SIGUSR1 / SIGTERM / wall-time budget
+    stop = StopGuard(cfg.train.max_wall_time_s).install()  # SIGUSR1 / SIGTERM / wall-time budget
     try:
         run = Run.build(cfg)
         try:
@@ -106,7 +106,7 @@ def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
         if mfu == mfu:  # NaN (a CPU, an unknown GPU without logging.peak_tflops): not logged
             metrics["perf/mfu"] = mfu
         last = _end_step(run, step, {**metrics, **timer.metrics()}, pending)
-        if cfg.logging.get("save_rollouts", True) and _model_dir(cfg):
+        if cfg.logging.save_rollouts and _model_dir(cfg):
             _save_rollouts(run, step + 1, rollout.groups)
         progress.update(1)
         progress.set_postfix(reward=f"{last.get('rollout/reward_mean', float('nan')):.3f}",
@@ -254,4 +254,4 @@ def _mfu(run: Run, metrics: dict[str, float], groups: Any) -> float:
     if not hasattr(run, "_device_name"):
         run._device_name = gpu_name() if use_cuda(cfg.cluster.device) else ""
     return step_mfu(run._model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), run._device_name,
-                    cfg.logging.get("peak_tflops"))
+                    cfg.logging.peak_tflops)

@@ -136,13 +136,13 @@ class RolloutWorker:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         cfg = OmegaConf.create(cfg_yaml)
-        import_plugins(cfg.get("plugins") or [])  # the tools, reward and agent loop they register
+        import_plugins(cfg.plugins)  # the tools, reward and agent loop they register
         self.cfg = cfg
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         timeout = float(cfg.rollout.engine.request_timeout_s)
         self.router = Router([SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
                               for url, eid in zip(engine_urls, engine_ids)])
-        self.seeded = SeededEngine(self.router, cfg.train.seed) if cfg.rollout.get("deterministic_sampling") else None
+        self.seeded = SeededEngine(self.router, cfg.train.seed) if cfg.rollout.deterministic_sampling else None
         engine = self.seeded or self.router
         # Without over-sampling there is nothing to replace a filtered group with: the manager then
         # returns every group, so the step's reward statistics cover all trajectories, and the
@@ -155,7 +155,7 @@ class RolloutWorker:
         shared = dict(prompt_key=cfg.data.prompt_key, filter_zero_variance=False, tools=self.manager.ctx.tools,
                       reward_fn=self.manager.reward_fn)
         self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout), **shared)
-        samples = int(cfg.data.get("eval_samples_per_prompt", 0) or 0)
+        samples = int(cfg.data.eval_samples_per_prompt or 0)
         # Deterministic sampling: every evaluation draws the same seeds per prompt (common random
         # numbers), so before/after differences are not blurred by different draws.
         self.eval_seeded = SeededEngine(self.router, cfg.train.seed) if self.seeded is not None else None

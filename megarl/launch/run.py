@@ -60,7 +60,7 @@ def load_datasets(cfg: Any) -> tuple[PromptDataset, list[dict] | None]:
         megarl.data.datasets.DatasetError: unreadable file or missing fields (names the file/row).
     """
     data = cfg.data
-    reader = dict(dataset=data.get("dataset", "file"), dataset_kwargs=dict(data.get("dataset_kwargs") or {}))
+    reader = dict(dataset=data.dataset, dataset_kwargs=dict(data.dataset_kwargs or {}))
     train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key, **reader)
     eval_rows = None
     if data.eval_path:
@@ -79,7 +79,7 @@ def trainer_config(cfg: Any, *, resuming: bool) -> Any:
     """The config the trainer ranks are built from: ``cfg``, or, when a checkpoint is resumed, a
     copy without ``model.load_dir`` (resume wins: the checkpoint's weights replace the start weights,
     so reading ``load_dir`` would only cost time)."""
-    if not resuming or not cfg.model.get("load_dir"):
+    if not resuming or not cfg.model.load_dir:
         return cfg
     logger.info("resuming: model.load_dir %s is not read", cfg.model.load_dir)
     trainer_cfg = copy.deepcopy(cfg)
@@ -149,7 +149,7 @@ class Run:
         from megarl.launch.sft import prepare_demonstrations, run_cold_start
         from megarl.plugins import import_plugins
 
-        import_plugins(cfg.get("plugins") or [])  # user datasets, before the data is read
+        import_plugins(cfg.plugins)  # user datasets, before the data is read
         run_dir = prepare_run_dir(cfg)
         dataset, eval_rows = load_datasets(cfg)
         sampler = ResumableSampler(len(dataset), seed=int(cfg.train.seed), shuffle=bool(cfg.data.shuffle))
@@ -330,7 +330,7 @@ class Run:
         self.trainer.run("save_checkpoint", str(ckpt / rs.TRAINER_DIR))
         model = self.cfg.model  # HF config and tokenizer into the checkpoint (unset in stand-in runs)
         rs.save_hf_metadata(ckpt, None if OmegaConf.is_missing(model, "hf_path") else model.hf_path,
-                            model.get("tokenizer_path"))
+                            model.tokenizer_path)
         self.state.sampler = self.sampler.state_dict()
         self.state.rng = rs.capture_rng()
         self.state.pending_rollouts = []

@@ -94,7 +94,7 @@ class TrainerWorker:
         from megarl.training.build import build_trainer
 
         cfg = OmegaConf.create(cfg_yaml)
-        import_plugins(cfg.get("plugins") or [])  # user modules, before anything is built
+        import_plugins(cfg.plugins)  # user modules, before anything is built
         # build_trainer initialises torch.distributed from RANK / WORLD_SIZE / MASTER_* (gloo on
         # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
         self.trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))

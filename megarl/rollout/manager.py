@@ -107,7 +107,7 @@ class RolloutManager:
             max_turns=int(agent.max_turns), max_response_tokens=int(agent.max_response_tokens),
             max_context_tokens=int(agent.max_context_tokens),
             max_tool_output_chars=int(agent.max_tool_output_chars),
-            tool_timeout_s=float(getattr(agent, "tool_timeout_s", 60.0)),
+            tool_timeout_s=float(agent.tool_timeout_s),
             return_routed_experts=return_routed_experts)
         self._group_ids = itertools.count()
         self._carry: list[_Group] = []

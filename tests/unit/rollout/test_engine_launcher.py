@@ -122,8 +122,9 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
 
     from megarl.cluster.engines import engine_kwargs
 
-    cfg = OmegaConf.create({"rollout": {"engine": {**OmegaConf.to_container(OmegaConf.structured(RolloutConfig).engine),
-                                                   "tensor_parallel_size": 4, "expert_parallel_size": 4}},
+    rollout = OmegaConf.merge(OmegaConf.structured(RolloutConfig),
+                              {"engine": {"tensor_parallel_size": 4, "expert_parallel_size": 4}})
+    cfg = OmegaConf.create({"rollout": OmegaConf.to_container(rollout),
                             "train": {"routing_replay": "r3"}, "cluster": {"placement": "disaggregated"}})
     engine = EngineProcess("/models/m", port=31000, device="cuda",
                            **{k: v for k, v in engine_kwargs(cfg, device="cuda", log_path=None, engine_id="e0").items()
