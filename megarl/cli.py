@@ -10,6 +10,8 @@
     megarl plan-sync CONFIG [key.sub=value ...] [--intra-gbps X --inter-gbps Y]   weight sync on paper
     megarl plan CONFIG [key.sub=value ...] [--gpu h100 --mfu 0.35 --suggest]   memory, step, sync on paper
     megarl show RUN_DIR [--step N] [--filter reward<0.5|truncated|tool_error] [--html OUT]   trajectories
+    megarl eval CONFIG [key.sub=value ...] (--checkpoint PATH | --hf PATH) [--data PATH] [--samples N]
+        [--k 1,4,...] [--out REPORT.json]       pass@k, reward, tool use of a checkpoint (megarl.launch.evaluate)
 
 Every command that takes a config validates it first and reports all problems at once.
 An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint, a
@@ -153,6 +155,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from megarl.launch.evaluate import run_eval
+
+    return run_eval(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     from megarl.launch.show import add_show_parser
     add_show_parser(sub)
+    from megarl.launch.evaluate import add_eval_arguments
+    add_eval_arguments(sub.add_parser("eval", help="evaluate a checkpoint or HF model with the recipe's agent loop, "
+                                                   "tools and reward: pass@k, reward, tool use (JSON + table)"))
     return parser
 
 
@@ -208,11 +219,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return doctor()
     debug = "--debug" in argv or os.environ.get("MEGARL_DEBUG", "") not in ("", "0")
-    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
+    if extra and args.command != "eval":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # what parse_args does
     try:
+        if extra:  # eval: overrides after its options (argparse ends `overrides` at the first option)
+            from megarl.launch.evaluate import take_overrides
+
+            args.overrides = [*args.overrides, *take_overrides(extra)]
         return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
                 "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan,
-                "show": cmd_show}[args.command](args)
+                "show": cmd_show, "eval": cmd_eval}[args.command](args)
     except UserError as e:  # expected: what the user gave is wrong; the message says what to change
         if debug:
             traceback.print_exc()

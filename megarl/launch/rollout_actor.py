@@ -116,6 +116,29 @@ def materialize_routes(groups: Sequence[Any]) -> list[Any]:
     return out
 
 
+def _records(trajectories: Sequence[Any], rows: Sequence[dict]) -> list[dict]:
+    """Each trajectory's record with the index of its prompt among ``rows`` (found by the row's
+    content: the manager copies the rows; equal rows take their indices in turn)."""
+    import json
+
+    from megarl.rollout.metrics import trajectory_record
+
+    def key(row: Any) -> str:
+        return json.dumps(row, sort_keys=True, default=str)
+
+    free: dict[str, list[int]] = collections.defaultdict(list)
+    for i, row in enumerate(rows):
+        free[key(row)].append(i)
+    index: dict[int, int] = {}  # group id -> prompt index (a group's members share a prompt)
+    out = []
+    for traj in trajectories:
+        if traj.group_id not in index:
+            unclaimed = free[key(traj.sample)]
+            index[traj.group_id] = unclaimed.pop(0) if unclaimed else -1
+        out.append(trajectory_record(traj, index[traj.group_id]))
+    return out
+
+
 @ray.remote
 class RolloutWorker:
     """Owns the router over the engines and the RolloutManagers (training and evaluation).
@@ -198,16 +221,27 @@ class RolloutWorker:
         ``eval/sampled_accuracy`` over ``k`` trajectories per prompt sampled with the training
         settings (mean@k). Trajectories that failed count as wrong (reward 0).
         """
+        metrics, sample, _ = await self.evaluate_records(rows, policy_version)
+        return metrics, sample
+
+    async def evaluate_records(self, rows: list[dict], policy_version: int
+                               ) -> tuple[dict[str, float], str, dict[str, list[dict]]]:
+        """:meth:`evaluate` (the same generations, so the same metrics) and every trajectory as a
+        record (:func:`megarl.rollout.metrics.trajectory_record`), ``{"greedy": [...], "sampled":
+        [...]}`` in prompt order; a failed group has no records (``megarl eval``'s report)."""
         self.eval_manager.policy_version = policy_version
         metrics, trajs = await self._score(self.eval_manager, rows, 1)
         metrics = {f"eval/{k}": v for k, v in metrics.items()} | {"eval/num_samples": float(len(rows))}
+        sampled_trajs: list = []
         if self.sampled_eval_manager is not None:
             if self.eval_seeded is not None:
                 self.eval_seeded.start_step(-1)  # the same seeds at every evaluation
             self.sampled_eval_manager.policy_version = policy_version
-            sampled, _ = await self._score(self.sampled_eval_manager, rows, int(self.cfg.data.eval_samples_per_prompt))
+            sampled, sampled_trajs = await self._score(self.sampled_eval_manager, rows,
+                                                       int(self.cfg.data.eval_samples_per_prompt))
             metrics |= {"eval/sampled_reward_mean": sampled["reward_mean"], "eval/sampled_accuracy": sampled["accuracy"]}
-        return metrics, self.describe(trajs[0]) if trajs else ""
+        records = {"greedy": _records(trajs, rows), "sampled": _records(sampled_trajs, rows)}
+        return metrics, self.describe(trajs[0]) if trajs else "", records
 
     @staticmethod
     async def _score(manager: Any, rows: list[dict], per_prompt: int) -> tuple[dict[str, float], list]:

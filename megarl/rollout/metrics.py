@@ -76,3 +76,26 @@ def throughput_metrics(*, generated_tokens: int, wall_s: float) -> dict[str, flo
     return {"rollout/generated_tokens_sum": float(generated_tokens),
             "rollout/tokens_per_s": generated_tokens / wall_s if wall_s > 0 else 0.0,
             "timing/rollout_s": wall_s}
+
+
+def trajectory_record(trajectory: Trajectory, prompt_index: int) -> dict[str, float | int | str]:
+    """One trajectory as the plain numbers an evaluation report is built from (JSON-ready).
+
+    Args:
+        trajectory: a finished (or failed) trajectory.
+        prompt_index: the position of its prompt in the evaluation set.
+
+    Returns:
+        ``prompt`` (index), ``reward``, ``status`` (its value), ``num_turns``, ``tool_calls`` and
+        ``tool_errors`` (this trajectory's), ``response_tokens`` (model + tool tokens),
+        ``model_tokens``, ``truncated`` (0/1: ``status`` is truncated, or a turn stopped at its
+        token limit, finish reason ``length``).
+    """
+    meta = trajectory.metadata
+    truncated = (trajectory.status == RolloutStatus.TRUNCATED
+                 or "length" in meta.get("finish_reasons", ()))
+    return {"prompt": int(prompt_index), "reward": float(trajectory.reward), "status": trajectory.status.value,
+            "num_turns": int(trajectory.num_turns), "tool_calls": int(meta.get("tool_calls", 0)),
+            "tool_errors": int(meta.get("tool_errors", 0)),
+            "response_tokens": int(trajectory.num_response_tokens), "model_tokens": int(trajectory.num_model_tokens),
+            "truncated": int(truncated)}
