@@ -2,7 +2,7 @@
 
 A demonstration is a list of chat messages (system, user, assistant with ``tool_calls``, tool,
 assistant, ...). It becomes a :class:`~megarl.rollout.types.Trajectory` built turn by turn exactly as
-the agent loop builds a rollout, with the same :class:`~megarl.rollout.agent.ChatTemplate` (and so the
+the agent loop builds a rollout, with the same :class:`~megarl.rollout.template.ChatTemplate` (and so the
 same ``chat_template_kwargs``): the prompt rendered once with the generation prompt; per assistant
 message the text the model would generate after what precedes it, and the end-of-turn token it
 stops on (``loss_mask`` 1); after it the template's tool messages and next generation prompt,
@@ -131,7 +131,7 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
             tool messages answering it (the agent loop appends nothing else between turns).
         tools: OpenAI-style tool schemas rendered into the system prompt (as in rollouts).
         chat_template_kwargs: passed to every render (``rollout.agent.chat_template_kwargs``).
-        template: the rollout's :class:`~megarl.rollout.agent.ChatTemplate` (default: one built from
+        template: the rollout's :class:`~megarl.rollout.template.ChatTemplate` (default: one built from
             the arguments above, with the model family's reasoning format).
         group_id: stored on the trajectory.
 
@@ -146,7 +146,7 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
             template cannot lay out turn by turn (the message names its index).
     """
     if template is None:
-        from megarl.rollout.agent import ChatTemplate
+        from megarl.rollout.template import ChatTemplate
         from megarl.rollout.reasoning import FAMILY_PARSERS, ReasoningFormat, model_type_of
 
         reasoning = FAMILY_PARSERS.get(model_type_of(tokenizer) or "", (None, None))[0]

@@ -91,7 +91,7 @@ def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
     from transformers import AutoTokenizer
 
     from megarl.data.sft import demonstration_to_trajectory, load_demonstrations
-    from megarl.rollout.agent import build_template
+    from megarl.rollout.template import build_template
     from megarl.rollout.tools import build_tools
 
     sft = cfg.sft

@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from megarl.rollout.agent import (AgentContext, TrajectoryState, build_template, get_agent_loop,
-                                  new_state, run_agent)
+from megarl.rollout.agent import AgentContext, get_agent_loop, new_state, run_agent
 from megarl.rollout.metrics import throughput_metrics, trajectory_metrics
 from megarl.rollout.rewards.registry import build_reward, compute_reward
+from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
+from megarl.rollout.trajectory_state import TrajectoryState
 from megarl.rollout.types import (RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory,
                                   TrajectoryGroup)
 

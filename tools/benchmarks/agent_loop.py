@@ -33,9 +33,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megarl.rollout.agent import (AgentContext, ChatTemplate, new_state, run_agent,  # noqa: E402
-                                  single_turn, tool_agent)
+from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn, tool_agent  # noqa: E402
 from megarl.rollout.client import SGLangClient  # noqa: E402
+from megarl.rollout.template import ChatTemplate  # noqa: E402
 from megarl.rollout.tools import build_tools  # noqa: E402
 from megarl.rollout.tools.calls import ToolCallParser  # noqa: E402
 

@@ -12,8 +12,9 @@ import re
 import pytest
 import torch
 
-from megarl.rollout.agent import AgentContext, ChatTemplate, new_state, run_agent, tool_agent
+from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
 from megarl.rollout.client import SGLangClient
+from megarl.rollout.template import ChatTemplate
 from megarl.rollout.tools import build_tools
 from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.types import RolloutStatus

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from megarl.rollout.agent import (AgentContext, ChatTemplate, get_agent_loop, new_state, run_agent,
-                                  single_turn, tool_agent)
+from megarl.rollout.agent import AgentContext, get_agent_loop, new_state, run_agent, single_turn, tool_agent
+from megarl.rollout.template import ChatTemplate
 from megarl.rollout.tools import build_tools
 from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.types import RolloutStatus

@@ -8,8 +8,9 @@ import pytest
 
 from megarl.config.schema import RolloutConfig
 from megarl.rollout import cpu_shims
-from megarl.rollout.engine import EngineProcess, cpu_threads_bind, launch_engines, resolve_device
+from megarl.rollout.engine import EngineProcess, cpu_threads_bind, resolve_device
 from megarl.rollout.engine_actor import EngineActor
+from megarl.rollout.local_engines import launch_engines
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,8 +16,9 @@ import pytest
 
 from megarl.launch.rollout_log import write_rollouts
 from megarl.launch.show import ShowError, show, step_summary
-from megarl.rollout.agent import AgentContext, build_template, new_state, run_agent, tool_agent
+from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
 from megarl.rollout.rewards.composite import CompositeReward
+from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.types import TrajectoryGroup
 

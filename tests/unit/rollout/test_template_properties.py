@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from megarl.rollout import agent as agent_module
-from megarl.rollout.agent import AgentContext, build_template, new_state, run_agent, tool_agent
+from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
+from megarl.rollout.template import build_template
 from megarl.rollout.types import RolloutStatus
 
 from rollout_scripted import Reply, ScriptedEngine

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from megarl.config.schema import AgentConfig, RolloutConfig, SamplingConfig
-from megarl.rollout.agent import AgentContext, ChatTemplate, new_state, run_agent, tool_agent
+from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
 from megarl.rollout.manager import RolloutManager
+from megarl.rollout.template import ChatTemplate
 from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.tools.sessions import ToolSession, ToolSessions, is_stateful
 from megarl.rollout.types import RolloutStatus
