@@ -77,7 +77,7 @@ def _resolve_checkpoint(path: str) -> Path:
     try:
         return resolve_checkpoint_dir(p).resolve()
     except FileNotFoundError as e:
-        raise EvalArgumentError(f"--checkpoint {path}: {e}") from e
+        raise EvalArgumentError(f"argument --checkpoint {path}: {e}") from e
 
 
 def _parse_ks(text: str | None) -> tuple[int, ...] | None:
@@ -86,9 +86,9 @@ def _parse_ks(text: str | None) -> tuple[int, ...] | None:
     try:
         ks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
-        raise EvalArgumentError(f"--k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8") from None
+        raise EvalArgumentError(f"argument --k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8") from None
     if not ks or ks[0] < 1:
-        raise EvalArgumentError(f"--k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8")
+        raise EvalArgumentError(f"argument --k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8")
     return ks
 
 
@@ -102,18 +102,18 @@ def check_args(args: argparse.Namespace) -> EvalRequest:
     if (args.checkpoint is None) == (args.hf is None):
         raise EvalArgumentError("give exactly one model: --checkpoint RUN/checkpoints/step_N or --hf HF_DIR")
     if args.samples is not None and args.samples < 1:
-        raise EvalArgumentError(f"--samples {args.samples}: at least 1 sample per prompt")
+        raise EvalArgumentError(f"argument --samples {args.samples}: at least 1 sample per prompt")
     if args.data is not None and not Path(args.data).is_file():
-        raise EvalArgumentError(f"--data {args.data}: no such file")
+        raise EvalArgumentError(f"argument --data {args.data}: no such file")
     ks = _parse_ks(args.k)
     if ks and args.samples is not None and ks[-1] > args.samples:
-        raise EvalArgumentError(f"--k {args.k}: pass@{ks[-1]} needs at least {ks[-1]} samples per prompt "
+        raise EvalArgumentError(f"argument --k {args.k}: pass@{ks[-1]} needs at least {ks[-1]} samples per prompt "
                                 f"(--samples {args.samples})")
     ckpt = hf = None
     if args.checkpoint is not None:
         ckpt = _resolve_checkpoint(args.checkpoint)
     elif not (Path(args.hf) / "config.json").is_file():
-        raise EvalArgumentError(f"--hf {args.hf}: not a Hugging Face model directory (no config.json)")
+        raise EvalArgumentError(f"argument --hf {args.hf}: not a Hugging Face model directory (no config.json)")
     else:
         hf = Path(args.hf).resolve()
     if args.out is not None:
@@ -226,7 +226,7 @@ def run_eval(args: argparse.Namespace) -> int:
     cfg.data.eval_samples_per_prompt = n
     ks = request.ks or default_ks(n)
     if ks[-1] > n:
-        raise EvalArgumentError(f"--k: pass@{ks[-1]} needs at least {ks[-1]} samples per prompt (n = {n}; "
+        raise EvalArgumentError(f"argument --k: pass@{ks[-1]} needs at least {ks[-1]} samples per prompt (n = {n}; "
                                 f"pass --samples)")
     import_plugins(cfg.plugins)  # user dataset readers, before the rows are read
     rows = load_datasets(cfg)[1] or []
@@ -257,7 +257,7 @@ def _checkpoint_config_dir(ckpt: Path) -> Path:
 
     stored = ckpt / HF_CONFIG_SUBDIR
     if not (stored / "config.json").is_file():
-        raise EvalArgumentError(f"--checkpoint {ckpt}: no {HF_CONFIG_SUBDIR}/config.json in it; export it with "
+        raise EvalArgumentError(f"argument --checkpoint {ckpt}: no {HF_CONFIG_SUBDIR}/config.json in it; export it with "
                                 f"`megarl convert megatron-to-hf CKPT OUT --hf-config HF_DIR` and pass --hf OUT")
     return stored
 
