@@ -146,12 +146,7 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
             template cannot lay out turn by turn (the message names its index).
     """
     if template is None:
-        from megarl.rollout.template import ChatTemplate
-        from megarl.rollout.reasoning import FAMILY_PARSERS, ReasoningFormat, model_type_of
-
-        reasoning = FAMILY_PARSERS.get(model_type_of(tokenizer) or "", (None, None))[0]
-        template = ChatTemplate(tokenizer, list(tools or []), chat_template_kwargs=chat_template_kwargs,
-                                reasoning=ReasoningFormat(reasoning) if reasoning else None)
+        template = _default_template(tokenizer, tools, chat_template_kwargs)
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise DemonstrationError("a demonstration needs at least one assistant message")
@@ -162,15 +157,7 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
     mask: list[int] = []
     k = first
     while k < len(messages):
-        j = k + 1
-        while j < len(messages) and roles[j] == "tool":
-            j += 1
-        observations = [str(m["content"]) for m in messages[k + 1:j]]
-        if j < len(messages) and roles[j] != "assistant":
-            raise DemonstrationError(f"message {j}: a {roles[j]} message after the first assistant message "
-                                     "(the agent loop appends only tool messages between model turns)")
-        if j < len(messages) and not observations:
-            raise DemonstrationError(f"message {j}: two assistant messages without tool messages between them")
+        j, observations = _tool_messages_after(messages, roles, k)
         text, end_id = _model_turn(template, context, dict(messages[k]), observations, k)
         ids = template.encode(text) + [end_id]
         response += ids
@@ -189,6 +176,38 @@ def demonstration_to_trajectory(tokenizer: Any, messages: Sequence[dict[str, Any
         rollout_logprobs=torch.zeros(len(response), dtype=torch.float32),
         status=RolloutStatus.COMPLETED, num_turns=roles.count("assistant"), group_id=group_id,
         metadata={"sft": True})
+
+
+def _default_template(tokenizer: Any, tools: Sequence[dict] | None,
+                      chat_template_kwargs: Mapping[str, Any] | None) -> Any:
+    """A :class:`~megarl.rollout.template.ChatTemplate` from the arguments of
+    :func:`demonstration_to_trajectory`, with the model family's reasoning format."""
+    from megarl.rollout.reasoning import FAMILY_PARSERS, ReasoningFormat, model_type_of
+    from megarl.rollout.template import ChatTemplate
+
+    reasoning = FAMILY_PARSERS.get(model_type_of(tokenizer) or "", (None, None))[0]
+    return ChatTemplate(tokenizer, list(tools or []), chat_template_kwargs=chat_template_kwargs,
+                        reasoning=ReasoningFormat(reasoning) if reasoning else None)
+
+
+def _tool_messages_after(messages: Sequence[dict[str, Any]], roles: list[str], k: int) -> tuple[int, list[str]]:
+    """``(j, observations)``: the tool messages answering assistant message ``k`` are ``k + 1 .. j - 1``
+    (``j``: the next assistant message, or the end), ``observations`` their contents.
+
+    Raises:
+        DemonstrationError: a user/system message follows, or the next assistant message has no
+            tool messages before it.
+    """
+    j = k + 1
+    while j < len(messages) and roles[j] == "tool":
+        j += 1
+    observations = [str(m["content"]) for m in messages[k + 1:j]]
+    if j < len(messages) and roles[j] != "assistant":
+        raise DemonstrationError(f"message {j}: a {roles[j]} message after the first assistant message "
+                                 "(the agent loop appends only tool messages between model turns)")
+    if j < len(messages) and not observations:
+        raise DemonstrationError(f"message {j}: two assistant messages without tool messages between them")
+    return j, observations
 
 
 def _gsm8k_python(rows: Sequence[dict], *, system_prompt: str | None, tool_fraction: float,
