@@ -38,6 +38,15 @@ def tiny_dense_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_tied_moe_dir(tmp_path_factory):
+    """The tiny Qwen3-MoE with ``tie_word_embeddings=true`` (no ``lm_head.weight``), built once per session."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_tied_moe",
+                           TinyModelSpec(family="qwen3_moe", tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3_dir(tmp_path_factory):
     """A tiny DeepSeek-V3 HF directory (2 layers: dense then MoE; MLA, YaRN, 8 experts in 4 groups,
     top-2, a shared expert, random router bias and norms; fp32), built once per session."""

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megarl.rollout import cpu_shims
+from megarl.rollout.engine_view import served_model_dir
 from megarl.rollout.ports import (  # noqa: F401  (re-exported: part of this module's interface)
-    AUTO_HOST, LOOPBACK, _wait_port_free, cpu_threads_bind, find_free_port, local_host, resolve_device)
+    AUTO_HOST, LOOPBACK, _wait_port_free, check_nodes, cpu_threads_bind, find_free_port, local_host, resolve_device)
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,9 @@ class EngineProcess:
             raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
         if ep_size < 1 or tp_size % ep_size:
             raise ValueError(f"engine ep_size must be >= 1 and divide tp_size={tp_size}, got {ep_size}")
-        _check_nodes(tp_size, nnodes, node_rank, dist_init_addr)
+        check_nodes(tp_size, nnodes, node_rank, dist_init_addr)
         self.model_path = str(model_path)
+        self.served_path = self.model_path  # what SGLang loads: set at start() (megarl.rollout.engine_view)
         self.host = local_host(host)
         self.port = port
         self.tp_size = tp_size
@@ -148,7 +150,7 @@ class EngineProcess:
 
     def command(self) -> list[str]:
         """The ``sglang.launch_server`` command line."""
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.served_path,
                "--host", self.host, "--port", str(self.port), "--tp", str(self.tp_size),
                "--ep-size", str(self.ep_size),  # sglang 0.5.23 ServerArgs.ep_size (aliases --ep, --expert-parallel-size)
                "--dtype", self.dtype, "--grammar-backend", self.grammar_backend,
@@ -170,7 +172,7 @@ class EngineProcess:
         if self.nnodes > 1:
             if self.dist_init_addr is None:
                 raise ValueError(f"{self.engine_id}: node rank {self.node_rank} of {self.nnodes} has no dist_init_addr")
-            _check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
+            check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
             cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank),
                     "--dist-init-addr", self.dist_init_addr]
         return cmd + self.extra_args
@@ -198,6 +200,7 @@ class EngineProcess:
             cpu_shims.check_sglang_version()
         if self.port is None:
             self.port = find_free_port(self.host)
+        self.served_path = served_model_dir(self.model_path)  # once per node, cached
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
             os.close(fd)
@@ -313,21 +316,6 @@ class EngineProcess:
         return f"EngineProcess({self.engine_id}, device={self.device}, tp={self.tp_size}, {state})"
 
 
-def _check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None) -> None:
-    """SGLang 0.5.23's rules for an engine over ``nnodes`` nodes (``check_server_args``: the TP
-    size divisible by the node count; ``NetworkAddress.parse``: ``host:port``, IPv6 bracketed)."""
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ValueError(f"engine nnodes must be >= 1 and node_rank in [0, {nnodes}), got {nnodes}, {node_rank}")
-    if tp_size % nnodes:
-        raise ValueError(f"engine tp_size={tp_size} must be a multiple of its nnodes={nnodes} (SGLang gives "
-                         "every node tp_size / nnodes ranks)")
-    if nnodes > 1 and dist_init_addr is not None:  # None until node-rank 0 picks it (EngineActor)
-        host, _, port = dist_init_addr.rpartition(":")
-        if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
-            raise ValueError(f"an engine over {nnodes} nodes needs dist_init_addr as host:port (IPv6 in "
-                             f"brackets), got {dist_init_addr!r}")
-
-
 def _kill_with_parent() -> None:
     # Runs in the child between fork and exec: ask for SIGKILL when the parent dies. SGLang's own
     # children watch their parent (the main server process) and exit with it.
@@ -349,4 +337,3 @@ def _stop_leftover_engines() -> None:
     # A crashed driver must not leave servers running on the node.
     for engine in list(_LIVE_ENGINES):
         engine.stop(grace_s=0)
-

@@ -165,3 +165,18 @@ def _wait_port_free(host: str, port: int | None, timeout_s: float) -> None:
                 return
             except OSError:
                 time.sleep(0.2)
+
+
+def check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None) -> None:
+    """SGLang 0.5.23's rules for an engine over ``nnodes`` nodes (``check_server_args``: the TP
+    size divisible by the node count; ``NetworkAddress.parse``: ``host:port``, IPv6 bracketed)."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"engine nnodes must be >= 1 and node_rank in [0, {nnodes}), got {nnodes}, {node_rank}")
+    if tp_size % nnodes:
+        raise ValueError(f"engine tp_size={tp_size} must be a multiple of its nnodes={nnodes} (SGLang gives "
+                         "every node tp_size / nnodes ranks)")
+    if nnodes > 1 and dist_init_addr is not None:  # None until node-rank 0 picks it (EngineActor)
+        host, _, port = dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or (":" in host and not host.startswith("[")):
+            raise ValueError(f"an engine over {nnodes} nodes needs dist_init_addr as host:port (IPv6 in "
+                             f"brackets), got {dist_init_addr!r}")
