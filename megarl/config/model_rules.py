@@ -1,5 +1,5 @@
-"""The rules that read the model's ``config.json``: family, tied embeddings, parsers, and the layers,
-heads and experts over the trainer's and the engines' parallel layout."""
+"""The rules that read the model's ``config.json``: family, parsers, and the layers, heads and
+experts over the trainer's and the engines' parallel layout."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,12 +7,6 @@ from pathlib import Path
 from megarl.config.builds import build_hint
 from megarl.config.checker import Checker
 from megarl.config.parallel import model_split_issues
-
-SGLANG_UNTIED_LM_HEAD = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
-"""Families whose SGLang 0.5.23 model class builds ``lm_head`` as its own parameter whatever
-``tie_word_embeddings`` says (``srt/models/qwen3_moe.py``, ``glm4_moe.py`` never read it; ``qwen3.py``
-and ``deepseek_v2.py`` do): a tied checkpoint has no ``lm_head.weight``, so the engine would sample
-from an lm_head that nothing ever loads."""
 
 
 def read_hf_config(hf_path: str):
@@ -69,11 +63,8 @@ def check_model(c: Checker) -> None:
     family_error = _family_error(hf)
     c.check(family_error is None, "model.hf_path", f"config.json: {family_error}")
     model_type = getattr(hf, "model_type", None)
-    c.check(not (getattr(hf, "tie_word_embeddings", False) and model_type in SGLANG_UNTIED_LM_HEAD), "model.hf_path",
-            f"config.json: tie_word_embeddings=true, but SGLang's {SGLANG_UNTIED_LM_HEAD.get(model_type)} keeps its "
-            "lm_head separate from embed_tokens and never loads it from a tied checkpoint (the engines would "
-            "sample from an untrained output layer); untie the checkpoint (lm_head.weight = "
-            "embed_tokens.weight, tie_word_embeddings=false)")
+    # Tied checkpoints need no rule: where SGLang keeps lm_head apart (Qwen3-MoE, GLM-4.5) the engines
+    # serve an untied view and every sync sends the embedding as lm_head.weight (megarl.rollout.engine_view).
     from megarl.rollout.reasoning import parser_issues
 
     agent = c.cfg.rollout.agent

@@ -142,13 +142,27 @@ def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.T
         return [full]
     if entry.transform is Transform.GLU:
         return list(full.chunk(2, dim=0))
-    if entry.transform is Transform.VOCAB:
-        return [full[: layout.vocab_size]]
+    if entry.transform is Transform.VOCAB:  # several names: one tied tensor sent under each
+        return [full[: layout.vocab_size]] * len(entry.hf)
     groups, hd = layout.num_query_groups, layout.head_dim
     per_group = layout.num_attention_heads // groups
     cols = full.shape[1:]
     q, k, v = full.reshape(groups, (per_group + 2) * hd, *cols).split([per_group * hd, hd, hd], dim=1)
     return [q.reshape(-1, *cols), k.reshape(-1, *cols), v.reshape(-1, *cols)]
+
+
+EMBEDDING, OUTPUT_LAYER = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+def embedding_as_output(table: Mapping[str, Entry]) -> dict[str, Entry]:
+    """The table of a tied model whose embedding is also delivered as the output layer's HF tensor.
+
+    The embedding's entry names both HF tensors (``model.embed_tokens.weight``, ``lm_head.weight``);
+    :func:`to_hf` gives the same rows under each. For an engine that keeps its own output layer
+    although the checkpoint ties it (:mod:`megarl.rollout.engine_view`); HF -> Megatron reads the first.
+    """
+    embedding, output = table[EMBEDDING], table[OUTPUT_LAYER]
+    return {**table, EMBEDDING: Entry(embedding.hf + output.hf, embedding.transform, embedding.tp_split)}
 
 
 def split_tp(full: torch.Tensor, split: TPSplit, rank: int, size: int) -> torch.Tensor:

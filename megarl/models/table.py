@@ -21,7 +21,8 @@ class Transform(str, enum.Enum):
     GLU = "glu"
     """HF ``[gate, up]`` concatenated along rows into ``linear_fc1``."""
     VOCAB = "vocab"
-    """One HF ``[V, H]`` tensor, rows zero-padded to the padded vocabulary."""
+    """One HF ``[V, H]`` tensor, rows zero-padded to the padded vocabulary (to HF: one copy per name
+    of the entry, ``mapping.embedding_as_output``)."""
 
 
 class TPSplit(str, enum.Enum):

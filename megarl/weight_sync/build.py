@@ -12,7 +12,7 @@ from megarl.training.model import load_hf_config
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
 from megarl.weight_sync.fp8_wire import served_quantization
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-from megarl.weight_sync.model_specs import param_specs_from_hf_config
+from megarl.weight_sync.model_specs import engine_table, param_specs_from_hf_config
 from megarl.weight_sync.placement import Placement
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.sync import WeightSynchronizer
@@ -90,10 +90,11 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
                       bucket_size_mb=cfg.bucket_size_mb,
                       quantization=served_quantization(hf_config, source=f"{spec.hf_dir}/config.json"),
                       senders_per_stage=senders_per_stage(cfg))
-    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
-                                          tp_size=parallel.tp_size)
+    family = get_family(hf_config)
+    layout = family.layout(hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+                           tp_size=parallel.tp_size)
     return WeightSynchronizer(plan, cfg.transport, list(spec.engine_urls), rank=parallel.rank,
-                              placement=Placement(layout),
+                              placement=Placement(layout, engine_table(family, hf_config)),
                               manifest=read_manifest(spec.hf_dir) if spec.check_manifest else None,
                               pause_mode=cfg.pause_mode, group=group, segment_senders=cfg.segment_senders,
                               backend=cfg.backend, master_address=spec.master_address, directory=spec.directory,

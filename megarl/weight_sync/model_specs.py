@@ -8,6 +8,8 @@ names and shapes from running the family's own ``megatron_to_hf`` on ``meta`` te
 
 How SGLang shards each HF tensor (:class:`EngineSplit`) follows from the tensor's module name
 (:func:`engine_split_for`); that is SGLang knowledge (0.5.23 model definitions), not the trainer's.
+So is :func:`engine_table`: a tied checkpoint of a family whose SGLang class keeps its own
+``lm_head`` gets the trained embedding as ``lm_head.weight`` too, every sync.
 """
 from __future__ import annotations
 
@@ -53,6 +55,17 @@ def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 
                         head_dim if split is EngineSplit.KV_HEADS else 0)
 
 
+def engine_table(family, hf_config) -> Mapping:
+    """The family's mapping table as the engines load it: for a tied checkpoint whose SGLang class
+    keeps ``lm_head`` apart (:func:`megarl.rollout.engine_view.needs_untied_view`), the embedding is
+    also sent as ``lm_head.weight`` (``megarl.models.mapping.embedding_as_output``), so the engine's
+    untied output layer stays equal to the trainer's tied embedding."""
+    from megarl.models.mapping import embedding_as_output
+    from megarl.rollout.engine_view import needs_untied_view
+
+    return embedding_as_output(family.table) if needs_untied_view(hf_config) else family.table
+
+
 def _hf_config_object(config: Any):
     """A ``transformers`` config (accepts both spellings of the fields) from a dict or a config."""
     if isinstance(config, Mapping):
@@ -91,7 +104,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         dtype: parameter dtype name; default: the config's ``dtype``/``torch_dtype``, else bfloat16.
 
     Returns:
-        Parameter specs (no tensors are allocated).
+        Parameter specs (no tensors are allocated), named as the engines load them (:func:`engine_table`).
 
     Raises:
         SpecError: an unsupported ``model_type`` or HF setting (the family's message).
@@ -113,14 +126,15 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
                          or "bfloat16").replace("torch.", "")
     specs = []
     hf_shapes: dict = {}  # (template, shape) -> HF shapes: every layer / expert converts alike
+    table = engine_table(family, hf_config)
     for name, shape in shapes.items():
         template, index = template_of(name)
-        entry = family.table.get(template) or lookup(family.table, name)[0]  # lookup raises a named KeyError
+        entry = table.get(template) or lookup(table, name)[0]  # lookup raises a named KeyError
         if entry.transform is Transform.VOCAB:
             shape = (layout.padded_vocab_size,) + tuple(shape[1:])
         key = (template, tuple(shape))
         if key not in hf_shapes:  # the family's own conversion, on a tensor without memory
-            outputs = megatron_to_hf([(name, torch.empty(shape, device="meta"))], layout, family.table)
+            outputs = megatron_to_hf([(name, torch.empty(shape, device="meta"))], layout, table)
             hf_shapes[key] = [tuple(t.shape) for _, t in outputs]
         names = hf_names(entry, index) if hf_shapes[key] else []  # [] = not exported (tied output layer)
         param_dtype = "float32" if name.endswith(FP32_PARAMS) else dtype

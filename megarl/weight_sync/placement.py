@@ -51,13 +51,15 @@ class Placement:
 
     Args:
         model_layout: ``Family.layout(hf_config, tp_size=...)`` of the trained model.
+        table: the mapping table the plan's specs were named from (default: the family's;
+            ``model_specs.engine_table`` for a tied model whose engine keeps its own ``lm_head``).
     """
 
-    def __init__(self, model_layout) -> None:
+    def __init__(self, model_layout, table=None) -> None:
         from megarl.models.mapping import family_table
 
         self.layout = model_layout
-        self.table = family_table(model_layout)
+        self.table = table if table is not None else family_table(model_layout)
         self._pieces: dict[tuple, tuple[Piece, ...]] = {}
 
     def pieces(self, transfer: ParamTransfer) -> tuple[Piece, ...]:

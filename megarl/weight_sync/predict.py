@@ -242,10 +242,13 @@ def placement_from_config(cfg):
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.placement import Placement
 
+    from megarl.weight_sync.model_specs import engine_table
+
     hf_config = load_hf_config(str(cfg.model.hf_path))
-    return Placement(get_family(hf_config).layout(
+    family = get_family(hf_config)
+    return Placement(family.layout(
         hf_config, make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
-        tp_size=int(cfg.parallel.tensor_model_parallel_size)))
+        tp_size=int(cfg.parallel.tensor_model_parallel_size)), engine_table(family, hf_config))
 
 
 def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[WeightSyncPlan, list[SyncPrediction]]:

@@ -21,6 +21,7 @@ from typing import Mapping
 
 import torch
 
+from megarl.rollout.engine_view import EMBEDDING, OUTPUT_LAYER, needs_untied_view
 from megarl.weight_sync.plan import WeightSyncPlan
 
 Manifest = dict[str, tuple[tuple[int, ...], str]]
@@ -35,7 +36,10 @@ class WeightSyncError(RuntimeError):
 
 
 def read_manifest(model_dir: str | os.PathLike) -> Manifest:
-    """Names, shapes and dtypes of every tensor in an HF directory's safetensors files (headers only).
+    """Names, shapes and dtypes of every tensor an engine serving ``model_dir`` holds: its safetensors
+    files' tensors (headers only), and ``lm_head.weight`` (the embedding's shape and dtype) for a tied
+    checkpoint whose SGLang class keeps its own output layer (:mod:`megarl.rollout.engine_view`: the
+    engines megarl starts serve an untied view; every sync delivers that tensor).
 
     Raises:
         WeightSyncError: no safetensors file in ``model_dir``.
@@ -51,6 +55,9 @@ def read_manifest(model_dir: str | os.PathLike) -> Manifest:
         for name, info in header.items():
             if name != "__metadata__":
                 manifest[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]))
+    config = Path(model_dir) / "config.json"
+    if config.is_file() and needs_untied_view(json.loads(config.read_text())) and EMBEDDING in manifest:
+        manifest.setdefault(OUTPUT_LAYER, manifest[EMBEDDING])
     return manifest
 
 
