@@ -21,7 +21,10 @@ before an evaluation and at the end).
 from __future__ import annotations
 
 import collections
+import functools
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -68,6 +71,7 @@ def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
     """The loop itself; returns the last step's metrics. ``stop`` ends it early, after the step in
     flight, with a checkpoint (:mod:`megarl.launch.preemption`)."""
     cfg, state = run.cfg, run.state
+    cache = _LoopCache(cfg)
     every = int(cfg.weight_sync.every_n_steps)
     bound = staleness_bound(cfg.rollout.async_mode, cfg.rollout.max_staleness, every)
     pending = _initial_rollouts(run)
@@ -102,12 +106,12 @@ def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
         else:
             logger.warning("step %d: no trainable group (all filtered); policy unchanged", step)
         state.step = step + 1
-        mfu = _mfu(run, metrics, rollout.groups)
+        mfu = _mfu(cfg, cache, metrics, rollout.groups)
         if mfu == mfu:  # NaN (a CPU, an unknown GPU without logging.peak_tflops): not logged
             metrics["perf/mfu"] = mfu
         last = _end_step(run, step, {**metrics, **timer.metrics()}, pending)
         if cfg.logging.save_rollouts and _model_dir(cfg):
-            _save_rollouts(run, step + 1, rollout.groups)
+            _save_rollouts(run, cache, step + 1, rollout.groups)
         progress.update(1)
         progress.set_postfix(reward=f"{last.get('rollout/reward_mean', float('nan')):.3f}",
                              version=state.policy_version)
@@ -221,37 +225,48 @@ def _model_dir(cfg: Any) -> str | None:
     return None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
 
 
-def _save_rollouts(run: Run, step: int, groups: Any) -> None:
+class _LoopCache:
+    """What the loop reads once, on first use, and reuses at every step: the model's ``config.json``
+    and the GPU's name (``perf/mfu``), the tokenizer that writes the saved rollouts."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    @functools.cached_property
+    def model_config(self) -> dict[str, Any] | None:
+        """``config.json`` of ``model.hf_path``; None where there is none (stand-in runs)."""
+        path = Path(_model_dir(self.cfg) or ".") / "config.json"
+        return json.loads(path.read_text(encoding="utf-8")) if _model_dir(self.cfg) and path.is_file() else None
+
+    @functools.cached_property
+    def device_name(self) -> str:
+        """The trainer's GPU name (:func:`megarl.launch.rollout_log.gpu_name`); "" off CUDA."""
+        from megarl.config.device import use_cuda
+        from megarl.launch.rollout_log import gpu_name
+
+        return gpu_name() if use_cuda(self.cfg.cluster.device) else ""
+
+    @functools.cached_property
+    def rollout_tokenizer(self) -> Any:
+        """The tokenizer of ``model.tokenizer_path`` (else ``model.hf_path``) for the saved rollouts."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path or _model_dir(self.cfg))
+
+
+def _save_rollouts(run: Run, cache: _LoopCache, step: int, groups: Any) -> None:
     """``run_dir/rollouts/step_{step}.jsonl`` (:mod:`megarl.launch.rollout_log`); the tokenizer is
     loaded once, on first use."""
     from megarl.launch.rollout_log import write_rollouts
 
-    tok = getattr(run, "_rollout_tokenizer", None)
-    if tok is None:
-        from transformers import AutoTokenizer
-
-        tok = run._rollout_tokenizer = AutoTokenizer.from_pretrained(run.cfg.model.tokenizer_path
-                                                                     or _model_dir(run.cfg))
-    write_rollouts(run.run_dir, step, groups, tok, prompt_key=run.cfg.data.prompt_key)
+    write_rollouts(run.run_dir, step, groups, cache.rollout_tokenizer, prompt_key=run.cfg.data.prompt_key)
 
 
-def _mfu(run: Run, metrics: dict[str, float], groups: Any) -> float:
+def _mfu(cfg: Any, cache: _LoopCache, metrics: dict[str, float], groups: Any) -> float:
     """``perf/mfu`` of the step (:mod:`megarl.launch.mfu`); NaN (and so not logged) on a CPU or an
     unlisted GPU without ``logging.peak_tflops``."""
-    import json
-    from pathlib import Path
-
     from megarl.config.parallel import trainer_world_size
     from megarl.launch.rollout_log import mean_seq_len, step_mfu
 
-    cfg = run.cfg
-    if not hasattr(run, "_model_config"):
-        path = Path(_model_dir(cfg) or ".") / "config.json"
-        run._model_config = json.loads(path.read_text(encoding="utf-8")) if _model_dir(cfg) and path.is_file() else None
-    from megarl.config.device import use_cuda
-    from megarl.launch.rollout_log import gpu_name
-
-    if not hasattr(run, "_device_name"):
-        run._device_name = gpu_name() if use_cuda(cfg.cluster.device) else ""
-    return step_mfu(run._model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), run._device_name,
+    return step_mfu(cache.model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), cache.device_name,
                     cfg.logging.peak_tflops)

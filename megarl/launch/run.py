@@ -204,7 +204,7 @@ class Run:
     def restore(self, ckpt: Path) -> None:
         """Load the trainer and driver state of checkpoint ``ckpt``."""
         logger.info("resuming from %s", ckpt)
-        self.trainer.run("load_checkpoint", str(ckpt / rs.TRAINER_DIR))
+        self.trainer.load_checkpoint(str(ckpt / rs.TRAINER_DIR))
         self.sampler.load_state_dict(self.state.sampler)
         rs.restore_rng(self.state.rng)
         logger.info("resumed at step %d, policy version %d", self.state.step, self.state.policy_version)
@@ -327,7 +327,7 @@ class Run:
         save_dir = save_dir_of(self.cfg, self.run_dir)
         ckpt = rs.step_dir(save_dir, self.state.step)
         start = time.perf_counter()
-        self.trainer.run("save_checkpoint", str(ckpt / rs.TRAINER_DIR))
+        self.trainer.save_checkpoint(str(ckpt / rs.TRAINER_DIR))
         model = self.cfg.model  # HF config and tokenizer into the checkpoint (unset in stand-in runs)
         rs.save_hf_metadata(ckpt, None if OmegaConf.is_missing(model, "hf_path") else model.hf_path,
                             model.tokenizer_path)
@@ -382,7 +382,7 @@ class Run:
         self.retrieval = None
         if self.trainer is not None:
             try:
-                self.trainer.run_worker("close_weight_sync", timeout_s=60)
+                self.trainer.close_weight_sync(timeout_s=60)
             except Exception:  # noqa: BLE001 - teardown; the group may already be dead
                 pass
             self.trainer.shutdown()

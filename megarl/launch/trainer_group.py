@@ -121,9 +121,13 @@ class TrainerWorker:
         """One optimizer step on mini-batch ``mini`` of the prepared shard (`Trainer.train_prepared`)."""
         return self.trainer.train_prepared(mini)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``self.trainer.<method>(*args, **kwargs)`` and return its result."""
-        return getattr(self.trainer, method)(*args, **kwargs)
+    def save_checkpoint(self, directory: str) -> None:
+        """Save this rank's part of a checkpoint (`Trainer.save_checkpoint`; every rank calls it)."""
+        self.trainer.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load this rank's part of a checkpoint (`Trainer.load_checkpoint`; every rank calls it)."""
+        self.trainer.load_checkpoint(directory)
 
     def sft_step(self, batch: Any, lr: float) -> dict[str, float]:
         """One SFT (masked NLL) step on this rank's trainer (:func:`megarl.launch.sft.sft_step`)."""
@@ -274,27 +278,56 @@ class TrainerGroup:
         """
         return self._gather([w.train_step.remote(int(mini)) for w in self.workers], self.timeout_s)[0]
 
-    def run(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        """Call ``Trainer.<method>`` on every rank with the same arguments; results in rank order.
-
-        Large arguments are put in the object store once and shared by the ranks.
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank saves its part of a checkpoint to ``directory`` (`Trainer.save_checkpoint`).
 
         Raises:
-            TrainerGroupError: a rank failed or did not answer within ``timeout_s``.
+            TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
         """
-        args = tuple(ray.put(a) if _is_large(a) else a for a in args)
-        refs = [w.call.remote(method, *args, **kwargs) for w in self.workers]
-        return self._gather(refs, timeout_s or self.timeout_s)
+        self._gather([w.save_checkpoint.remote(directory) for w in self.workers], self.timeout_s)
 
-    def run_worker(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        """Call the :class:`TrainerWorker` method ``method`` (not the trainer's) on every rank."""
-        args = tuple(ray.put(a) if _is_large(a) else a for a in args)
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return self._gather(refs, timeout_s or self.timeout_s)
+    def load_checkpoint(self, directory: str) -> None:
+        """Every rank loads its part of the checkpoint in ``directory`` (`Trainer.load_checkpoint`).
+
+        Raises:
+            TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
+        """
+        self._gather([w.load_checkpoint.remote(directory) for w in self.workers], self.timeout_s)
 
     def sft_step(self, batch: Any, *, lr: float) -> dict[str, float]:
-        """One SFT step on every rank; the (identical) metrics of rank 0."""
-        return self.run_worker("sft_step", batch, lr)[0]
+        """One SFT step on every rank (the batch put in the object store once); the (identical)
+        metrics of rank 0."""
+        batch = ray.put(batch)
+        return self._gather([w.sft_step.remote(batch, lr) for w in self.workers], self.timeout_s)[0]
+
+    def connect_weight_sync(self, engine_urls: list[str], directory: str) -> None:
+        """Build every rank's weight synchronizer to ``engine_urls`` (`TrainerWorker.connect_weight_sync`)."""
+        urls = ray.put(engine_urls)  # one copy in the object store for every rank
+        self._gather([w.connect_weight_sync.remote(urls, directory) for w in self.workers], self.timeout_s)
+
+    def close_weight_sync(self, *, timeout_s: float | None = None) -> None:
+        """Tear every rank's synchronizer down (an engine was restarted: its groups must be rebuilt).
+
+        Args:
+            timeout_s: seconds to wait for the ranks (default ``cluster.trainer_call_timeout_s``).
+        """
+        self._gather([w.close_weight_sync.remote() for w in self.workers], timeout_s or self.timeout_s)
+
+    def sync_weights(self, policy_version: int) -> dict[str, float]:
+        """Every rank pushes its shards to the engines (`TrainerWorker.sync_weights`: pause -> push
+        -> flush -> version -> continue); the metrics of rank 0 (the synchronizer's coordinator).
+
+        Raises:
+            TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
+        """
+        return self._gather([w.sync_weights.remote(policy_version) for w in self.workers], self.timeout_s)[0]
+
+    def verify_weights(self, probes: Any, tolerance: float) -> list[dict[str, float]]:
+        """Trainer logprobs of ``probes`` (a TrainBatch, put in the object store once) against every
+        engine's (`TrainerWorker.verify_weights`); each rank's result in rank order (the
+        coordinator's holds the metrics, the others are empty)."""
+        probes = ray.put(probes)
+        return self._gather([w.verify_weights.remote(probes, tolerance) for w in self.workers], self.timeout_s)
 
     def pids(self) -> list[int]:
         """Process ids of the ranks."""
@@ -308,10 +341,6 @@ class TrainerGroup:
             except Exception:  # already dead
                 pass
         self.workers = []
-
-
-def _is_large(value: Any) -> bool:
-    return not isinstance(value, (int, float, str, bool, type(None)))
 
 
 def omp_threads(node_cpus: int, ranks_on_node: int) -> int:

@@ -79,21 +79,21 @@ def probe_routes(engine_url: str, probes: TrainBatch) -> torch.Tensor:
 def connect(run: Any) -> None:
     """Build the synchronizers on every trainer rank (after the engines are up, or restarted)."""
     directory = str(run.run_dir / "weight_sync")
-    run.trainer.run_worker("close_weight_sync")
-    run.trainer.run_worker("connect_weight_sync", run.engine_urls, directory)
+    run.trainer.close_weight_sync()
+    run.trainer.connect_weight_sync(run.engine_urls, directory)
     run.synced_once = False
 
 
 def sync_engines(run: Any, version: int) -> dict[str, float]:
     """One weight sync to every engine at policy ``version`` (module docstring); its metrics."""
     cfg = run.cfg
-    if not getattr(run, "sync_connected", False):
+    if not run.sync_connected:
         connect(run)
         run.sync_connected = True
-    metrics = dict(run.trainer.run_worker("sync_weights", version)[0])
+    metrics = dict(run.trainer.sync_weights(version))
     verify = cfg.weight_sync.verify
     if verify == "always" or (verify == "first" and not run.synced_once):
-        if getattr(run, "probes", None) is None:
+        if run.probes is None:
             run.probes = probe_batch(run)
         probes = run.probes
         if cfg.train.routing_replay == "r3":  # the trainer replays the engine's routes (module docstring)
@@ -102,7 +102,7 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
 
         # FP8 trainer logprobs vs the engine's BF16 ones: the tolerance covers quantisation.
         tolerance = verify_tolerance(cfg.train, float(cfg.weight_sync.verify_tolerance))
-        results = run.trainer.run_worker("verify_weights", probes, tolerance)
+        results = run.trainer.verify_weights(probes, tolerance)
         metrics.update(next((r for r in results if r), {}))
     run.synced_once = True
     versions = ray.get(run.rollout.weight_versions.remote(), timeout=120)

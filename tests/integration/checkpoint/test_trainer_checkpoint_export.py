@@ -42,14 +42,13 @@ def _save_worker(rank, world_size, hf_dir, directory):
 
 
 class TrainerGroupStandIn:
-    """``TrainerGroup.run`` for ``save_checkpoint``: one real trainer rank in a gloo process."""
+    """``TrainerGroup.save_checkpoint``: one real trainer rank in a gloo process."""
 
     def __init__(self, hf_dir):
         self.hf_dir = str(hf_dir)
 
-    def run(self, method, directory):
-        assert method == "save_checkpoint"
-        return run_ranks(_save_worker, 1, args=(self.hf_dir, directory), timeout_s=240)
+    def save_checkpoint(self, directory):
+        run_ranks(_save_worker, 1, args=(self.hf_dir, directory), timeout_s=240)
 
 
 def make_run(hf_dir, run_dir: Path, step: int, **checkpoint):

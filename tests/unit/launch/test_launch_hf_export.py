@@ -20,12 +20,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class TrainerStandIn:
-    def run(self, method, directory):
-        assert method == "save_checkpoint"
+    def save_checkpoint(self, directory):
         import os
 
         os.makedirs(directory)
-        return [None]
 
 
 class BlockingExport:
