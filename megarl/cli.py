@@ -38,10 +38,11 @@ log = logging.getLogger("megarl")
 
 def _summary(cfg: DictConfig) -> str:
     from megarl.config.model_rules import num_experts_of, read_hf_config
+    from megarl.config.parallel import trainer_world_size
 
     hf = read_hf_config(cfg.model.hf_path)
     p, cl = cfg.parallel, cfg.cluster
-    world = cl.trainer_nodes * cl.trainer_devices_per_node
+    world = trainer_world_size(cl)
     dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
     return (f"model {hf.architectures[0]} ({hf.num_hidden_layers} layers, {num_experts_of(hf)} experts) | "
             f"trainer world {world} = TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size} "

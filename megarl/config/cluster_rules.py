@@ -14,6 +14,8 @@ claim together (``rollout.engine.mem_fraction_static`` + ``cluster.colocated_tra
 
 
 def check_cluster(c: Checker) -> None:
+    """Devices for the engines, placement against the weight-sync transport, colocated memory and
+    async mode on CUDA, and the run's nodes and devices against the allocation (``MEGARL_ALLOC_*``)."""
     cfg = c.cfg
     cl, r = cfg.cluster, cfg.rollout
     if r.external_engine_urls:
