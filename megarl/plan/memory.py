@@ -242,7 +242,8 @@ def engine_memory(shape: ModelShape, e: EngineSetup, memory_bytes: int) -> Engin
             norms += router
         else:
             linear += (shape.dense_mlp_params() - shape.hidden_size) / e.tp
-    vocab = shape.vocab_size * shape.hidden_size / e.tp * (1 if shape.tie_embeddings else 2)
+    one_copy = shape.tie_embeddings and not shape.engine_own_lm_head  # else lm_head apart from the embedding
+    vocab = shape.vocab_size * shape.hidden_size / e.tp * (1 if one_copy else 2)
     linear_bytes = (1 + 4 / FP8_BLOCK ** 2) if e.fp8 else e.weight_bytes
     weights = int(linear * linear_bytes + (vocab + norms) * (2 if e.fp8 else e.weight_bytes))
     if shape.mla:

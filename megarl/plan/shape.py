@@ -20,6 +20,11 @@ def _first(hf, *names, default=None):
     return default
 
 
+ENGINE_OWN_LM_HEAD = ("qwen3_moe", "glm4_moe")
+"""``model_type`` values whose SGLang 0.5.23 class holds an ``lm_head`` of its own
+(``ModelShape.engine_own_lm_head``)."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The architecture numbers of one model (``config.json``), with its parameter counts."""
@@ -45,6 +50,10 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    engine_own_lm_head: bool = False
+    """The engine's SGLang class keeps ``lm_head`` apart however the checkpoint ties it (Qwen3-MoE,
+    GLM-4.5: the set of ``megarl.rollout.engine_view.SGLANG_UNTIED_LM_HEAD``, a package this layer
+    cannot import; a unit test keeps the two equal)."""
 
     @classmethod
     def from_hf_config(cls, hf) -> "ModelShape":
@@ -76,7 +85,8 @@ class ModelShape:
             kv_lora_rank=int(_first(hf, "kv_lora_rank", default=0) or 0),
             qk_nope_head_dim=int(_first(hf, "qk_nope_head_dim", default=0) or 0),
             qk_rope_head_dim=int(_first(hf, "qk_rope_head_dim", default=0) or 0),
-            v_head_dim=int(_first(hf, "v_head_dim", default=0) or 0))
+            v_head_dim=int(_first(hf, "v_head_dim", default=0) or 0),
+            engine_own_lm_head=hf.model_type in ENGINE_OWN_LM_HEAD)
 
     @property
     def mla(self) -> bool:
