@@ -1,18 +1,21 @@
 """`megarl eval --checkpoint` reproduces the training run's own held-out evaluation (issue 29 §1).
 
-A short real run of examples/arithmetic_tool (tiny Qwen3-MoE, SFT cold start, then 2 GSPO steps,
-everything real: Megatron ranks, SGLang, the calculator tool, weight sync) evaluates its held-out
-set (16 prompts: greedy + 4 sampled trajectories each, deterministic sampling) after every step and
-checkpoints after every step. Then `megarl eval` serves each checkpoint (exported to HF by megarl's
-converter, a fresh engine: no weight sync involved) and must log the same ``eval/*`` numbers as the
-run did at that step: the same weights, rows and sampling seeds give the same trajectories. The
-report's own statistics are checked against its trajectory records and the run's metrics.
+A short real run of examples/arithmetic_tool (tiny Qwen3-MoE, the demo's SFT cold start, then 2
+GSPO steps, everything real: Megatron ranks, SGLang, the calculator tool, weight sync) evaluates its
+held-out set (16 prompts: greedy + 4 sampled trajectories each, deterministic sampling) after every
+step and checkpoints after every step (a GSPO step whose groups all have equal rewards trains
+nothing; its checkpoint then repeats the weights). Then `megarl eval` serves each checkpoint
+(exported to HF by megarl's converter; a fresh engine, no weight sync involved) and must log the
+same ``eval/*`` numbers as the run did at that step and decode the same first greedy trajectory:
+the same weights, rows and sampling seeds give the same trajectories. The report's own statistics
+are checked against its trajectory records and the run's metrics.
 
-``slow`` (not ``ci``): ~6-9 min on the shared 2-core machine.
+``slow`` (not ``ci``): ~10-15 min on the shared 2-core machine.
 """
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +26,7 @@ REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "examples" / "arithmetic_tool" / "arithmetic_tool.yaml"
 EVAL_KEYS = ("eval/accuracy", "eval/reward_mean", "eval/tool_calls_mean", "eval/num_samples",
              "eval/sampled_reward_mean", "eval/sampled_accuracy")
-OVERRIDES = ["train.num_steps=2", "sft.num_steps=150", "rollout.num_prompts_per_step=8", "rollout.group_size=4",
+OVERRIDES = ["train.num_steps=2", "sft.num_steps=250", "rollout.num_prompts_per_step=8", "rollout.group_size=4",
              "train.global_batch_size=32", "data.eval_interval=1", "data.eval_samples_per_prompt=4",
              "checkpoint.save_interval=1", "checkpoint.keep_last=0", "logging.progress_bar=false",
              "logging.plots=false"]
@@ -81,3 +84,8 @@ def test_megarl_eval_of_a_checkpoint_reproduces_the_runs_eval(trained_run, step)
     assert report["source"]["policy_version"] == logged["policy_version"]
     console = (root / f"eval{step}.console.log").read_text()
     assert "pass@4" in console and "megarl eval" in console
+    # Token for token: the first greedy trajectory, decoded, as the run logged it at this step
+    # (evaluations at steps 0, 1, 2, in order).
+    run_samples = re.findall(r"INFO megarl.train: eval sample: (.*)", (run_dir / "train.log").read_text())
+    assert len(run_samples) == 3, run_samples
+    assert re.findall(r"INFO megarl.eval: eval sample: (.*)", console) == [run_samples[step]]
