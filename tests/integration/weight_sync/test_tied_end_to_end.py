@@ -41,18 +41,22 @@ def hf_logprobs(model_dir, sequences) -> list[list[float]]:
     return out
 
 
+def _engine(model_dir, tmp_path):
+    from megarl.rollout.engine import EngineProcess
+    from megarl.weight_sync.choice import engine_custom_weight_loaders
+
+    return EngineProcess(model_dir, device="cpu", dtype="float32", mem_fraction_static=0.05, max_total_tokens=8192,
+                         grammar_backend="none", env={"OMP_NUM_THREADS": "1"},
+                         custom_weight_loaders=engine_custom_weight_loaders("p2p"),
+                         log_path=tmp_path / "engine.log", engine_id="tied")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_engine_serves_a_tied_checkpoint_and_every_sync_keeps_its_lm_head_the_embedding(
         tiny_tied_moe_dir, tmp_path, monkeypatch):
-    from megarl.rollout.engine import EngineProcess
-    from megarl.weight_sync.choice import engine_custom_weight_loaders
-
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path / "cache"))
-    engine = EngineProcess(tiny_tied_moe_dir, device="cpu", dtype="float32", mem_fraction_static=0.05,
-                           max_total_tokens=8192, grammar_backend="none", env={"OMP_NUM_THREADS": "1"},
-                           custom_weight_loaders=engine_custom_weight_loaders("p2p"),
-                           log_path=tmp_path / "engine.log", engine_id="tied")
+    engine = _engine(tiny_tied_moe_dir, tmp_path)
     with engine:
         engine.start().wait_healthy(300)
         assert Path(engine.served_path).parent == tmp_path / "cache" / "untied"
@@ -79,6 +83,32 @@ def test_engine_serves_a_tied_checkpoint_and_every_sync_keeps_its_lm_head_the_em
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_an_engine_serving_the_tied_directory_itself_is_repaired_by_the_first_sync(
+        tiny_tied_moe_dir, tmp_path, monkeypatch):
+    """What the view prevents, and why an external engine on the tied directory still works: served as it
+    is, SGLang samples from an lm_head nothing loaded; the first sync (p2p, checked by megarl's receiver
+    against the engine's tensors, lm_head.weight counted) fills it."""
+    from megarl.rollout import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "served_model_dir", str)  # no view, as an engine megarl did not start
+    engine = _engine(tiny_tied_moe_dir, tmp_path)
+    with engine:
+        engine.start().wait_healthy(300)
+        assert engine.served_path == str(tiny_tied_moe_dir)
+        launch_mean, _ = gap(workers.engine_logprobs([engine.url], probes())[0],
+                             hf_logprobs(tiny_tied_moe_dir, probes()))
+        assert not launch_mean < 0.02, launch_mean  # far off (or NaN): the output layer is not the model's (0.14 here)
+        out = run_ranks(workers.train_then_sync, 2, timeout_s=600, args=(
+            str(tiny_tied_moe_dir), ["tp2"], ["p2p"], [engine.url], probes(), 1, str(tmp_path),
+            train_sequences()))[0]["tp2"]
+    mean, peak = gap(out["after"]["p2p"][0], out["trainer"])
+    assert mean <= TOLERANCE, (mean, peak)
+    print(f"\ntied directory served as it is: {launch_mean:.3f} from transformers at launch; "
+          f"after a p2p sync {mean:.2e} (max {peak:.2e}) from the trainer")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_megarl_train_runs_a_tied_model(tiny_tied_moe_dir, tmp_path):
     """`megarl train` of the CPU recipe on the tied model: validate accepts it, the engine serves the view,
     the first sync (before any rollout) is verified against the trainer, and the first step trains."""
@@ -97,6 +127,8 @@ def test_megarl_train_runs_a_tied_model(tiny_tied_moe_dir, tmp_path):
     assert [r["step"] for r in rows if "loss/policy" in r] == [1], rows
     verified = [r["weight_sync/verify_logprob_diff_mean"] for r in rows if "weight_sync/verify_logprob_diff_mean" in r]
     assert verified and max(verified) <= 1e-2, verified
+    step = next(r for r in rows if r["step"] == 1)
+    assert step["mismatch/log_ratio_abs_mean"] < 1e-3, step  # the rollouts' logprobs are the trainer's
     assert any((tmp_path / "cache" / "untied").iterdir())
-    print(f"\nmegarl train, tied tiny Qwen3-MoE: steps {[r['step'] for r in rows]}, "
-          f"verify mean |engine - trainer| {verified}")
+    print(f"\nmegarl train, tied tiny Qwen3-MoE: steps {[r['step'] for r in rows]}, verify mean |engine - trainer| "
+          f"{verified}, rollout |log ratio| {step['mismatch/log_ratio_abs_mean']:.2e}")
