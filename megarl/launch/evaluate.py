@@ -3,7 +3,7 @@
     megarl eval CONFIG [overrides] (--checkpoint PATH | --hf PATH) [--data PATH] [--samples N]
         [--k 1,4,...] [--out REPORT.json]
 
-1. **Model**: ``--hf`` is served as it is. ``--checkpoint`` (a trainer's ``RUN/checkpoints/step_N``,
+1. **Model**: ``--hf`` (a directory or a hub id, :mod:`megarl.config.hub`) is served as it is. ``--checkpoint`` (a trainer's ``RUN/checkpoints/step_N``,
    its ``trainer/``, a ``checkpoints/`` directory with ``latest``, or any dist checkpoint of any
    layout) is exported to an HF directory by megarl's own converter
    (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`, as ``megarl convert megatron-to-hf`` and
@@ -98,6 +98,7 @@ def check_args(args: argparse.Namespace) -> EvalRequest:
     Raises:
         EvalArgumentError: no model or two (``--checkpoint`` / ``--hf``), a path that is not a
             checkpoint or an HF directory, ``--data`` not a file, ``--samples`` < 1, a bad ``--k``.
+        megarl.config.ConfigError: ``--hf`` is a hub id that cannot be resolved (offline, not cached).
     """
     if (args.checkpoint is None) == (args.hf is None):
         raise EvalArgumentError("give exactly one model: --checkpoint RUN/checkpoints/step_N or --hf HF_DIR")
@@ -112,18 +113,23 @@ def check_args(args: argparse.Namespace) -> EvalRequest:
     ckpt = hf = None
     if args.checkpoint is not None:
         ckpt = _resolve_checkpoint(args.checkpoint)
-    elif not (Path(args.hf) / "config.json").is_file():
-        raise EvalArgumentError(f"argument --hf {args.hf}: not a Hugging Face model directory (no config.json)")
     else:
-        hf = Path(args.hf).resolve()
-    if args.out is not None:
-        out = Path(args.out)
-    elif ckpt is not None and _trainer_step_dir(ckpt) is not None:
-        step = _trainer_step_dir(ckpt)
-        out = step.parent.parent / "eval" / f"{step.name}.json"  # RUN/eval/step_N.json
-    else:
-        out = Path("runs") / "eval" / f"{(ckpt.parent.name if ckpt and ckpt.name == 'trainer' else (ckpt or hf).name)}.json"
+        from megarl.config.hub import resolve_hub_path
+
+        hf = Path(resolve_hub_path(args.hf, "--hf"))  # a hub id: its cached (or downloaded) snapshot
+        if not (hf / "config.json").is_file():
+            raise EvalArgumentError(f"argument --hf {args.hf}: not a Hugging Face model directory (no config.json)")
+        hf = hf.resolve()
+    out = Path(args.out) if args.out is not None else _default_out(ckpt, hf)
     return EvalRequest(ckpt, hf, out.resolve(), args.samples, ks)
+
+
+def _default_out(ckpt: Path | None, hf: Path | None) -> Path:
+    """``RUN/eval/step_N.json`` for a trainer checkpoint, else ``runs/eval/<directory name>.json``."""
+    step = _trainer_step_dir(ckpt) if ckpt is not None else None
+    if step is not None:
+        return step.parent.parent / "eval" / f"{step.name}.json"
+    return Path("runs") / "eval" / f"{(ckpt or hf).name}.json"
 
 
 def eval_overrides(request: EvalRequest, args: argparse.Namespace, model_dir: Path) -> list[str]:
