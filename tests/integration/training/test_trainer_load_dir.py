@@ -76,9 +76,10 @@ def _overrides(tiny_moe_dir, load_dir):
 
 
 def _validate(overrides):
-    from megarl.config import load_config, validate
+    from megarl.config import load_config
+    from megarl.launch.preflight import preflight  # what `megarl validate` runs: config's rules and checkpoint's
 
-    return validate(load_config(REPO / "configs" / "base.yaml", overrides))
+    return preflight(load_config(REPO / "configs" / "base.yaml", overrides))
 
 
 def _load_dir_issue(overrides) -> str:
