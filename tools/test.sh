@@ -5,10 +5,11 @@
 # multi-seed `demo` runs.
 #
 # Without arguments (CI) the suite runs in two phases on the 2-core CI machine:
-#   1. tests/unit and tests/slurm side by side: the unit tests keep one core busy, the Slurm tests
-#      mostly wait (job scheduling, nodes joining, the bounded-failure timers), so the second core
-#      is otherwise idle; each writes its own report, printed in full when both have ended;
-#   2. tests/integration (servers, trainer ranks, whole runs: they need both cores).
+#   1. tests/unit (then the light integration tests in BESIDE_SLURM: no server, no trainer rank) and
+#      tests/slurm side by side: the unit tests keep one core busy, the Slurm tests mostly wait (job
+#      scheduling, nodes joining, the bounded-failure timers), so the second core is otherwise idle;
+#      each writes its own report, printed in full when both have ended;
+#   2. the rest of tests/integration (servers, trainer ranks, whole runs: they need both cores).
 # The run fails when either phase fails. With arguments, one pytest gets them (a later -m replaces
 # the default one):
 #   bash tools/test.sh                     # the suite, as CI runs it
@@ -25,6 +26,8 @@ if [[ $# -gt 0 ]]; then
   exec "${PYTEST[@]}" "$@"
 fi
 
+BESIDE_SLURM=(tests/integration/launch/test_launch_broken_config.py tests/integration/test_repository_clone.py
+              tests/integration/launch/test_launch_gpu_placement.py tests/integration/launch/test_local_ray_loopback.py)
 # pytest exit 5 = nothing collected in that part: not a failure of the part
 ok() { [[ $1 -eq 0 || $1 -eq 5 ]]; }
 LOGS=$(mktemp -d)
@@ -33,7 +36,7 @@ start=$SECONDS
 "${PYTEST[@]}" tests/slurm > "$LOGS/slurm.log" 2>&1 &
 slurm_pid=$!
 set +e
-"${PYTEST[@]}" tests/unit
+"${PYTEST[@]}" tests/unit "${BESIDE_SLURM[@]}"
 unit_rc=$?
 wait "$slurm_pid"
 slurm_rc=$?
@@ -43,7 +46,7 @@ cat "$LOGS/slurm.log"
 echo "test.sh: phase 1 (unit beside slurm) took $((SECONDS - start)) s; unit exit $unit_rc, slurm exit $slurm_rc"
 start=$SECONDS
 set +e
-"${PYTEST[@]}" tests/integration
+"${PYTEST[@]}" tests/integration "${BESIDE_SLURM[@]/#/--ignore=}"
 integration_rc=$?
 set -e
 echo "test.sh: phase 2 (integration) took $((SECONDS - start)) s; exit $integration_rc"
