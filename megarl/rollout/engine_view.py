@@ -89,9 +89,12 @@ def _embedding_file(src: Path) -> Path:
 
 
 def has_output_layer(src: Path) -> bool:
-    """``src`` already carries :data:`OUTPUT_LAYER` (some tied checkpoints save both tensors)."""
+    """``src`` already carries :data:`OUTPUT_LAYER` (some tied checkpoints save both tensors); the
+    index says so when there is one, else each file's header is read."""
     from safetensors import safe_open
 
+    if (Path(src) / INDEX).is_file():
+        return OUTPUT_LAYER in json.loads((Path(src) / INDEX).read_text())["weight_map"]
     for path in sorted(Path(src).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as fh:
             if OUTPUT_LAYER in fh.keys():
