@@ -127,6 +127,12 @@ class EngineProcess:
         self.log_path = Path(log_path) if log_path else None
         self._engine_id = engine_id
         self.die_with_parent = die_with_parent
+        self.nccl_port: int | None = None
+        """``--nccl-port``: where a one-node engine's TP rank 0 hosts torch.distributed's TCP store
+        (SGLang 0.5.23 ``PortArgs.init_new``: ``tcp://127.0.0.1:nccl_port``, used at every TP size).
+        Chosen by megarl's port allocator at each :meth:`start`; without it SGLang draws a random port in
+        22000-29999 that nothing reserves, which two engines (or an engine and a trainer group taking
+        ports from :mod:`megarl.rollout.ports`) starting at once on one host can both get."""
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 
@@ -169,6 +175,8 @@ class EngineProcess:
             cmd += ["--custom-weight-loader", *self.custom_weight_loaders]
         if self.sleep_on_idle:
             cmd += ["--sleep-on-idle"]
+        if self.nccl_port is not None:
+            cmd += ["--nccl-port", str(self.nccl_port)]
         if self.nnodes > 1:
             if self.dist_init_addr is None:
                 raise ValueError(f"{self.engine_id}: node rank {self.node_rank} of {self.nnodes} has no dist_init_addr")
@@ -200,6 +208,8 @@ class EngineProcess:
             cpu_shims.check_sglang_version()
         if self.port is None:
             self.port = find_free_port(self.host)
+        if self.nnodes == 1 and "--nccl-port" not in self.extra_args:  # a new one per start: a restart
+            self.nccl_port = find_free_port("")  # never waits for the killed store's port; listens on every interface
         self.served_path = served_model_dir(self.model_path)  # once per node, cached
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
