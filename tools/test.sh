@@ -9,7 +9,11 @@
 #      tests/slurm side by side: the unit tests keep one core busy, the Slurm tests mostly wait (job
 #      scheduling, nodes joining, the bounded-failure timers), so the second core is otherwise idle;
 #      each writes its own report, printed in full when both have ended;
-#   2. the rest of tests/integration (servers, trainer ranks, whole runs: they need both cores).
+#   2. the rest of tests/integration, in two streams side by side: the whole-run tests in BESIDE_REST
+#      (the one-seed learning demonstrations and the async run: ~22 min alone, mostly one engine
+#      decoding or two trainer ranks) and everything else (servers, trainer ranks, recipes: ~31 min
+#      alone, with start-ups and waits). Both streams take their ports from megarl's allocator, and Ray
+#      instances pick their own ports, so they never collide; each writes its own report.
 # The run fails when either phase fails. With arguments, one pytest gets them (a later -m replaces
 # the default one):
 #   bash tools/test.sh                     # the suite, as CI runs it
@@ -44,15 +48,24 @@ set -e
 echo "================ tests/slurm (ran beside tests/unit) ================"
 cat "$LOGS/slurm.log"
 echo "test.sh: phase 1 (unit beside slurm) took $((SECONDS - start)) s; unit exit $unit_rc, slurm exit $slurm_rc"
+BESIDE_REST=(tests/integration/launch/test_launch_search_demo.py tests/integration/launch/test_launch_learning_demo.py
+             tests/integration/launch/test_launch_async_e2e.py)
 start=$SECONDS
+"${PYTEST[@]}" "${BESIDE_REST[@]}" > "$LOGS/runs.log" 2>&1 &
+runs_pid=$!
 set +e
-"${PYTEST[@]}" tests/integration "${BESIDE_SLURM[@]/#/--ignore=}"
+"${PYTEST[@]}" tests/integration "${BESIDE_SLURM[@]/#/--ignore=}" "${BESIDE_REST[@]/#/--ignore=}"
 integration_rc=$?
+echo "test.sh: phase 2, the rest of tests/integration, took $((SECONDS - start)) s; exit $integration_rc"
+wait "$runs_pid"
+runs_rc=$?
 set -e
-echo "test.sh: phase 2 (integration) took $((SECONDS - start)) s; exit $integration_rc"
-if ok $unit_rc && ok $slurm_rc && ok $integration_rc; then
+echo "================ whole runs (ran beside the rest of tests/integration) ================"
+cat "$LOGS/runs.log"
+echo "test.sh: phase 2 (integration, two streams) took $((SECONDS - start)) s; whole runs exit $runs_rc"
+if ok $unit_rc && ok $slurm_rc && ok $integration_rc && ok $runs_rc; then
   exit 0
 fi
-for rc in $unit_rc $slurm_rc $integration_rc; do
+for rc in $unit_rc $slurm_rc $integration_rc $runs_rc; do
   if ! ok "$rc"; then exit "$rc"; fi
 done
