@@ -212,7 +212,9 @@ class WeightSyncConfig:
     backend: str = "auto"
     """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
     pause_mode: str = "retract"
-    """How generation is paused for the update: ``retract``, ``abort`` or ``in_place``."""
+    """How generation is paused for the update: ``retract``, ``abort`` or ``in_place``. With
+    ``train.routing_replay: r3`` and ``rollout.async_mode``, ``abort`` only: the others cannot keep the
+    routes tokens were sampled with (docs/architecture.md, "R3 across a weight update")."""
     every_n_steps: int = 1
     """Sync after every N RL steps (async mode may use N > 1)."""
     verify: str = "first"

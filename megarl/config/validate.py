@@ -158,6 +158,14 @@ CONFLICTS: list[Conflict] = [
              "SGLang splits each engine's experts over EP and the rest of its TP (moe_tp = tp / ep): "
              "rollout.engine.expert_parallel_size must divide rollout.engine.tensor_parallel_size",
              lambda cfg: cfg.rollout.engine.tensor_parallel_size % max(cfg.rollout.engine.expert_parallel_size, 1) != 0),
+    Conflict("weight_sync.pause_mode",
+             "train.routing_replay=r3 with rollout.async_mode=true needs weight_sync.pause_mode=abort: a weight "
+             "sync pauses requests in flight, and R3 must replay the routes they were sampled with; 'retract' "
+             "re-prefills them under the new weights and SGLang then reports the re-prefill's routes for the "
+             "tokens sampled before the pause (no way to get the earlier ones), and 'in_place' keeps them "
+             "running on old-policy KV that the sync's cache flush cannot clear (the sync fails)",
+             lambda cfg: (cfg.train.routing_replay == "r3" and bool(cfg.rollout.async_mode)
+                          and cfg.weight_sync.pause_mode != "abort")),
     Conflict("model.moe_grouped_gemm",
              "grouped GEMM runs through Transformer Engine on CUDA; set it to null (auto) or false on CPU",
              lambda cfg: cfg.model.moe_grouped_gemm is True and not use_cuda(cfg.cluster.device)),
@@ -165,7 +173,22 @@ CONFLICTS: list[Conflict] = [
 """Cross-feature conflicts checked before anything starts, one row each. Conflicts that need the
 model's config.json (engine EP vs the number of experts) are in :mod:`megarl.config.model_rules`;
 FP8 recipe vs device in :func:`megarl.training.fp8.fp8_recipe_issues`; colocated placement vs
-transport in :mod:`megarl.config.cluster_rules`."""
+transport in :mod:`megarl.config.cluster_rules`.
+
+R3 vs pause mode (issue 28): only a sync with requests in flight (async mode) can interrupt a
+generation; R3 then keeps, per position, the route of the forward that read it first (the one that
+sampled the next token; ``megarl.rollout.agent._stitch_routes``). SGLang 0.5.23, per mode:
+``abort`` finishes a running request after one more forward and returns its routes
+(``Scheduler.abort_request`` sets ``to_finish``; ``BatchResultProcessor._maybe_collect_routed_experts``):
+kept. ``retract`` frees the request's KV slots (``schedule_batch.release_req``), and the routes are
+captured per KV slot (``state_capturer/base.py``: ``TopkCaptureOutput.finalize`` writes
+``host_cache.buffer[out_cache_loc]``, ``BaseTopkCapturer.get_topk`` reads them through
+``req_to_token`` when the request finishes), so the finished request reports the re-prefill's routes
+under the new weights for every position, and a retracted request returns nothing before it
+finishes: refused. ``in_place`` would keep the routes (no re-prefill) but leaves the requests
+running, so ``Scheduler.flush_cache`` (``is_fully_idle``) refuses the sync's flush: refused. Without
+async mode nothing is in flight during a sync (the manager aborts its over-sampled requests itself,
+with ``abort``, whatever ``weight_sync.pause_mode`` is), so every mode is accepted."""
 
 
 def _check_conflicts(c: Checker) -> None:

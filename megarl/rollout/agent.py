@@ -151,22 +151,40 @@ def _stitch_routes(state: TrajectoryState, out: GenerateOutput, num_input: int) 
     The trajectory's final token is read by no forward at all: it stays -1 (the trainer routes it
     freely; its routing affects no trained logprob, which depends on positions before it only).
 
+    Across a weight update (``weight_sync.pause_mode: abort``, or the manager's abort of over-sampled
+    requests with ``rollout.partial_rollouts``): SGLang 0.5.23 ends a running request it aborts after
+    one more forward and collects its routes like a finished one's (``Scheduler.abort_request`` sets
+    ``to_finish``; ``BatchResultProcessor._maybe_collect_routed_experts``), so the aborted turn's rows
+    are those its old-weight forwards chose, and they are kept. The resumed turn is a new request:
+    its prefill recomputes the whole prefix under the new weights, but it is asked only for the rows
+    from the first unknown position on, i.e. the last token sampled before the pause (which that
+    prefill reads first) and what follows. So every row is the route of the forward that sampled
+    the next token. (``retract`` cannot keep them: it frees the request's KV slots, whose indices
+    the capture buffer is keyed by, and reports the re-prefill's routes when the request finishes;
+    ``megarl validate`` refuses it with R3 in async mode, see ``megarl.config.validate.CONFLICTS``.)
+
     Args:
         state: the trajectory; ``routed_experts`` ``[rows, L, K]`` grows to ``num_input + N - 1`` rows.
-        out: the turn's output; ``routed_experts`` ``[num_input + N - 1 - rows, L, K]``, or None when
-            the request was aborted (SGLang collects routes of finished requests only; the resumed
-            turn asks for the same rows again).
+        out: the turn's output; ``routed_experts`` ``[num_input + N - 1 - rows, L, K]``, or None
+            for a request aborted before it ran (it produced no token: the resumed turn asks for
+            the same rows again).
         num_input: tokens sent to the engine in this call.
 
     Raises:
-        ValueError: the engine returned no routes for a finished turn, or a row count other than
-            the one asked for.
+        ValueError: the engine returned no routes for a turn that produced tokens, or a row count
+            other than the one asked for.
     """
     known = 0 if state.routed_experts is None else state.routed_experts.shape[0]
     routes = out.routed_experts
+    aborted = out.finish_reason == "abort"
+    if aborted and not out.output_ids:
+        # Nothing was sampled from these rows (if any): the resumed turn's prefill, which samples
+        # the next token, computes them again under the weights it runs with.
+        return
     if routes is None:
-        if out.finish_reason == "abort":
-            return
+        if aborted:
+            raise ValueError(f"the engine aborted a turn after {len(out.output_ids)} tokens without their "
+                             "routed_experts (R3): their sampling-time routes are lost")
         raise ValueError("the engine returned no routed_experts (R3); launch it with --enable-return-routed-experts")
     expected = max(0, num_input + len(out.output_ids) - 1 - known)
     if routes.shape[0] != expected:

@@ -165,7 +165,9 @@ class SGLangClient(WeightUpdateEndpoints):
             :class:`GenerateOutput` with ``output_ids [N]``, ``output_logprobs [N]`` (empty if not
             requested), ``finish_reason`` (``stop`` | ``length`` | ``abort``), ``cached_tokens``,
             ``weight_version`` and, if requested, ``routed_experts [P + N - 1 - start, L, K]`` int32
-            (None for an aborted request: SGLang collects the routes of finished requests only).
+            (also for a request aborted while running: SGLang 0.5.23 finishes it after one more
+            forward and collects its routes as a finished one's; None for one aborted while it
+            waited in the queue, which ran no forward).
 
         Raises:
             EngineError: see :meth:`_request`. Cancellation aborts the request on the server.
@@ -193,7 +195,7 @@ class SGLangClient(WeightUpdateEndpoints):
             if meta.get("routed_experts") is not None:
                 num_layers, topk = await self._routed_experts_layout()
                 routed = decode_routed_experts(meta["routed_experts"], num_layers, topk)
-            elif not aborted:  # SGLang collects routes of finished requests only, not of aborted ones
+            elif not aborted:  # a request aborted in SGLang's waiting queue ran no forward: no routes
                 raise EngineRequestError("/generate", 200, "no routed_experts in the response; "
                                          "launch the engine with --enable-return-routed-experts")
         return GenerateOutput(

@@ -10,7 +10,9 @@ replicas only join barriers.
 
 Ordering of one sync (the steps of :meth:`WeightSynchronizer.sync`, in this order):
 
-1. **pause** generation on every engine (``weight_sync.pause_mode``: retract | abort | in_place);
+1. **pause** generation on every engine (``weight_sync.pause_mode``: retract | abort | in_place;
+   with R3 in async mode ``abort`` only, the one that keeps sampling-time routes:
+   ``megarl.config.validate.CONFLICTS``);
 2. **push** every bucket (``/begin_weight_update`` ... ``/end_weight_update`` around it for the
    transports that need a session); with the ``distributed`` transport the stages push one after
    another (a token passed from sender to sender over a gloo group, so that the next stage's host

@@ -37,6 +37,8 @@ class ScriptedEngine:
         self.turns: dict[str, int] = {}
         self._abort = asyncio.Event()
         self.paused_modes: list[str] = []
+        self.routes_on_abort = True
+        """An aborted turn returns its routes, as SGLang 0.5.23 does for a request aborted while running."""
 
     def logprob(self, position: int) -> float:
         return -0.01 * (position % 97) - 0.001
@@ -69,7 +71,7 @@ class ScriptedEngine:
         start = len(input_ids)
         self.calls[-1]["routed_experts_start_len"] = routed_experts_start_len if return_routed_experts else None
         routes = None
-        if return_routed_experts and finish != "abort":  # as SGLang: rows [start_len, P + N - 1)
+        if return_routed_experts and (finish != "abort" or self.routes_on_abort):  # rows [start_len, P + N - 1)
             end = start + len(ids) - 1
             routes = torch.tensor([self.route(p) for p in range(routed_experts_start_len, end)],
                                   dtype=torch.int32).reshape(-1, 2, 2)

@@ -222,21 +222,39 @@ async def test_routed_experts_are_stitched_per_turn_by_position(tokenizer, scrip
 
 @pytest.mark.timeout(60)
 async def test_routed_experts_resume_after_an_aborted_turn(tokenizer, scripted_engine):
-    """An aborted turn returns no routes (SGLang collects them for finished requests only); the
-    resumed turn asks again from the first unknown position."""
+    """An aborted turn's routes (SGLang returns them for a request aborted while running) are kept: they
+    are the sampling-time routes; the resumed turn asks only from the last token sampled before the
+    abort on, which its prefill (under the new weights) reads first."""
     engine = scripted_engine(lambda ids, k: Reply("The answer is \\boxed{24}.", delay_s=5.0 if k == 0 else 0.0))
     ctx = make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True)
     state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, group_id=0)
     task = asyncio.create_task(run_agent(single_turn, ctx, state))
     await asyncio.sleep(0.2)
     await engine.pause("abort")
-    assert (await task).status == RolloutStatus.ABORTED and state.routed_experts is None
+    aborted = await task
+    assert aborted.status == RolloutStatus.ABORTED and aborted.response_ids.numel() > 0
+    total_before = aborted.prompt_ids.numel() + aborted.response_ids.numel()
+    assert state.routed_experts.shape[0] == total_before - 1
     await engine.resume()
     traj = await run_agent(single_turn, ctx, state)
-    assert engine.calls[1]["routed_experts_start_len"] == 0
+    assert engine.calls[1]["routed_experts_start_len"] == total_before - 1
     total = traj.prompt_ids.numel() + traj.response_ids.numel()
     expected = torch.tensor([engine.route(p) for p in range(total - 1)], dtype=torch.int32)
     assert torch.equal(traj.routed_experts[:-1], expected) and traj.routed_experts[-1].eq(-1).all()
+
+
+@pytest.mark.timeout(60)
+async def test_routed_experts_lost_by_an_abort_are_an_error(tokenizer, scripted_engine):
+    """An aborted turn that produced tokens but no routes: their sampling-time routes are gone (the
+    resumed prefill would report others), so the trajectory is an error, not silently re-routed."""
+    engine = scripted_engine(lambda ids, k: Reply("The answer is \\boxed{24}.", delay_s=5.0))
+    engine.routes_on_abort = False
+    ctx = make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True)
+    task = asyncio.create_task(run(ctx, loop=single_turn))
+    await asyncio.sleep(0.2)
+    await engine.pause("abort")
+    traj = await task
+    assert traj.status == RolloutStatus.ERROR and "routed_experts" in traj.metadata["error"], traj.metadata
 
 
 @pytest.mark.timeout(60)
