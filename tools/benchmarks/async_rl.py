@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Synchronous vs asynchronous RL on a long-tail agentic task, side by side in one run.
 
-    python tools/benchmarks/async_rl.py [--steps 6] [--staleness 1,2,4] [--out runs/bench_async]
+    python tools/benchmarks/async_rl.py [--steps 6] [--staleness 1,2,4] [--drift 4:0.05 ...]
+        [--out runs/bench_async]
 
 The same recipe (examples/arithmetic_tool with the slow ``longtail_calculator`` of
 tools/benchmarks/async_longtail/task.py: one question in 8 makes its tool wait ``tail_s``) is
 trained for ``--steps`` RL steps in sync mode and in async mode at each ``rollout.max_staleness``;
-every run trains the same number of trajectories (same prompts per step, same group size). Per run,
+every run trains the same number of trajectories (same prompts per step, same group size).
+``--drift K:D`` (repeatable) adds an async run ``async_sK_drift`` at ``rollout.max_staleness=K`` that
+also drops trajectories over ``algorithm.max_behaviour_drift=D`` (issue 28). Per run,
 over the RL steps after the first (startup, SFT and the first step's cold pipeline excluded):
 
 - ``step_s``: mean wall-clock seconds per RL step (sum of the driver's ``timing/*_s`` stages);
 - ``trainer_idle``: the fraction of it the trainer waited for rollouts (``timing/rollout_s``);
 - ``ratio``: step_s / sync's step_s (the issue's target: <= 0.6 at staleness 2);
-- ``staleness_max`` (trained tokens) and ``dropped_stale``.
+- ``staleness_max`` (trained tokens) and ``dropped_stale``;
+- ``dropped_drift``: mean over steps of ``filter/dropped_drift_frac`` (None without a drift bound).
 
 Writes ``summary.json`` and ``summary.md`` into ``--out``; prints the table.
 """
@@ -39,6 +43,11 @@ def overrides(steps: int, model: Path) -> list[str]:
             "rollout.agent.tool_timeout_s=60"]
 
 
+def async_overrides(staleness: int) -> list[str]:
+    """Async mode at ``staleness`` with AReaL's decoupled objective."""
+    return ["rollout.async_mode=true", f"rollout.max_staleness={staleness}", "algorithm.rollout_correction=decoupled"]
+
+
 def run(name: str, extra: list[str], steps: int, out: Path, model: Path) -> dict:
     """One training run; its per-step timings from metrics.jsonl."""
     run_dir = out / name
@@ -57,6 +66,8 @@ def run(name: str, extra: list[str], steps: int, out: Path, model: Path) -> dict
             "staleness_max": max(r.get("filter/trained_staleness_max", 0.0) for r in rows),
             "dropped_stale": sum(r.get("filter/dropped_stale", 0.0) for r in rows),
             "trajectories": sum(r.get("filter/kept_trajectories", 0.0) for r in rows),
+            "dropped_drift": (statistics.fmean(r["filter/dropped_drift_frac"] for r in rows)
+                              if all("filter/dropped_drift_frac" in r for r in rows) else None),
             "wall_s": time.monotonic() - start}
 
 
@@ -65,6 +76,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--staleness", default="1,2,4")
     parser.add_argument("--out", type=Path, default=REPO / "runs/bench_async")
+    parser.add_argument("--drift", action="append", default=[], metavar="K:D",
+                        help="add an async run at max_staleness K with max_behaviour_drift D (repeatable)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.out / "model"
@@ -73,15 +86,19 @@ def main() -> None:
                               cwd=REPO)
     results = [run("sync", [], args.steps, args.out, model)]
     for k in (int(s) for s in args.staleness.split(",")):
-        results.append(run(f"async_s{k}", ["rollout.async_mode=true", f"rollout.max_staleness={k}",
-                                            "algorithm.rollout_correction=decoupled"], args.steps, args.out, model))
+        results.append(run(f"async_s{k}", async_overrides(k), args.steps, args.out, model))
+    for spec in args.drift:
+        k, bound = spec.split(":")
+        drift = [*async_overrides(int(k)), f"algorithm.max_behaviour_drift={bound}"]
+        results.append(run(f"async_s{int(k)}_drift", drift, args.steps, args.out, model))
     base = results[0]["step_s"]
-    lines = ["| run | s/step | ratio vs sync | trainer idle | staleness max | dropped stale | trained trajectories |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | s/step | ratio vs sync | trainer idle | staleness max | dropped stale | trained trajectories | "
+             "dropped drift |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         r["ratio"] = r["step_s"] / base
         lines.append(f"| {r['name']} | {r['step_s']:.1f} | {r['ratio']:.2f} | {r['trainer_idle']:.0%} | "
-                     f"{r['staleness_max']:.0f} | {r['dropped_stale']:.0f} | {r['trajectories']:.0f} |")
+                     f"{r['staleness_max']:.0f} | {r['dropped_stale']:.0f} | {r['trajectories']:.0f} | "
+                     f"{'-' if r['dropped_drift'] is None else format(r['dropped_drift'], '.1%')} |")
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
