@@ -34,6 +34,14 @@ def test_a_timed_out_demonstration_leaves_no_process(tmp_path, monkeypatch):
         demos.run_demo(str(script), out, (1,), 5.0)
     pid = int((out / "child.pid").read_text())
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    while _running(pid):
         assert time.monotonic() < deadline, f"the demonstration's child {pid} is still running"
         time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` is alive and not a zombie (it may be reaped between the two looks)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
