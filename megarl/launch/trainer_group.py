@@ -150,7 +150,8 @@ class TrainerWorker:
                         engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
                         engine_ep_size=int(cfg.rollout.engine.expert_parallel_size), dtype=dtype,
                         make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
-                        directory=directory, master_address=ray.util.get_node_ip_address())
+                        directory=directory, master_address=ray.util.get_node_ip_address(),
+                        port_base=int(cfg.cluster.master_port) or None)
         self.syncer = build_weight_sync(spec, self.trainer.parallel, ws, parallel_cfg=cfg.parallel)
 
     def close_weight_sync(self) -> None:

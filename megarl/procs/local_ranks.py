@@ -26,11 +26,12 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, Sequence
+
+from megarl.procs.ports import find_free_port
 
 
 class RankError(RuntimeError):
@@ -38,10 +39,14 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago (for code that wants ``MASTER_PORT``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port for ``MASTER_PORT`` on this host, from megarl's allocator
+    (:func:`megarl.procs.ports.find_free_port`: below the kernel's ephemeral range, reserved on the
+    node, so two groups starting at once never get the same one).
+
+    Raises:
+        RuntimeError: no free port in the searched range.
+    """
+    return find_free_port("127.0.0.1")
 
 
 PRELOAD = ("megarl.procs.local_ranks_preload",)

@@ -40,12 +40,15 @@ class RetrievalStartupError(RuntimeError):
 
 
 def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now."""
-    import socket
+    """A TCP port free on ``host`` now, from megarl's allocator (:func:`megarl.procs.ports.find_free_port`:
+    reserved on the node, below the kernel's ephemeral range).
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    Raises:
+        RuntimeError: no free port in the searched range.
+    """
+    from megarl.procs.ports import find_free_port
+
+    return find_free_port(host)
 
 
 class RetrievalProcess:

@@ -12,7 +12,8 @@ Usage (the launch layer does this)::
 Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor; the server process inherits it.
 
 Port: the first free one at or above ``rollout.engine.base_port + 10 * i`` for engine ``i``, chosen
-on the engine's node when it starts (:func:`megarl.rollout.ports.engine_port`).
+on the engine's node when it starts (:func:`megarl.rollout.ports.engine_port`). An engine over several
+nodes takes its rendezvous port (``--dist-init-addr``) from the same range on node-rank 0's node.
 
 Address (``rollout.engine.host``, :func:`engine_host`): with ``auto`` (the default) the server binds
 and advertises its node's Ray address when the Ray cluster spans more than one host (the rollout
@@ -26,7 +27,7 @@ import os
 from typing import Any, Iterable
 
 from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
-from megarl.rollout.ports import engine_port, find_free_port
+from megarl.rollout.ports import ENGINE_PORT_STRIDE, engine_port, find_free_port
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -101,8 +102,9 @@ class EngineActor:
 
     def dist_init_addr(self) -> str:
         """Node-rank 0 of an engine over several nodes: ``host:port`` of its torch.distributed
-        rendezvous (``--dist-init-addr``; a free port on this node, the node's address), which the
-        engine's other node parts are started with.
+        rendezvous (``--dist-init-addr``; the node's address and a port from megarl's allocator on
+        this node, at or above ``base_port + ENGINE_PORT_STRIDE * engine_index`` when ``base_port``
+        is set), which the engine's other node parts are started with.
 
         Raises:
             RuntimeError: called on another node rank.
@@ -111,7 +113,8 @@ class EngineActor:
             raise RuntimeError(f"{self.engine.engine_id}: only node-rank 0 hosts the rendezvous")
         if self.engine.dist_init_addr is None:
             host = self.node_ip if self.engine.host in _WILDCARD_HOSTS else self.engine.host
-            port = find_free_port(self.engine.host if self.engine.host not in _WILDCARD_HOSTS else "0.0.0.0")
+            start = None if self.base_port is None else self.base_port + ENGINE_PORT_STRIDE * self.engine_index
+            port = find_free_port(self.engine.host if self.engine.host not in _WILDCARD_HOSTS else "0.0.0.0", start)
             self.engine.dist_init_addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return self.engine.dist_init_addr
 

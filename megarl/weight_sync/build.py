@@ -43,6 +43,8 @@ class SyncSpec:
     """Where the ``disk`` transport writes."""
     master_address: str = "127.0.0.1"
     """Address of this host as the engines reach it (group transports)."""
+    port_base: Optional[int] = None
+    """Where group transports' ports start on this host (``cluster.master_port``; None: no base)."""
 
 
 def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
@@ -97,5 +99,6 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
                               placement=Placement(layout, engine_table(family, hf_config)),
                               manifest=read_manifest(spec.hf_dir) if spec.check_manifest else None,
                               pause_mode=cfg.pause_mode, group=group, segment_senders=cfg.segment_senders,
-                              backend=cfg.backend, master_address=spec.master_address, directory=spec.directory,
+                              backend=cfg.backend, master_address=spec.master_address, port_base=spec.port_base,
+                              directory=spec.directory,
                               timeout_s=cfg.timeout_s)

@@ -139,13 +139,12 @@ class ReceiverGroupTransport(GroupTransport):
         if self.sender_index:
             return self._join_helper()
 
-        from megarl.rollout.engine import find_free_port
         from megarl.weight_sync.receiver import RECEIVER
         from megarl.weight_sync.sglang_compat import init_custom_process_group
         from megarl.weight_sync.wire import payload
 
         tp = self.plan.engine_layout.tp_size
-        port = find_free_port(self.master_address)
+        port = self.group_port()
         self.group_name = f"megarl-{self.mode}-pp{self._pp_rank}-{uuid.uuid4().hex[:8]}"
         ticket = {"op": "connect", "group": self.group_name, "address": self.master_address, "port": port,
                   "world": self.world_size, "backend": self.backend, "timeout_s": self.timeout_s}

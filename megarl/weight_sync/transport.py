@@ -28,6 +28,10 @@ class TransportOptions:
     """Group transports: ``auto`` (nccl with CUDA, else gloo), ``nccl`` or ``gloo``."""
     master_address: str = "127.0.0.1"
     """Group transports: the sender's address, which the engines connect to."""
+    port_base: Optional[int] = None
+    """Group transports: the group's port is the first free one at or above it on the sender's node,
+    within ``megarl.procs.ports.PORT_SPAN`` (``cluster.master_port``: the range a firewalled
+    trainer node opens); None: the allocator's own start below the ephemeral range."""
     directory: str | os.PathLike | None = None
     """``disk``: where the safetensors files are written."""
     timeout_s: float = 600.0
@@ -124,23 +128,35 @@ class GroupTransport(Transport):
     """A transport over a process group of this stage's sender (rank 0) and every engine rank.
 
     Args (beyond `Transport`'s): backend: ``auto`` (nccl with CUDA, else gloo), ``nccl`` or
-    ``gloo``; master_address: the sender's address, which the engines connect to.
+    ``gloo``; master_address: the sender's address, which the engines connect to; port_base: see
+    :attr:`TransportOptions.port_base`.
     """
 
     ordered_stages = True
 
     def __init__(self, plan, engines, *, backend: str = "auto", master_address: str = "127.0.0.1",
-                 timeout_s: float = 600.0) -> None:
+                 port_base: Optional[int] = None, timeout_s: float = 600.0) -> None:
         super().__init__(plan, engines, timeout_s=timeout_s)
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-        self.master_address = master_address
+        self.master_address, self.port_base = master_address, port_base
         self.group = None
         self.group_name: Optional[str] = None
 
     @classmethod
     def from_options(cls, plan, engines, options: TransportOptions) -> "GroupTransport":
         return cls(plan, engines, backend=options.backend, master_address=options.master_address,
-                   timeout_s=options.timeout_s)
+                   port_base=options.port_base, timeout_s=options.timeout_s)
+
+    def group_port(self) -> int:
+        """The port this stage's group rendezvous listens on (on :attr:`master_address`): from megarl's
+        allocator, at or above :attr:`port_base` when set, reserved on this node.
+
+        Raises:
+            RuntimeError: no free port in ``[port_base, port_base + PORT_SPAN)`` (names the range).
+        """
+        from megarl.procs.ports import find_free_port
+
+        return find_free_port(self.master_address, self.port_base)
 
     def _await_work(self, work, futures, what: str) -> None:
         """Wait for the group collective ``work`` (the sender's side of a bucket or a vote) while

@@ -68,12 +68,11 @@ class DistributedTransport(GroupTransport):
 
     def connect(self, pp_rank: int) -> None:
         """Create this stage's group: this sender is rank 0, engine ``i`` rank ``r`` is ``1 + i*T + r``."""
-        from megarl.rollout.engine import find_free_port
         from megarl.weight_sync.sglang_compat import init_custom_process_group
 
         tp = self.plan.engine_layout.tp_size
         world = 1 + len(self.engines) * tp
-        port = find_free_port(self.master_address)
+        port = self.group_port()
         self.group_name = f"megarl-wsync-pp{pp_rank}-{uuid.uuid4().hex[:8]}"
         futures = [self.engines.submit(i, "init_weights_update_group", master_address=self.master_address,
                                        master_port=port, rank_offset=1 + i * tp, world_size=world,
