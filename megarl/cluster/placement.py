@@ -32,6 +32,7 @@ import logging
 import os
 from typing import Any, Iterator, Sequence
 
+from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes  # noqa: F401  (re-exported)
 from megarl.config.device import use_cuda
 from megarl.config.parallel import trainer_world_size
 
@@ -40,24 +41,6 @@ logger = logging.getLogger(__name__)
 COLOCATED_TRAINER_GPU = 0.5
 """GPU share a trainer rank requests when colocated (the engine in the same bundle gets the rest)."""
 COLOCATED_ENGINE_GPU = 0.4
-
-
-def devices_per_engine(rollout: Any) -> int:
-    """Devices (GPUs; CPU: ranks) one SGLang engine uses: its TP size times its EP size over TP."""
-    tp, ep = int(rollout.engine.tensor_parallel_size), int(rollout.engine.expert_parallel_size)
-    return max(tp, ep)
-
-
-def engine_nodes(cluster: Any, rollout: Any) -> int:
-    """Nodes one engine spans: 1 when its devices fit a node, else devices / devices per node.
-
-    Only disaggregated engines span nodes (``megarl validate`` refuses the rest, and a devices
-    count that is not a whole multiple of ``cluster.rollout_devices_per_node``).
-    """
-    per_engine, per_node = devices_per_engine(rollout), int(cluster.rollout_devices_per_node)
-    if cluster.placement != "disaggregated" or per_engine <= per_node:
-        return 1
-    return per_engine // per_node
 
 
 def engine_part_bundles(nodes: Sequence[str], num_engines: int, parts: int, *, cuda: bool) -> list[list[int]]:
@@ -243,7 +226,8 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         for pg in {id(self.trainer_pg): self.trainer_pg, id(self.rollout_pg): self.rollout_pg}.values():
-            remove_placement_group(pg)
+            if pg is not None:  # evaluation with external engines reserves nothing
+                remove_placement_group(pg)
 
 
 def _pg_options(pg: Any, bundle: int, num_cpus: float, num_gpus: float) -> dict[str, Any]:
@@ -305,8 +289,11 @@ def _gpu_ids() -> list[str]:
     return [str(g) for g in ray.get_gpu_ids()]
 
 
-def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
+def build_placement(cfg: Any, *, timeout_s: float = 300.0, engines_only: bool = False) -> Placement:
     """Create the placement groups of the ``cluster`` section and wait until they are ready.
+
+    Args:
+        engines_only: evaluation: reserve only what the engines use (:func:`megarl.cluster.bundles.bundle_shapes`).
 
     Raises:
         TimeoutError: the cluster does not have the resources (the message lists what was asked).
@@ -315,51 +302,42 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0) -> Placement:
     from ray.util.placement_group import placement_group
 
     cuda = use_cuda(cfg.cluster.device)
-    world = trainer_world_size(cfg.cluster)
     per_engine = devices_per_engine(cfg.rollout)
-    num_engines = 0 if cfg.rollout.external_engine_urls else int(cfg.rollout.num_engines)
-    trainer_bundle = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
-    # Slurm jobs advertise role resources per node (slurm/README.md): pin trainer ranks to trainer
-    # nodes and engines to rollout nodes; a cluster without them (local mode) places freely.
-    roles = "megarl_trainer" in ray.cluster_resources()
-    if roles:
-        trainer_bundle["megarl_trainer"] = 1
-    trainer_pg = placement_group([dict(trainer_bundle) for _ in range(world)], strategy="PACK",
-                                 name="megarl_trainer")
-    groups = [trainer_pg]
-    if cfg.cluster.placement == "colocated":
-        bundles = [min(i * per_engine, world - 1) for i in range(num_engines)]
+    shapes = bundle_shapes(cfg, roles="megarl_trainer" in ray.cluster_resources(), engines_only=engines_only)
+    trainer_pg = placement_group(shapes.trainer, strategy="PACK", name="megarl_trainer") if shapes.trainer else None
+    if shapes.colocated:
+        num_engines = 0 if cfg.rollout.external_engine_urls else int(cfg.rollout.num_engines)
+        bundles = [min(i * per_engine, len(shapes.trainer) - 1) for i in range(num_engines)]
         placement = Placement(trainer_pg, trainer_pg, bundles,
                               COLOCATED_TRAINER_GPU if cuda else 0, COLOCATED_ENGINE_GPU if cuda else 0, True)
     else:
         parts = engine_nodes(cfg.cluster, cfg.rollout)
-        per_part = per_engine // parts  # a whole node's devices when an engine spans nodes
-        engine_bundle = {"CPU": 1, "GPU": per_part} if cuda else {"CPU": 1}
-        if roles:
-            engine_bundle["megarl_rollout"] = per_part
-        rollout_pg = (placement_group([dict(engine_bundle) for _ in range(num_engines * parts)], strategy="PACK",
-                                      name="megarl_rollout") if num_engines else trainer_pg)
-        if num_engines:
-            groups.append(rollout_pg)
-        placement = Placement(trainer_pg, rollout_pg, list(range(num_engines)),
-                              1 if cuda else 0, per_part if cuda else 0, False)
+        rollout_pg = (placement_group(shapes.rollout, strategy="PACK", name="megarl_rollout")
+                      if shapes.rollout else trainer_pg)
+        placement = Placement(trainer_pg if trainer_pg is not None else rollout_pg, rollout_pg,
+                              list(range(len(shapes.rollout) // parts)), 1 if cuda else 0,
+                              per_engine // parts if cuda else 0, False)
+    groups = list({id(pg): pg for pg in (trainer_pg, placement.rollout_pg) if pg is not None}.values())
     try:
         ray.get([pg.ready() for pg in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise TimeoutError(
-            f"placement groups not ready after {timeout_s:.0f}s: trainer {world} x {trainer_bundle}, "
-            f"{num_engines} engines x {per_engine} devices ({cfg.cluster.placement}); cluster has "
-            f"{ray.cluster_resources()}") from e
-    _order_trainer_bundles(placement, cfg, cuda=cuda, world=world, per_engine=per_engine)
-    if not placement.colocated and num_engines and engine_nodes(cfg.cluster, cfg.rollout) > 1:
+            f"placement groups not ready after {timeout_s:.0f}s: trainer {shapes.trainer[:1]} x "
+            f"{len(shapes.trainer)}, engines {shapes.rollout[:1]} x {len(shapes.rollout)} "
+            f"({cfg.cluster.placement}); cluster has {ray.cluster_resources()}") from e
+    if trainer_pg is not None:
+        _order_trainer_bundles(placement, cfg, cuda=cuda, world=len(shapes.trainer), per_engine=per_engine,
+                               check_tp=not engines_only)
+    if not placement.colocated and shapes.rollout and engine_nodes(cfg.cluster, cfg.rollout) > 1:
         parts = engine_nodes(cfg.cluster, cfg.rollout)
-        nodes, _ = _bundle_locations(rollout_pg, num_engines * parts, False)
-        placement.engine_parts = engine_part_bundles(nodes, num_engines, parts, cuda=cuda)
+        nodes, _ = _bundle_locations(placement.rollout_pg, len(shapes.rollout), False)
+        placement.engine_parts = engine_part_bundles(nodes, len(shapes.rollout) // parts, parts, cuda=cuda)
         placement.engine_bundles = [p[0] for p in placement.engine_parts]
     return placement
 
 
-def _order_trainer_bundles(placement: Placement, cfg: Any, *, cuda: bool, world: int, per_engine: int) -> None:
+def _order_trainer_bundles(placement: Placement, cfg: Any, *, cuda: bool, world: int, per_engine: int,
+                           check_tp: bool = True) -> None:
     """Rank -> bundle by node and GPU; colocated engines' bundles and GPUs follow (module docstring).
 
     Raises:
@@ -369,7 +347,7 @@ def _order_trainer_bundles(placement: Placement, cfg: Any, *, cuda: bool, world:
     order = bundle_order(nodes, gpus)
     placement.trainer_bundles = order
     rank_nodes = [nodes[b] for b in order]
-    if cuda:
+    if cuda and check_tp:
         check_groups_on_one_node(rank_nodes, int(cfg.parallel.tensor_model_parallel_size),
                                  "parallel.tensor_model_parallel_size")
     if placement.colocated:

@@ -15,7 +15,8 @@
 3. **Engines**: the run's own start-up: Ray, the placement of the ``cluster`` section, the
    ``rollout.num_engines`` engines (every one serves; the router spreads prompts over them), the
    retrieval service when the recipe has one, and the rollout actor with the recipe's agent loop,
-   tools and reward. No trainer rank is started.
+   tools and reward. No trainer rank is started, and none is reserved: only the engines' devices
+   (:func:`megarl.cluster.bundles.bundle_shapes` with ``engines_only``).
 4. **Evaluation**: :meth:`~megarl.launch.rollout_actor.RolloutWorker.evaluate_records`, the
    function behind the training loop's held-out evaluation (``data.eval_interval``): the same rows
    (``data.max_eval_samples``), the greedy pass and the n sampled trajectories per prompt with the
@@ -189,7 +190,7 @@ def evaluate_model(cfg: Any, rows: list[dict], log_dir: Path, policy_version: in
     started = init_ray(cfg)
     placement = engines = worker = retrieval = None
     try:
-        placement = build_placement(cfg)
+        placement = build_placement(cfg, engines_only=True)  # no trainer rank: the engines' devices only
         engines = EngineGroup(cfg, placement, cfg.model.hf_path, log_dir)
         retrieval = start_retrieval(cfg, log_dir)  # sets rollout.tools.search.url
         urls = engines.wait_ready()
