@@ -14,7 +14,7 @@ So is :func:`engine_table`: a tied checkpoint of a family whose SGLang class kee
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecError
 
@@ -143,5 +143,19 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
             expert=index.get("E") if entry.expert else None, first_stage=name.startswith("embedding."),
-            gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, tuple(shape), entry, layout)))
+            gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, tuple(shape), entry, layout),
+            load_group=load_group(names, family.engine_load_groups)))
     return specs
+
+
+def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> Optional[str]:
+    """The key of the engine load group (``Family.engine_load_groups``) one of ``hf_names`` belongs
+    to: the group's first template filled with the name's layer; None when in none."""
+    for group in groups:
+        for template in group:
+            pattern = re.escape(template).replace(re.escape("{L}"), r"(?P<L>\d+)")
+            for name in hf_names:
+                match = re.fullmatch(pattern, name)
+                if match:
+                    return group[0].format(**match.groupdict())
+    return None

@@ -284,7 +284,8 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         trainer_layout: Megatron parallel sizes of the trainer.
         engine_layout: SGLang engine layout.
         param_specs: every Megatron parameter of the model (global names), in model order.
-        bucket_size_mb: bucket size in MiB (HF bytes); a larger single parameter gets its own bucket.
+        bucket_size_mb: bucket size in MiB (HF bytes); a larger single parameter or engine load group
+            (``ParamSpec.load_group``, kept whole: a bucket may exceed the size for it) gets its own bucket.
             Each stage's buckets ramp up to it and down at the end (:data:`RAMP_STEPS`).
         quantization: the served checkpoint's block-FP8 settings (``quantization_config``); each
             bucket then carries the FP8 weights and scales the engines receive (``wire_tensors``).
@@ -343,23 +344,45 @@ def _num_senders(trainer_layout: TrainerLayout, engine_layout: EngineLayout, sen
     return senders if senders_per_stage is None else min(senders, senders_per_stage)
 
 
+def _load_units(transfers: Sequence[ParamTransfer]) -> list[list[ParamTransfer]]:
+    """``transfers`` in model order, the members of each engine load group (``ParamSpec.load_group``)
+    together at the place of its first member: the units a bucket boundary may not cut."""
+    units: list[list[ParamTransfer]] = []
+    by_group: dict[str, list[ParamTransfer]] = {}
+    for t in transfers:
+        key = t.param.load_group
+        if key is None:
+            units.append([t])
+        elif key in by_group:
+            by_group[key].append(t)
+        else:
+            by_group[key] = [t]
+            units.append(by_group[key])
+    return units
+
+
 def _stage_buckets(transfers: Sequence[ParamTransfer], limit: int) -> list[list[ParamTransfer]]:
     """One stage's parameters cut into buckets of at most ``limit`` HF bytes, ramping up from
-    ``limit / 2**RAMP_STEPS`` and down towards the stage's end (:data:`RAMP_STEPS`); a parameter
-    larger than its bucket's cap gets a bucket of its own."""
+    ``limit / 2**RAMP_STEPS`` and down towards the stage's end (:data:`RAMP_STEPS`).
+
+    A boundary never falls inside an engine load group (``ParamSpec.load_group``: tensors the
+    engine's SGLang loader must see in one ``load_weights`` call, ``Family.engine_load_groups``):
+    the group's members travel together, after the parameters that precede its first member, so a
+    bucket may exceed its cap by what keeps a group whole. A parameter or group larger than its
+    bucket's cap gets a bucket of its own."""
     out: list[list[ParamTransfer]] = []
     current: list[ParamTransfer] = []
     current_bytes = 0
     left = sum(h.nbytes for t in transfers for h in t.param.hf)  # not yet in a closed bucket
-    for t in transfers:
-        size = sum(h.nbytes for h in t.param.hf)
+    for unit in _load_units(transfers):
+        size = sum(h.nbytes for t in unit for h in t.param.hf)
         cap = min(limit >> max(RAMP_STEPS - len(out), 0),  # up: 1/8, 1/4, 1/2, 1
                   max(limit >> RAMP_STEPS, left // 2))  # down: at most half of what is left
         if current and current_bytes + size > cap:
             out.append(current)
             left -= current_bytes
             current, current_bytes = [], 0
-        current.append(t)
+        current.extend(unit)
         current_bytes += size
     if current:
         out.append(current)

@@ -122,6 +122,9 @@ class ParamSpec:
     ``[cat_k gate_k; cat_k up_k]``, not the plain concatenation of the shards."""
     tp_unit: int = 1
     """Shards hold whole units of this many rows/columns along ``tp_axis`` (attention heads, query groups)."""
+    load_group: Optional[str] = None
+    """Parameters with the same key must reach the engines in one bucket: the engine's loader
+    needs their HF tensors in one ``load_weights`` call (``Family.engine_load_groups``)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Family-specific conversion arguments (heads, head dim, unpadded vocabulary size)."""
 

@@ -34,6 +34,13 @@ class Family:
     """Architecture dict -> extra ``GPTModel`` keyword arguments (rope, tied embeddings)."""
     megatron_shapes: Callable[[dict], dict]
     """Architecture dict -> {global Megatron name (local spec): full unpadded shape}."""
+    engine_load_groups: tuple[tuple[str, ...], ...] = ()
+    """HF tensor name templates (``{L}`` = layer) that the rollout engine's SGLang loader must see
+    in one ``load_weights`` call: it caches one member and loads only when the others arrive within
+    that same call, so a member sent alone is silently never loaded. Weight sync keeps each group
+    (per layer) in one bucket (:func:`megarl.weight_sync.plan.build_plan`). A member absent from a
+    model (no ``q_lora_rank``: no ``q_a_proj``) just leaves a smaller group. Each family cites the
+    SGLang 0.5.23 source it read; () = its loader loads every tensor on its own."""
 
     def layout(self, hf_config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> ModelLayout:
         """The :class:`ModelLayout` of an HF config for a given TP size."""

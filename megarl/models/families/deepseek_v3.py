@@ -280,6 +280,20 @@ def megatron_shapes(arch: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+ENGINE_LOAD_GROUPS = ((ATTN + "q_a_proj.weight", ATTN + "kv_a_proj_with_mqa.weight"),)
+"""Tensors SGLang 0.5.23's DeepSeek loader must get in one ``load_weights`` call (``Family.engine_load_groups``).
+
+``sglang/srt/models/deepseek_common/deepseek_weight_loader.py``: ``do_load_weights`` starts every
+call with ``cached_a_proj = {}`` (lines 279-283, when ``q_lora_rank`` is set) and loads the fused
+``fused_qkv_a_proj_with_mqa`` only once both ``q_a_proj`` and ``kv_a_proj_with_mqa`` of a layer are
+in it (lines 438-513); one arriving alone is cached and dropped at the call's end, unreported. Their
+block-FP8 ``weight_scale_inv`` fuse the same way (the names contain ``q_a_proj``); a weight's scale
+always travels in its weight's bucket (``plan.Bucket.wire_tensors``), as does ``kv_b_proj``'s, which
+``post_load_weights`` (lines 586-616) reads with the weight for the layers named in the call.
+Everything else goes through its own ``weight_loader`` (stacked ``gate_proj``/``up_proj`` with a
+shard id, lines 257-261, 372-399; experts' w1/w3/w2 with shard and expert ids, lines 400-427):
+one tensor per call is enough. Without ``q_lora_rank`` (no ``q_a_proj``) nothing is cached."""
+
 FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes)
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS)

@@ -110,6 +110,12 @@ def megatron_shapes(arch: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+ENGINE_LOAD_GROUPS: tuple = ()
+"""None (``Family.engine_load_groups``): SGLang 0.5.23's ``Glm4MoeForCausalLM.load_weights``
+(``sglang/srt/models/glm4_moe.py`` lines 1071-1250) passes every tensor to its parameter's
+``weight_loader`` at once: q/k/v and gate/up with their shard id (lines 1090-1096), experts with
+shard and expert id; nothing is cached across tensors."""
+
 FAMILY = Family(name="glm4_moe", model_types=("glm4_moe",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes)
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS)

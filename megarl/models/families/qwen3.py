@@ -16,4 +16,5 @@ def architecture(hf_config) -> dict:
 
 FAMILY = Family(name="qwen3", model_types=("qwen3",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=moe.common_transformer_config_kwargs,
-                gpt_model_kwargs=moe.gpt_model_kwargs, megatron_shapes=moe.megatron_shapes)
+                gpt_model_kwargs=moe.gpt_model_kwargs, megatron_shapes=moe.megatron_shapes,
+                engine_load_groups=moe.ENGINE_LOAD_GROUPS)

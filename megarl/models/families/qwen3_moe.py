@@ -171,6 +171,12 @@ def megatron_shapes(arch: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+ENGINE_LOAD_GROUPS: tuple = ()
+"""None (``Family.engine_load_groups``), for Qwen3-MoE and Qwen3: SGLang 0.5.23's
+``Qwen3MoeForCausalLM.load_weights`` (``sglang/srt/models/qwen3_moe.py`` lines 1157-1167) and
+``Qwen3ForCausalLM.load_weights`` (``qwen3.py`` lines 686-692) load every tensor through its own
+``weight_loader`` call: q/k/v and gate/up with a shard id, experts with shard and expert id."""
+
 FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes)
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS)
