@@ -81,62 +81,71 @@ def cmd_wait_nodes(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_engines(args: argparse.Namespace) -> int:
-    """Run ``--num-engines`` SGLang engines of CONFIG on this node for another job (external engines).
+    """Run CONFIG's engine parts for node ``--node-index`` of ``--num-nodes`` (external engines).
 
-    Each engine is megarl's own launcher (:class:`megarl.rollout.engine.EngineProcess`, the settings
-    :func:`megarl.cluster.engines.engine_kwargs` derives from the config, CPU shims on CPU) bound to
-    ``--host``. Once healthy, ``{registry}/{name}-{k}.url`` holds its URL (written atomically).
-    Then it supervises: an engine that exits ends this process with status 1, naming it; SIGTERM
-    stops every engine and exits 0.
+    Which parts, on which GPUs: :func:`megarl.cluster.external_engines.served_engines`
+    (``--num-engines`` per node, or one part of an engine spanning nodes; a layout the nodes cannot
+    hold exits 2 before anything starts). Each is megarl's own launcher with the settings engines
+    started through Ray get, bound to ``--host``. Once healthy, a one-node engine or an engine's
+    node-rank 0 writes ``{registry}/{engine_id}.url`` (its URL), another part
+    ``{registry}/{engine_id}.joined`` (both atomically). Then it supervises: an engine that exits
+    ends this process with status 1, naming it; SIGTERM stops every engine and exits 0.
     """
     import signal
 
-    from megarl.launch.preflight import prepare_config
+    from megarl.cluster.external_engines import (
+        ExternalEnginesError, engine_process, rendezvous, served_engines)
     from megarl.config.device import use_cuda
-    from megarl.cluster.engines import engine_kwargs
-    from megarl.rollout.engine import EngineProcess, find_free_port
+    from megarl.launch.preflight import prepare_config
+    from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
     for key in [k for k in os.environ if k.startswith("MEGARL_ALLOC_")]:
         del os.environ[key]  # this job's allocation holds engines only, not the run's trainer nodes
     cfg = prepare_config(args.config, args.overrides)
     cuda = use_cuda(cfg.cluster.device)
-    from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
-
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] if cuda else []
+    try:
+        parts = served_engines(cfg, name=args.name, node_index=args.node_index, num_nodes=args.num_nodes,
+                               engines_per_node=args.num_engines, cuda=cuda, visible=visible)
+    except ExternalEnginesError as e:
+        print(f"megarl engines: {e}", file=sys.stderr)
+        return 2
     loaders = engine_custom_weight_loaders(run_transport(cfg))  # shard / p2p receive through a loader
     registry = Path(args.registry)
     registry.mkdir(parents=True, exist_ok=True)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if cuda else []
-    per_engine = len(visible) // args.num_engines if visible else 0
-    engines = []
-    for k in range(args.num_engines):
-        name = f"{args.name}-{k}"
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[k * per_engine:(k + 1) * per_engine])} if per_engine else {}
-        kwargs = engine_kwargs(cfg, device="cuda" if cuda else "cpu", log_path=str(registry / f"{name}.log"),
-                               engine_id=name, custom_weight_loaders=loaders, env=env)
-        kwargs["host"] = args.host
-        port = find_free_port(args.host, cfg.rollout.engine.base_port + 10 * k)
-        engines.append(EngineProcess(cfg.model.hf_path, port=port, **kwargs))
+    timeout_s = float(cfg.rollout.engine.startup_timeout_s)
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    engines = []
     try:
-        for engine in engines:
-            engine.start()
-        for engine in engines:
-            engine.wait_healthy(cfg.rollout.engine.startup_timeout_s)
-            tmp = registry / f".{engine.engine_id}.url.tmp"
+        for part in parts:
+            addr = rendezvous(part, host=args.host, base_port=int(cfg.rollout.engine.base_port),
+                              registry=registry, timeout_s=timeout_s)
+            engines.append(engine_process(cfg, part, host=args.host, device="cuda" if cuda else "cpu",
+                                          registry=registry, custom_weight_loaders=loaders, dist_init_addr=addr))
+            engines[-1].start()
+        for part, engine in zip(parts, engines):
+            engine.wait_healthy(timeout_s)
+            kind = "url" if part.node_rank == 0 else "joined"
+            tmp = registry / f".{engine.engine_id}.{kind}.tmp"
             tmp.write_text(engine.url + "\n")
-            tmp.replace(registry / f"{engine.engine_id}.url")
+            tmp.replace(registry / f"{engine.engine_id}.{kind}")
             print(f"megarl engines: {engine.engine_id} ready at {engine.url}", flush=True)
-        while not stop["requested"]:
-            dead = [e.engine_id for e in engines if not e.is_alive()]
-            if dead:
-                print(f"megarl engines: {', '.join(dead)} exited on {args.host}", file=sys.stderr)
-                return 1
-            time.sleep(1.0)
-        return 0
+        return _supervise(engines, args.host, stop)
     finally:
         for engine in engines:
             engine.stop()
+
+
+def _supervise(engines: list, host: str, stop: dict) -> int:
+    """Until SIGTERM (0) or an engine exits (1, naming it)."""
+    while not stop["requested"]:
+        dead = [e.engine_id for e in engines if not e.is_alive()]
+        if dead:
+            print(f"megarl engines: {', '.join(dead)} exited on {host}", file=sys.stderr)
+            return 1
+        time.sleep(1.0)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -156,7 +165,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve.add_argument("--host", required=True, help="address to bind, reachable from the trainer")
     serve.add_argument("--registry", required=True, help="directory for the {name}-{k}.url files")
     serve.add_argument("--name", required=True, help="engine name prefix (e.g. the node name)")
-    serve.add_argument("--num-engines", type=int, default=1)
+    serve.add_argument("--num-engines", type=int, default=1, help="engines per node (MEGARL_ENGINES_PER_NODE)")
+    serve.add_argument("--node-index", type=int, default=0, help="this node's index in the engines job")
+    serve.add_argument("--num-nodes", type=int, default=1, help="the engines job's node count")
     serve.add_argument("config")
     serve.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
