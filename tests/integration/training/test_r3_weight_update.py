@@ -29,6 +29,12 @@ Checked:
 ``test_refused_pause_modes`` measures why ``megarl validate`` refuses R3 with the other two modes in
 async mode: ``retract`` reports the re-prefill's routes for positions computed before the pause, and
 ``in_place`` leaves requests running that the sync's flush cannot clear.
+
+"In flight at the pause" is observed, not hoped for (issue 39): until the pause the engine sleeps before
+every forward (SGLang's ``/slow_down``), the test pauses only once the server reports the requests
+running (``/v1/loads``, or each one's streamed token count), and asserts afterwards what SGLang recorded:
+the aborted requests came back aborted with some tokens; the paused ones' ``weight_versions`` spans show
+how many tokens each had when the version changed during the pause, and that it made the rest after.
 """
 from __future__ import annotations
 
@@ -42,13 +48,19 @@ from safetensors.torch import load_file, save_file
 
 from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn
 from megarl.rollout.client import EngineRequestError, SGLangClient
+from megarl.rollout.payloads import decode_routed_experts
 from megarl.rollout.template import ChatTemplate
 from megarl.rollout.types import RolloutStatus
+from megarl.testing.engine_state import StreamedGeneration, slowed_down, wait_for_load
 from megarl.testing.multiproc import run_ranks
 from megarl.training.batch import TrainBatch
 
 LONG_TOKENS, SHORT_TOKENS = 320, 32
 NUM_LONG, NUM_SHORT = 4, 2
+# Until the pause, every forward of the engine sleeps this long, so requests seen running cannot finish
+# before the pause reaches the engine (ms) on any machine: the rest of a long one takes seconds.
+FORWARD_SLEEP_S = 0.02
+IN_FLIGHT_TOKENS = 8  # output tokens the server reports for each request before the pause
 QUESTIONS = ["Tom has 12 apples and buys 30 more. How many now?", "What is 7 plus 35?",
              "A box holds 18 pens; add 24. Total?", "Sum 40 and 2, please."]
 
@@ -70,9 +82,8 @@ def perturbed_dir(tiny_moe_dir, tmp_path):
     return out
 
 
-async def _sync(client: SGLangClient, model_dir, version: str, pause_mode: str) -> None:
-    """The engine side of ``WeightSynchronizer.sync``: pause, load, flush, weight_version, continue."""
-    await client.pause(pause_mode)
+async def _sync_paused(client: SGLangClient, model_dir, version: str) -> None:
+    """The engine side of ``WeightSynchronizer.sync`` after its pause: load, flush, weight_version, continue."""
     await client.update_weights_from_disk(str(model_dir), flush_cache=False)
     await client.flush_cache(paused=True)
     await client.update_weight_version(version)
@@ -93,11 +104,15 @@ async def _rollouts(client, tokenizer, w1_dir):
     prompt = lambda i: long_ctx.template.prompt_ids([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
     long_states = [new_state(long_ctx, prompt(i), {}, group_id=i) for i in range(NUM_LONG)]
     short_states = [new_state(short_ctx, prompt(i), {}, group_id=10 + i) for i in range(2 * NUM_SHORT)]
-    long_runs = [asyncio.ensure_future(run_agent(single_turn, long_ctx, s)) for s in long_states]
-    before = await asyncio.gather(*(run_agent(single_turn, short_ctx, s) for s in short_states[:NUM_SHORT]))
-    await asyncio.sleep(0.5)  # the long ones are mid-generation (each takes tens of seconds here)
-    await _sync(client, w1_dir, "1", "abort")
-    aborted = await asyncio.gather(*long_runs)
+    async with slowed_down(client.url, FORWARD_SLEEP_S):
+        long_runs = [asyncio.ensure_future(run_agent(single_turn, long_ctx, s)) for s in long_states]
+        before = await asyncio.gather(*(run_agent(single_turn, short_ctx, s) for s in short_states[:NUM_SHORT]))
+        # the engine's running batch now holds the long ones only (sent first, decoded beside the short ones)
+        await wait_for_load(client.url, lambda load: (load["num_running_reqs"], load["num_waiting_reqs"]) == (NUM_LONG, 0),
+                            timeout_s=120, what=f"running the {NUM_LONG} long requests")
+        await client.pause("abort")
+    await _sync_paused(client, w1_dir, "1")
+    aborted = await asyncio.gather(*long_runs)  # each was running at the pause: aborted with some tokens
     assert all(t.status == RolloutStatus.ABORTED and 0 < t.response_ids.numel() < LONG_TOKENS for t in aborted), \
         [(t.status, t.response_ids.numel()) for t in aborted]
     for ctx in (long_ctx, short_ctx):
@@ -200,11 +215,25 @@ def test_r3_routes_stay_paired_across_abort_weight_update(sglang_engine, tiny_mo
     assert mismatch["reprefill"]["interrupted"] > 100 * kept["interrupted"], mismatch
 
 
-async def _in_flight(client, prompt: list[int], num: int = 2) -> list[asyncio.Future]:
-    params = {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 160}
-    runs = [asyncio.ensure_future(client.generate(prompt, params, return_routed_experts=True)) for _ in range(num)]
-    await asyncio.sleep(1.0)  # mid-generation
+async def _pause_in_flight(client, prompt: list[int], mode: str, num: int = 2) -> list[StreamedGeneration]:
+    """Pause ``mode`` once the server has streamed ``IN_FLIGHT_TOKENS`` tokens of each of ``num`` requests."""
+    payload = {"input_ids": prompt, "return_routed_experts": True,
+               "sampling_params": {"temperature": 1.0, "ignore_eos": True, "max_new_tokens": 160}}
+    async with slowed_down(client.url, FORWARD_SLEEP_S):
+        runs = [StreamedGeneration(client.url, payload) for _ in range(num)]
+        for run in runs:
+            await run.wait_tokens(IN_FLIGHT_TOKENS, timeout_s=120)
+        await client.pause(mode)
     return runs
+
+
+def _tokens_at_version_change(out: dict, old: str, new: str) -> int:
+    """SGLang's own record of a request's tokens per weight version (``meta_info.weight_versions``): it had
+    ``n`` tokens when the version went from ``old`` to ``new``, and made the rest after."""
+    spans = [(s["version"], s["start"], s["end"]) for s in out["meta_info"]["weight_versions"]]
+    n, total = spans[0][2], len(out["output_ids"])
+    assert spans == [(old, 0, n), (new, n, total)] and IN_FLIGHT_TOKENS <= n < total, (spans, total)
+    return n
 
 
 @pytest.mark.slow
@@ -219,16 +248,20 @@ def test_refused_pause_modes(sglang_engine, tiny_moe_dir, tiny_moe_hf, perturbed
     async def run():
         version_before = await client.get_weight_version()
         try:
-            runs = await _in_flight(client, prompt)
-            await client.pause("in_place")
+            runs = await _pause_in_flight(client, prompt, "in_place")
             with pytest.raises(EngineRequestError):  # the sync's step 3 refused: requests still hold KV
                 await client.flush_cache(timeout_s=3.0, paused=True)
+            await client.update_weight_version("in_place_paused")  # marks each request's tokens at the pause
             await client.resume()
-            assert [o.finish_reason for o in await asyncio.gather(*runs)] == ["length"] * 2
-            runs = await _in_flight(client, prompt)
-            await _sync(client, perturbed_dir, "1", "retract")
-            outs = await asyncio.gather(*runs)
-            seqs = [prompt + o.output_ids for o in outs]
+            outs = [await run.result() for run in runs]
+            assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 2
+            paused_at = [_tokens_at_version_change(o, version_before or "default", "in_place_paused") for o in outs]
+            runs = await _pause_in_flight(client, prompt, "retract")
+            await _sync_paused(client, perturbed_dir, "1")
+            outs = [await run.result() for run in runs]
+            retracted_at = [_tokens_at_version_change(o, "in_place_paused", "1") for o in outs]
+            print(f"in flight at the pause: in_place {paused_at}, retract {retracted_at} tokens of 160")
+            seqs = [prompt + o["output_ids"] for o in outs]
             return outs, await _references(client, seqs, tiny_moe_dir)
         finally:
             await client.resume()
@@ -237,10 +270,13 @@ def test_refused_pause_modes(sglang_engine, tiny_moe_dir, tiny_moe_hf, perturbed
             await client.close()
 
     outs, (ref0, ref1) = asyncio.run(run())
+    hf_config = json.loads((tiny_moe_dir / "config.json").read_text())
     flipped = 0
     for out, r0, r1 in zip(outs, ref0, ref1):
-        assert out.finish_reason == "length" and out.weight_version == "1"
-        reported = out.routed_experts.sort(-1).values
+        assert out["meta_info"]["finish_reason"]["type"] == "length" and out["meta_info"]["weight_version"] == "1"
+        routes = decode_routed_experts(out["meta_info"]["routed_experts"], hf_config["num_hidden_layers"],
+                                       hf_config["num_experts_per_tok"])
+        reported = routes.sort(-1).values
         assert torch.equal(reported, r1[:-1].sort(-1).values)  # every position re-prefilled under W1
         prompt_rows = slice(0, len(prompt) - 1)  # computed (and sampled from) under W0, before the pause
         flipped += int((reported[prompt_rows] != r0[prompt_rows].sort(-1).values).any(-1).any(-1).sum())
