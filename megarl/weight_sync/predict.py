@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.weight_sync.plan import WeightSyncPlan
+from megarl.weight_sync.senders import OwnerSends, assign_senders, unaligned_parts
 
 GB = 1e9
 
@@ -153,6 +154,65 @@ def _segment_rows(plan: WeightSyncPlan, pp_rank: int, placement, ranks_per_node:
     return out
 
 
+@dataclass
+class OwnerPrediction:
+    """``p2p`` with owner senders (:mod:`megarl.weight_sync.senders`), against the physical bound.
+
+    Every trainer rank sends the parts it holds, all stages at once (each over its own link), and
+    each engine rank receives its own slices over its own: ``seconds = max(busiest trainer link,
+    busiest engine link) / inter_gbps``. ``bound_bytes``: what the busiest engine rank must receive
+    (its slices, once: ``plan.engine_shard_bytes``), ``bound_s`` that over its link.
+    """
+
+    sends: OwnerSends
+    seconds: float
+    bound_bytes: int
+    bound_s: float
+    unaligned: list[str]
+    """Block-FP8 pieces off block boundaries (``senders.unaligned_parts``)."""
+
+
+def physical_bound(plan: WeightSyncPlan, inter_gbps: float) -> tuple[int, float]:
+    """``(bytes, seconds)``: the bytes the busiest engine rank must receive (its own slices of every
+    served tensor, once) and the time that takes over its own link at ``inter_gbps`` GB/s."""
+    nbytes = max(plan.engine_shard_bytes())
+    return nbytes, nbytes / (inter_gbps * GB)
+
+
+def predict_owner_senders(plan: WeightSyncPlan, placement, *, inter_gbps: float) -> OwnerPrediction:
+    """The sync with owner senders on paper (:class:`OwnerPrediction`).
+
+    Raises:
+        ValueError: a non-positive ``inter_gbps``.
+    """
+    if inter_gbps <= 0:
+        raise ValueError("inter_gbps must be > 0 GB/s")
+    sends = assign_senders(plan, placement)
+    busiest = max(max(sends.sent.values(), default=0), max(max(r) for r in sends.received))
+    nbytes, bound_s = physical_bound(plan, inter_gbps)
+    return OwnerPrediction(sends, busiest / (inter_gbps * GB), nbytes, bound_s, unaligned_parts(plan, placement))
+
+
+def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_gbps: float) -> list[str]:
+    """The owner-sender block of ``megarl plan-sync``: the bound, the prediction, every trainer rank's
+    outgoing bytes (GB, 1e9) and its ratio to its own shard times the engines."""
+    engines = plan.engine_layout.num_engines
+    ratio = max((p.sends.sent.get(h, 0) / (n * engines) for h, n in p.sends.shard.items() if n), default=0.0)
+    lines = [f"physical bound: the busiest engine rank receives {p.bound_bytes / GB:.2f} GB over its own "
+             f"{inter_gbps:g} GB/s link: {p.bound_s:.2f} s",
+             f"[p2p, owner senders: planned (senders.py); the running p2p sends as the [p2p] block below] "
+             f"predicted {p.seconds:.2f} s = {p.seconds / p.bound_s:.2f} x the bound; trainer rank sent "
+             f"max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x {engines} engines) {ratio:.2f}"]
+    if p.unaligned:
+        lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): the "
+                     f"holders of a straddled block agree its scale (max of their partial amax) before quantising")
+    ranks = sorted(p.sends.shard)
+    cells = [f"{r}: {p.sends.sent.get(r, 0) / GB:.2f}" for r in ranks]
+    lines.append("  outgoing GB per trainer rank:")
+    lines.extend("    " + "  ".join(cells[i:i + 8]) for i in range(0, len(cells), 8))
+    return lines
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -161,7 +221,7 @@ def _numel(shape) -> int:
 
 
 def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *, intra_gbps: float,
-                      inter_gbps: float) -> str:
+                      inter_gbps: float, links: str = "given") -> str:
     """The ``megarl plan-sync`` report: one block per transport, bytes in GB (1e9)."""
     t, e = plan.trainer_layout, plan.engine_layout
     lines = [f"trainer TP{t.tp_size} PP{t.pp_size} EP{t.ep_size} ETP{t.etp_size} DP{t.data_parallel_size} "
@@ -169,7 +229,7 @@ def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *
              f"{plan.total_bytes / GB:.2f} GB of HF tensors in {len(plan.buckets)} buckets"
              + (f", {plan.wire_bytes / GB:.2f} GB on the wire (block FP8)" if plan.quantization is not None else "")
              + f"; {plan.senders_per_stage} sender(s) per stage; "
-             f"links: intra-node {intra_gbps:g} GB/s, inter-node {inter_gbps:g} GB/s"]
+             f"links ({links}): intra-node {intra_gbps:g} GB/s, inter-node {inter_gbps:g} GB/s"]
     for p in predictions:
         ratio = max(r / s for r, s in zip(p.engine_rank_bytes, p.engine_shard_bytes) if s)
         lines.append(f"[{p.transport}] predicted {p.seconds:.2f} s; per engine rank received "
@@ -266,10 +326,42 @@ def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[W
     return plan, predictions
 
 
+def link_speeds(cfg, *, gpu: str | None = None, intra_gbps: float | None = None,
+                inter_gbps: float | None = None) -> tuple[float, float, str]:
+    """``(intra_gbps, inter_gbps, source)``: the links of the ``cluster.gpu`` preset (``gpu`` names
+    another; ``megarl.plan.gpus``, the presets ``megarl plan`` uses), each overridden by an explicit
+    value; ``source`` says where they came from.
+
+    Raises:
+        UserError: a link is not given and no preset is named (``cluster.gpu`` / ``--gpu``) or found
+            on this node; an unknown preset.
+    """
+    from megarl.errors import UserError
+    from megarl.plan.gpus import detect_gpu, gpu_spec
+
+    spec = None
+    if intra_gbps is None or inter_gbps is None:
+        try:
+            spec = gpu_spec(gpu or cfg.cluster.gpu) or detect_gpu()
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if spec is None:
+            raise UserError("cluster.gpu: megarl plan-sync needs the links' speeds: set cluster.gpu (or pass --gpu: "
+                            "h100, h200, b200, gb200), or pass both --intra-gbps and --inter-gbps")
+    intra = intra_gbps if intra_gbps is not None else spec.nvlink_gbps
+    inter = inter_gbps if inter_gbps is not None else spec.network_gbps
+    source = "given" if spec is None else f"GPU preset {spec.name}" + (
+        "" if intra_gbps is None and inter_gbps is None else ", overridden")
+    return intra, inter, source
+
+
 def cmd_plan_sync(args, cfg) -> int:
-    """``megarl plan-sync CONFIG [overrides] --intra-gbps X --inter-gbps Y`` on a validated ``cfg``."""
-    plan, predictions = predict_from_config(cfg, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
-    print(format_prediction(plan, predictions, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps))
+    """``megarl plan-sync CONFIG [overrides] [--gpu G] [--intra-gbps X --inter-gbps Y]`` on a validated ``cfg``."""
+    intra, inter, source = link_speeds(cfg, gpu=args.gpu, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+    plan, predictions = predict_from_config(cfg, intra_gbps=intra, inter_gbps=inter)
+    owners = predict_owner_senders(plan, placement_from_config(cfg), inter_gbps=inter)
+    text = format_prediction(plan, predictions, intra_gbps=intra, inter_gbps=inter, links=source).split("\n")
+    print("\n".join([text[0], *format_owner_prediction(plan, owners, inter_gbps=inter), *text[1:]]))
     return 0
 
 
@@ -278,5 +370,6 @@ def add_plan_sync_parser(sub) -> None:
     p = sub.add_parser("plan-sync", help="bytes per link / engine rank and predicted weight-sync time, on paper")
     p.add_argument("config", help="YAML run config (model.hf_path needs only config.json)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    p.add_argument("--intra-gbps", type=float, default=200.0, help="NVLink GB/s per GPU (default 200)")
-    p.add_argument("--inter-gbps", type=float, default=50.0, help="network GB/s per GPU (default 50 = 400 Gb/s)")
+    p.add_argument("--gpu", default=None, help="GPU preset for the links (default: cluster.gpu, as megarl plan)")
+    p.add_argument("--intra-gbps", type=float, default=None, help="NVLink GB/s per GPU (default: the GPU preset's)")
+    p.add_argument("--inter-gbps", type=float, default=None, help="network GB/s per GPU (default: the GPU preset's)")

@@ -1,0 +1,167 @@
+"""Owner senders on paper: every engine rank's slices leave from trainer ranks that hold them.
+
+For each HF tensor of the plan and each engine rank, the placement's pieces (:mod:`placement`) say
+which Megatron shard holds which part of the engine rank's slice. A part is sent by one of the
+trainer ranks holding that shard (its *holders*, :func:`holders`): an expert's shard by its EP
+owner in one of the expert-data-parallel copies, a TP-split dense shard by the rank of that TP
+index in one of the dense copies (CP x DP), a replicated parameter (norms, router, MLA's
+``q_a_proj`` / ``kv_a_proj_with_mqa``) by any TP rank of any copy. Nothing is gathered: a trainer
+rank sends only bytes it holds, each engine rank receives exactly its own slices (the plan's
+``engine_shard_bytes``) once per engine.
+
+Which holder sends a part to which engine (:func:`assign_senders`): parts with the fewest holders
+first (an expert with one copy has one), larger first, each to its least-loaded holder so far,
+ties to the copy ``engine % copies`` (copies split the engines) and then to the lower rank.
+Deterministic: every trainer rank derives the same assignment from metadata.
+
+Block-FP8 engines: a holder quantises its own part; a 128 x 128 scale block is local when every
+boundary of the part along the split axis is a multiple of the block (:func:`unaligned_parts`
+lists those that are not; the shipped FP8 recipes have none, tested). A part that is not aligned
+is counted as sent by its holder all the same, and :func:`unaligned_parts` names it so that the
+caller refuses the layout (the sending path must then quantise after a gather).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.plan import ParamTransfer, ShardSource, WeightSyncPlan
+from megarl.weight_sync.segments import _overlap_bytes, overlaps
+
+
+@dataclass
+class OwnerSends:
+    """The outcome of :func:`assign_senders` (bytes are wire bytes unless said otherwise).
+
+    Attributes:
+        sent: ``{trainer rank: bytes}`` each trainer rank sends to all engines together.
+        sent_per_stage: ``{pp_rank: {trainer rank: bytes}}``.
+        received: ``[engine][engine tp rank]`` bytes each engine rank receives.
+        shard: ``{trainer rank: bytes}`` of the synced parameters it holds (the trainer's dtype,
+            Megatron shard sizes: a replicated parameter counts whole on every holder).
+        assignment: ``{(param name, shard index, engine, engine tp rank): trainer rank}``.
+        parts: ``{(param name, shard index, engine tp rank): wire bytes}`` of one engine.
+    """
+
+    sent: dict[int, int] = field(default_factory=dict)
+    sent_per_stage: dict[int, dict[int, int]] = field(default_factory=dict)
+    received: list[list[int]] = field(default_factory=list)
+    shard: dict[int, int] = field(default_factory=dict)
+    assignment: dict[tuple, int] = field(default_factory=dict)
+    parts: dict[tuple, int] = field(default_factory=dict)
+
+
+def holders(plan: WeightSyncPlan, transfer: ParamTransfer, source: ShardSource) -> tuple[int, ...]:
+    """Every trainer rank holding ``source`` (a shard of ``transfer``'s parameter), ascending."""
+    t, p = plan.trainer_layout, transfer.param
+    if p.expert is not None:
+        ep_rank, _ = t.expert_location(p.expert, plan.num_experts)
+        etps = [source.shard_index] if p.tp_axis is not None and t.etp_size > 1 else range(t.etp_size)
+        return tuple(sorted(t.expert_rank(etp_rank=k, ep_rank=ep_rank, edp_rank=d, pp_rank=transfer.pp_rank)
+                            for k in etps for d in range(t.expert_data_parallel_size)))
+    tps = [source.shard_index] if p.tp_axis is not None and t.tp_size > 1 else range(t.tp_size)
+    return tuple(sorted(t.rank(tp_rank=k, cp_rank=c, dp_rank=d, pp_rank=transfer.pp_rank) for k in tps
+                        for c in range(t.context_parallel_size) for d in range(t.data_parallel_size)))
+
+
+def _wire_share(plan: WeightSyncPlan, bucket) -> dict[tuple[str, int], tuple[int, int]]:
+    """``{(hf name, engine rank): (hf bytes, wire bytes)}`` of each engine rank's slice of each HF
+    tensor of ``bucket`` (wire: the FP8 weight and its scale blocks where the engines serve FP8)."""
+    wire: dict[tuple[str, int], int] = defaultdict(int)
+    for w in bucket.wire:
+        base = w.scale_of.name if w.scale_of is not None else w.name
+        for rank, sl in plan.engine_slices_of(w).items():
+            wire[(base, rank)] += _numel(sl.shape(w.shape)) * w.itemsize
+    out = {}
+    for h in bucket.hf_tensors:
+        for rank, sl in plan.engine_slices_of(h).items():
+            out[(h.name, rank)] = (_numel(sl.shape(h.shape)) * h.itemsize, wire[(h.name, rank)])
+    return out
+
+
+def engine_parts(plan: WeightSyncPlan, placement: Placement) -> dict[tuple, int]:
+    """``{(param name, shard index, engine tp rank): wire bytes}``: what each Megatron shard gives
+    each engine rank of one engine (an engine rank's slice of an HF tensor split over the pieces
+    filling it in proportion to their bytes, the remainder to the last one)."""
+    parts: dict[tuple, int] = defaultdict(int)
+    for bucket in plan.buckets:
+        share = _wire_share(plan, bucket)
+        by_tensor: dict[str, list] = defaultdict(list)
+        for transfer in bucket.params:
+            for piece in placement.pieces(transfer):
+                by_tensor[transfer.param.hf[piece.hf_index].name].append((transfer, piece))
+        for spec in bucket.hf_tensors:
+            for rank, sl in plan.engine_slices_of(spec).items():
+                hf_bytes, wire_bytes = share[(spec.name, rank)]
+                over = [(t, p, _overlap_bytes(spec, p, sl)) for t, p in by_tensor[spec.name] if overlaps(sl, p)]
+                over = [o for o in over if o[2]]
+                given = 0
+                for k, (t, p, n) in enumerate(over):
+                    nbytes = wire_bytes - given if k == len(over) - 1 else wire_bytes * n // hf_bytes
+                    given += nbytes
+                    parts[(t.param.name, t.sources[p.shard].shard_index, rank)] += nbytes
+    return dict(parts)
+
+
+def assign_senders(plan: WeightSyncPlan, placement: Placement) -> OwnerSends:
+    """Which trainer rank sends each part to each engine, and the bytes per link (module docstring).
+
+    Args:
+        plan: the whole plan (not a replica's); every engine of ``plan.engine_layout`` is served.
+        placement: the conversion's copy instructions.
+    """
+    t = plan.trainer_layout
+    copies = t.replicas_per_stage
+    out = OwnerSends(received=[[0] * plan.engine_layout.tp_size for _ in range(plan.engine_layout.num_engines)])
+    out.parts = engine_parts(plan, placement)
+    transfers = {tr.param.name: tr for b in plan.buckets for tr in b.params}
+    cands = {}
+    for name, tr in transfers.items():
+        for s in tr.sources:
+            cands[(name, s.shard_index)] = holders(plan, tr, s)
+            for h in cands[(name, s.shard_index)]:
+                out.shard[h] = out.shard.get(h, 0) + s.nbytes
+    items = sorted(((len(cands[(n, k)]), -b, n, k, r) for (n, k, r), b in out.parts.items() if b))
+    load: dict[int, int] = defaultdict(int)
+    for _, neg, name, k, rank in items:
+        for engine in range(plan.engine_layout.num_engines):
+            sender = min(cands[(name, k)], key=lambda h: (load[h], t.replica_of(h) != engine % copies, h))
+            load[sender] -= neg
+            out.assignment[(name, k, engine, rank)] = sender
+            out.received[engine][rank] -= neg
+            stage = out.sent_per_stage.setdefault(transfers[name].pp_rank, {})
+            stage[sender] = stage.get(sender, 0) - neg
+    out.sent = dict(load)
+    return out
+
+
+def unaligned_parts(plan: WeightSyncPlan, placement: Placement) -> list[str]:
+    """Block-FP8 HF tensors (``plan.quantization``) a Megatron shard fills only in part of a scale
+    block: ``"name rows|cols a:b"`` per piece whose boundary along its axis is not a multiple of the
+    block (module docstring). Empty without quantisation."""
+    q = plan.quantization
+    if q is None:
+        return []
+    out = []
+    for bucket in plan.buckets:
+        for transfer in bucket.params:
+            pieces = placement.pieces(transfer)
+            if len(pieces) < 2:
+                continue
+            for piece in pieces:
+                spec = transfer.param.hf[piece.hf_index]
+                if not q.is_quantized(spec.name, spec.shape):
+                    continue
+                block = q.block[piece.axis]
+                end = spec.shape[piece.axis]
+                if any(x % block and x != end for x in piece.dst):
+                    out.append(f"{spec.name} {('rows', 'cols')[piece.axis]} {piece.dst[0]}:{piece.dst[1]}")
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
