@@ -37,8 +37,9 @@ def parallel_size_issues(p: Any, world_size: int, world: str) -> list[tuple[str,
         issues.append(("parallel.expert_model_parallel_size",
                        f"ETP*EP*PP = parallel.expert_tensor_parallel_size ({etp}"
                        f"{' = TP' if p.expert_tensor_parallel_size is None else ''}) x expert_model_parallel_size "
-                       f"({ep}) x pipeline_model_parallel_size ({pp}) must divide the trainer world size {world} "
-                       f"(expert_tensor_parallel_size defaults to TP={tp}; set it to 1 for TP>1 with EP>1 on few ranks)"))
+                       f"({ep}) x pipeline_model_parallel_size ({pp}) must divide the trainer world size {world}"
+                       + (f" (expert_tensor_parallel_size defaults to TP={tp}; set it to 1 for TP>1 with EP>1 on few "
+                          "ranks)" if p.expert_tensor_parallel_size is None else "")))
     if p.sequence_parallel and tp <= 1:
         issues.append(("parallel.sequence_parallel", "sequence parallelism needs tensor_model_parallel_size > 1"))
     return issues

@@ -38,32 +38,42 @@ def add_plan_parser(sub) -> None:
 
 
 def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> list[str]:
+    """``--suggest``'s lines: every override a full ``section.key=value`` that can be pasted back."""
     gpu = fit.gpu
-    per_node = int(cfg.cluster.trainer_devices_per_node)
+    per_node = min(int(cfg.cluster.trainer_devices_per_node), gpu.gpus_per_node)
     trainer = suggest_trainer(shape, setup, gpu, per_node)
     lines = []
     if trainer is None:
         lines.append(f"suggest: no trainer layout of up to 128 nodes x {per_node} {gpu.name} fits")
     else:
         nodes, t, mem = trainer
-        lines.append(f"suggest trainer: {nodes} node(s) x {per_node} {gpu.name}: parallel.tensor_model_parallel_size={t.tp} "
-                     f"pipeline_model_parallel_size={t.pp} expert_model_parallel_size={t.ep} "
-                     f"expert_tensor_parallel_size=1"
-                     + (f" num_layers_in_last_pipeline_stage={t.num_layers_last}" if t.num_layers_last else "")
-                     + f" (DP{t.dp}), {mem.total / GB:.1f} GB on the most loaded rank")
+        keys = {"cluster.trainer_nodes": nodes, "cluster.trainer_devices_per_node": per_node,
+                "parallel.tensor_model_parallel_size": t.tp, "parallel.pipeline_model_parallel_size": t.pp,
+                "parallel.expert_model_parallel_size": t.ep, "parallel.expert_tensor_parallel_size": 1,
+                "parallel.sequence_parallel": str(t.tp > 1).lower(),
+                "parallel.num_layers_in_first_pipeline_stage": "null",
+                "parallel.num_layers_in_last_pipeline_stage": t.num_layers_last or "null",
+                "parallel.virtual_pipeline_model_parallel_size": "null"}
+        lines.append(f"suggest trainer ({nodes} node(s) x {per_node} {gpu.name}, DP{t.dp}, {mem.total / GB:.1f} GB on "
+                     "the most loaded rank): " + " ".join(f"{k}={v}" for k, v in keys.items()))
     cl = cfg.cluster
-    rollout_per_node = int(cl.rollout_devices_per_node if cl.placement == "disaggregated" else per_node)
-    engine = suggest_engine(shape, engine_setup(cfg, hf_config), gpu, rollout_per_node, fit.max_context_tokens)
+    rollout_per_node = min(int(cl.rollout_devices_per_node if cl.placement == "disaggregated" else per_node),
+                           gpu.gpus_per_node)
+    need = fit.concurrency * fit.max_context_tokens
+    engine = suggest_engine(shape, engine_setup(cfg, hf_config), gpu, rollout_per_node, need)
     if engine is None:
         lines.append(f"suggest engine: no engine of up to {rollout_per_node} {gpu.name} (one node) holds "
-                     f"{fit.max_context_tokens} tokens of context: serve a block-FP8 checkpoint or a larger GPU")
+                     f"{fit.concurrency} sequence(s) of {fit.max_context_tokens} tokens ({need} tokens of KV cache): "
+                     + ("" if engine_setup(cfg, hf_config).fp8 else "serve a block-FP8 checkpoint, ")
+                     + f"a larger GPU, or rollout.engine.extra_args=[--max-running-requests,{fit.sequences_fit}] "
+                     "(what the configured engine holds; the rest wait)")
     else:
         e, mem = engine
         per_node_engines = max(rollout_per_node // e.tp, 1)
         nodes = -(-int(cfg.rollout.num_engines) // per_node_engines)
-        lines.append(f"suggest engines: rollout.engine.tensor_parallel_size={e.tp} expert_parallel_size={e.ep}, "
-                     f"{cfg.rollout.num_engines} engine(s) on {nodes} node(s) (cluster.rollout_nodes), "
-                     f"{mem.tokens_fit} tokens of KV cache each")
+        lines.append(f"suggest engines ({cfg.rollout.num_engines} engine(s) on {nodes} node(s), {mem.tokens_fit} tokens "
+                     f"of KV cache each): rollout.engine.tensor_parallel_size={e.tp} "
+                     f"rollout.engine.expert_parallel_size={e.ep} cluster.rollout_nodes={nodes}")
     return lines
 
 
@@ -94,7 +104,7 @@ def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str,
         step.object_store_bytes, step.rank_bytes, step.driver_bytes = step_bytes(cfg, tokens)
     sync = {} if args.no_sync else sync_seconds(cfg, gpu.nvlink_gbps, gpu.network_gbps)
     lines = [f"model {hf_config.architectures[0]}: {shape.total_params() / 1e9:.1f} B parameters "
-             f"({shape.active_params() / 1e9:.1f} B active per token); GPU {gpu.name}: {gpu.memory_bytes / GB:.0f} GB, "
+             f"({shape.active_params() / 1e9:.1f} B active per token); GPU {gpu.name}: {gpu.memory_text}, "
              f"{gpu.bf16_tflops:g} / {gpu.fp8_tflops:g} TFLOP/s BF16 / FP8, links {gpu.nvlink_gbps:g} / "
              f"{gpu.network_gbps:g} GB/s; nodes: {cfg.cluster.trainer_nodes} trainer + "
              f"{cfg.cluster.rollout_nodes if cfg.cluster.placement == 'disaggregated' else 0} rollout"]

@@ -51,7 +51,31 @@ def engine_setup(cfg, hf_config) -> EngineSetup:
     """The engine's layout and memory settings from ``rollout.engine`` and the checkpoint."""
     e = cfg.rollout.engine
     return EngineSetup(tp=int(e.tensor_parallel_size), ep=int(e.expert_parallel_size), fp8=is_block_fp8(hf_config),
-                       weight_bytes=4 if e.dtype == "float32" else 2, mem_fraction_static=float(e.mem_fraction_static))
+                       weight_bytes=4 if e.dtype == "float32" else 2, mem_fraction_static=float(e.mem_fraction_static),
+                       max_total_tokens=None if e.max_total_tokens is None else int(e.max_total_tokens))
+
+
+def max_running_requests(extra_args) -> int | None:
+    """SGLang ``--max-running-requests N`` (or ``=N``) among ``rollout.engine.extra_args``; None if absent."""
+    args = [str(a) for a in extra_args or ()]
+    for i, arg in enumerate(args):
+        if arg == "--max-running-requests" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--max-running-requests="):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
+def engine_concurrency(cfg) -> int:
+    """Sequences one engine serves at once: its share of a step's trajectories
+    (``(num_prompts_per_step + over_sample_prompts) x group_size`` over the engines, rounded up),
+    capped by ``--max-running-requests`` in ``rollout.engine.extra_args``."""
+    r = cfg.rollout
+    engines = len(r.external_engine_urls) or int(r.num_engines)
+    trajectories = (int(r.num_prompts_per_step) + int(r.over_sample_prompts)) * int(r.group_size)
+    share = -(-trajectories // max(engines, 1))
+    cap = max_running_requests(r.engine.extra_args)
+    return max(min(share, cap) if cap else share, 1)
 
 
 @dataclass
@@ -62,14 +86,22 @@ class Fit:
     trainer: RankMemory
     engine: EngineMemory
     max_context_tokens: int
+    concurrency: int = 1
+    """Sequences one engine serves at once (:func:`engine_concurrency`)."""
 
     @property
     def trainer_fits(self) -> bool:
         return self.trainer.total <= self.gpu.memory_bytes
 
     @property
+    def sequences_fit(self) -> int:
+        """Sequences at ``rollout.agent.max_context_tokens`` the engine's KV pool holds at once."""
+        return self.engine.tokens_fit // max(self.max_context_tokens, 1)
+
+    @property
     def engine_fits(self) -> bool:
-        return self.engine.tokens_fit >= self.max_context_tokens
+        """The KV pool holds every sequence the engine serves at once at its context limit."""
+        return self.sequences_fit >= self.concurrency
 
 
 def plan_fit(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> Fit:
@@ -77,24 +109,51 @@ def plan_fit(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> Fit:
     shape = ModelShape.from_hf_config(hf_config)
     return Fit(gpu, trainer_memory(shape, TrainerSetup.from_config(cfg, precision=precision)),
                engine_memory(shape, engine_setup(cfg, hf_config), gpu.memory_bytes),
-               int(cfg.rollout.agent.max_context_tokens))
+               int(cfg.rollout.agent.max_context_tokens), engine_concurrency(cfg))
 
 
-def _trainer_hint(name: str, cfg) -> str:
+def _trainer_hint(name: str, cfg, setup: TrainerSetup) -> str:
+    """What would shrink consumer ``name``, given what the config already sets."""
     if name in ("weights", "gradients"):
         return ("raise parallel.expert_model_parallel_size (routed experts) or parallel.tensor_model_parallel_size / "
-                "pipeline_model_parallel_size (the rest)")
+                "parallel.pipeline_model_parallel_size (the rest)")
     if name in ("main_weights", "adam_states"):
-        return ("the distributed optimizer divides them over data parallel: more cluster.trainer_nodes, "
-                "or parallel.use_distributed_optimizer=true")
+        if not setup.distributed_optimizer:
+            return "set parallel.use_distributed_optimizer=true (divides them over data parallel)"
+        if setup.expert_dp == 1:
+            return (f"the distributed optimizer is on, but the routed experts have one data-parallel copy (expert-DP "
+                    f"= world {setup.world_size} / (EP{setup.ep} x ETP{setup.etp} x PP{setup.pp}) = 1): their state "
+                    "cannot shard further; raise parallel.pipeline_model_parallel_size (fewer layers per rank) or "
+                    "cluster.trainer_nodes with parallel.expert_model_parallel_size (fewer experts per rank)")
+        return ("the distributed optimizer divides them over data parallel: more cluster.trainer_nodes, or "
+                "parallel.pipeline_model_parallel_size (fewer layers per rank)")
     if name == "activations" and cfg.model.recompute_granularity != "full":
         return "set model.recompute_granularity=full, or lower train.max_tokens_per_microbatch"
     return "lower train.max_tokens_per_microbatch (or raise parallel.tensor_model_parallel_size)"
 
 
+def _engine_problem(fit: Fit, cfg, fp8: bool) -> str:
+    """The engine refusal: what the KV pool holds, what the engine serves at once, what would help."""
+    e, gpu, eng = fit.engine, fit.gpu, cfg.rollout.engine
+    helps = []
+    if fit.sequences_fit >= 1:
+        helps.append(f'rollout.engine.extra_args=["--max-running-requests","{fit.sequences_fit}"] (the rest wait)')
+    helps.append("raise rollout.engine.tensor_parallel_size")
+    if not fp8:
+        helps.append("serve a block-FP8 checkpoint")
+    if float(eng.mem_fraction_static) < 0.9:
+        helps.append("raise rollout.engine.mem_fraction_static")
+    return (f"an engine rank holds {e.weights / GB:.1f} GB of weights; mem_fraction_static {eng.mem_fraction_static} x "
+            f"{gpu.memory_text} ({gpu.name}) leaves a KV pool of {e.tokens_fit} tokens ({e.kv_per_token} B per token): "
+            f"{fit.sequences_fit} sequence(s) of rollout.agent.max_context_tokens={fit.max_context_tokens}, fewer "
+            f"than the {fit.concurrency} it serves at once (its share of the step's trajectories, capped by "
+            f"--max-running-requests): " + ", or ".join(helps))
+
+
 def fit_problems(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> list[tuple[str, str]]:
     """``(key, message)`` for each side that does not fit ``gpu``: the largest consumer and what to change."""
     fit = plan_fit(cfg, hf_config, gpu, precision=precision)
+    setup = TrainerSetup.from_config(cfg, precision=precision)
     out = []
     if not fit.trainer_fits:
         name, nbytes = fit.trainer.largest()
@@ -103,20 +162,24 @@ def fit_problems(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> list[tuple[
         elif name in ("weights", "gradients") and cfg.parallel.expert_model_parallel_size == 1 and \
                 not any(ModelShape.from_hf_config(hf_config).moe_layers):
             key = "parallel.tensor_model_parallel_size"
+        elif name in ("main_weights", "adam_states") and not setup.distributed_optimizer:
+            key = "parallel.use_distributed_optimizer"
+        elif name in ("main_weights", "adam_states") and setup.expert_dp == 1:
+            key = "parallel.pipeline_model_parallel_size"
         else:
             key = TRAINER_KEYS[name]
         out.append((key, f"a trainer rank (pipeline stage {fit.trainer.stage}) needs {fit.trainer.total / GB:.1f} GB, "
-                         f"more than the {gpu.memory_bytes / GB:.0f} GB of cluster.gpu={gpu.name}; largest: {name} "
-                         f"{nbytes / GB:.1f} GB: {_trainer_hint(name, cfg)} (megarl plan shows every consumer; "
-                         "megarl plan --suggest a layout that fits)"))
+                         f"more than the {gpu.memory_text} of cluster.gpu={gpu.name}; largest: {name} "
+                         f"{nbytes / GB:.1f} GB: {_trainer_hint(name, cfg, setup)} (megarl plan shows every "
+                         "consumer; megarl plan --suggest a layout that fits)"))
     if not fit.engine_fits:
-        e = fit.engine
-        out.append(("rollout.engine.tensor_parallel_size",
-                    f"an engine rank holds {e.weights / GB:.1f} GB of weights; mem_fraction_static x "
-                    f"{gpu.memory_bytes / GB:.0f} GB ({gpu.name}) leaves room for {e.tokens_fit} tokens of KV cache "
-                    f"({e.kv_per_token} B per token), fewer than rollout.agent.max_context_tokens="
-                    f"{fit.max_context_tokens}: raise rollout.engine.tensor_parallel_size (or serve a block-FP8 "
-                    "checkpoint, or raise rollout.engine.mem_fraction_static)"))
+        out.append(("rollout.engine.tensor_parallel_size", _engine_problem(fit, cfg, is_block_fp8(hf_config))))
+    for key in ("cluster.trainer_devices_per_node", "cluster.rollout_devices_per_node"):
+        name = key.split(".")[1]
+        per_node = int(getattr(cfg.cluster, name))
+        if per_node > gpu.gpus_per_node and (name == "trainer_devices_per_node" or cfg.cluster.placement ==
+                                             "disaggregated"):
+            out.append((key, f"{per_node} GPUs per node, but a {gpu.name} node has {gpu.gpus_per_node}"))
     return out
 
 
@@ -159,14 +222,14 @@ def suggest_trainer(shape: ModelShape, base: TrainerSetup, gpu: GpuSpec, gpus_pe
 
 
 def suggest_engine(shape: ModelShape, base: EngineSetup, gpu: GpuSpec, gpus_per_node: int,
-                   max_context_tokens: int) -> tuple[EngineSetup, EngineMemory] | None:
-    """The smallest engine (GPUs, all on one node; EP = TP for MoE models) whose KV cache holds
-    ``max_context_tokens`` on ``gpu``, or None."""
+                   tokens: int) -> tuple[EngineSetup, EngineMemory] | None:
+    """The smallest engine (GPUs, all on one node; EP = TP for MoE models) whose KV pool holds
+    ``tokens`` (the sequences it serves at once x their context limit) on ``gpu``, or None."""
     for tp in (1, 2, 4, 8, 16, 32):
         if tp > gpus_per_node:
             break
         layout = replace(base, tp=tp, ep=tp if shape.num_experts else 1)
         mem = engine_memory(shape, layout, gpu.memory_bytes)
-        if mem.tokens_fit >= max_context_tokens:
+        if mem.tokens_fit >= tokens:
             return layout, mem
     return None

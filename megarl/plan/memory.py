@@ -18,8 +18,12 @@ Trainer rank (Megatron-Core, the most loaded pipeline stage; bytes):
   statistics (4 B per head); ``selective`` recomputes core attention (what fused attention keeps is
   its output, already counted); ``full`` keeps only each layer's input (``a h``) plus one layer's
   activations while it is recomputed. The first stage holds ``PP`` micro batches in flight (1F1B;
-  interleaved: ``x (1 + (PP - 1) / (PP V))``); the last stage holds the logits (``T / TP x V / TP``
-  in BF16 plus the FP32 log-softmax, 6 B).
+  interleaved: ``x (1 + (PP - 1) / (PP V))``); the last stage holds the logits ``[T / CP, V / TP]``
+  in BF16 plus the FP32 log-softmax, 6 B, with or without sequence parallelism: the output layer is a
+  ``ColumnParallelLinear`` that all-gathers its sequence-parallel input over TP before the matmul
+  (Megatron-Core 0.16.1 ``tensor_parallel/layers.py``, ``LinearWithGradAccumulationAndAsyncCommunication.forward``,
+  lines 478-484: ``dist_all_gather_func(all_gather_buffer, input, group=tp_group)``), so every TP rank
+  computes all ``T`` tokens' logits for its ``V / TP`` slice of the vocabulary.
 - ``dispatch_buffers``: one layer's all-to-all send and receive copies of the dispatched tokens
   (``2 x K x T / TP x h x a``), transient.
 - ``reserved``: CUDA context, NCCL and library workspaces, allocator slack: a flat
@@ -194,7 +198,8 @@ def trainer_rank_memory(shape: ModelShape, s: TrainerSetup, stage: int) -> RankM
         "main_weights": int(main * (dense / dense_shards + expert / expert_shards)),
         "adam_states": int(states * (dense / dense_shards + expert / expert_shards)),
         "activations": int(activations),
-        "logits": int(tokens * shape.padded_vocab(s.vocab_divisible_by, s.tp) / s.tp * 6) if last else 0,
+        "logits": int(s.tokens_per_microbatch / s.cp * shape.padded_vocab(s.vocab_divisible_by, s.tp) / s.tp * 6)
+        if last else 0,  # [T / CP, V / TP]: the output layer all-gathers the sequence-parallel input
         "dispatch_buffers": int(2 * shape.topk * tokens * shape.hidden_size * a) if any(shape.moe_layers) else 0,
         "reserved": RESERVED_BYTES,
     }
@@ -217,6 +222,8 @@ class EngineSetup:
     weight_bytes: int = 2
     """Bytes per element of unquantised weights (``rollout.engine.dtype``; 2 for auto / bf16)."""
     mem_fraction_static: float = 0.8
+    max_total_tokens: int | None = None
+    """SGLang ``--max-total-tokens``: a cap on the KV pool's tokens (None: none)."""
 
 
 @dataclass
@@ -251,4 +258,7 @@ def engine_memory(shape: ModelShape, e: EngineSetup, memory_bytes: int) -> Engin
     else:
         kv = 2 * max(1, shape.num_kv_heads // e.tp) * shape.head_dim * shape.num_layers * 2
     pool = int(e.mem_fraction_static * memory_bytes) - weights
-    return EngineMemory(weights, kv, pool, max(pool, 0) // kv)
+    tokens = max(pool, 0) // kv
+    if e.max_total_tokens is not None:
+        tokens = min(tokens, int(e.max_total_tokens))
+    return EngineMemory(weights, kv, pool, tokens)

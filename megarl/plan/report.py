@@ -87,7 +87,7 @@ def format_trainer(fit: Fit, shape: ModelShape, setup: TrainerSetup) -> list[str
              "  consumer            GB"]
     lines += [f"  {name:<18} {_gb(nbytes):>7}" for name, nbytes in m.consumers.items()]
     verdict = "fits" if fit.trainer_fits else "DOES NOT FIT"
-    lines.append(f"  {'total':<18} {_gb(m.total):>7}  of {fit.gpu.memory_bytes / GB:.0f} GB ({fit.gpu.name}): {verdict}")
+    lines.append(f"  {'total':<18} {_gb(m.total):>7}  of {fit.gpu.memory_text} ({fit.gpu.name}): {verdict}")
     other = []
     for recompute in (None, "selective", "full"):
         mem = trainer_memory(shape, TrainerSetup(**{**s.__dict__, "recompute": recompute}))
@@ -97,15 +97,18 @@ def format_trainer(fit: Fit, shape: ModelShape, setup: TrainerSetup) -> list[str
 
 
 def format_engine(fit: Fit, cfg, fp8: bool) -> list[str]:
-    """The engine block: weights and KV cache per engine rank, tokens of context that fit."""
+    """The engine block: weights and KV cache per engine rank, tokens of context that fit, and how many of
+    the sequences the engine serves at once fit at their context limit."""
     e, eng = fit.engine, cfg.rollout.engine
     verdict = "fits" if fit.engine_fits else "DOES NOT FIT"
     return [f"engines: {cfg.rollout.num_engines} x TP{eng.tensor_parallel_size} EP{eng.expert_parallel_size} "
             f"({'block FP8' if fp8 else 'BF16' if eng.dtype != 'float32' else 'FP32'} weights), "
             f"mem_fraction_static {eng.mem_fraction_static}",
             f"  per engine rank: weights {_gb(e.weights)} GB, KV cache {e.kv_per_token / 1024:.1f} KiB per token, "
-            f"KV pool {_gb(max(e.kv_pool, 0))} GB -> {e.tokens_fit} tokens of context "
-            f"(rollout.agent.max_context_tokens {fit.max_context_tokens}): {verdict}"]
+            f"KV pool {_gb(max(e.kv_pool, 0))} GB -> {e.tokens_fit} tokens of context",
+            f"  serves {fit.concurrency} sequences at once (its share of the step's trajectories, capped by "
+            f"--max-running-requests); at rollout.agent.max_context_tokens {fit.max_context_tokens} the pool holds "
+            f"{fit.sequences_fit}: {verdict}"]
 
 
 def format_step(step: StepPlan, mfu: float, tokens_per_trajectory: int, sync_s: dict[str, float]) -> list[str]:

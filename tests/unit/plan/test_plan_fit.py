@@ -32,7 +32,7 @@ def test_experts_unsharded_over_ep_are_refused_naming_the_key():
         _validate(RECIPE_30B, "cluster.gpu=h100", "parallel.expert_model_parallel_size=1")
     (issue,) = err.value.issues
     assert issue.key == "parallel.expert_model_parallel_size"
-    assert "largest: gradients" in issue.message and "80 GB of cluster.gpu=h100" in issue.message
+    assert "largest: gradients" in issue.message and "80 GiB of cluster.gpu=h100" in issue.message
 
 
 @pytest.mark.timeout(120)
