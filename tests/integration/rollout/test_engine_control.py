@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megarl.rollout.client import SGLangClient
+from megarl.testing.engine_state import wait_for_load, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,15 +21,11 @@ PROMPT = list(range(40, 90))
 LONG = {"max_new_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
 
 
-async def _wait_running(engine, client: SGLangClient, task: asyncio.Task, timeout_s: float = 60.0):
-    """Wait until the server has started decoding (its log shows a decode batch) or the task ended."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    start = len(engine.log_tail(10**7))
-    while loop.time() < deadline and not task.done():
-        if "Decode batch" in engine.log_tail(10**7)[start:]:
-            return
-        await asyncio.sleep(0.1)
+async def _wait_running(url: str, task: asyncio.Task, timeout_s: float = 60.0):
+    """Wait until the server's running batch holds the request (``/v1/loads``), which is still unfinished."""
+    await wait_for_load(url, lambda load: load["num_running_reqs"] >= 1, timeout_s=timeout_s,
+                        what="running the request")
+    assert not task.done(), task.result()
 
 
 def _teacher_forced(model, prompt, output_ids):
@@ -44,7 +41,7 @@ async def test_pause_retract_holds_new_requests_until_resume(sglang_url):
         try:
             task = asyncio.ensure_future(client.generate(PROMPT, {"max_new_tokens": 8,
                                                                   "ignore_eos": True}))
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(2.0)  # a window: SGLang holds it before its queues, out of /v1/loads
             assert not task.done(), "a paused engine generated"
         finally:
             await client.resume()
@@ -69,7 +66,7 @@ async def test_a_paused_engine_fails_health_but_is_reachable(sglang_url):
 async def test_pause_abort_returns_running_requests(sglang_engine):
     async with SGLangClient(sglang_engine.url) as client:
         task = asyncio.ensure_future(client.generate(PROMPT, LONG))
-        await _wait_running(sglang_engine, client, task)
+        await _wait_running(sglang_engine.url, task)
         try:
             await client.pause("abort")
             out = await asyncio.wait_for(task, 60)
@@ -85,7 +82,7 @@ async def test_pause_abort_returns_running_requests(sglang_engine):
 async def test_abort_by_rid_and_on_cancel(sglang_engine):
     async with SGLangClient(sglang_engine.url) as client:
         task = asyncio.ensure_future(client.generate(PROMPT, LONG, rid="megarl-test-abort"))
-        await _wait_running(sglang_engine, client, task)
+        await _wait_running(sglang_engine.url, task)
         await client.abort("megarl-test-abort")
         out = await asyncio.wait_for(task, 60)
         assert out.finish_reason == "abort" and len(out.output_ids) < LONG["max_new_tokens"]
@@ -93,11 +90,11 @@ async def test_abort_by_rid_and_on_cancel(sglang_engine):
         # Cancelling the caller aborts the request on the engine: the engine is idle again soon,
         # so a pause in in_place mode followed by a flush (which needs no running request) works.
         task = asyncio.ensure_future(client.generate(PROMPT, LONG))
-        await _wait_running(sglang_engine, client, task)
+        await _wait_running(sglang_engine.url, task)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(1.0)
+        await wait_idle(sglang_engine.url)
         await client.flush_cache(timeout_s=20.0)
 
 
@@ -112,8 +109,7 @@ async def test_flush_while_a_request_is_retracted_then_it_continues(sglang_engin
     params = {"max_new_tokens": 1024, "temperature": 1.0, "ignore_eos": True}
     async with SGLangClient(sglang_engine.url) as client:
         task = asyncio.ensure_future(client.generate(PROMPT, params))
-        await _wait_running(sglang_engine, client, task)
-        assert not task.done()
+        await _wait_running(sglang_engine.url, task)
         await client.pause("retract")
         try:
             with pytest.raises(EngineRequestError, match="idle"):

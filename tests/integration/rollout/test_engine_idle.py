@@ -7,10 +7,13 @@ minutes (the shared test engines ran so through the whole suite).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import psutil
 import pytest
+
+from megarl.testing.engine_state import wait_idle
 
 IDLE_WINDOW_S = 6.0
 MAX_IDLE_CORE_FRACTION = 0.2
@@ -27,7 +30,7 @@ def _scheduler(pid: int) -> psutil.Process:
 def test_idle_engine_scheduler_does_not_spin(sglang_engine):
     assert "--sleep-on-idle" in sglang_engine.command()
     scheduler = _scheduler(sglang_engine.pid)
-    time.sleep(2.0)  # let a request of an earlier test drain
+    asyncio.run(wait_idle(sglang_engine.url))  # a request of an earlier test has drained
     before = scheduler.cpu_times()
     time.sleep(IDLE_WINDOW_S)
     after = scheduler.cpu_times()
