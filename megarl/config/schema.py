@@ -220,8 +220,9 @@ class WeightSyncConfig:
     verify: str = "first"
     """Check engine logprobs against the trainer after a sync: ``off``, ``first``, ``always``."""
     verify_tolerance: float = 1.0e-2
-    """Max allowed mean absolute logprob difference in verification (with ``train.fp8`` at least
-    ``megarl.training.fp8.FP8_VERIFY_TOLERANCE``: FP8 trainer GEMMs vs BF16 engine GEMMs)."""
+    """Max allowed mean absolute logprob difference in verification, BF16 trainer vs BF16 engine;
+    ``megarl.training.fp8.verify_tolerance`` widens it for an FP8 trainer (``train.fp8``) and for
+    engines serving a block-FP8 checkpoint."""
     timeout_s: float = 600.0
     """Seconds before a sync is declared failed."""
 

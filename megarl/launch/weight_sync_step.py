@@ -76,6 +76,21 @@ def probe_routes(engine_url: str, probes: TrainBatch) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def engines_serve_block_fp8(cfg: Any) -> bool:
+    """Whether the engines serve a block-FP8 checkpoint: ``model.hf_path``'s ``quantization_config``
+    (the directory every engine serves, ``megarl.rollout.engine_view`` keeps that config).
+
+    Raises:
+        ValueError: a ``quantization_config`` megarl cannot serve (names the field).
+    """
+    from megarl.models.fp8_blocks import parse_quantization_config
+    from megarl.training.model import load_hf_config
+
+    hf_config = load_hf_config(str(cfg.model.hf_path))
+    return parse_quantization_config(getattr(hf_config, "quantization_config", None),
+                                     where=f"{cfg.model.hf_path}/config.json quantization_config") is not None
+
+
 def connect(run: Any) -> None:
     """Build the synchronizers on every trainer rank (after the engines are up, or restarted)."""
     directory = str(run.run_dir / "weight_sync")
@@ -100,8 +115,9 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
             probes = probes.replace(routed_experts=probe_routes(run.engine_urls[0], probes))
         from megarl.training.fp8 import verify_tolerance
 
-        # FP8 trainer logprobs vs the engine's BF16 ones: the tolerance covers quantisation.
-        tolerance = verify_tolerance(cfg.train, float(cfg.weight_sync.verify_tolerance))
+        # FP8 trainer GEMMs, block-FP8 engine weights: the tolerance covers each quantisation present.
+        tolerance = verify_tolerance(cfg.train, float(cfg.weight_sync.verify_tolerance),
+                                     engine_block_fp8=engines_serve_block_fp8(cfg))
         results = run.trainer.verify_weights(probes, tolerance)
         metrics.update(next((r for r in results if r), {}))
     run.synced_once = True
