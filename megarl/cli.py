@@ -14,9 +14,10 @@
         [--k 1,4,...] [--out REPORT.json]       pass@k, reward, tool use of a checkpoint (megarl.launch.evaluate)
 
 Every command that takes a config validates it first and reports all problems at once.
-An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint, a
-plan that cannot be built) is one line on stderr and exit status 2; `--debug` (anywhere on the line)
-or MEGARL_DEBUG=1 adds its traceback.
+An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint or
+model, a plan that cannot be built; an OSError: a path missing, unreadable or unwritable, an output
+that exists) is one line on stderr and exit status 2; `--debug` (anywhere on the line) or
+MEGARL_DEBUG=1 adds its traceback.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence
 
 from omegaconf import DictConfig
 
@@ -93,9 +94,7 @@ def cmd_make_tiny_model(args: argparse.Namespace, rest: list[str]) -> int:
     from pathlib import Path
 
     tool = Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py"
-    sys.argv = [str(tool), *rest]
-    runpy.run_path(str(tool), run_name="__main__")
-    return 0
+    return runpy.run_path(str(tool), run_name="megarl_make_tiny_model")["main"](rest, prog="megarl make-tiny-model")
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -213,32 +212,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     filter_known_noise()
     parser = build_parser()
+    debug = "--debug" in argv or os.environ.get("MEGARL_DEBUG", "") not in ("", "0")
     if argv and argv[0] == "make-tiny-model":
-        return cmd_make_tiny_model(argparse.Namespace(), argv[1:])
+        return report_expected_errors("megarl make-tiny-model",
+                                      lambda: cmd_make_tiny_model(argparse.Namespace(), argv[1:]), debug=debug)
     if argv == ["doctor"]:
         from megarl.doctor import main as doctor
 
         return doctor()
-    debug = "--debug" in argv or os.environ.get("MEGARL_DEBUG", "") not in ("", "0")
     args, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
     if extra and args.command != "eval":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # what parse_args does
-    try:
+    commands = {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert, "index": cmd_index,
+                "plan-sync": cmd_plan_sync, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval}
+
+    def run() -> int:
         if extra:  # eval: overrides after its options (argparse ends `overrides` at the first option)
             from megarl.launch.evaluate import take_overrides
 
             args.overrides = [*args.overrides, *take_overrides(extra)]
-        return {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert,
-                "index": cmd_index, "plan-sync": cmd_plan_sync, "plan": cmd_plan,
-                "show": cmd_show, "eval": cmd_eval}[args.command](args)
-    except UserError as e:  # expected: what the user gave is wrong; the message says what to change
+        return commands[args.command](args)
+
+    return report_expected_errors(f"megarl {args.command}", run, debug=debug)
+
+
+def report_expected_errors(prog: str, run: Callable[[], int], *, debug: bool) -> int:
+    """``run()``, with an expected error reported as one line on stderr (``PROG: message``) and exit
+    status 2 instead of a traceback; ``debug`` prints the traceback too.
+
+    Expected: :class:`megarl.errors.UserError` (a bad config, a truncated or mismatched checkpoint,
+    a plan that cannot be built) and :class:`OSError` (a path that does not exist, is not a
+    directory, cannot be read or written, an output that exists). Anything else is a bug and keeps
+    its traceback. tools/convert_*.py report through this function too.
+    """
+    try:
+        return run()
+    except UserError as e:  # what the user gave is wrong; the message says what to change
         if debug:
             traceback.print_exc()
         # one line; a configuration with several problems lists one per line (validate reports them all)
         text = str(e) if len(getattr(e, "issues", ())) > 1 else e.one_line()
-        print(f"megarl {args.command}: {text}", file=sys.stderr)
+        print(f"{prog}: {text}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path: missing, not a directory, not readable or writable, an existing output
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: {_os_error_line(e)}", file=sys.stderr)
+        return UserError.exit_code
 
+
+def _os_error_line(e: OSError) -> str:
+    """``[Errno 2] No such file or directory: 'x'`` as ``x: No such file or directory``; a message of
+    our own (``OSError("...")``) as it is, on one line."""
+    if e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split()) or type(e).__name__
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,5 +24,5 @@ class UserError(ValueError):
     def one_line(self) -> str:
         """The message on one line: continuation lines joined with ``; `` (a ``ConfigError`` lists
         each problem on its own line)."""
-        parts = [line.strip().lstrip("- ").strip() for line in str(self).splitlines()]
+        parts = [line.strip().removeprefix("- ").strip() for line in str(self).splitlines()]  # bullets, not `--flag`
         return "; ".join(p for p in parts if p).replace(":;", ":")

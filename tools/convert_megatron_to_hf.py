@@ -11,6 +11,7 @@ written atomically. The same command as ``megarl convert megatron-to-hf`` (flags
 megarl.checkpoint.convert_cli).
 """
 import argparse
+import os
 import sys
 
 from megarl.checkpoint.convert_cli import add_megatron_to_hf_arguments, run_megatron_to_hf
@@ -23,8 +24,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    print(f"wrote {run_megatron_to_hf(build_parser().parse_args(argv))}")
-    return 0
+    from megarl.cli import report_expected_errors
+
+    args = build_parser().parse_args(argv)
+
+    def run() -> int:
+        print(f"wrote {run_megatron_to_hf(args)}")
+        return 0
+
+    # an expected error (a missing path, an existing OUT_DIR, a damaged checkpoint) is one line, exit 2
+    return report_expected_errors(os.path.basename(__file__), run,
+                                  debug=os.environ.get("MEGARL_DEBUG", "") not in ("", "0"))
 
 
 if __name__ == "__main__":

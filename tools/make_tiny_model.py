@@ -16,8 +16,10 @@ import sys
 from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None) -> int:
+    """The command line (``prog``: the name usage lines show, ``megarl make-tiny-model`` from megarl)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--gsm8k-dir", default=None)
     for f in dataclasses.fields(TinyModelSpec):
@@ -29,7 +31,10 @@ def main(argv=None) -> int:
             parser.add_argument(flag, type=kind, default=f.default)
     args = parser.parse_args(argv)
     spec = TinyModelSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyModelSpec)})
-    out = make_tiny_model(args.out_dir, spec, gsm8k_dir=args.gsm8k_dir)
+    try:
+        out = make_tiny_model(args.out_dir, spec, gsm8k_dir=args.gsm8k_dir)
+    except ValueError as e:  # a field out of its domain (an unknown family): one line naming it, exit 2
+        parser.error(str(e))
     print(f"wrote {out} ({spec.family}, {spec.num_hidden_layers} layers, hidden {spec.hidden_size})")
     return 0
 

@@ -55,7 +55,8 @@ def copy_hf_metadata(src: Path, dst: Path) -> None:
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The dist checkpoint directory itself: ``path``, or ``path/trainer`` for a trainer step directory.
+    """The dist checkpoint directory itself: ``path``, or ``path/trainer`` for a trainer step directory;
+    a run's ``checkpoints/`` directory (it holds ``latest``) stands for its newest complete step.
 
     Raises:
         FileNotFoundError: ``path`` is not a directory, or neither it nor ``path/trainer`` holds a
@@ -64,6 +65,8 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
+    if (path / "latest").is_file():  # a save_dir: the trainer writes `latest` after a step is complete
+        path = path / (path / "latest").read_text().strip()
     for candidate in (path, path / TRAINER_SUBDIR):
         if (candidate / "metadata.json").is_file() and (candidate / ".metadata").is_file():
             return candidate
@@ -75,8 +78,11 @@ def _atomic_dir(out_dir: Path, overwrite: bool) -> Path:
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True / --overwrite)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:  # named after the output asked for, not the temporary sibling
+        raise OSError(e.errno, f"cannot create it: {e.strerror}", str(out_dir)) from e
 
 
 def _publish(tmp: Path, out_dir: Path) -> Path:
@@ -168,6 +174,7 @@ def plan_import(hf_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 
 
     Raises:
         ConfigMismatchError / CheckpointFileError: as :func:`hf_to_megatron`.
+        FileNotFoundError: ``hf_dir`` has no config.json.
         ValueError: expert parallelism asked of a model without experts.
     """
     from megarl.checkpoint.config_check import check_weights_match_config
@@ -175,6 +182,8 @@ def plan_import(hf_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 
     from megarl.training.model import load_hf_config
 
     hf_dir = Path(hf_dir).resolve()
+    if not (hf_dir / "config.json").is_file():  # before transformers, which would try it as a hub id
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
     hf_config = load_hf_config(hf_dir)
     check_weights_match_config(hf_dir, hf_config)
     if expert_model_parallel_size > 1 and not any(get_family(hf_config).architecture(hf_config)["moe_layers"]):
@@ -237,7 +246,9 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     stored = ckpt_dir / HF_CONFIG_SUBDIR
     config_dir = Path(hf_config_dir).resolve() if hf_config_dir else stored
     if not (config_dir / "config.json").exists():
-        raise FileNotFoundError(f"no HF config: {config_dir / 'config.json'} is missing (pass --hf-config)")
+        hint = f"hf_config_dir / --hf-config {hf_config_dir}: not" if hf_config_dir else "no HF config:"
+        raise FileNotFoundError(f"{hint} {config_dir / 'config.json'} is missing" +
+                                ("" if hf_config_dir else " (pass --hf-config HF_DIR)"))
     if hf_config_dir and (stored / "config.json").exists():
         compare_configs(load_hf_config(stored), load_hf_config(config_dir),
                         expected_file=stored / "config.json", actual_file=config_dir / "config.json")

@@ -72,11 +72,8 @@ def _trainer_step_dir(ckpt: Path) -> Path | None:
 def _resolve_checkpoint(path: str) -> Path:
     from megarl.checkpoint.convert import resolve_checkpoint_dir
 
-    p = Path(path)
-    if (p / "latest").is_file():  # a save_dir: its newest complete checkpoint
-        p = p / (p / "latest").read_text().strip()
-    try:
-        return resolve_checkpoint_dir(p).resolve()
+    try:  # also a save_dir: its newest complete checkpoint
+        return resolve_checkpoint_dir(path).resolve()
     except FileNotFoundError as e:
         raise EvalArgumentError(f"argument --checkpoint {path}: {e}") from e
 

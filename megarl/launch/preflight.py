@@ -2,13 +2,16 @@
 
 :func:`preflight` gathers :func:`megarl.config.validate.config_issues` (the rules that need only the
 config and the model's ``config.json``) with the rules each layer enforces at run time and can check
-on paper: the FP8 recipe (:func:`megarl.training.fp8.fp8_recipe_issues`), the pipeline stages' layers
+on paper: the model's weights against its config.json
+(:func:`megarl.checkpoint.config_check.check_weights_match_config`), the FP8 recipe
+(:func:`megarl.training.fp8.fp8_recipe_issues`), the pipeline stages' layers
 (:class:`megarl.weight_sync.layout.TrainerLayout`) and ``model.load_dir``
 (:func:`megarl.checkpoint.load_dir.check_load_dir`). Each rule is defined once, in its layer; this
 module only collects. :func:`prepare_config` is what every ``megarl`` command that takes a config runs.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig, OmegaConf
@@ -68,6 +71,24 @@ def _check_load_dir(c: Checker) -> None:
         c.check(False, "model.load_dir", str(e))
 
 
+def _check_hf_weights(c: Checker) -> None:
+    """``model.hf_path``'s weights: complete safetensors headers holding what its ``config.json``
+    says (layers, experts, every tensor's shape), as ``megarl convert`` checks them
+    (:func:`megarl.checkpoint.config_check.check_weights_match_config`; headers only, no data read).
+    A directory without weights (the GPU recipes' ``configs/models/*``: config.json alone) is skipped."""
+    from megarl.checkpoint.config_check import check_weights_match_config
+    from megarl.checkpoint.hf_io import INDEX_FILE
+    from megarl.errors import UserError
+
+    hf_dir = Path(c.cfg.model.hf_path)
+    if not (hf_dir / INDEX_FILE).is_file() and not any(hf_dir.glob("*.safetensors")):
+        return
+    try:
+        check_weights_match_config(hf_dir)
+    except UserError as e:  # CheckpointFileError (missing, truncated), ConfigMismatchError
+        c.check(False, "model.hf_path", e.one_line())
+
+
 def _run(c: Checker, skip_errors: bool, rule: Callable[[Checker], Any]) -> None:
     """A layer's rule on a config that may hold values already reported as invalid: then a rule that
     cannot compute is skipped, not raised (as the config's own cross-field rules are)."""
@@ -99,6 +120,8 @@ def preflight(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = Tr
     _run(c, bool(issues), _check_fp8_recipe)
     if check_paths:
         _run(c, bool(issues), _check_stage_layers)  # an unreadable config.json is already reported
+        if not any(issue.key == "model.hf_path" for issue in c.issues):
+            _check_hf_weights(c)
         if not any(issue.key == "model.hf_path" for issue in c.issues):
             _check_load_dir(c)
     if check_paths and check_fit and not c.issues:

@@ -175,11 +175,13 @@ def show(run_dir: str | Path, *, step: int | None = None, filter_expr: str | Non
         The number of trajectories shown.
 
     Raises:
-        ShowError: see :func:`load_steps` and :func:`parse_filter`.
+        ShowError: see :func:`load_steps` and :func:`parse_filter`; ``html_out``'s directory is missing.
     """
     from rich.console import Console
 
     keep = parse_filter(filter_expr)
+    if html_out is not None and not Path(html_out).resolve().parent.is_dir():  # before printing the run
+        raise ShowError(f"--html {html_out}: the directory {Path(html_out).resolve().parent} does not exist")
     steps = load_steps(run_dir, step)
     console = console or Console()
     shown = render(console, steps, keep)
