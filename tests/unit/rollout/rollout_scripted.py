@@ -40,6 +40,14 @@ class ScriptedEngine:
         self.routes_on_abort = True
         """An aborted turn returns its routes, as SGLang 0.5.23 does for a request aborted while running."""
 
+    async def wait_calls(self, num_calls: int, timeout_s: float = 10.0) -> None:
+        """Wait until ``generate`` has been called ``num_calls`` times (that turn is then in flight)."""
+        async def called():
+            while len(self.calls) < num_calls:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(called(), timeout_s)
+
     def logprob(self, position: int) -> float:
         return -0.01 * (position % 97) - 0.001
 

@@ -162,7 +162,7 @@ async def test_abort_then_resume_keeps_tokens_and_versions(tokenizer, scripted_e
     state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, 0)
     import asyncio
     task = asyncio.ensure_future(run_agent(tool_agent, ctx, state))
-    await asyncio.sleep(0.05)
+    await engine.wait_calls(1)  # the first turn is in flight
     await engine.pause("abort")
     first = await task
     assert first.status == RolloutStatus.ABORTED and first.num_turns == 1
@@ -229,7 +229,7 @@ async def test_routed_experts_resume_after_an_aborted_turn(tokenizer, scripted_e
     ctx = make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True)
     state = new_state(ctx, ctx.template.prompt_ids(QUESTION), {}, group_id=0)
     task = asyncio.create_task(run_agent(single_turn, ctx, state))
-    await asyncio.sleep(0.2)
+    await engine.wait_calls(1)  # the first turn is in flight
     await engine.pause("abort")
     aborted = await task
     assert aborted.status == RolloutStatus.ABORTED and aborted.response_ids.numel() > 0
@@ -251,7 +251,7 @@ async def test_routed_experts_lost_by_an_abort_are_an_error(tokenizer, scripted_
     engine.routes_on_abort = False
     ctx = make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True)
     task = asyncio.create_task(run(ctx, loop=single_turn))
-    await asyncio.sleep(0.2)
+    await engine.wait_calls(1)  # the turn is in flight
     await engine.pause("abort")
     traj = await task
     assert traj.status == RolloutStatus.ERROR and "routed_experts" in traj.metadata["error"], traj.metadata

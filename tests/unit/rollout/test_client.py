@@ -69,6 +69,14 @@ class Peer:
     def paths(self) -> list[str]:
         return [p for p, _ in self.requests]
 
+    async def received(self, path: str, rid: str, timeout_s: float = 10.0) -> None:
+        """Wait until a request to ``path`` for ``rid`` has arrived (polled every 10 ms)."""
+        async def arrived():
+            while not any(p == path and isinstance(b, dict) and b.get("rid") == rid for p, b in self.requests):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(arrived(), timeout_s)
+
 
 def test_decode_routed_experts_is_little_endian_row_major():
     values = list(range(2 * 3 * 2))  # rows=2, L=3, K=2
@@ -162,11 +170,12 @@ async def test_timeout_and_cancellation_abort_the_request_on_the_engine():
             with pytest.raises(EngineTimeoutError):
                 await client.generate([1], {}, rid="r-timeout")
             task = asyncio.ensure_future(client.generate([1], {}, rid="r-cancel"))
-            await asyncio.sleep(0.1)
+            await peer.received("/generate", "r-cancel")  # in flight on the engine
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await asyncio.sleep(0.3)  # the abort is sent in the background
+            for rid in ("r-timeout", "r-cancel"):  # the aborts are sent in the background
+                await peer.received("/abort_request", rid)
     finally:
         await peer.stop()
     aborts = [body["rid"] for path, body in peer.requests if path == "/abort_request"]

@@ -79,8 +79,14 @@ async def test_sessions_stick_and_new_sessions_go_to_least_loaded():
     assert [o.engine_id for o in again] == [o.engine_id for o in first]
 
     a.gate = asyncio.Event()  # a is busy: a new session goes to b
+    num_calls = len(a.calls)
     busy = asyncio.ensure_future(router.generate([1], {}, session_id="s0"))
-    await asyncio.sleep(0.01)
+
+    async def busy_reached_a():
+        while len(a.calls) == num_calls:
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(busy_reached_a(), 10)  # it now waits at a's gate
     assert (await router.generate([1], {}, session_id="new")).engine_id == "b"
     a.gate.set()
     assert (await busy).engine_id == "a"
