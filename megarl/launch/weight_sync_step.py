@@ -3,7 +3,8 @@
 Ordering (done by the synchronizer's coordinator, trainer rank 0): pause generation on every
 engine -> push the resharded buckets -> flush the prefix caches -> set the engines'
 ``weight_version`` to the new policy version -> continue generation. Then, per
-``weight_sync.verify`` (``first`` / ``always``), the engines' teacher-forced logprobs on a few probe
+``weight_sync.verify`` (``first``: the first sync and the first that changed the weights,
+:func:`verify_now`; ``always``), the engines' teacher-forced logprobs on a few probe
 sequences are compared with the trainer's (SGLang reports success even for tensors it ignored, so
 the only proof of a sync is the engines' output), and the engines' ``weight_version`` is read
 back so the log shows it advancing.
@@ -92,11 +93,47 @@ def engines_serve_block_fp8(cfg: Any) -> bool:
 
 
 def connect(run: Any) -> None:
-    """Build the synchronizers on every trainer rank (after the engines are up, or restarted)."""
+    """Build the synchronizers on every trainer rank (after the engines are up, or restarted);
+    resets what ``verify: first`` has checked (``run.synced_once``, ``run.verified_changed``)."""
     directory = str(run.run_dir / "weight_sync")
     run.trainer.close_weight_sync()
     run.trainer.connect_weight_sync(run.engine_urls, directory)
     run.synced_once = False
+    run.verified_changed = False  # a restarted engine serves its checkpoint's weights again
+
+
+def verify_now(verify: str, *, first_sync: bool, changed: bool, verified_changed: bool) -> bool:
+    """Whether this sync is checked against the trainer (``weight_sync.verify``).
+
+    ``always``: every sync. ``first``: the first sync of a connection (the trainer's weights equal
+    the engines' checkpoint: conversion and loading agree) and the first one that changed the
+    weights since (after a training step, or SFT before RL): a tensor the engines never loaded
+    keeps its old value, which the unchanged first sync cannot tell from a loaded one.
+    ``off``: never.
+
+    Args:
+        verify: ``off``, ``first`` or ``always``.
+        first_sync: no sync since the engines were connected.
+        changed: the weights pushed differ from those the engines held before (a newer policy
+            version than the last sync's; at a connection's first sync, after SFT or a resume).
+        verified_changed: a sync that changed the weights was checked since the connection.
+    """
+    if verify == "always":
+        return True
+    return verify == "first" and (first_sync or (changed and not verified_changed))
+
+
+def verifies(run: Any, version: int) -> bool:
+    """Whether the sync of policy ``version`` about to run is verified (:func:`verify_now` on the
+    run's state; records a verified sync that changed the weights in ``run.verified_changed``).
+    The engines hold their checkpoint before a connection's first sync (changed after SFT or a
+    resume: ``version > 0``), else the last sync's version (``run.synced_version``)."""
+    first = not run.synced_once
+    changed = (run.trained_before_rl or version > 0) if first else version != run.synced_version
+    verify = verify_now(run.cfg.weight_sync.verify, first_sync=first, changed=changed,
+                        verified_changed=run.verified_changed)
+    run.verified_changed = run.verified_changed or (verify and changed)
+    return verify
 
 
 def sync_engines(run: Any, version: int) -> dict[str, float]:
@@ -105,9 +142,9 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
     if not run.sync_connected:
         connect(run)
         run.sync_connected = True
+    verify = verifies(run, version)
     metrics = dict(run.trainer.sync_weights(version))
-    verify = cfg.weight_sync.verify
-    if verify == "always" or (verify == "first" and not run.synced_once):
+    if verify:
         if run.probes is None:
             run.probes = probe_batch(run)
         probes = run.probes
