@@ -15,13 +15,12 @@ Qwen3-30B-A3B) never pass through the driver: `RolloutWorker.generate` puts each
 routes in the Ray object store and leaves the reference in the trajectory the driver receives; the
 trainer rank that trains the sequence reads it (`megarl.launch.trainer_group.TrainerWorker.prepare`).
 This actor owns those objects (it put them) and lives as long as the run, so they outlive the
-rollout call; a reference cannot outlive the Ray session, so a checkpoint stores the tensors
-(`materialize_routes`).
+rollout call; a reference cannot outlive the Ray session, so a checkpoint writes them to files, one
+Ray task per group, never through the driver (:mod:`megarl.launch.route_files`).
 """
 from __future__ import annotations
 
 import collections
-import copy
 import hashlib
 import logging
 from typing import Any, Sequence
@@ -88,32 +87,6 @@ def put_routes(groups: Sequence[Any]) -> None:
         for traj in group.trajectories:
             if isinstance(traj.routed_experts, torch.Tensor):
                 traj.routed_experts = ray.put(traj.routed_experts)
-
-
-def materialize_routes(groups: Sequence[Any]) -> list[Any]:
-    """Copies of ``groups`` whose trajectories hold their routes as tensors again (for pickling
-    into a checkpoint, where a reference would not survive the Ray session); the input is unchanged.
-
-    Returns:
-        The groups (the same objects where no trajectory held a reference).
-    """
-    out = []
-    for group in groups:
-        refs = [t.routed_experts for t in group.trajectories if isinstance(t.routed_experts, ray.ObjectRef)]
-        if not refs:
-            out.append(group)
-            continue
-        tensors = dict(zip(refs, ray.get(refs)))
-        trajs = []
-        for traj in group.trajectories:
-            if isinstance(traj.routed_experts, ray.ObjectRef):
-                traj = copy.copy(traj)
-                traj.routed_experts = tensors[traj.routed_experts]
-            trajs.append(traj)
-        group = copy.copy(group)
-        group.trajectories = trajs
-        out.append(group)
-    return out
 
 
 def _records(trajectories: Sequence[Any], rows: Sequence[dict]) -> list[dict]:

@@ -30,7 +30,8 @@ from megarl.cluster.engines import EngineGroup
 from megarl.launch.hf_export import BackgroundExport
 from megarl.launch.metrics import MetricsLogger
 from megarl.cluster.retrieval import start_retrieval, stop_retrieval
-from megarl.launch.rollout_actor import RolloutWorker, materialize_routes
+from megarl.launch.rollout_actor import RolloutWorker
+from megarl.launch.route_files import write_routes
 from megarl.launch.trainer_group import TrainerGroup
 
 logger = logging.getLogger("megarl.train")
@@ -334,11 +335,12 @@ class Run:
         self.state.sampler = self.sampler.state_dict()
         self.state.rng = rs.capture_rng()
         self.state.pending_rollouts = []
-        for item in pending:  # async: the in-flight rollouts are finished and saved with the state
+        for k, item in enumerate(pending):  # async: the in-flight rollouts are finished and saved with the state
             batch = item.wait()
-            # R3 routes: references into the object store -> tensors (a reference dies with the session)
+            # R3 routes: references (which die with the session) -> files written by one task per
+            # group, never gathered here (megarl.launch.route_files)
             self.state.pending_rollouts.append({"step": item.step, "rows": item.rows,
-                                                "groups": materialize_routes(batch.groups),
+                                                "groups": write_routes(batch.groups, ckpt, f"p{k}"),
                                                 "metrics": dict(batch.metrics),
                                                 "policy_version": item.policy_version})
         rs.save_driver_state(ckpt, self.state, OmegaConf.to_yaml(self.cfg, resolve=True))

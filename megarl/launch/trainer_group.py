@@ -106,15 +106,14 @@ class TrainerWorker:
         return p.dp_rank, p.dp_size, p.cp_size
 
     def prepare(self, shard: Any) -> dict[str, float]:
-        """Resolve the R3 route references of this rank's shard, then `Trainer.prepare` it
+        """Resolve the R3 routes of this rank's shard (object-store references, or a checkpoint's
+        route files: :func:`megarl.launch.route_files.resolve_routes`), then `Trainer.prepare` it
         (kept on the rank for `train_step`); returns its (reduced) metrics."""
+        from megarl.launch.route_files import resolve_routes
         from megarl.training.shard import with_routes
 
-        if shard.route_refs is not None:
-            refs = [r for r in shard.route_refs if isinstance(r, ray.ObjectRef)]
-            resolved = dict(zip(refs, ray.get(refs))) if refs else {}
-            shard = with_routes(shard, [resolved.get(r, r) if isinstance(r, ray.ObjectRef) else r
-                                        for r in shard.route_refs])
+        if shard.route_refs is not None:  # references, or files of a checkpoint's in-flight rollouts
+            shard = with_routes(shard, resolve_routes(shard.route_refs))
         return self.trainer.prepare(shard)
 
     def train_step(self, mini: int) -> dict[str, float]:
