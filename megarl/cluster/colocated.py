@@ -4,15 +4,19 @@ Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.engine
 At start (:meth:`megarl.launch.run.Run.build`) the engines, once ready, release everything before
 the trainer ranks are built, and resume before the first weight sync (which rewrites the weights):
 the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
-weight sync) the trainer keeps its share: ``rollout.engine.mem_fraction_static`` +
-``cluster.colocated_trainer_memory_fraction`` must fit the GPU (``megarl validate``).
+weight sync) the trainer keeps its share, enforced on the device: ``rollout.engine.mem_fraction_static``
++ ``cluster.colocated_trainer_memory_fraction`` must fit the GPU, and the trainer's planned resident
+memory its fraction (``megarl validate``, `megarl.plan.fit`).
 Around each train step (synchronous mode; the engines are idle once the step's rollout is done):
 
 1. :func:`release` — ``/release_memory_occupation`` of ``kv_cache`` and ``cuda_graph``, and of
    ``weights`` when the step ends with a weight sync (released weights come back uninitialised;
-   the sync rewrites every one of them): the trainer computes logprobs and trains;
-2. :func:`resume` — ``/resume_memory_occupation`` of ``weights`` first, then of the rest, before
-   the weight sync (it flushes the prefix cache, and its verification runs the engines' forward);
+   the sync rewrites every one of them), then the trainer ranks' memory cap is lifted: the trainer
+   computes logprobs and trains;
+2. :func:`resume` — every trainer rank releases its cached CUDA blocks and is capped at
+   ``cluster.colocated_trainer_memory_fraction`` of its GPU (`megarl.training.memory_limit`), then
+   ``/resume_memory_occupation`` of ``weights`` first, then of the rest, before the weight sync (it
+   flushes the prefix cache, and its verification runs the engines' forward);
 3. the weight sync, then the next rollout.
 
 SGLang's scheduler refuses a release while it has requests and a resume of a tag that was not
@@ -20,27 +24,35 @@ released (it keeps the set of released tags), so the two resumes must follow one
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 WEIGHT_TAGS = ("weights",)
 REST_TAGS = ("kv_cache", "cuda_graph")
 """With ``weights``, SGLang's ``GPU_MEMORY_ALL_TYPES`` (``sglang.srt.constants``)."""
 
 
-def release(engine_urls: Sequence[str], *, weights: bool) -> tuple[str, ...]:
-    """Free every engine's KV cache and CUDA graphs (and weights); engines must be idle.
+def release(engine_urls: Sequence[str], *, weights: bool, trainer: Any = None) -> tuple[str, ...]:
+    """Free every engine's KV cache and CUDA graphs (and weights); engines must be idle. Then lift the
+    trainer ranks' memory cap (``trainer.colocated_memory(False)``), when a trainer is given.
 
     Returns:
         The tags released (what :func:`resume` takes).
     """
     tags = (WEIGHT_TAGS if weights else ()) + REST_TAGS
     _call(engine_urls, "release_memory_occupation", tags)
+    if trainer is not None:
+        trainer.colocated_memory(False)
     return tags
 
 
-def resume(engine_urls: Sequence[str], tags: Sequence[str]) -> None:
+def resume(engine_urls: Sequence[str], tags: Sequence[str], *, trainer: Any = None) -> None:
     """Re-allocate what :func:`release` freed: weights first (the largest, and the sync's target),
-    then the KV cache and CUDA graphs."""
+    then the KV cache and CUDA graphs. First, when a trainer is given, every trainer rank releases
+    its cached blocks and is capped at ``cluster.colocated_trainer_memory_fraction`` of its GPU
+    (``trainer.colocated_memory(True)``, `megarl.training.memory_limit`): the engines get back what
+    they lent."""
+    if trainer is not None:
+        trainer.colocated_memory(True)
     weights = [t for t in tags if t in WEIGHT_TAGS]
     if weights:
         _call(engine_urls, "resume_memory_occupation", weights)

@@ -258,14 +258,14 @@ class Run:
             return
         if weights is None:
             weights = int(self.cfg.weight_sync.every_n_steps) == 1
-        self.engine_memory_released = colocated.release(self.engine_urls, weights=weights)
+        self.engine_memory_released = colocated.release(self.engine_urls, weights=weights, trainer=self.trainer)
 
     def resume_engine_memory(self) -> None:
         """Give the engines their memory back (weights, then KV cache and CUDA graphs); no-op if not lent."""
         from megarl.cluster import colocated
 
         if self.engine_memory_released:
-            colocated.resume(self.engine_urls, self.engine_memory_released)
+            colocated.resume(self.engine_urls, self.engine_memory_released, trainer=self.trainer)
             self.engine_memory_released = ()
 
     def heal_engines(self) -> list[str]:

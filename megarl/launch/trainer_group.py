@@ -128,6 +128,16 @@ class TrainerWorker:
         """Load this rank's part of a checkpoint (`Trainer.load_checkpoint`; every rank calls it)."""
         self.trainer.load_checkpoint(directory)
 
+    def colocated_memory(self, fraction: float | None) -> dict[str, float]:
+        """Colocated: release this rank's cached blocks and cap it at ``fraction`` of its GPU, or lift the
+        cap (None); on the device its model lives on (:mod:`megarl.training.memory_limit`)."""
+        from megarl.training import memory_limit
+
+        if fraction is None:
+            memory_limit.lift(self.trainer.device)
+            return {}
+        return memory_limit.shrink(self.trainer.device, fraction)
+
     def sft_step(self, batch: Any, lr: float) -> dict[str, float]:
         """One SFT (masked NLL) step on this rank's trainer (:func:`megarl.launch.sft.sft_step`)."""
         from megarl.launch.sft import sft_step
@@ -208,6 +218,7 @@ class TrainerGroup:
 
         self.world_size = trainer_world_size(cfg.cluster)
         self.timeout_s = float(cfg.cluster.trainer_call_timeout_s)
+        self.colocated_fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
         setup_timeout_s = float(cfg.cluster.trainer_setup_timeout_s if setup_timeout_s is None else setup_timeout_s)
         env = dict(env or {})
         self.workers = [TrainerWorker.options(**placement.trainer_options(r), name=None)
@@ -293,6 +304,16 @@ class TrainerGroup:
             TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
         """
         self._gather([w.load_checkpoint.remote(directory) for w in self.workers], self.timeout_s)
+
+    def colocated_memory(self, cap: bool) -> dict[str, float]:
+        """Every rank's :meth:`TrainerWorker.colocated_memory`: cap at ``cluster.colocated_trainer_memory_fraction``
+        (``cap``), or lift the cap; rank 0's numbers.
+
+        Raises:
+            TrainerGroupError: a rank still holds more than its fraction after releasing its cache.
+        """
+        fraction = self.colocated_fraction if cap else None
+        return self._gather([w.colocated_memory.remote(fraction) for w in self.workers], self.timeout_s)[0]
 
     def sft_step(self, batch: Any, *, lr: float) -> dict[str, float]:
         """One SFT step on every rank (the batch put in the object store once); the (identical)

@@ -150,6 +150,32 @@ def _engine_problem(fit: Fit, cfg, fp8: bool) -> str:
             f"--max-running-requests): " + ", or ".join(helps))
 
 
+RESIDENT = ("weights", "gradients", "main_weights", "adam_states", "reserved")
+"""What a trainer rank keeps between steps: its activations, logits and dispatch buffers are freed after
+the step and their cached blocks released (``torch.cuda.empty_cache``) before colocated engines resume."""
+
+
+def resident_bytes(mem: RankMemory) -> int:
+    """Bytes of :data:`RESIDENT` on a trainer rank: what it holds while colocated engines hold theirs."""
+    return sum(mem.consumers[name] for name in RESIDENT)
+
+
+def _colocated_problem(fit: Fit, cfg) -> str | None:
+    """Colocated: the trainer's resident memory against ``cluster.colocated_trainer_memory_fraction``."""
+    fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
+    limit, resident = fraction * fit.gpu.memory_bytes, resident_bytes(fit.trainer)
+    if cfg.cluster.placement != "colocated" or resident <= limit:
+        return None
+    reserved = fit.trainer.consumers["reserved"]
+    return (f"colocated: between steps a trainer rank (pipeline stage {fit.trainer.stage}) keeps "
+            f"{(resident - reserved) / GB:.1f} GB (weights, gradients, main weights, Adam states) + "
+            f"{reserved / GB:.1f} GB reserved = {resident / GB:.1f} GB, more than its limit while the engines hold "
+            f"theirs, cluster.colocated_trainer_memory_fraction={fraction} x {fit.gpu.memory_text} = "
+            f"{limit / GB:.1f} GB (torch.cuda.set_per_process_memory_fraction): raise the fraction and lower "
+            "rollout.engine.mem_fraction_static, or spread the trainer over more GPUs (megarl plan shows every "
+            "consumer)")
+
+
 def fit_problems(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> list[tuple[str, str]]:
     """``(key, message)`` for each side that does not fit ``gpu``: the largest consumer and what to change."""
     fit = plan_fit(cfg, hf_config, gpu, precision=precision)
@@ -174,6 +200,9 @@ def fit_problems(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> list[tuple[
                          "consumer; megarl plan --suggest a layout that fits)"))
     if not fit.engine_fits:
         out.append(("rollout.engine.tensor_parallel_size", _engine_problem(fit, cfg, is_block_fp8(hf_config))))
+    colocated = _colocated_problem(fit, cfg)
+    if colocated:
+        out.append(("cluster.colocated_trainer_memory_fraction", colocated))
     for key in ("cluster.trainer_devices_per_node", "cluster.rollout_devices_per_node"):
         name = key.split(".")[1]
         per_node = int(getattr(cfg.cluster, name))
