@@ -160,12 +160,17 @@ class OwnerPrediction:
 
     Every trainer rank sends the parts it holds, all stages at once (each over its own link), and
     each engine rank receives its own slices over its own: ``seconds = max(busiest trainer link,
-    busiest engine link) / inter_gbps``. ``bound_bytes``: what the busiest engine rank must receive
-    (its slices, once: ``plan.engine_shard_bytes``), ``bound_s`` that over its link.
+    busiest engine link) / inter_gbps`` (all stages at once needs one update session per engine for
+    the whole sync; ``staged_s``: with today's one session per stage at a time). ``bound_bytes``:
+    what the busiest engine rank must receive (its slices, once: ``plan.engine_shard_bytes``),
+    ``bound_s`` that over its link.
     """
 
     sends: OwnerSends
     seconds: float
+    staged_s: float
+    """The same with stages one after another (one open update session per engine at a time, as
+    the receiver's per-stage tickets are today): the sum over stages of their busiest link."""
     bound_bytes: int
     bound_s: float
     unaligned: list[str]
@@ -189,8 +194,11 @@ def predict_owner_senders(plan: WeightSyncPlan, placement, *, inter_gbps: float)
         raise ValueError("inter_gbps must be > 0 GB/s")
     sends = assign_senders(plan, placement)
     busiest = max(max(sends.sent.values(), default=0), max(max(r) for r in sends.received))
+    staged = sum(max(max(sent.values()), max(max(r) for r in sends.received_per_stage[pp]))
+                 for pp, sent in sends.sent_per_stage.items())
     nbytes, bound_s = physical_bound(plan, inter_gbps)
-    return OwnerPrediction(sends, busiest / (inter_gbps * GB), nbytes, bound_s, unaligned_parts(plan, placement))
+    return OwnerPrediction(sends, busiest / (inter_gbps * GB), staged / (inter_gbps * GB), nbytes, bound_s,
+                           unaligned_parts(plan, placement))
 
 
 def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_gbps: float) -> list[str]:
@@ -202,7 +210,8 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
              f"{inter_gbps:g} GB/s link: {p.bound_s:.2f} s",
              f"[p2p, owner senders: planned (senders.py); the running p2p sends as the [p2p] block below] "
              f"predicted {p.seconds:.2f} s = {p.seconds / p.bound_s:.2f} x the bound; trainer rank sent "
-             f"max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x {engines} engines) {ratio:.2f}"]
+             f"max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x {engines} engines) {ratio:.2f}; "
+             f"stages one after another: {p.staged_s:.2f} s"]
     if p.unaligned:
         lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): the "
                      f"holders of a straddled block agree its scale (max of their partial amax) before quantising")

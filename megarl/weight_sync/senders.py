@@ -38,6 +38,7 @@ class OwnerSends:
         sent: ``{trainer rank: bytes}`` each trainer rank sends to all engines together.
         sent_per_stage: ``{pp_rank: {trainer rank: bytes}}``.
         received: ``[engine][engine tp rank]`` bytes each engine rank receives.
+        received_per_stage: ``{pp_rank: [engine][engine tp rank]}``.
         shard: ``{trainer rank: bytes}`` of the synced parameters it holds (the trainer's dtype,
             Megatron shard sizes: a replicated parameter counts whole on every holder).
         assignment: ``{(param name, shard index, engine, engine tp rank): trainer rank}``.
@@ -47,6 +48,7 @@ class OwnerSends:
     sent: dict[int, int] = field(default_factory=dict)
     sent_per_stage: dict[int, dict[int, int]] = field(default_factory=dict)
     received: list[list[int]] = field(default_factory=list)
+    received_per_stage: dict[int, list[list[int]]] = field(default_factory=dict)
     shard: dict[int, int] = field(default_factory=dict)
     assignment: dict[tuple, int] = field(default_factory=dict)
     parts: dict[tuple, int] = field(default_factory=dict)
@@ -65,19 +67,15 @@ def holders(plan: WeightSyncPlan, transfer: ParamTransfer, source: ShardSource) 
                         for c in range(t.context_parallel_size) for d in range(t.data_parallel_size)))
 
 
-def _wire_share(plan: WeightSyncPlan, bucket) -> dict[tuple[str, int], tuple[int, int]]:
-    """``{(hf name, engine rank): (hf bytes, wire bytes)}`` of each engine rank's slice of each HF
-    tensor of ``bucket`` (wire: the FP8 weight and its scale blocks where the engines serve FP8)."""
+def _wire_bytes(plan: WeightSyncPlan, bucket) -> dict[tuple[str, int], int]:
+    """``{(hf name, engine rank): wire bytes}`` of each engine rank's slice of each HF tensor of
+    ``bucket`` (the FP8 weight and its scale blocks where the engines serve FP8)."""
     wire: dict[tuple[str, int], int] = defaultdict(int)
     for w in bucket.wire:
         base = w.scale_of.name if w.scale_of is not None else w.name
         for rank, sl in plan.engine_slices_of(w).items():
             wire[(base, rank)] += _numel(sl.shape(w.shape)) * w.itemsize
-    out = {}
-    for h in bucket.hf_tensors:
-        for rank, sl in plan.engine_slices_of(h).items():
-            out[(h.name, rank)] = (_numel(sl.shape(h.shape)) * h.itemsize, wire[(h.name, rank)])
-    return out
+    return wire
 
 
 def engine_parts(plan: WeightSyncPlan, placement: Placement) -> dict[tuple, int]:
@@ -86,16 +84,17 @@ def engine_parts(plan: WeightSyncPlan, placement: Placement) -> dict[tuple, int]
     filling it in proportion to their bytes, the remainder to the last one)."""
     parts: dict[tuple, int] = defaultdict(int)
     for bucket in plan.buckets:
-        share = _wire_share(plan, bucket)
+        wire = _wire_bytes(plan, bucket) if plan.quantization is not None else None
         by_tensor: dict[str, list] = defaultdict(list)
         for transfer in bucket.params:
             for piece in placement.pieces(transfer):
                 by_tensor[transfer.param.hf[piece.hf_index].name].append((transfer, piece))
         for spec in bucket.hf_tensors:
             for rank, sl in plan.engine_slices_of(spec).items():
-                hf_bytes, wire_bytes = share[(spec.name, rank)]
-                over = [(t, p, _overlap_bytes(spec, p, sl)) for t, p in by_tensor[spec.name] if overlaps(sl, p)]
-                over = [o for o in over if o[2]]
+                hf_bytes = _numel(sl.shape(spec.shape)) * spec.itemsize
+                wire_bytes = hf_bytes if wire is None else wire[(spec.name, rank)]
+                over = [(t, p, n) for t, p in by_tensor[spec.name] if overlaps(sl, p)
+                        for n in [_overlap_bytes(spec, p, sl)] if n]
                 given = 0
                 for k, (t, p, n) in enumerate(over):
                     nbytes = wire_bytes - given if k == len(over) - 1 else wire_bytes * n // hf_bytes
@@ -124,14 +123,19 @@ def assign_senders(plan: WeightSyncPlan, placement: Placement) -> OwnerSends:
                 out.shard[h] = out.shard.get(h, 0) + s.nbytes
     items = sorted(((len(cands[(n, k)]), -b, n, k, r) for (n, k, r), b in out.parts.items() if b))
     load: dict[int, int] = defaultdict(int)
+    copy = {h: t.replica_of(h) for hs in set(cands.values()) for h in hs}
     for _, neg, name, k, rank in items:
+        group = cands[(name, k)]
         for engine in range(plan.engine_layout.num_engines):
-            sender = min(cands[(name, k)], key=lambda h: (load[h], t.replica_of(h) != engine % copies, h))
+            sender = group[0] if len(group) == 1 else min(
+                group, key=lambda h: (load[h], copy[h] != engine % copies, h))
             load[sender] -= neg
             out.assignment[(name, k, engine, rank)] = sender
             out.received[engine][rank] -= neg
-            stage = out.sent_per_stage.setdefault(transfers[name].pp_rank, {})
+            pp_rank = transfers[name].pp_rank
+            stage = out.sent_per_stage.setdefault(pp_rank, {})
             stage[sender] = stage.get(sender, 0) - neg
+            out.received_per_stage.setdefault(pp_rank, [[0] * len(r) for r in out.received])[engine][rank] -= neg
     out.sent = dict(load)
     return out
 

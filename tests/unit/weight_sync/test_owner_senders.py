@@ -128,7 +128,7 @@ RECIPES = {"qwen3_30b_a3b_gpu": qwen3_moe_rank_bytes, "qwen3_235b_a22b_gpu": qwe
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_shipped_recipes_sync_within_the_physical_bound(recipe, monkeypatch):
-    """Each shipped GPU recipe on paper (about 10-25 s each here: the plans of 0.5-2 TB models)."""
+    """Each shipped GPU recipe on paper (7-100 s each on this loaded 2-core machine: plans of 0.06-2 TB models)."""
     from megarl.cli import prepare_config
     from megarl.weight_sync.predict import link_speeds, placement_from_config, plan_from_config, predict_owner_senders
 
