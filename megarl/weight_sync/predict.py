@@ -214,7 +214,8 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
              f"stages one after another: {p.staged_s:.2f} s"]
     if p.unaligned:
         lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): the "
-                     f"holders of a straddled block agree its scale (max of their partial amax) before quantising")
+                     f"holders of a straddled block share their parts of its amax, then quantise their own rows "
+                     f"(quantizer.quantize_rows)")
     ranks = sorted(p.sends.shard)
     cells = [f"{r}: {p.sends.sent.get(r, 0) / GB:.2f}" for r in ranks]
     lines.append("  outgoing GB per trainer rank:")

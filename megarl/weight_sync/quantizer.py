@@ -85,3 +85,48 @@ class WireQuantizer:
         bucket still overlaps the transfer of this one)."""
         for bucket, tensors, flat in buckets:
             yield self(bucket, tensors, flat)
+
+
+def rows_amax(rows: torch.Tensor, start: int, block) -> torch.Tensor:
+    """The part of each scale block's amax that rows ``[start, start + R)`` of a weight hold.
+
+    An owner sender holding only some rows of a block-FP8 weight (a trainer TP shard off the block
+    boundaries: MLA's ``q_a_proj`` 1536 / TP8 = 192 rows) computes this, the holders of a block
+    shared with a neighbour take the max of their parts (:func:`quantize_rows`' ``amax``), and each
+    quantises its own rows: the same bytes as quantising the gathered weight.
+
+    Args:
+        rows: ``[R, C]`` float rows of the weight, global rows ``[start, start + R)``.
+        start: the first row's index in the weight.
+        block: ``(bn, bk)``.
+
+    Returns:
+        ``[nb, ceil(C / bk)]`` float32: the blocks ``start // bn .. (start + R - 1) // bn``.
+    """
+    bn, bk = block
+    first, cols = start // bn, rows.shape[1]
+    nb, nb_c = (start + rows.shape[0] - 1) // bn - first + 1, -(-cols // bk)
+    padded = torch.zeros(nb * bn, nb_c * bk, dtype=torch.float32, device=rows.device)
+    padded[start - first * bn:start - first * bn + rows.shape[0], :cols] = rows.float().abs()
+    return padded.view(nb, bn, nb_c, bk).amax(dim=(1, 3))
+
+
+def quantize_rows(rows: torch.Tensor, start: int, block, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[start, start + R)`` of a weight to block FP8 with the blocks' whole amax.
+
+    Args:
+        rows: ``[R, C]`` float rows; start, block: as :func:`rows_amax`.
+        amax: ``[nb, ceil(C / bk)]`` each touched block's amax over all its rows (the max of its
+            holders' :func:`rows_amax`).
+
+    Returns:
+        ``(q [R, C] float8_e4m3fn, scale_inv [nb, ceil(C / bk)] float32)``; equal to the
+        corresponding rows / blocks of ``quantize_blockwise`` of the whole weight.
+    """
+    from megarl.models.fp8_blocks import _ZERO_AMAX, E4M3_MAX
+
+    bn, bk = block
+    scale = amax.clamp(min=_ZERO_AMAX) / E4M3_MAX
+    row_block = (torch.arange(start, start + rows.shape[0], device=rows.device) // bn) - start // bn
+    per = scale[row_block].repeat_interleave(bk, dim=1)[:, :rows.shape[1]]
+    return (rows.float() / per).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale

@@ -15,10 +15,14 @@ ties to the copy ``engine % copies`` (copies split the engines) and then to the 
 Deterministic: every trainer rank derives the same assignment from metadata.
 
 Block-FP8 engines: a holder quantises its own part; a 128 x 128 scale block is local when every
-boundary of the part along the split axis is a multiple of the block (:func:`unaligned_parts`
-lists those that are not; the shipped FP8 recipes have none, tested). A part that is not aligned
-is counted as sent by its holder all the same, and :func:`unaligned_parts` names it so that the
-caller refuses the layout (the sending path must then quantise after a gather).
+boundary of the part along the split axis is a multiple of the block. :func:`unaligned_parts`
+lists those that are not: on the shipped FP8 recipes (trainer TP8) MLA's ``q_a_proj`` (1536 rows,
+192 per shard) and ``kv_a_proj_with_mqa`` (576, 72 per shard), every other TP-split FP8 dimension
+is a multiple of 128 (tested). Such a part still leaves its holder: the holders of a block that
+straddles shards exchange their parts of its amax (``quantizer.rows_amax``: one fp32 per block
+column, 56 per straddled block row of DeepSeek-V3) and each quantises its own rows with the block's
+whole amax (``quantizer.quantize_rows``: the bytes of quantising the gathered weight, tested).
+The exchange is not counted in the bytes here (under 1 KB per tensor).
 """
 from __future__ import annotations
 
