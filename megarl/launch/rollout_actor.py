@@ -11,7 +11,10 @@ exactly what an uninterrupted one would, independent of which engine or in which
 served. The engines then run with ``--enable-deterministic-inference`` (see ``engines.py``).
 
 R3 routes (``Trajectory.routed_experts`` ``[P + R, L, K]`` int32, ~1.5 KB per token for
-Qwen3-30B-A3B) never pass through the driver: `RolloutWorker.generate` puts each trajectory's
+Qwen3-30B-A3B) pass neither through this actor nor through the driver: one worker per engine makes
+the generate calls that ask for them, decodes and keeps them (:mod:`megarl.launch.route_workers`),
+and trajectories carry references to the parts. Routes that reach this actor as tensors (none in
+the run) never pass through the driver either: `RolloutWorker.generate` puts each trajectory's
 routes in the Ray object store and leaves the reference in the trajectory the driver receives; the
 trainer rank that trains the sequence reads it (`megarl.launch.trainer_group.TrainerWorker.prepare`).
 This actor owns those objects (it put them) and lives as long as the run, so they outlive the
@@ -125,6 +128,7 @@ class RolloutWorker:
         from omegaconf import OmegaConf
         from transformers import AutoTokenizer
 
+        from megarl.launch.route_workers import routed_clients
         from megarl.plugins import import_plugins
         from megarl.rollout.client import SGLangClient
         from megarl.rollout.manager import RolloutManager
@@ -136,8 +140,11 @@ class RolloutWorker:
         self.cfg = cfg
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         timeout = float(cfg.rollout.engine.request_timeout_s)
-        self.router = Router([SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
-                              for url, eid in zip(engine_urls, engine_ids)])
+        clients = [SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
+                   for url, eid in zip(engine_urls, engine_ids)]
+        if cfg.train.routing_replay == "r3":  # routes decoded and kept by one worker per engine
+            clients = routed_clients(clients, timeout)
+        self.router = Router(clients)
         self.seeded = SeededEngine(self.router, cfg.train.seed) if cfg.rollout.deterministic_sampling else None
         engine = self.seeded or self.router
         # Without over-sampling there is nothing to replace a filtered group with: the manager then

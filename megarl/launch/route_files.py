@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from megarl.rollout.route_parts import RouteParts, assemble
+
 ROUTES_DIR = "rollout_routes"
 """The checkpoint's subdirectory of route files."""
 
@@ -98,19 +100,24 @@ def write_routes(groups: Sequence[Any], ckpt_dir: Path, prefix: str, *, timeout_
 
 
 def resolve_routes(entries: Sequence[Any]) -> list[Any]:
-    """Tensors for route entries: object-store references fetched together, :class:`RouteFile`
+    """Tensors for route entries: object-store references and the engine-facing workers' parts
+    (:class:`~megarl.rollout.route_parts.RouteParts`, assembled) fetched together, :class:`RouteFile`
     read (each file once), tensors and None as they are.
 
     Raises:
         FileNotFoundError: a route file is gone; IndexError: an index beyond its file's list.
+        ValueError: a part's tensor differs from its recorded shape.
     """
     refs = [e for e in entries if isinstance(e, ray.ObjectRef)]
+    refs += [r for e in entries if isinstance(e, RouteParts) for r in e.refs]
     fetched = dict(zip(refs, ray.get(refs))) if refs else {}
     files: dict[str, list] = {}
     out = []
     for entry in entries:
         if isinstance(entry, ray.ObjectRef):
             entry = fetched[entry]
+        elif isinstance(entry, RouteParts):
+            entry = assemble(entry, [fetched[r] for r in entry.refs])
         elif isinstance(entry, RouteFile):
             if entry.path not in files:
                 files[entry.path] = torch.load(entry.path, weights_only=True)

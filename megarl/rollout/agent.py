@@ -28,6 +28,7 @@ import torch
 
 from megarl.registry import registrar
 from megarl.rollout.rewards.keys import FINAL_TEXT_KEY, REASONING_TEXT_KEY
+from megarl.rollout.route_parts import concat_routes
 from megarl.rollout.template import ChatTemplate
 from megarl.rollout.tools.calls import ToolCallParser, run_tool_calls
 from megarl.rollout.tools.sessions import release_sessions, sessions_of
@@ -165,7 +166,8 @@ def _stitch_routes(state: TrajectoryState, out: GenerateOutput, num_input: int) 
 
     Args:
         state: the trajectory; ``routed_experts`` ``[rows, L, K]`` grows to ``num_input + N - 1`` rows.
-        out: the turn's output; ``routed_experts`` ``[num_input + N - 1 - rows, L, K]``, or None
+        out: the turn's output; ``routed_experts`` ``[num_input + N - 1 - rows, L, K]`` (a tensor, or
+            a :class:`~megarl.rollout.route_parts.RoutePart` kept by an engine-facing worker), or None
             for a request aborted before it ran (it produced no token: the resumed turn asks for
             the same rows again).
         num_input: tokens sent to the engine in this call.
@@ -190,8 +192,7 @@ def _stitch_routes(state: TrajectoryState, out: GenerateOutput, num_input: int) 
     if routes.shape[0] != expected:
         raise ValueError(f"the engine returned {routes.shape[0]} routed_experts rows, expected {expected} "
                          f"(positions [{known}, {num_input + len(out.output_ids) - 1}))")
-    routes = routes.to(torch.int32)
-    state.routed_experts = routes if state.routed_experts is None else torch.cat([state.routed_experts, routes])
+    state.routed_experts = concat_routes(state.routed_experts, routes.to(torch.int32))  # tensors, or parts
 
 
 def _read_turn(ctx: AgentContext, state: TrajectoryState, turn_ids: list[int]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.rewards.keys import FINAL_TEXT_KEY, REASONING_TEXT_KEY
+from megarl.rollout.route_parts import RouteParts
 from megarl.rollout.types import RolloutStatus, Trajectory
 
 
@@ -36,7 +37,7 @@ class TrajectoryState:
     group_id: int = 0
     sample: dict[str, Any] = field(default_factory=dict)
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    routed_experts: torch.Tensor | None = None
+    routed_experts: torch.Tensor | RouteParts | None = None
     tool_sessions: Any = None
     """Sessions of the stateful tools this trajectory called (:mod:`megarl.rollout.tools.sessions`)."""
     """``[rows, L, K]`` int32 engine routes of positions ``[0, rows)`` of ``ids`` (R3), stitched
@@ -73,12 +74,14 @@ class TrajectoryState:
             token_policy_versions=(torch.tensor(self.versions, dtype=torch.int32)
                                    if len(model_versions) > 1 else None))
 
-    def _response_routes(self) -> torch.Tensor | None:
+    def _response_routes(self) -> torch.Tensor | RouteParts | None:
         """``[P + R, L, K]`` routes of every position; -1 rows where the engine ran no forward on
         the token (the trajectory's last token, see :func:`megarl.rollout.agent._stitch_routes`)."""
         if self.routed_experts is None:
             return None
         routes = self.routed_experts
+        if isinstance(routes, RouteParts):  # kept in the object store: cut / padded where assembled
+            return routes.with_length(len(self.ids))
         out = torch.full((len(self.ids), *routes.shape[1:]), -1, dtype=torch.int32)
         known = routes[:len(self.ids)]
         out[:known.shape[0]] = known.to(torch.int32)

@@ -44,7 +44,9 @@ class Trajectory:
             ``token_policy_versions`` for partial rollouts spanning weight updates.
         routed_experts: ``[P + R, L, K]`` int32 HF expert ids the engine chose for every position of
             prompt + response (Rollout Routing Replay), -1 rows where no engine forward read the
-            token (the last one); see ``megarl.rollout.agent._stitch_routes``. None without R3.
+            token (the last one); see ``megarl.rollout.agent._stitch_routes``. None without R3. In
+            the run: an object-store reference (the rollout actor's), parts kept by the engine-facing
+            workers (:class:`megarl.rollout.route_parts.RouteParts`), or a checkpoint's route file.
         group_id: index of the prompt (group) this trajectory belongs to.
         sample: the dataset row (prompt, reference answer, ...), given to the reward function.
         metadata: free-form per-trajectory statistics (tool calls, tool errors, timings, engine).

@@ -270,3 +270,30 @@ async def test_routed_experts_row_count_mismatch_is_an_error(tokenizer, scripted
     engine.generate = short_routes
     traj = await run(make_ctx(tokenizer, engine, tool_names=(), return_routed_experts=True), loop=single_turn)
     assert traj.status == RolloutStatus.ERROR and "routed_experts rows" in traj.metadata["error"]
+
+
+@pytest.mark.timeout(60)
+async def test_routes_kept_as_parts_stitch_to_the_same_tensor(tokenizer, scripted_engine):
+    """Engine-facing workers return each call's routes as a part (reference + shape) instead of the
+    tensor (megarl.launch.route_workers): the loop stitches parts as it stitches tensors, and the
+    parts assembled where they are trained equal the tensor the same conversation stitches."""
+    from megarl.rollout.route_parts import RoutePart, RouteParts, assemble
+
+    turns = [call("calculator", expression="48 / 2"), "The answer is \\boxed{24}."]
+    reference = await run(make_ctx(tokenizer, scripted_engine(lambda ids, k: Reply(turns[k])),
+                                   return_routed_experts=True))
+    engine = scripted_engine(lambda ids, k: Reply(turns[k]))
+    generate = engine.generate
+
+    async def as_parts(*args, **kwargs):
+        out = await generate(*args, **kwargs)
+        out.routed_experts = RoutePart(out.routed_experts, tuple(out.routed_experts.shape))  # ref: the tensor itself
+        return out
+
+    engine.generate = as_parts
+    traj = await run(make_ctx(tokenizer, engine, return_routed_experts=True))
+    assert isinstance(traj.routed_experts, RouteParts) and len(traj.routed_experts.parts) == 2
+    assert traj.routed_experts.shape == reference.routed_experts.shape
+    assert torch.equal(assemble(traj.routed_experts, traj.routed_experts.refs), reference.routed_experts)
+    with pytest.raises(ValueError, match="shape"):
+        assemble(traj.routed_experts, [r[1:] for r in traj.routed_experts.refs])
