@@ -76,17 +76,27 @@ async def wait_idle(url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
                                timeout_s=timeout_s, what="idle")
 
 
+async def set_forward_sleep(url: str, forward_sleep_s: float | None) -> None:
+    """Make the server sleep ``forward_sleep_s`` seconds before each forward from now on (``/slow_down``);
+    None: full speed again.
+
+    Raises:
+        ValueError: ``forward_sleep_s`` is not positive.
+        RuntimeError: the server answered with an HTTP error.
+    """
+    if forward_sleep_s is not None and forward_sleep_s <= 0:
+        raise ValueError(f"forward_sleep_s must be > 0 or None, got {forward_sleep_s}")
+    await _request("POST", f"{url}/slow_down", {"forward_sleep_time": forward_sleep_s})
+
+
 @contextlib.asynccontextmanager
 async def slowed_down(url: str, forward_sleep_s: float) -> AsyncIterator[None]:
-    """Make the server sleep ``forward_sleep_s`` seconds before each forward (``/slow_down``) inside the
-    block, and run at full speed again on leaving it (also on error)."""
-    if forward_sleep_s <= 0:
-        raise ValueError(f"forward_sleep_s must be > 0, got {forward_sleep_s}")
-    await _request("POST", f"{url}/slow_down", {"forward_sleep_time": forward_sleep_s})
+    """:func:`set_forward_sleep` inside the block; full speed again on leaving it (also on error)."""
+    await set_forward_sleep(url, forward_sleep_s)
     try:
         yield
     finally:
-        await _request("POST", f"{url}/slow_down", {"forward_sleep_time": None})
+        await set_forward_sleep(url, None)
 
 
 class StreamedGeneration:
