@@ -3,9 +3,11 @@
 # already installed, no network) into .whl/ of this repository, and check they fit its 64 MiB limit.
 #
 # Exactly what megarl's trainer imports that such a node lacks: Megatron-Core and OmegaConf, at the
-# versions setup.py pins (OmegaConf 2.4 vendors its antlr4 runtime; torch, numpy, packaging,
-# transformers, safetensors, tokenizers, pyyaml, psutil, einops, aiohttp, pytest and pytest-timeout
-# are on the node). No Transformer Engine, SGLang or Ray: the checks need none of them.
+# versions setup.py pins (OmegaConf 2.4 vendors its antlr4 runtime). The node has Python's standard
+# library, torch, transformers, pytest and pytest-timeout with what pip installed for them (numpy,
+# packaging, safetensors, tokenizers, pyyaml, ...), nothing else: no aiohttp, psutil or einops, no
+# Transformer Engine, SGLang or Ray. tests/unit/test_gpu_check_imports.py imports every module the
+# check imports with only those and these two wheels importable.
 #
 # usage: tools/gpu_wheels.sh            (run where pip can reach PyPI; PYTHON=... picks the pip)
 set -euo pipefail

@@ -87,7 +87,7 @@ def test_cuda_ipc_payload_names_the_device_by_uuid():
     import io
     import pickle
 
-    from megarl.rollout.client import REBUILD_CUDA_DEVICE_ARG, serialize_named_tensors
+    from megarl.rollout.payloads import REBUILD_CUDA_DEVICE_ARG, serialize_named_tensors  # no aiohttp
 
     captured = []
 
