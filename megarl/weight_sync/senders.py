@@ -173,3 +173,28 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def owner_part(spec, sl, piece, shard):
+    """What a holder sends of one piece of its own shard for one engine rank's slice.
+
+    Args:
+        spec: the HF tensor (:class:`~megarl.weight_sync.specs.HFTensorSpec`); sl: the engine
+            rank's :class:`~megarl.weight_sync.engine_slices.TensorSlice` of it; piece: a placement
+            piece of ``spec`` from this shard; shard: ``[...]`` the holder's own shard (Megatron
+            layout, the source's shape).
+
+    Returns:
+        ``(view, axis, offset)``: the view of ``shard`` that fills ``piece`` inside ``sl`` (None
+        when they do not meet), and where it goes in the engine rank's slice: ``offset`` along
+        ``axis`` (the piece's), the whole slice along the other axes.
+    """
+    lo, hi = piece.dst
+    if sl.axis == piece.axis:
+        lo, hi = max(lo, sl.start), min(hi, sl.stop)
+    if hi <= lo:
+        return None, piece.axis, 0
+    view = shard.narrow(piece.axis, piece.src[0] + lo - piece.dst[0], hi - lo)
+    if sl.axis is not None and sl.axis != piece.axis:
+        view = view.narrow(sl.axis, sl.start, sl.stop - sl.start)
+    return view, piece.axis, lo - (sl.start if sl.axis == piece.axis else 0)

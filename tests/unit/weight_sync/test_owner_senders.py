@@ -19,6 +19,12 @@ MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hid
        "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
        "vocab_size": 256, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "decoder_sparse_step": 1,
        "mlp_only_layers": []}
+MLA = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32,
+       "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "intermediate_size": 96,
+       "moe_intermediate_size": 16, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+       "first_k_dense_replace": 1, "topk_method": "noaux_tc", "vocab_size": 256, "tie_word_embeddings": False,
+       "torch_dtype": "bfloat16", "n_group": 1, "topk_group": 1}
 
 
 def megatron_coords(layout: TrainerLayout) -> dict[int, dict[str, int]]:
@@ -48,16 +54,16 @@ def holds(coords, plan, transfer, shard_index: int, rank: int) -> bool:
     return p.tp_axis is None or t.tp_size == 1 or c["tp"] == shard_index
 
 
-def _moe_plan(trainer: TrainerLayout, engines: EngineLayout):
+def _moe_plan(trainer: TrainerLayout, engines: EngineLayout, config: dict = MOE):
     from transformers import AutoConfig
 
     from megarl.models.families import get_family
     from megarl.weight_sync.placement import Placement
 
-    specs = param_specs_from_hf_config(MOE, tensor_model_parallel_size=trainer.tp_size, dtype="bfloat16")
+    specs = param_specs_from_hf_config(config, tensor_model_parallel_size=trainer.tp_size, dtype="bfloat16")
     plan = build_plan(trainer, engines, specs, bucket_size_mb=0.01)
-    hf_config = AutoConfig.for_model(**{k: v for k, v in MOE.items() if k != "architectures"})
-    hf_config.architectures = MOE["architectures"]
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config.architectures = config["architectures"]
     return plan, Placement(get_family(hf_config).layout(hf_config, tp_size=trainer.tp_size))
 
 
@@ -170,3 +176,51 @@ def test_plan_sync_reads_the_links_of_the_cluster_gpu_preset_megarl_plan_reads()
         link_speeds(none)  # no CUDA device here to detect
     with pytest.raises(UserError, match="cluster.gpu: unknown GPU"):
         link_speeds(none, gpu="a100")
+
+
+@pytest.mark.parametrize("config, engines", [
+    (MOE, EngineLayout(tensor_parallel_size=4, num_engines=2)),
+    (MLA, EngineLayout(tensor_parallel_size=2, expert_parallel_size=2, num_engines=2))], ids=["qwen3_moe", "mla"])
+def test_owner_parts_rebuild_every_engine_rank_slice_from_the_senders_own_shards(config, engines):
+    """Real tensors, no processes: random Megatron parameters split with the family's ``split_tp``;
+    each assigned sender cuts its parts from its own shard (``owner_part``); every engine rank's
+    slices, put together, equal the family's ``to_hf`` of the whole parameter sliced as SGLang
+    holds it, and the bytes each trainer rank cut equal the plan's ``sent``."""
+    import torch
+
+    from megarl.models.mapping import lookup, split_tp, to_hf
+    from megarl.weight_sync.senders import owner_part
+    from megarl.weight_sync.specs import torch_dtype
+
+    trainer = TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
+                            data_parallel_size=2)  # one expert-data-parallel copy, as DeepSeek-V3's recipe
+    plan, placement = _moe_plan(trainer, engines, config)
+    sends = assign_senders(plan, placement)
+    torch.manual_seed(0)
+    got, want, cut = {}, {}, {}
+    for bucket in plan.buckets:
+        for transfer in bucket.params:
+            entry, _ = lookup(placement.table, transfer.param.name)
+            full = torch.randn(transfer.param.shape).to(torch_dtype(transfer.param.dtype))
+            n = len(transfer.sources)
+            shards = [split_tp(full, entry.tp_split, s.shard_index, n) for s in transfer.sources]
+            for spec, tensor in zip(transfer.param.hf, to_hf(entry, full, placement.layout)):
+                for rank, sl in plan.engine_slices_of(spec).items():
+                    ref = tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)
+                    for engine in range(engines.num_engines):
+                        want[(engine, rank, spec.name)] = ref
+                        got[(engine, rank, spec.name)] = torch.full_like(ref, float("nan"))
+            for piece in placement.pieces(transfer):
+                spec, source = transfer.param.hf[piece.hf_index], transfer.sources[piece.shard]
+                for rank, sl in plan.engine_slices_of(spec).items():
+                    view, axis, at = owner_part(spec, sl, piece, shards[piece.shard])
+                    if view is None:
+                        continue
+                    for engine in range(engines.num_engines):
+                        sender = sends.assignment[(transfer.param.name, source.shard_index, engine, rank)]
+                        cut[sender] = cut.get(sender, 0) + view.numel() * view.element_size()
+                        got[(engine, rank, spec.name)].narrow(axis, at, view.shape[axis]).copy_(view)
+    assert got.keys() == want.keys()
+    for key, ref in want.items():
+        assert torch.equal(got[key], ref), key
+    assert cut == sends.sent
