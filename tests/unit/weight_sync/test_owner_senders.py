@@ -67,19 +67,22 @@ def _moe_plan(trainer: TrainerLayout, engines: EngineLayout, config: dict = MOE)
     return plan, Placement(get_family(hf_config).layout(hf_config, tp_size=trainer.tp_size))
 
 
-@pytest.mark.parametrize("trainer, engines", [
+@pytest.mark.parametrize("trainer, engines, config", [
     # DeepSeek-V3's shape: one expert-data-parallel copy, experts over every trainer rank, engines of TP2
     (TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
-                   data_parallel_size=2), EngineLayout(tensor_parallel_size=2, num_engines=2)),
+                   data_parallel_size=2), EngineLayout(tensor_parallel_size=2, num_engines=2), MOE),
+    (TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
+                   data_parallel_size=2), EngineLayout(tensor_parallel_size=2, expert_parallel_size=2, num_engines=2),
+     MLA),
     # two copies of everything, three engines, engine TP wider than the trainer's
     (TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2, data_parallel_size=2,
-                   expert_tensor_parallel_size=1), EngineLayout(tensor_parallel_size=4, num_engines=3)),
+                   expert_tensor_parallel_size=1), EngineLayout(tensor_parallel_size=4, num_engines=3), MOE),
     # PP2 x ETP2: stages and expert tensor shards
     (TrainerLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
-                   data_parallel_size=2), EngineLayout(tensor_parallel_size=2, num_engines=2)),
+                   data_parallel_size=2), EngineLayout(tensor_parallel_size=2, num_engines=2), MOE),
 ])
-def test_every_part_leaves_a_rank_holding_it_and_every_engine_rank_gets_its_slices(trainer, engines):
-    plan, placement = _moe_plan(trainer, engines)
+def test_every_part_leaves_a_rank_holding_it_and_every_engine_rank_gets_its_slices(trainer, engines, config):
+    plan, placement = _moe_plan(trainer, engines, config)
     sends = assign_senders(plan, placement)
     coords = megatron_coords(trainer)
     transfers = {t.param.name: t for b in plan.buckets for t in b.params}
