@@ -79,7 +79,8 @@ def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> lis
 
 def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str,
              step_bytes: StepBytes | None = None) -> int:
-    """Print the plan of a validated config; 0 when both sides fit the GPU, 1 when one does not.
+    """Print the plan of a validated config; 0 when both sides fit the GPU (colocated: the trainer its
+    fraction too), 1 when one does not.
 
     Args:
         args: the ``plan`` subcommand's arguments (:func:`add_plan_parser`).
@@ -114,4 +115,4 @@ def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str,
     if args.suggest:
         lines += _suggest(cfg, shape, setup, fit, hf_config)
     print("\n".join(lines))
-    return 0 if fit.trainer_fits and fit.engine_fits else 1
+    return 0 if fit.trainer_fits and fit.engine_fits and fit.colocated_fits else 1

@@ -88,6 +88,14 @@ class Fit:
     max_context_tokens: int
     concurrency: int = 1
     """Sequences one engine serves at once (:func:`engine_concurrency`)."""
+    colocated_limit: float | None = None
+    """Colocated: bytes a trainer rank may keep while the engines hold theirs
+    (``cluster.colocated_trainer_memory_fraction`` x memory); None when disaggregated."""
+
+    @property
+    def colocated_fits(self) -> bool:
+        """Disaggregated, or the trainer's resident memory (:func:`resident_bytes`) within its fraction."""
+        return self.colocated_limit is None or resident_bytes(self.trainer) <= self.colocated_limit
 
     @property
     def trainer_fits(self) -> bool:
@@ -109,7 +117,9 @@ def plan_fit(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> Fit:
     shape = ModelShape.from_hf_config(hf_config)
     return Fit(gpu, trainer_memory(shape, TrainerSetup.from_config(cfg, precision=precision)),
                engine_memory(shape, engine_setup(cfg, hf_config), gpu.memory_bytes),
-               int(cfg.rollout.agent.max_context_tokens), engine_concurrency(cfg))
+               int(cfg.rollout.agent.max_context_tokens), engine_concurrency(cfg),
+               float(cfg.cluster.colocated_trainer_memory_fraction) * gpu.memory_bytes
+               if cfg.cluster.placement == "colocated" else None)
 
 
 def _trainer_hint(name: str, cfg, setup: TrainerSetup) -> str:
@@ -162,10 +172,10 @@ def resident_bytes(mem: RankMemory) -> int:
 
 def _colocated_problem(fit: Fit, cfg) -> str | None:
     """Colocated: the trainer's resident memory against ``cluster.colocated_trainer_memory_fraction``."""
-    fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
-    limit, resident = fraction * fit.gpu.memory_bytes, resident_bytes(fit.trainer)
-    if cfg.cluster.placement != "colocated" or resident <= limit:
+    if fit.colocated_fits:
         return None
+    fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
+    limit, resident = fit.colocated_limit, resident_bytes(fit.trainer)
     reserved = fit.trainer.consumers["reserved"]
     return (f"colocated: between steps a trainer rank (pipeline stage {fit.trainer.stage}) keeps "
             f"{(resident - reserved) / GB:.1f} GB (weights, gradients, main weights, Adam states) + "

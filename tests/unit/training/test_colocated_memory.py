@@ -50,6 +50,11 @@ def test_validate_refuses_a_trainer_over_its_colocated_fraction_naming_both_numb
                                      "cluster.colocated_trainer_memory_fraction=0.4"])
     assert 0.4 * GPUS["h100"].memory_bytes > resident
     assert not [i for i in fit_issues(roomy) if i.key == "cluster.colocated_trainer_memory_fraction"]
+    from megarl.plan.fit import plan_fit  # megarl plan's verdict (its exit status) agrees
+
+    hf = AutoConfig.from_pretrained(REPO / "configs" / "models" / "qwen3-30b-a3b")
+    assert not plan_fit(cfg, hf, GPUS["h100"], precision="bf16").colocated_fits
+    assert plan_fit(roomy, hf, GPUS["h100"], precision="bf16").colocated_fits
     disaggregated = load_config(RECIPE_30B, ["cluster.colocated_trainer_memory_fraction=0.2"])
     assert not [i for i in fit_issues(disaggregated) if i.key == "cluster.colocated_trainer_memory_fraction"]
 
