@@ -121,7 +121,9 @@ def quantize_rows(rows: torch.Tensor, start: int, block, amax: torch.Tensor) -> 
 
     Returns:
         ``(q [R, C] float8_e4m3fn, scale_inv [nb, ceil(C / bk)] float32)``; equal to the
-        corresponding rows / blocks of ``quantize_blockwise`` of the whole weight.
+        corresponding rows / blocks of ``quantize_blockwise`` of the whole weight. A column shard
+        (a row-parallel ``o_proj`` / ``down_proj``): the same on ``rows.T`` with the block
+        ``(bk, bn)``, then transposed back.
     """
     from megarl.models.fp8_blocks import _ZERO_AMAX, E4M3_MAX
 
