@@ -2,6 +2,7 @@
 
     megarl train CONFIG [key.sub=value ...]       run RL training (validates first)
     megarl validate CONFIG [key.sub=value ...]    check a config without starting anything
+    megarl config CONFIG [key.sub=value ...] [--sources]   the config after extends: and overrides (YAML)
       --cpu-scale: either one on this CPU host, scaled down (megarl.launch.cpu_scale)
     megarl convert hf-to-megatron HF_DIR OUT_DIR [--tensor-model-parallel-size N ...]   (= tools/convert_*.py)
     megarl convert megatron-to-hf CKPT_DIR OUT_DIR [--hf-config HF_DIR]   (CKPT_DIR: also RUN_DIR/checkpoints/step_N)
@@ -13,7 +14,8 @@
     megarl eval CONFIG [key.sub=value ...] (--checkpoint PATH | --hf PATH) [--data PATH] [--samples N]
         [--k 1,4,...] [--out REPORT.json]       pass@k, reward, tool use of a checkpoint (megarl.launch.evaluate)
 
-Every command that takes a config validates it first and reports all problems at once.
+Every command that takes a config validates it first and reports all problems at once. Options may
+come before, between or after the overrides.
 An expected error (megarl.errors.UserError: a bad config, a truncated or mismatched checkpoint or
 model, a plan that cannot be built; an OSError: a path missing, unreadable or unwritable, an output
 that exists) is one line on stderr and exit status 2; `--debug` (anywhere on the line) or
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import traceback
 from typing import Callable, Sequence
@@ -31,6 +34,7 @@ from typing import Callable, Sequence
 from omegaconf import DictConfig
 
 from megarl.config import ConfigError
+from megarl.config.loader import to_yaml
 from megarl.launch.preflight import prepare_config
 from megarl.errors import UserError
 
@@ -161,8 +165,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """``megarl config``: the config after ``extends:`` and the overrides, as YAML (not validated)."""
+    from megarl.config.loader import load_config_sources, to_yaml_with_sources
+
+    cfg, sources = load_config_sources(args.config, args.overrides)
+    print(to_yaml_with_sources(cfg, sources) if args.sources else to_yaml(cfg), end="")
+    return 0
+
+
+def take_overrides(extra: Sequence[str], command: str) -> list[str]:
+    """Arguments argparse left over on a command line that takes overrides: the overrides given after
+    an option (``megarl plan CFG --gpu h100 a.b=1``), in the order given.
+
+    Raises:
+        UserError: one of them is an option the command does not have (names it).
+    """
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        raise UserError(f"unrecognized option {unknown[0]} (see megarl {command} --help)")
+    return list(extra)
+
+
+def plain(doc: str) -> str:
+    """A docstring as ``--help`` text: reST markup (double backticks, ``:func:`` roles, bold) removed."""
+    doc = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "").replace("**", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megarl", description=__doc__,
+    parser = argparse.ArgumentParser(prog="megarl", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an expected error too (also MEGARL_DEBUG=1)")
@@ -175,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "override), ~key or ~key=value (remove: a schema field goes back to its default)")
         p.add_argument("--cpu-scale", action="store_true",
                        help="scale the recipe down to one CPU host, features kept (megarl.launch.cpu_scale)")
+    conf = sub.add_parser("config", help="print the config after extends: and overrides (YAML), not validated")
+    conf.add_argument("config", help="YAML file (may `extends:` others)")
+    conf.add_argument("overrides", nargs="*", help="overrides, as for `megarl train`")
+    conf.add_argument("--sources", action="store_true",
+                      help="end each value's line with where it was set: file:line, the override, or default")
     from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments
 
     conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints (the tools' flags)")
@@ -221,16 +258,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return doctor()
     args, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
-    if extra and args.command != "eval":
+    if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")  # what parse_args does
     commands = {"train": cmd_train, "validate": cmd_validate, "convert": cmd_convert, "index": cmd_index,
-                "plan-sync": cmd_plan_sync, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval}
+                "plan-sync": cmd_plan_sync, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval,
+                "config": cmd_config}
 
     def run() -> int:
-        if extra:  # eval: overrides after its options (argparse ends `overrides` at the first option)
-            from megarl.launch.evaluate import take_overrides
-
-            args.overrides = [*args.overrides, *take_overrides(extra)]
+        if extra:  # overrides after an option: argparse ends the `overrides` list at the first option
+            args.overrides = [*args.overrides, *take_overrides(extra, args.command)]
         return commands[args.command](args)
 
     return report_expected_errors(f"megarl {args.command}", run, debug=debug)

@@ -18,7 +18,8 @@ from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, run_hf_t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_hf_to_megatron_arguments(parser)
     return parser
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Export a Megatron-Core dist checkpoint (model weights, any parallel layout) to Hugging Face.
 
-    python tools/convert_megatron_to_hf.py CKPT_DIR OUT_DIR [--hf-config HF_DIR] [--dtype bfloat16]
+    python tools/convert_megatron_to_hf.py CKPT_DIR OUT_DIR [--hf-config HF_DIR] [--precision bf16]
 
 CKPT_DIR: a converted checkpoint or a trainer's RUN_DIR/checkpoints/step_N. Writes safetensors
 shards (+ index), config.json, generation_config.json and tokenizer files from HF_DIR (default:
@@ -18,7 +18,8 @@ from megarl.checkpoint.convert_cli import add_megatron_to_hf_arguments, run_mega
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.replace("``", ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_megatron_to_hf_arguments(parser)
     return parser
 

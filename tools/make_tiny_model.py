@@ -18,7 +18,7 @@ from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
 def main(argv=None, prog=None) -> int:
     """The command line (``prog``: the name usage lines show, ``megarl make-tiny-model`` from megarl)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--gsm8k-dir", default=None)

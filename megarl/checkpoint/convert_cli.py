@@ -8,7 +8,11 @@ parsers from these functions and call the converters through :func:`run_hf_to_me
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``--precision`` of both directions and the torch dtype it names."""
 
 
 def add_import_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +23,7 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--expert-tensor-parallel-size", type=int, default=None)
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+    parser.add_argument("--precision", choices=list(PRECISION_DTYPES), default=None,
                         help="default: the HF config's dtype")
 
 
@@ -43,8 +47,10 @@ def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face directory to write")
     parser.add_argument("--hf-config", default=None,
                         help="HF directory with config.json and tokenizer (default: CKPT_DIR's hf_config/)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="default: the checkpoint's dtype")
+    parser.add_argument("--precision", choices=list(PRECISION_DTYPES), default=None,
+                        help="default: the checkpoint's dtype (the same spelling as hf-to-megatron)")
+    parser.add_argument("--dtype", choices=list(PRECISION_DTYPES.values()), default=None,
+                        help="deprecated: --precision (float32 = fp32, bfloat16 = bf16, float16 = fp16)")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size limit")
     _add_output_arguments(parser)
 
@@ -63,10 +69,21 @@ def run_hf_to_megatron(args: argparse.Namespace) -> Path:
         overwrite=args.overwrite, timeout_s=args.timeout_s)
 
 
+def export_dtype(args: argparse.Namespace) -> str | None:
+    """The export's torch dtype name from ``--precision`` (or the deprecated ``--dtype``, with a
+    deprecation line on stderr); None: the checkpoint's."""
+    if args.dtype is not None:
+        spelled = {v: k for k, v in PRECISION_DTYPES.items()}[args.dtype]
+        print(f"--dtype is deprecated: use --precision {spelled} (the spelling of hf-to-megatron)", file=sys.stderr)
+        if args.precision is None:
+            return args.dtype
+    return PRECISION_DTYPES[args.precision] if args.precision else None
+
+
 def run_megatron_to_hf(args: argparse.Namespace) -> Path:
     """:func:`~megarl.checkpoint.convert.megatron_to_hf_dir` with parsed arguments; returns OUT_DIR."""
     from megarl.checkpoint.convert import megatron_to_hf_dir
 
-    return megatron_to_hf_dir(args.ckpt_dir, args.out_dir, hf_config_dir=args.hf_config, dtype=args.dtype,
+    return megatron_to_hf_dir(args.ckpt_dir, args.out_dir, hf_config_dir=args.hf_config, dtype=export_dtype(args),
                               max_shard_bytes=int(args.max_shard_size_gb * 2**30), overwrite=args.overwrite,
                               timeout_s=args.timeout_s)

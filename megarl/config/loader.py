@@ -99,7 +99,10 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[dict, str, dic
         raise ConfigError([ConfigIssue("config", "file not found", value=str(path))])
     text = path.read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as e:
+        raise ConfigError([ConfigIssue(e.key, f"duplicate key (first at line {e.first_line}; YAML would keep the "
+                                       f"last silently)", NO_VALUE, f"{path}:{e.line}")]) from None
     except yaml.YAMLError as e:
         raise ConfigError([ConfigIssue("config", f"not valid YAML: {e}", value=str(path))]) from e
     if not isinstance(data, dict):
@@ -107,11 +110,36 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> list[tuple[dict, str, dic
     parents = data.pop("extends", None) or []
     if isinstance(parents, str):
         parents = [parents]
+    lines = _key_lines(text)
     layers: list[tuple[dict, str, dict[str, int]]] = []
     for parent in parents:
+        if not (path.parent / parent).is_file():  # named with the file (and line) that asked for it
+            raise ConfigError([ConfigIssue("extends", f"file not found: {path.parent / parent}", parent,
+                                           f"{path}:{lines.get('extends', 1)}")])
         layers += _read_yaml(path.parent / parent, chain + (path,))
-    layers.append((data, str(path), _key_lines(text)))
+    layers.append((data, str(path), lines))
     return layers
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, first_line: int, line: int):
+        super().__init__(key)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            if isinstance(key, str):
+                seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def _is_free_dict(node: DictConfig, key: str) -> bool:
@@ -126,8 +154,10 @@ def _is_free_dict(node: DictConfig, key: str) -> bool:
 
 
 def _apply(cfg: DictConfig, data: dict, source: str, lines: dict[str, int],
-           issues: list[ConfigIssue], prefix: str = "") -> None:
-    """Set every leaf of ``data`` on ``cfg``, collecting unknown-key and type errors."""
+           issues: list[ConfigIssue], prefix: str = "", sources: dict[str, str] | None = None,
+           origin: str = "") -> None:
+    """Set every leaf of ``data`` on ``cfg``, collecting unknown-key and type errors; ``sources``
+    (when given) maps each dotted key set to where (``file:line``, or ``origin`` when given)."""
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         where = f"{source}:{lines[dotted]}" if dotted in lines else source
@@ -139,7 +169,7 @@ def _apply(cfg: DictConfig, data: dict, source: str, lines: dict[str, int],
             continue
         child = node[key] if not OmegaConf.is_missing(node, key) else None
         if isinstance(value, dict) and isinstance(child, DictConfig) and not _is_free_dict(node, key):
-            _apply(cfg, value, source, lines, issues, dotted)
+            _apply(cfg, value, source, lines, issues, dotted, sources, origin)
             continue
         try:
             # Free-form dicts (rollout.tools) merge across files, like OmegaConf.merge.
@@ -147,6 +177,9 @@ def _apply(cfg: DictConfig, data: dict, source: str, lines: dict[str, int],
         except OmegaConfBaseException as e:
             msg = str(e).split("\n")[0]
             issues.append(ConfigIssue(dotted, f"wrong type: {msg}", value, where))
+            continue
+        if sources is not None:
+            sources[dotted] = origin or where
 
 
 @dataclass(frozen=True)
@@ -242,7 +275,7 @@ def _delete(cfg: DictConfig, ov: Override, issue: Callable[[str], None]) -> None
         del node[name]
 
 
-def _apply_override(cfg: DictConfig, ov: Override, issues: list[ConfigIssue]) -> None:
+def _apply_override(cfg: DictConfig, ov: Override, issues: list[ConfigIssue], sources: dict[str, str]) -> None:
     """Apply one parsed override to ``cfg``, collecting its problems (each naming the override)."""
     def issue(message: str) -> None:
         value = ov.value if ov.has_value else NO_VALUE
@@ -250,13 +283,16 @@ def _apply_override(cfg: DictConfig, ov: Override, issues: list[ConfigIssue]) ->
 
     if ov.op == "delete":
         _delete(cfg, ov, issue)
+        sources.update({k: f"default (command line: {ov.text})" for k in list(sources)
+                        if k == ov.key or k.startswith(ov.key + ".")})
         return
     if ov.op == "add":
         node, name = _lookup(cfg, ov.key)
         if node is not None and name in node.keys():
             issue("cannot add: the key already exists (+key adds a new key; use key=value or ++key=value)")
             return
-    _apply(cfg, _nest(ov.key, ov.value), "command line", {}, issues)
+    _apply(cfg, _nest(ov.key, ov.value), "command line", {}, issues, sources=sources,
+           origin=f"command line: {ov.text}")
 
 
 def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()) -> DictConfig:
@@ -277,16 +313,68 @@ def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()) -
     Raises:
         ConfigError: unknown keys, wrong types, unreadable or cyclic files — all of them at once.
     """
-    cfg = OmegaConf.structured(MegarlConfig)
-    issues: list[ConfigIssue] = []
-    layers = _read_yaml(Path(path), ()) if path is not None else []
-    for data, source, lines in layers:
-        _apply(cfg, data, source, lines, issues)
-    for text in overrides:
-        _apply_override(cfg, parse_override(text), issues)
+    cfg, issues, _ = compose_config(path, overrides)
     if issues:
         raise ConfigError(issues)
     return cfg
+
+
+def compose_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()
+                   ) -> tuple[DictConfig, list[ConfigIssue], dict[str, str]]:
+    """:func:`load_config` without raising on unknown keys and wrong types: the config with every
+    other value applied, those problems, and where each key set got its value (``file:line`` or
+    ``command line: OVERRIDE``; a key absent holds its schema default). ``megarl validate`` reports
+    the problems together with the rules' (:func:`megarl.launch.preflight.prepare_config`).
+
+    Raises:
+        ConfigError: a file missing, unreadable, not YAML, with a duplicate key, or extending in a
+            cycle; a malformed override (nothing else can be composed without them).
+    """
+    cfg = OmegaConf.structured(MegarlConfig)
+    issues: list[ConfigIssue] = []
+    sources: dict[str, str] = {}
+    layers = _read_yaml(Path(path), ()) if path is not None else []
+    for data, source, lines in layers:
+        _apply(cfg, data, source, lines, issues, sources=sources)
+    for text in overrides:
+        _apply_override(cfg, parse_override(text), issues, sources)
+    return cfg, issues, sources
+
+
+def load_config_sources(path: str | os.PathLike | None, overrides: Iterable[str] = ()
+                        ) -> tuple[DictConfig, dict[str, str]]:
+    """:func:`load_config` and where each value came from (:func:`compose_config`).
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    cfg, issues, sources = compose_config(path, overrides)
+    if issues:
+        raise ConfigError(issues)
+    return cfg, sources
+
+
+def to_yaml_with_sources(cfg: DictConfig, sources: dict[str, str]) -> str:
+    """:func:`to_yaml`, each key's line ending with ``# <where it was set>`` (its own entry in
+    ``sources``, else its nearest parent's, else ``default``)."""
+    text = to_yaml(cfg)
+    by_line = {line: key for key, line in _key_lines(text).items()}
+    lines = text.splitlines()
+    out = []
+    for number, line in enumerate(lines, start=1):
+        key = by_line.get(number)
+        if key is None or line.endswith(":"):  # not a key, or a section's key
+            out.append(line)
+            continue
+        parts = key.split(".")
+        origin = next((sources[".".join(parts[:n])] for n in range(len(parts), 0, -1)
+                       if ".".join(parts[:n]) in sources), "default")
+        indent = len(line) - len(line.lstrip())
+        if number == len(lines) or number + 1 in by_line or lines[number].startswith(" " * indent + "- "):
+            out.append(f"{line}  # {origin}")  # the value ends on this line
+        else:  # a value continued on the next lines: the comment above it
+            out.append(f"{' ' * indent}# {origin}\n{line}")
+    return "\n".join(out) + "\n"
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -33,7 +33,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megarl.errors import UserError
 
@@ -289,15 +289,3 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", default=None, help="pass@k budgets, e.g. 1,4,8 (default: 1, 2, 4, ... up to n)")
     parser.add_argument("--out", default=None,
                         help="the JSON report (default: RUN/eval/step_N.json, or runs/eval/<name>.json)")
-
-
-def take_overrides(extra: Sequence[str]) -> list[str]:
-    """Arguments argparse left over on ``megarl eval``'s line: overrides given after an option.
-
-    Raises:
-        EvalArgumentError: one of them is an option ``megarl eval`` does not have.
-    """
-    unknown = [a for a in extra if a.startswith("-")]
-    if unknown:
-        raise EvalArgumentError(f"unrecognized option {unknown[0]} (see megarl eval --help)")
-    return list(extra)

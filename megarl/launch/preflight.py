@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.checker import Checker
 from megarl.config.device import use_cuda
-from megarl.config.loader import ConfigError, ConfigIssue, load_config
+from megarl.config.loader import ConfigError, ConfigIssue, compose_config
 from megarl.config.model_rules import read_hf_config
 from megarl.config.parallel import uneven_stage_error
 from megarl.config.validate import config_issues, fit_issues
@@ -99,14 +99,18 @@ def _run(c: Checker, skip_errors: bool, rule: Callable[[Checker], Any]) -> None:
             raise
 
 
-def preflight(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = True) -> DictConfig:
+def preflight(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = True,
+              load_issues: Sequence[ConfigIssue] = ()) -> DictConfig:
     """Check a loaded config against the config's rules and every layer's, all problems at once.
 
     Args:
         cfg: from :func:`megarl.config.loader.load_config`.
         check_paths: also check the model, data, tokenizer and checkpoint paths and read config.json.
-        check_fit: with ``check_paths`` and no other problem, also check that the trainer and engine
-            ranks fit the GPU's memory (:func:`megarl.config.validate.fit_issues`).
+        check_fit: with ``check_paths``, also check that the trainer and engine ranks fit the GPU's
+            memory (:func:`megarl.config.validate.fit_issues`); beside other problems as long as
+            the sizes it needs are valid (a refusal is reported with them, not hidden).
+        load_issues: the loader's problems (unknown keys, wrong types: those values were not applied,
+            :func:`megarl.config.loader.compose_config`), reported first, with the rules' problems.
 
     Returns:
         ``cfg``, unchanged, when valid.
@@ -114,7 +118,10 @@ def preflight(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = Tr
     Raises:
         ConfigError: listing every problem found, each naming its key.
     """
-    issues = config_issues(cfg, check_paths=check_paths)
+    try:
+        issues = [*load_issues, *config_issues(cfg, check_paths=check_paths)]
+    except ConfigError as e:  # a required key missing: nothing else can be checked
+        raise ConfigError([*load_issues, *e.issues]) from None
     c = Checker(cfg)
     c.issues = list(issues)
     _run(c, bool(issues), _check_fp8_recipe)
@@ -124,11 +131,18 @@ def preflight(cfg: DictConfig, *, check_paths: bool = True, check_fit: bool = Tr
             _check_hf_weights(c)
         if not any(issue.key == "model.hf_path" for issue in c.issues):
             _check_load_dir(c)
-    if check_paths and check_fit and not c.issues:
-        c.issues = fit_issues(cfg)
+    if check_paths and check_fit and not any(i.key.startswith(_FIT_INPUTS) for i in c.issues):
+        _run(c, bool(c.issues), lambda c: c.issues.extend(fit_issues(cfg)))
     if c.issues:
         raise ConfigError(c.issues)
     return cfg
+
+
+_FIT_INPUTS = ("model.", "cluster.", "parallel.tensor_model", "parallel.pipeline", "parallel.expert",
+               "parallel.context", "parallel.virtual", "parallel.num_layers", "rollout.engine", "train.fp8",
+               "train.precision")
+"""Keys whose problem makes the fit check meaningless (the sizes it computes with); a problem
+elsewhere (``parallel.sequence_parallel``, a typo, a loss setting) is reported beside its refusal."""
 
 
 def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = False,
@@ -144,7 +158,7 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
     from megarl.models.tiny import resolve_model_path
     from megarl.plugins import absolute_specs
 
-    cfg = load_config(path, overrides)
+    cfg, load_issues, _ = compose_config(path, overrides)  # reported with the rules' problems
     resolve_hub_ids(cfg)  # before --cpu-scale, which reads the model's config.json
     if cpu_scale:
         try:
@@ -154,9 +168,9 @@ def prepare_config(path: str, overrides: Sequence[str], *, cpu_scale: bool = Fal
         scale.print_notes(notes)
     absolute_specs(cfg)  # plugin files named relative to here mean the same file in every process
     if OmegaConf.is_missing(cfg.model, "hf_path") or not cfg.model.hf_path.startswith("tiny:"):
-        return preflight(cfg, check_fit=check_fit)
+        return preflight(cfg, check_fit=check_fit, load_issues=load_issues)
     try:
         cfg.model.hf_path = resolve_model_path(cfg.model.hf_path)
     except ValueError as e:
-        raise ConfigError([ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
-    return preflight(cfg, check_fit=check_fit)
+        raise ConfigError([*load_issues, ConfigIssue("model.hf_path", str(e), cfg.model.hf_path)]) from e
+    return preflight(cfg, check_fit=check_fit, load_issues=load_issues)

@@ -95,6 +95,7 @@ def corpus(b) -> dict[str, list[list[str]]]:
     return {
         "train": [["train", *c] for c in config_cases],
         "validate": [["validate", *c] for c in config_cases] + [["validate", BASE, "--cpu-scale", "x"]],
+        "config": [["config", *c] for c in config_cases[:5]] + [["config", BASE, "--sources=x"]],
         "plan": [["plan", *c] for c in config_cases] + [["plan", GPU, "--gpu", "nope"], ["plan", GPU, "--mfu", "x"]],
         "plan-sync": [["plan-sync", *c] for c in config_cases] + [["plan-sync", BASE, "--intra-gbps", "x"]],
         "eval": [["eval", BASE], ["eval", BASE, "--hf", missing], ["eval", BASE, "--hf", a_file],
