@@ -246,20 +246,26 @@ class CheckedTransport(ReceiverGroupTransport):
         stopped = {k for k, status in enumerate(votes[:self.n_senders, 0].tolist()) if status == 8}
         for i in range(len(self.engines)):
             for r in range(tp):
-                status, index, received, _ = votes[self._engine_rank(i, r)].tolist()
+                status, index, received, at_bucket = votes[self._engine_rank(i, r)].tolist()
                 self.received[i][r] += received
                 if status and self._source(pending["bucket"], r) in stopped:
                     continue  # the zeros a stopped sender released this rank with: not a second error
                 if status:
-                    listing = pending["listings"][r] if pending["bucket"] is not None else []
+                    listing = pending["listings"][r] if pending["bucket"] is not None else self._listing(at_bucket, r)
                     what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"
                             if index < len(listing) else "its bucket")
+                    what = what if pending["bucket"] is not None or at_bucket < 0 else f"bucket {at_bucket}: {what}"
                     problems.append(f"engine {i} ({self.engines.urls[i]}) rank {r}: {what}: {STATUS.get(status, status)}")
         self.stats.engine_rank_bytes = [max(row[r] for row in self.received) for r in range(tp)]
         if problems:  # raised by drain(): the other trainer ranks must still finish their gather
-            where = f"bucket {pending['bucket'].index}" if pending["bucket"] is not None else "loading"
-            self._failure = WeightSyncError(f"p2p weight sync refused at {where}, no engine loaded it: "
-                                            + "; ".join(problems))
+            where = (f"refused at bucket {pending['bucket'].index}, no engine loaded it"
+                     if pending["bucket"] is not None else "failed at loading")
+            self._failure = WeightSyncError(f"p2p weight sync {where}: " + "; ".join(problems))
+
+    def _listing(self, bucket_index: int, rank: int) -> list:
+        """Engine rank ``rank``'s listing of the plan's bucket ``bucket_index`` ([] when none)."""
+        bucket = next((b for b in self.plan.buckets if b.index == bucket_index), None)
+        return self._listings(bucket)[rank] if bucket is not None else []
 
     def drain(self) -> None:
         """Wait for the last vote, then a ``finish`` vote (loading errors), then every ticket's answer."""

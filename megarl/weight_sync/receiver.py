@@ -20,7 +20,8 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   only if every rank of every engine (and the sender) is content does any rank load the bucket.
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
-  ``finish`` vote (loading errors) within the same call. The ticket's ``mode`` says
+  ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters
+  after loading: :mod:`megarl.weight_sync.load_proof`) within the same call. The ticket's ``mode`` says
   how the bytes come: ``p2p`` (default): this rank's own slices, point to point, loaded
   pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
   checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
@@ -182,22 +183,37 @@ def _drop_deferred(state: dict, why: str) -> None:
 
 
 def _load(model, named: list, state: dict, bucket: int, *, whole: bool) -> None:
+    """Load one voted bucket; pre-sharded (``p2p``), then prove every tensor is in the engine's
+    parameters (:func:`megarl.weight_sync.load_proof.first_unwritten`). A failure is kept for the
+    finish vote: ``(status, tensor index, bucket)``, status 7 (the loader raised) or 9 (not written)."""
+    from megarl.weight_sync.load_proof import first_unwritten
     from megarl.weight_sync.sglang_loader import load_presharded
 
     try:
         if whole:
             model.load_weights(named)
-        else:
-            load_presharded(model, named)
+            return
+        load_presharded(model, named)
+        missing = first_unwritten(model, named)
     except Exception:  # noqa: BLE001
         log.error("p2p receiver: loading bucket %s failed: %s", bucket, traceback.format_exc())
-        state["load_errors"].append(0)
+        state["load_errors"].append((7, 0, bucket))
+        return
+    if missing is not None:
+        log.error("p2p receiver: bucket %s: %s was loaded but is in none of the engine's parameters",
+                  bucket, named[missing][0])
+        state["load_errors"].append((9, missing, bucket))
 
 
 def _finish(state: dict) -> None:
-    """Vote once more with any loading error since the last finish (status 7)."""
+    """Vote once more with the first loading error since the last finish (``(status, tensor index,
+    0, bucket)``, see :func:`_load`)."""
     errors, state["load_errors"] = state["load_errors"], []
-    _vote(state, (7, errors[0], 0, -1) if errors else (0, 0, 0, -1))
+    if errors:
+        status, at, bucket = errors[0]
+        _vote(state, (status, at, 0, bucket))
+    else:
+        _vote(state, (0, 0, 0, -1))
 
 
 def _receive_buffer(state: dict, nbytes: int) -> torch.Tensor:

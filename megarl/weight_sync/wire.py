@@ -147,5 +147,7 @@ STATUS = {0: "ok", 1: "checksum mismatch (corrupted on the wire)", 2: "name unkn
           3: "shape does not fit the engine checkpoint's tensor (p2p: a shard of it; distributed: equal)", 4: "dtype differs from the engine's checkpoint",
           5: "byte count differs from its tensors'", 6: "receiver error (see the engine's log)",
           7: "loading failed on the engine (see the engine's log)",
-          8: "the sender stopped mid-stage (a bucket of zeros released the receivers; its own error is raised)"}
+          8: "the sender stopped mid-stage (a bucket of zeros released the receivers; its own error is raised)",
+          9: "loaded, but in none of the engine's parameters afterwards: SGLang's loader dropped it "
+             "(a group its loader needs in one call split? megarl.models.families Family.engine_load_groups)"}
 """Status codes the receiver reports (the sender turns them into a :class:`WeightSyncError`)."""
