@@ -73,7 +73,8 @@ def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> lis
         nodes = -(-int(cfg.rollout.num_engines) // per_node_engines)
         lines.append(f"suggest engines ({cfg.rollout.num_engines} engine(s) on {nodes} node(s), {mem.tokens_fit} tokens "
                      f"of KV cache each): rollout.engine.tensor_parallel_size={e.tp} "
-                     f"rollout.engine.expert_parallel_size={e.ep} cluster.rollout_nodes={nodes}")
+                     f"rollout.engine.expert_parallel_size={e.ep}"
+                     + (f" cluster.rollout_nodes={nodes}" if cl.placement == "disaggregated" else ""))
     return lines
 
 

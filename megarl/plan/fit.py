@@ -148,7 +148,8 @@ def _engine_problem(fit: Fit, cfg, fp8: bool) -> str:
     helps = []
     if fit.sequences_fit >= 1:
         helps.append(f'rollout.engine.extra_args=["--max-running-requests","{fit.sequences_fit}"] (the rest wait)')
-    helps.append("raise rollout.engine.tensor_parallel_size")
+    spans = int(eng.tensor_parallel_size) >= gpu.gpus_per_node
+    helps.append("raise rollout.engine.tensor_parallel_size" + (" (an engine over several nodes)" if spans else ""))
     if not fp8:
         helps.append("serve a block-FP8 checkpoint")
     if float(eng.mem_fraction_static) < 0.9:

@@ -128,11 +128,11 @@ def test_suggest_prints_overrides_that_paste_back(capsys):
     from megarl.cli import main
 
     main(["plan", RECIPE_235B, "--no-sync", "--suggest"])
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("suggest trainer"))
-    overrides = line.split("): ", 1)[1].split()
-    assert overrides and all(re.fullmatch(r"[a-z_]+\.[a-z_]+=\S+", o) for o in overrides), overrides
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("suggest trainer", "suggest engines"))]
+    assert len(lines) == 2, lines
+    overrides = [o for line in lines for o in line.split("): ", 1)[1].split()]
+    assert overrides and all(re.fullmatch(r"[a-z_]+(\.[a-z_]+)+=\S+", o) for o in overrides), overrides
     cfg = load_config(RECIPE_235B, overrides)
     for o in overrides:
-        section, rest = o.split(".", 1)
-        key, value = rest.split("=", 1)
-        assert str(cfg[section][key]).lower() == ("none" if value == "null" else value)
+        key, value = o.split("=", 1)
+        assert str(OmegaConf.select(cfg, key, throw_on_missing=True)).lower() == ("none" if value == "null" else value)
