@@ -41,13 +41,18 @@ class RouteWorker:
         Raises:
             megarl.rollout.client.EngineError: as the client's; a cancelled call aborts the request.
         """
-        from megarl.rollout.route_parts import RoutePart
-
         out = await self.client.generate(input_ids, sampling_params, **kwargs)
         if out.routed_experts is not None:
-            routes = out.routed_experts.to("cpu").contiguous()
-            out.routed_experts = RoutePart(ray.put(routes), tuple(routes.shape))
+            out.routed_experts = self.keep(out.routed_experts)
         return out
+
+    def keep(self, routes: Any) -> Any:
+        """Put one call's ``[rows, L, K]`` int32 routes in the object store (this worker owns them);
+        their :class:`~megarl.rollout.route_parts.RoutePart`."""
+        from megarl.rollout.route_parts import RoutePart
+
+        routes = routes.to("cpu").contiguous()
+        return RoutePart(ray.put(routes), tuple(routes.shape))
 
     async def close(self) -> None:
         """Close the HTTP session."""

@@ -1,6 +1,6 @@
 """The driver never carries the batch: bytes of one RL step through a real Ray `TrainerGroup`.
 
-The same global batch (R3 routes in the object store, as the rollout actor leaves them) is trained
+The same global batch (R3 routes kept by engine-facing workers, as the run leaves them) is trained
 at DP 1 (TP2), DP 2 and DP 4 on CPU ranks. References: pickled sizes of what crosses the driver
 (`megarl.testing.driver_bytes`), the whole batch's own size, the prediction of
 `megarl.launch.data_plan.plan_step_bytes`, and DP 1's loss (a second layout).
@@ -64,7 +64,9 @@ def test_driver_receives_metrics_only_and_each_rank_its_share(tiny_moe_dir):
             group = TrainerGroup(cfg, placement)
             try:
                 assert group.dp_size == world // tp
-                results[group.dp_size] = (*step_bytes(group, batch, routes, global_batch_size=GLOBAL_BATCH), cfg)
+                # the routes kept by one engine-facing worker per data-parallel rank (as many engines)
+                results[group.dp_size] = (*step_bytes(group, batch, routes, global_batch_size=GLOBAL_BATCH,
+                                                      route_workers=group.dp_size), cfg)
             finally:
                 group.shutdown()
                 ray.util.remove_placement_group(placement.trainer_pg)
@@ -85,6 +87,14 @@ def test_driver_receives_metrics_only_and_each_rank_its_share(tiny_moe_dir):
         assert sum(ranks) == pytest.approx(whole, rel=0.15), dp
         for share in ranks:
             assert share == pytest.approx(whole / dp, rel=0.25), (dp, ranks)
+        # R3 routes: no process holds more than one shard's worth (driver: none; each engine-facing
+        # worker its engine's share; each rank its shard's)
+        route_total = sum(r.nbytes for r in routes)
+        holders = counted["rank_route_bytes"] + counted["route_worker_bytes"]
+        assert sum(counted["rank_route_bytes"]) == sum(counted["route_worker_bytes"]) == route_total, dp
+        assert max(holders) <= 1.25 * route_total / dp, (dp, holders)
+        print(f"DP {dp}: R3 route bytes per rank {counted['rank_route_bytes']}, per engine-facing worker "
+              f"{counted['route_worker_bytes']} of {route_total}; driver received {counted['driver_received']} B")
         # the prediction from config + config.json, at this batch's mean length
         plan = plan_step_bytes(cfg, {"num_hidden_layers": LAYERS, "num_experts_per_tok": TOPK},
                                mean_seq_tokens=batch.num_tokens / batch.num_sequences)
