@@ -23,6 +23,11 @@ bytes it sends to the engines, and for each engine rank the bytes it receives. T
 - engines serving a block-FP8 checkpoint receive FP8 weights and scales (the plan's wire
   tensors: about half the BF16 bytes); the gather moves the trainer's BF16 shards.
 
+Beside these (the sending path as it runs), ``megarl plan-sync`` prints the physical bound (the
+busiest engine rank's own bytes over its own link) and owner senders on paper
+(:class:`OwnerPrediction`, :mod:`megarl.weight_sync.senders`). The links are the ``cluster.gpu``
+preset's (``megarl.plan.gpus``, the ones ``megarl plan`` uses) unless given (:func:`link_speeds`).
+
 Not modelled: HTTP / ticket latency per bucket, the engines' load time, conversion copies on the
 sender, link contention with training traffic. A lower bound to compare designs, not a promise.
 """
