@@ -20,7 +20,7 @@ import json
 import math
 import os
 import shutil
-import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -80,7 +80,9 @@ def _atomic_dir(out_dir: Path, overwrite: bool) -> Path:
         raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True / --overwrite)")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()  # not tempfile.mkdtemp: its 0700 would keep teammates out of the published directory
+        return tmp
     except OSError as e:  # named after the output asked for, not the temporary sibling
         raise OSError(e.errno, f"cannot create it: {e.strerror}", str(out_dir)) from e
 

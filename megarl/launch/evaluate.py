@@ -24,8 +24,8 @@
 5. **Report** (:mod:`megarl.launch.eval_report`): pass@k (unbiased, Chen et al. 2021), mean
    reward, tool calls and errors per trajectory, response length, truncation rate, every
    trajectory's record; written to ``--out`` (default ``RUN/eval/step_N.json`` for a trainer
-   checkpoint, else ``runs/eval/<name>.json``) and printed as a table. Engine logs and the export go
-   to the directory beside it with the report's name.
+   checkpoint, else ``runs/eval/<the model's path, / as -->.json``) and printed as a table. Engine
+   logs and the export go to the directory beside it with the report's name.
 """
 from __future__ import annotations
 
@@ -123,11 +123,14 @@ def check_args(args: argparse.Namespace) -> EvalRequest:
 
 
 def _default_out(ckpt: Path | None, hf: Path | None) -> Path:
-    """``RUN/eval/step_N.json`` for a trainer checkpoint, else ``runs/eval/<directory name>.json``."""
+    """``RUN/eval/step_N.json`` for a trainer checkpoint, else ``runs/eval/<the model's absolute path,
+    its parts joined by -->.json`` (``/data/qwen/hf`` -> ``data--qwen--hf.json``, as the hub cache names
+    ``models--org--name``): one report per model, not one per directory name (every ``hf/``)."""
     step = _trainer_step_dir(ckpt) if ckpt is not None else None
     if step is not None:
         return step.parent.parent / "eval" / f"{step.name}.json"
-    return Path("runs") / "eval" / f"{(ckpt or hf).name}.json"
+    parts = [p for p in Path(ckpt or hf).resolve().parts if p != "/"]
+    return Path("runs") / "eval" / f"{'--'.join(parts)}.json"
 
 
 def eval_overrides(request: EvalRequest, args: argparse.Namespace, model_dir: Path) -> list[str]:
@@ -288,4 +291,4 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampled trajectories per prompt, n (default: data.eval_samples_per_prompt, or 1)")
     parser.add_argument("--k", default=None, help="pass@k budgets, e.g. 1,4,8 (default: 1, 2, 4, ... up to n)")
     parser.add_argument("--out", default=None,
-                        help="the JSON report (default: RUN/eval/step_N.json, or runs/eval/<name>.json)")
+                        help="the JSON report (default: RUN/eval/step_N.json, or runs/eval/<model path, / as -->.json)")

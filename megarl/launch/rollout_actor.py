@@ -159,11 +159,13 @@ class RolloutWorker:
                       reward_fn=self.manager.reward_fn)
         self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout), **shared)
         samples = int(cfg.data.eval_samples_per_prompt or 0)
-        # Deterministic sampling: every evaluation draws the same seeds per prompt (common random
-        # numbers), so before/after differences are not blurred by different draws.
-        self.eval_seeded = SeededEngine(self.router, cfg.train.seed) if self.seeded is not None else None
+        # Every evaluation draws the same seeds per prompt (common random numbers), so before/after
+        # differences are not blurred by different draws, and the seeds are a function of the eval
+        # config alone (train.seed, the prompt): `megarl eval --checkpoint` and `--hf` of the same
+        # weights sample alike, deterministic_sampling or not.
+        self.eval_seeded = SeededEngine(self.router, cfg.train.seed)
         self.sampled_eval_manager = RolloutManager(
-            self.eval_seeded or self.router, tokenizer, _eval_rollout_config(cfg.rollout, samples),
+            self.eval_seeded, tokenizer, _eval_rollout_config(cfg.rollout, samples),
             **shared) if samples > 0 else None
 
     async def generate(self, rows: list[dict], step: int, policy_version: int) -> Any:
@@ -214,8 +216,7 @@ class RolloutWorker:
         metrics = {f"eval/{k}": v for k, v in metrics.items()} | {"eval/num_samples": float(len(rows))}
         sampled_trajs: list = []
         if self.sampled_eval_manager is not None:
-            if self.eval_seeded is not None:
-                self.eval_seeded.start_step(-1)  # the same seeds at every evaluation
+            self.eval_seeded.start_step(-1)  # the same seeds at every evaluation
             self.sampled_eval_manager.policy_version = policy_version
             sampled, sampled_trajs = await self._score(self.sampled_eval_manager, rows,
                                                        int(self.cfg.data.eval_samples_per_prompt))

@@ -156,7 +156,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         FileNotFoundError: GSM8K not found.
     """
     import shutil
-    import tempfile
+    import uuid
 
     import torch
 
@@ -174,7 +174,8 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     model.generation_config.eos_token_id = stop_ids if len(stop_ids) > 1 else eos_id
     model.generation_config.pad_token_id = tok.pad_token_id
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = out.parent / f".{out.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # with the umask's mode (tempfile.mkdtemp's 0700 would keep teammates out)
     try:
         tok.save_pretrained(tmp)
         # transformers 5 keeps MoE experts fused in memory but saves checkpoint-style per-expert
