@@ -14,8 +14,11 @@ Why this is safe:
 - Checkpoint rotation (``checkpoint.keep_last``) could delete the directory being read: the driver
   waits for the export in flight before it commits the next checkpoint (:meth:`wait`), which is
   when rotation runs. One export at a time: :meth:`start` waits for the previous one.
-- Errors are not lost: an export that failed raises in the driver at the next :meth:`wait` (the
-  next checkpoint, or the end of the run).
+- A failed export never stops training: it is retried (:data:`EXPORT_ATTEMPTS` tries in all, the
+  checkpoint it reads still there), then logged as an error and counted (:attr:`BackgroundExport.failures`);
+  the next checkpoint's export goes ahead as usual. The driver's :meth:`wait` before a commit
+  returns the error instead of raising it; only the end of the run (the last export) raises it,
+  after training finished, so a run whose final weights were not exported does not exit 0.
 - Preemption: the export of the last checkpoint is waited for at the end of the run as before;
   a job killed meanwhile leaves no partial ``hf/step_N`` (the rename never happens) and the
   checkpoint itself is already committed.
@@ -30,6 +33,9 @@ from typing import Callable, Optional
 
 logger = logging.getLogger("megarl.train")
 
+EXPORT_ATTEMPTS = 2
+"""Tries of one export (the first and one retry) before it is reported failed."""
+
 
 def _export(ckpt: Path, out: Path) -> None:
     from megarl.checkpoint.convert import megatron_to_hf_dir
@@ -43,12 +49,16 @@ class BackgroundExport:
     Args:
         export: ``export(ckpt_dir, out_dir)``, the blocking export (default: ``megatron_to_hf_dir``
             with the checkpoint's stored HF config, overwriting ``out_dir``).
+        attempts: tries per export before it is reported failed.
     """
 
-    def __init__(self, export: Callable[[Path, Path], None] = _export) -> None:
+    def __init__(self, export: Callable[[Path, Path], None] = _export, attempts: int = EXPORT_ATTEMPTS) -> None:
         self._export = export
+        self.attempts = int(attempts)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self.failures: list[tuple[str, str]] = []
+        """``(checkpoint name, error)`` of every export that failed all its tries."""
 
     @property
     def in_flight(self) -> bool:
@@ -56,21 +66,22 @@ class BackgroundExport:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, ckpt: Path, out: Path) -> None:
-        """Export ``ckpt`` to ``out`` in the background (after the previous export finished).
-
-        Raises:
-            Exception: the previous export's error (see :meth:`wait`).
-        """
-        self.wait()
+        """Export ``ckpt`` to ``out`` in the background (after the previous export finished; its
+        error, already logged and counted, is dropped: this export goes ahead)."""
+        self.wait(raise_error=False)
 
         def work() -> None:
             start = time.perf_counter()
-            try:
-                self._export(ckpt, out)
-            except BaseException as e:  # noqa: BLE001 - handed to the driver at the next wait()
-                logger.error("HF export of %s failed: %s", ckpt, e)
-                self._error = e
-                return
+            for attempt in range(1, self.attempts + 1):
+                try:
+                    self._export(ckpt, out)
+                    break
+                except BaseException as e:  # noqa: BLE001 - retried, then handed to the driver at the next wait()
+                    logger.error("HF export of %s failed (try %d of %d): %s", ckpt, attempt, self.attempts, e)
+                    if attempt == self.attempts:
+                        self._error = e
+                        self.failures.append((ckpt.name, repr(e)))
+                        return
             logger.info("exported %s in %.1fs in the background (loadable with transformers / servable by "
                         "SGLang)", out, time.perf_counter() - start)
 

@@ -1,6 +1,7 @@
 """HF export during training runs in the background (`megarl.launch.hf_export`): the driver's
 ``save_checkpoint`` returns while the export runs; the next commit (checkpoint rotation) waits for
-it, so the directory it reads is never deleted under it; its error reaches the driver.
+it, so the directory it reads is never deleted under it; a failed export is retried, then logged
+and counted without stopping training; the end of the run raises the last export's error.
 
 The driver's real ``Run.save_checkpoint`` with a stand-in trainer (makes the directory) and an
 export that blocks until released (no processes)."""
@@ -75,15 +76,45 @@ def test_save_returns_while_exporting_and_rotation_waits(tmp_path):
     assert sorted(p.name for p in (run.run_dir / "hf").iterdir()) == ["step_000001", "step_000002"]
 
 
-def test_export_error_reaches_the_driver(tmp_path):
-    export = BlockingExport(fail=True)
-    run = _run(tmp_path, export)
+def test_a_failed_export_is_retried_reported_and_never_stops_training(tmp_path, caplog):
+    """Issue 35 item 3: an export that fails every try is logged and counted; the next checkpoint is
+    saved and committed and its export goes ahead (before, the next save_checkpoint raised the error
+    and the run aborted)."""
+    export = BlockingExport()
+
+    def first_fails(ckpt, out):
+        export.fail = ckpt.name == "step_000001"
+        export(ckpt, out)
+
+    run = _run(tmp_path, first_fails)
     run.save_checkpoint()
     export.release.set()
     run.state.step = 2
-    with pytest.raises(OSError, match="disk full"):
-        run.save_checkpoint()
-    assert (run.run_dir / "checkpoints" / "latest").read_text() == "step_000002", "committed before raising"
+    with caplog.at_level("ERROR", logger="megarl.train"):
+        run.save_checkpoint()  # does not raise
+    assert (run.run_dir / "checkpoints" / "latest").read_text() == "step_000002"
+    assert export.finished[:2] == [("step_000001", True)] * 2  # tried twice, the checkpoint still there
+    assert [name for name, _ in run.hf_export.failures] == ["step_000001"]
+    assert "training goes on" in caplog.text and "try 2 of 2" in caplog.text
+    run.wait_for_export()  # step 2's export succeeds
+    assert (run.run_dir / "hf" / "step_000002").is_dir() and not (run.run_dir / "hf" / "step_000001").exists()
+
+
+def test_a_transient_export_failure_is_retried(tmp_path):
+    export = BlockingExport(fail=True)
+    export.release.set()
+    calls = []
+
+    def flaky(ckpt, out):
+        calls.append(ckpt.name)
+        export.fail = len(calls) == 1  # the first try fails, the retry succeeds
+        export(ckpt, out)
+
+    run = _run(tmp_path, flaky)
+    run.save_checkpoint()
+    run.wait_for_export()
+    assert calls == ["step_000001"] * 2 and (run.run_dir / "hf" / "step_000001").is_dir()
+    assert run.hf_export.failures == []
 
 
 def test_close_waits_for_the_export_and_does_not_raise(tmp_path):
@@ -93,7 +124,7 @@ def test_close_waits_for_the_export_and_does_not_raise(tmp_path):
     run.trainer = None  # nothing else to stop
     threading.Timer(0.3, export.release.set).start()
     run.close()  # best effort: the error was logged by the export thread
-    assert export.finished == [("step_000001", True)] and not run.hf_export.in_flight
+    assert export.finished == [("step_000001", True)] * 2 and not run.hf_export.in_flight  # tried twice
 
 
 def test_wait_raises_the_last_export_error(tmp_path):
