@@ -76,9 +76,10 @@ def turn_records(traj: Any, tokenizer: Any, reasoning: Any = None) -> list[dict[
 def trajectory_record(traj: Any, tokenizer: Any, prompt_key: str = "prompt",
                       reasoning: Any = None) -> dict[str, Any]:
     """One trajectory as a JSON-able dict: decoded prompt and response, its turns
-    (:func:`turn_records`), token counts, tool calls and errors, reward and its terms, status,
+    (:func:`turn_records`), token counts, tool calls and errors, reward and its terms (and the gold
+    answer, where the reward records it), status,
     policy version and group id."""
-    from megarl.rollout.rewards.composite import TERMS_KEY
+    from megarl.rollout.rewards.keys import GOLD_KEY, TERMS_KEY
 
     prompt_ids, response_ids = traj.prompt_ids.tolist(), traj.response_ids.tolist()
     meta = traj.metadata or {}
@@ -89,6 +90,7 @@ def trajectory_record(traj: Any, tokenizer: Any, prompt_key: str = "prompt",
         "status": getattr(traj.status, "value", str(traj.status)),
         "reward": float(traj.reward),
         "reward_terms": {k: float(v) for k, v in (meta.get(TERMS_KEY) or {}).items()},
+        **({"gold": str(meta[GOLD_KEY])} if GOLD_KEY in meta else {}),
         "num_turns": int(traj.num_turns),
         "tool_calls": meta.get("tool_calls", 0),
         "tool_errors": meta.get("tool_errors", 0),

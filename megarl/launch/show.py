@@ -4,12 +4,11 @@ Reads ``RUN_DIR/rollouts/step_N.jsonl`` (:mod:`megarl.launch.rollout_log`). Per 
 (trajectories, mean reward, truncation rate, response tokens, tool calls and errors, policy versions),
 then each trajectory: the prompt, each model turn (its reasoning set apart, its trained token count
 and policy versions), each observation the agent loop appended (loss-masked: not trained), the
-status, and the reward with its terms. ``--html OUT`` writes the same view as one self-contained page
-(rich's HTML export: inline styles, no scripts, fonts or other external assets).
+status, and the reward with its terms. ``--html OUT`` writes one self-contained page to sort, filter
+and open trajectory by trajectory (:mod:`megarl.launch.show_html`).
 """
 from __future__ import annotations
 
-import io
 import json
 import operator
 import re
@@ -186,13 +185,9 @@ def show(run_dir: str | Path, *, step: int | None = None, filter_expr: str | Non
     console = console or Console()
     shown = render(console, steps, keep)
     if html_out is not None:
-        from rich.terminal_theme import DEFAULT_TERMINAL_THEME
+        from megarl.launch.show_html import page
 
-        page = Console(record=True, file=io.StringIO(), width=width, force_terminal=True, color_system="truecolor")
-        render(page, steps, keep)
-        html = page.export_html(theme=DEFAULT_TERMINAL_THEME, inline_styles=True)
-        html = html.replace("<head>", f"<head>\n<title>megarl show {Path(run_dir).name}</title>", 1)
-        Path(html_out).write_text(html, encoding="utf-8")
+        Path(html_out).write_text(page(f"megarl show {Path(run_dir).name}", steps, keep), encoding="utf-8")
     return shown
 
 

@@ -31,12 +31,12 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from megarl.rollout.rewards.keys import TERMS_KEY
 from megarl.rollout.rewards.registry import build_reward, compute_reward, register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory
 
-TERMS_KEY = "reward_terms"
 WEIGHTS_KEY = "reward_weights"
 
 

@@ -18,7 +18,7 @@ import multiprocessing
 import threading
 from typing import TYPE_CHECKING, Any
 
-from megarl.rollout.rewards.keys import FINAL_TEXT_KEY
+from megarl.rollout.rewards.keys import FINAL_TEXT_KEY, GOLD_KEY, TERMS_KEY
 from megarl.rollout.rewards.registry import register_reward
 
 if TYPE_CHECKING:
@@ -106,6 +106,9 @@ class Gsm8kReward:
             except asyncio.TimeoutError:
                 correct = False
         boxed = "\\boxed{" in text
+        # the terms and the gold answer, for `megarl show` (a composite reward replaces the terms with its own)
+        trajectory.metadata[TERMS_KEY] = {"correct": float(correct), "boxed": self.format_weight * float(boxed)}
+        trajectory.metadata[GOLD_KEY] = reference
         return float(correct) + self.format_weight * float(boxed)
 
     def close(self) -> None:

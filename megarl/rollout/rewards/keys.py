@@ -9,3 +9,10 @@ thinking earns a reward)."""
 REASONING_TEXT_KEY = "reasoning_text"
 """``Trajectory.metadata`` key holding the reasoning of the last model turn ("" when it has none);
 for format terms of a reward, never for its answer."""
+
+TERMS_KEY = "reward_terms"
+"""``Trajectory.metadata`` key holding the reward's terms ``{name: value}`` (a composite reward: its
+weighted terms; ``gsm8k``: ``correct`` and ``boxed``), recorded with the trajectory for ``megarl show``."""
+
+GOLD_KEY = "reward_gold"
+"""``Trajectory.metadata`` key holding the reference answer the reward compared with (``gsm8k``)."""

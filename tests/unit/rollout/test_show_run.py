@@ -1,6 +1,7 @@
 """``megarl show``: a run directory written by ``write_rollouts`` from trajectories of the real agent
 loop (Qwen3's official template and reasoning parser, the real calculator tool, a composite reward;
-the scripted engine of these unit tests in place of SGLang), rendered in the terminal and as HTML.
+the scripted engine of these unit tests in place of SGLang), rendered in the terminal and as an HTML
+page (sorted, filtered and opened through its query string in a real headless Chromium).
 
 References: the trajectories themselves (each span of equal ``loss_mask`` decoded by the tokenizer,
 the tool outputs, the rewards and their terms, the engine's weight versions), and for the page a real
@@ -150,21 +151,17 @@ def chromium():
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(chromium() is None, reason="needs Chromium (apt-get install chromium)")
-def test_html_page_in_a_headless_browser(run_dir, tmp_path):
-    from PIL import Image, ImageStat
-    from rich.console import Console
-
-    root, tok, trajs = run_dir
-    page = tmp_path / "run.html"
-    show(root, step=1, html_out=page, console=Console(file=io.StringIO()))
-    html = page.read_text()
-    assert not any(s in html for s in ("http://", "https://", "<script", "<link", "src=")), "external assets"
+def browser(tmp_path, url, *args):
+    """Headless Chromium on ``url``: its DOM after the page's script ran (``--dump-dom``), or what
+    ``args`` ask (a screenshot)."""
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
              f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([chromium(), *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
-                         timeout=120).stdout
+    proc = subprocess.run([chromium(), *flags, *(args or ["--dump-dom"]), url], capture_output=True, text=True,
+                          timeout=120, check=True)
+    return proc.stdout
+
+
+def dom_text(dom):
     from html.parser import HTMLParser
 
     class Text(HTMLParser):
@@ -175,16 +172,67 @@ def test_html_page_in_a_headless_browser(run_dir, tmp_path):
 
     reader = Text()
     reader.feed(dom)
-    text = flatten("".join(reader.chunks))
-    for traj in trajs:
+    return flatten("".join(reader.chunks))
+
+
+@pytest.mark.slow  # Chromium (Debian's package: apt-get install chromium), ~20 s
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(chromium() is None, reason="needs Chromium (apt-get install chromium)")
+def test_html_page_in_a_headless_browser(run_dir, tmp_path):
+    from PIL import Image
+    from rich.console import Console
+
+    root, tok, trajs = run_dir
+    page = tmp_path / "run.html"
+    show(root, step=1, html_out=page, console=Console(file=io.StringIO()))
+    html = page.read_text()
+    assert not any(s in html for s in ("http://", "https://", "<link", "src=")), "external assets"
+    # sorted by reward (high first), the first trajectory opened, as the query string asks
+    dom = browser(tmp_path, page.as_uri() + "?sort=-reward&open=t1-0")
+    order = re.findall(r'<details class="traj[^"]*" id="(t1-\d)"', dom)
+    assert order == [f"t1-{i}" for i in sorted(range(len(trajs)), key=lambda i: (-trajs[i].reward, i))]
+    opened = re.search(r'<details[^>]*id="t1-0"[^>]*>', dom).group(0)
+    assert " open" in opened and all(" open" not in m for m in re.findall(r'<details[^>]*id="t1-[12]"[^>]*>', dom))
+    text = dom_text(dom)
+    for traj in trajs:  # every turn's text, by role
         for ids, trained in spans(traj):
             for part in parts(tok, ids, trained):
-                assert part[:60] in text.replace("reasoning: ", ""), part
+                assert part[:60] in text, part
+    observations = sum(not t for traj in trajs for _, t in spans(traj))
+    assert dom.count('class="turn masked"') == observations and text.count("loss-masked, not trained") == observations
+    once = tok.decode(trajs[0].prompt_ids.tolist()).count("<tools>")  # in one prompt's system part
+    assert once > 0 and text.count("<tools>") == once  # the system prompt once, not once per trajectory
+    for traj in trajs:  # the composite's terms and the gsm8k term's gold answer
+        terms = " + ".join(f"{k} {v:g}" for k, v in traj.metadata["reward_terms"].items())
+        assert f"reward {traj.reward:g} = {terms} | gold answer: 72" in text
+    # filtered: only the trajectories with reward <= 0.5 stay visible
+    dom = browser(tmp_path, page.as_uri() + "?max_reward=0.5")
+    hidden = re.findall(r'<details class="traj[^"]*" id="t1-\d"[^>]*hidden', dom)
+    assert len(hidden) == sum(t.reward > 0.5 for t in trajs)
+    assert f"{len(trajs) - len(hidden)} of {len(trajs)} shown" in dom_text(dom)
+    # the screenshot of the opened trajectory: trained turns and loss-masked observations look different
     shot = tmp_path / "shot.png"
-    subprocess.run([chromium(), *flags, f"--screenshot={shot}", "--window-size=1400,2400", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)
-    image = Image.open(shot).convert("L")
-    stat = ImageStat.Stat(image)
-    assert image.size == (1400, 2400) and stat.stddev[0] > 10  # not a blank page
-    assert len(set(image.resize((140, 240)).getdata())) > 20
+    browser(tmp_path, page.as_uri() + "?open=t1-0", f"--screenshot={shot}", "--window-size=1400,2400")
+    pixels = list(Image.open(shot).convert("RGB").getdata())
+    trained_bg, masked_bg = (0xee, 0xf6, 0xff), (0xe4, 0xe4, 0xe4)
+    assert pixels.count(trained_bg) > 1000 and pixels.count(masked_bg) > 1000
     shutil.copy(shot, root.parent / "show_screenshot.png")  # kept beside the run for a look
+
+
+@pytest.mark.timeout(120)
+def test_gsm8k_reward_records_its_terms_and_gold(run_dir):
+    """The shipped gsm8k reward alone (no composite) explains its value: correct + format_weight * boxed."""
+    import asyncio
+    import copy
+
+    from megarl.rollout.rewards.gsm8k import Gsm8kReward
+
+    _, _, trajs = run_dir
+    reward = Gsm8kReward(executor="inline", format_weight=0.2)
+    for traj in trajs:
+        traj = copy.deepcopy(traj)
+        value = asyncio.run(reward(traj, {"prompt": QUESTION, "answer": "... #### 72"}))
+        terms = traj.metadata["reward_terms"]
+        assert set(terms) == {"correct", "boxed"} and value == pytest.approx(sum(terms.values()))
+        assert terms["boxed"] == pytest.approx(0.2 * ("\\boxed{" in traj.metadata["final_text"]))
+        assert traj.metadata["reward_gold"] == "72"
