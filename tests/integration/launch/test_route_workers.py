@@ -34,7 +34,7 @@ def local_ray(monkeypatch):
 
 async def test_routes_are_kept_by_the_engine_facing_worker(sglang_url, local_ray):
     from megarl.launch.route_files import resolve_routes
-    from megarl.launch.route_workers import routed_clients
+    from megarl.launch.route_workers import engine_node, routed_clients
     from megarl.rollout.client import SGLangClient
     from megarl.rollout.route_parts import RoutePart, RouteParts
 
@@ -42,6 +42,9 @@ async def test_routes_are_kept_by_the_engine_facing_worker(sglang_url, local_ray
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     async with SGLangClient(sglang_url) as plain:
         reference = await plain.generate(prompt, params, return_routed_experts=True)
+    # the worker goes to the engine's node: here the one node of the local Ray, at the engine's address
+    assert engine_node(sglang_url, local_ray.nodes()) == local_ray.get_runtime_context().get_node_id()
+    assert engine_node("http://10.255.255.1:30000", local_ray.nodes()) is None  # not in the cluster
     routed = routed_clients([SGLangClient(sglang_url, engine_id="e0")], 120.0)[0]
     try:
         out = await routed.generate(prompt, params, return_routed_experts=True)
