@@ -10,8 +10,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
-    package_data={"megarl": ["rollout/cpu_shims/**/*.py", "rollout/chat_templates/*.jinja",
-                             "rollout/chat_templates/*.md", "cluster/sglang_seeding/*.py", "py.typed"]},
+    package_data={"megarl": ["rollout/cpu_shims/**/*.py", "models/chat_templates/*.jinja",
+                             "models/chat_templates/*.md", "cluster/sglang_seeding/*.py", "py.typed"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",

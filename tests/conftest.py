@@ -66,7 +66,7 @@ def tiny_glm4_moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def official_template_tokenizers(tmp_path_factory):
-    """Tokenizers of tiny models built on each official chat template (megarl/rollout/chat_templates):
+    """Tokenizers of tiny models built on each official chat template (megarl/models/chat_templates):
     ``{"qwen3": ..., "deepseek_r1": ..., "deepseek_v31": ..., "glm4_moe": ...}`` (Qwen3 dense, DeepSeek-V3
     (R1's and V3.1's templates), GLM-4.5 families;
     their directories hold config.json and generation_config.json), built once per session."""

@@ -4,7 +4,7 @@
     python tools/make_tiny_model.py OUT_DIR [--family qwen3_moe|qwen3|deepseek_v3|glm4_moe] [--seed N]
         [--chat-template tiny|qwen3|deepseek_v3|glm4_moe] [--hidden-size N] ...
 
-``--chat-template`` other than ``tiny`` uses an official template (megarl/rollout/chat_templates/)
+``--chat-template`` other than ``tiny`` uses an official template (megarl/models/chat_templates/)
 and adds its special tokens to the tokenizer.
 
 Nothing is downloaded: the tokenizer is trained on the repository's data/gsm8k (or $MEGARL_GSM8K_DIR).

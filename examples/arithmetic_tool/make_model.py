@@ -47,7 +47,7 @@ def make_model(out_dir: str | Path, seed: int = 0, chat_template: str = "tiny") 
     """Write the demo model into ``out_dir`` (skipped when it already holds one).
 
     ``chat_template``: ``tiny`` (megarl's append-only template) or ``qwen3`` (the official Qwen3
-    template, megarl/rollout/chat_templates/qwen3.jinja: <think> handling, ``enable_thinking``);
+    template, megarl/models/chat_templates/qwen3.jinja: <think> handling, ``enable_thinking``);
     either with the compact tools block.
     """
     from transformers import AutoTokenizer

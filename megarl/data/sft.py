@@ -182,10 +182,12 @@ def _default_template(tokenizer: Any, tools: Sequence[dict] | None,
                       chat_template_kwargs: Mapping[str, Any] | None) -> Any:
     """A :class:`~megarl.rollout.template.ChatTemplate` from the arguments of
     :func:`demonstration_to_trajectory`, with the model family's reasoning format."""
-    from megarl.rollout.reasoning import FAMILY_PARSERS, ReasoningFormat, model_type_of
+    from megarl.models.families import find_family
+    from megarl.rollout.reasoning import ReasoningFormat, model_type_of
     from megarl.rollout.template import ChatTemplate
 
-    reasoning = FAMILY_PARSERS.get(model_type_of(tokenizer) or "", (None, None))[0]
+    family = find_family(model_type_of(tokenizer))
+    reasoning = family.reasoning_parser if family else None
     return ChatTemplate(tokenizer, list(tools or []), chat_template_kwargs=chat_template_kwargs,
                         reasoning=ReasoningFormat(reasoning) if reasoning else None)
 

@@ -36,11 +36,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config.schema import TrainConfig
+from megarl.models.families import find_family
+from megarl.models.tiny import tiny_families
 
 WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
-TINY_FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
-"""HF ``model_type`` -> ``tiny:`` family of `megarl.models.tiny`."""
 
 
 def _tiny_model(hf_path: str) -> tuple[str, str | None]:
@@ -52,10 +52,11 @@ def _tiny_model(hf_path: str) -> tuple[str, str | None]:
         return "tiny:qwen3_moe", (f"cpu-scale: model.hf_path {hf_path} has no config.json here: using tiny:qwen3_moe "
                                   "(megarl's reference family)")
     model_type = json.loads(config.read_text()).get("model_type")
-    if model_type not in TINY_FAMILIES:
+    family = find_family(model_type)
+    if family is None or family.name not in tiny_families():
         raise ValueError(f"model.hf_path: model_type {model_type!r} has no tiny family for --cpu-scale "
-                         f"(known: {', '.join(TINY_FAMILIES)})")
-    return f"tiny:{TINY_FAMILIES[model_type]}", None
+                         f"(known: {', '.join(tiny_families())})")
+    return f"tiny:{family.name}", None
 
 
 def _parallel(p: DictConfig, notes: list[str]) -> None:

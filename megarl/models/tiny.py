@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.models.chat_templates import TEMPLATE_TOKENS
+from megarl.models.families import all_families, find_family, get_family
 from megarl.models.tiny_tokenizer import stop_token_ids, tiny_tokenizer
 
 
@@ -24,9 +26,10 @@ class TinyModelSpec:
     """Sizes of a tiny model. Defaults: a 2-layer Qwen3-MoE with 8 experts, top-2."""
 
     family: str = "qwen3_moe"
-    """``qwen3_moe`` (Qwen3MoeForCausalLM), ``qwen3`` (dense Qwen3ForCausalLM), ``deepseek_v3``
-    (DeepseekV3ForCausalLM: MLA, YaRN, grouped sigmoid router) or ``glm4_moe``
-    (Glm4MoeForCausalLM: GQA with partial rotary, q/k norm, qkv bias, sigmoid router)."""
+    """A family with a ``tiny_config`` (:func:`tiny_families`): ``qwen3_moe`` (Qwen3MoeForCausalLM),
+    ``qwen3`` (dense Qwen3ForCausalLM), ``deepseek_v3`` (DeepseekV3ForCausalLM: MLA, YaRN, grouped
+    sigmoid router) or ``glm4_moe`` (Glm4MoeForCausalLM: GQA with partial rotary, q/k norm, qkv bias,
+    sigmoid router); each family's module builds its config."""
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
@@ -52,7 +55,7 @@ class TinyModelSpec:
     seed: int = 0
     chat_template: str = "tiny"
     """``tiny`` (the append-only ``megarl.models.tiny_tokenizer.CHAT_TEMPLATE``) or an official one
-    from :mod:`megarl.rollout.chat_templates` (``qwen3``, ``deepseek_r1``, ``deepseek_v31``,
+    from :mod:`megarl.models.chat_templates` (``qwen3``, ``deepseek_r1``, ``deepseek_v31``,
     ``glm4_moe``), whose special tokens are then added to the tokenizer and whose end-of-turn tokens
     become the EOS ids."""
 
@@ -64,58 +67,15 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int):
         head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings, rope_theta=spec.rope_theta,
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, rms_norm_eps=1e-6)
-    if spec.family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-        cfg = Qwen3MoeConfig(
-            intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
-            num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-            decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], **common)
-        return cfg, Qwen3MoeForCausalLM
-    if spec.family == "qwen3":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-        return Qwen3Config(intermediate_size=spec.intermediate_size, **common), Qwen3ForCausalLM
-    if spec.family in ("deepseek_v3", "glm4_moe"):
-        return _sigmoid_moe_config(spec, common)
-    raise ValueError(f"family: unknown tiny-model family {spec.family!r} (known: {', '.join(FAMILIES)})")
+    family = find_family(spec.family)
+    if family is None or family.tiny_config is None:
+        raise ValueError(f"family: unknown tiny-model family {spec.family!r} (known: {', '.join(tiny_families())})")
+    return family.tiny_config(spec, common)
 
 
-FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe")
-
-
-def _sigmoid_moe_config(spec: TinyModelSpec, common: dict):
-    """DeepSeek-V3 / GLM-4.5 configs shaped like the released models, scaled down.
-
-    DeepSeek-V3: MLA with q/kv LoRA ranks hidden/2, rope head dim head_dim/2, YaRN (factor 4,
-    mscale_all_dim 1), interleaved rope, and group-limited routing (4 groups, top-k/2 groups) when
-    top-k is even. GLM-4.5: partial rotary 0.5, q/k norm, q/k/v bias. Both: sigmoid router with
-    ``e_score_correction_bias``, routed scaling 2.5, ``n_shared_experts`` shared experts, no MTP layer.
-    """
-    moe = dict(
-        intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
-        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-        n_shared_experts=spec.n_shared_experts, first_k_dense_replace=spec.first_k_dense_replace,
-        routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0)
-    common = {k: v for k, v in common.items() if k not in ("rope_theta", "head_dim")}
-    if spec.family == "glm4_moe":
-        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-        rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.5}
-        return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,
-                             attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    k = spec.num_experts_per_tok
-    grouped = k % 2 == 0 and spec.num_experts % 4 == 0 and spec.num_experts >= 8
-    rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": 4.0,
-            "original_max_position_embeddings": spec.max_position_embeddings // 4,
-            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-    common["num_key_value_heads"] = spec.num_attention_heads  # MLA: every head has its own key and value
-    cfg = DeepseekV3Config(
-        q_lora_rank=spec.hidden_size // 2, kv_lora_rank=spec.hidden_size // 2,
-        qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.head_dim // 2, v_head_dim=spec.head_dim,
-        n_group=4 if grouped else 1, topk_group=k // 2 if grouped else 1, rope_interleave=True,
-        rope_parameters=rope, **moe, **common,
-        # Fields of the released config.json that transformers ignores and SGLang reads.
-        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
-    return cfg, DeepseekV3ForCausalLM
+def tiny_families() -> tuple[str, ...]:
+    """The families with a ``tiny:`` model (their :attr:`~megarl.models.families.Family.tiny_config`)."""
+    return tuple(f.name for f in all_families() if f.tiny_config is not None)
 
 
 def _randomize_constant_tensors(model, seed: int) -> None:
@@ -168,7 +128,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
     torch.manual_seed(spec.seed)
     model = model_cls(cfg).to(dtype)
-    if spec.family in ("deepseek_v3", "glm4_moe"):
+    if get_family(spec.family).tiny_random_norms:
         _randomize_constant_tensors(model, spec.seed)
     stop_ids = stop_token_ids(tok, spec.chat_template)
     model.generation_config.eos_token_id = stop_ids if len(stop_ids) > 1 else eos_id
@@ -256,9 +216,9 @@ def parse_tiny_uri(uri: str) -> TinyModelSpec:
             kwargs[key] = kind(raw)
         except ValueError as e:
             raise ValueError(f"model.hf_path: tiny-model field {key}={raw!r}: {e}") from e
-    if kwargs["family"] not in FAMILIES:
-        raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} (known: {', '.join(FAMILIES)})")
-    from megarl.rollout.chat_templates import TEMPLATE_TOKENS
+    if kwargs["family"] not in tiny_families():
+        raise ValueError(f"model.hf_path: unknown tiny-model family {kwargs['family']!r} "
+                         f"(known: {', '.join(tiny_families())})")
 
     if kwargs.get("chat_template", "tiny") not in ("tiny", *TEMPLATE_TOKENS):
         raise ValueError(f"model.hf_path: unknown tiny-model chat_template {kwargs['chat_template']!r} "

@@ -124,7 +124,7 @@ def wrap_tokenizer(tok, chat_template: str = "tiny"):
         clean_up_tokenization_spaces=False)
     hf_tok.chat_template = CHAT_TEMPLATE
     if chat_template != "tiny":
-        from megarl.rollout.chat_templates import TEMPLATE_TOKENS, load_template
+        from megarl.models.chat_templates import TEMPLATE_TOKENS, load_template
 
         hf_tok.chat_template = load_template(chat_template)
         tokens = TEMPLATE_TOKENS[chat_template]
@@ -137,7 +137,7 @@ def stop_token_ids(tok, chat_template: str) -> list[int]:
     """EOS ids of ``generation_config.json``: the tokenizer's EOS and the template's other stops."""
     if chat_template == "tiny":
         return [tok.eos_token_id]
-    from megarl.rollout.chat_templates import TEMPLATE_TOKENS
+    from megarl.models.chat_templates import TEMPLATE_TOKENS
 
     return [tok.eos_token_id] + tok.convert_tokens_to_ids(list(TEMPLATE_TOKENS[chat_template].extra_stop))
 

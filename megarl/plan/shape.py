@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megarl.models.families import find_family
+
 
 def _first(hf, *names, default=None):
     for name in names:
@@ -20,9 +22,9 @@ def _first(hf, *names, default=None):
     return default
 
 
-ENGINE_OWN_LM_HEAD = ("qwen3_moe", "glm4_moe")
-"""``model_type`` values whose SGLang 0.5.23 class holds an ``lm_head`` of its own
-(``ModelShape.engine_own_lm_head``)."""
+def _engine_unties_lm_head(model_type: str | None) -> bool:
+    family = find_family(model_type)
+    return family is not None and family.engine_unties_lm_head
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,7 @@ class ModelShape:
     v_head_dim: int = 0
     engine_own_lm_head: bool = False
     """The engine's SGLang class keeps ``lm_head`` apart however the checkpoint ties it (Qwen3-MoE,
-    GLM-4.5: the set of ``megarl.rollout.engine_view.SGLANG_UNTIED_LM_HEAD``, a package this layer
-    cannot import; a unit test keeps the two equal)."""
+    GLM-4.5: the family's :attr:`~megarl.models.families.Family.engine_unties_lm_head`)."""
 
     @classmethod
     def from_hf_config(cls, hf) -> "ModelShape":
@@ -86,7 +87,7 @@ class ModelShape:
             qk_nope_head_dim=int(_first(hf, "qk_nope_head_dim", default=0) or 0),
             qk_rope_head_dim=int(_first(hf, "qk_rope_head_dim", default=0) or 0),
             v_head_dim=int(_first(hf, "v_head_dim", default=0) or 0),
-            engine_own_lm_head=hf.model_type in ENGINE_OWN_LM_HEAD)
+            engine_own_lm_head=_engine_unties_lm_head(hf.model_type))
 
     @property
     def mla(self) -> bool:

@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SGLANG_UNTIED_LM_HEAD = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
-"""``model_type`` -> the SGLang 0.5.23 class that keeps ``lm_head`` apart from ``embed_tokens``."""
+from megarl.models.families import find_family
+
 EMBEDDING = "model.embed_tokens.weight"
 OUTPUT_LAYER = "lm_head.weight"
 OUTPUT_LAYER_FILE = "lm_head.safetensors"
@@ -44,13 +44,15 @@ def _field(config: Any, name: str, default: Any) -> Any:
 
 
 def needs_untied_view(config: Any) -> bool:
-    """A tied checkpoint whose SGLang class keeps its own ``lm_head`` (module docstring).
+    """A tied checkpoint whose SGLang class keeps its own ``lm_head`` (module docstring; the family's
+    :attr:`~megarl.models.families.Family.engine_unties_lm_head`).
 
     Args:
         config: ``config.json`` as a dict, or a ``transformers`` config. A missing
             ``tie_word_embeddings`` counts as false (both families' ``transformers`` default).
     """
-    return _field(config, "model_type", None) in SGLANG_UNTIED_LM_HEAD and bool(
+    family = find_family(_field(config, "model_type", None))
+    return family is not None and family.engine_unties_lm_head and bool(
         _field(config, "tie_word_embeddings", False))
 
 

@@ -16,30 +16,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-FAMILY_PARSERS: dict[str, tuple[str | None, str]] = {
-    # model_type: (SGLang reasoning parser, SGLang tool-call parser)
-    "qwen2": (None, "qwen25"),
-    "qwen2_moe": (None, "qwen25"),
-    "qwen3": ("qwen3", "qwen25"),          # <think>...</think>; <tool_call>{json}</tool_call>
-    "qwen3_moe": ("qwen3", "qwen25"),
-    # DeepSeek-V3 / R1: <think>...</think> (the R1 template opens it in the prompt);
-    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name ```json ...``` ...
-    "deepseek_v3": ("deepseek-v3", "deepseekv3"),
-    # DeepSeek-V3.1 (model_type deepseek_v3, told apart by its template, TEMPLATE_VARIANTS):
-    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
-    "deepseek_v31": ("deepseek-v3", "deepseekv31"),
-    "glm4_moe": ("glm45", "glm45"),        # <think>...</think>; <tool_call>name <arg_key>k</arg_key>...
-}
-"""HF ``model_type`` (or a :data:`TEMPLATE_VARIANTS` name) -> (reasoning parser, tool-call parser),
-SGLang names."""
+from megarl.models.families import all_families, find_family
 
-TEMPLATE_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
-    # DeepSeek-V3.1 keeps V3's model_type; its chat template writes a call's name before the
-    # separator (R1's and V3's write the type "function" there, then the name and a ```json fence).
-    "deepseek_v3": (("tool['function']['name'] + '<｜tool▁sep｜>'", "deepseek_v31"),),
-}
-"""``model_type`` -> ``(text in the tokenizer's chat template, family)``: releases that share a
-``model_type`` but write tool calls differently, told apart by their official template."""
+def family_parsers() -> dict[str, tuple[str | None, str]]:
+    """HF ``model_type`` (or a release's :class:`~megarl.models.families.ParserVariant` name) ->
+    (reasoning parser, tool-call parser), SGLang names, as each :class:`~megarl.models.families.Family`
+    declares them."""
+    out = {}
+    for family in all_families():
+        for model_type in family.model_types:
+            out[model_type] = (family.reasoning_parser, family.tool_call_parser)
+        for variant in family.parser_variants:
+            out[variant.name] = (variant.reasoning_parser, variant.tool_call_parser)
+    return out
 
 
 def model_type_of(tokenizer: Any) -> str | None:
@@ -52,13 +41,14 @@ def model_type_of(tokenizer: Any) -> str | None:
 
 
 def family_of(tokenizer: Any) -> str | None:
-    """The :data:`FAMILY_PARSERS` key of a tokenizer's model: its ``model_type``, or the
-    :data:`TEMPLATE_VARIANTS` family whose template text the tokenizer's chat template holds."""
+    """The :func:`family_parsers` key of a tokenizer's model: its ``model_type``, or the name of the
+    family's :class:`~megarl.models.families.ParserVariant` whose marker its chat template holds."""
     model_type = model_type_of(tokenizer)
     template = getattr(tokenizer, "chat_template", None)
-    for marker, family in TEMPLATE_VARIANTS.get(model_type or "", ()):
-        if isinstance(template, str) and marker in template:
-            return family
+    family = find_family(model_type) if model_type else None
+    for variant in family.parser_variants if family else ():
+        if isinstance(template, str) and variant.marker in template:
+            return variant.name
     return model_type
 
 
@@ -75,18 +65,18 @@ def resolve_parsers(tokenizer: Any, reasoning_parser: str | None = "auto",
         ``(reasoning_parser or None, tool_call_parser)``.
 
     Raises:
-        ValueError: ``auto`` for a family not in :data:`FAMILY_PARSERS` (names the config key), or a
+        ValueError: ``auto`` for a model no family handles (names the config key), or a
             name SGLang does not know.
     """
     family = None
     if "auto" in (reasoning_parser, tool_call_parser):
-        model_type = family_of(tokenizer)
-        family = FAMILY_PARSERS.get(model_type or "")
+        model_type, known = family_of(tokenizer), family_parsers()
+        family = known.get(model_type or "")
         if family is None:
             key = "reasoning_parser" if reasoning_parser == "auto" else "tool_call_parser"
             raise ValueError(
                 f"rollout.agent.{key}: auto has no default for model family {model_type!r} "
-                f"(known: {', '.join(FAMILY_PARSERS)}); set rollout.agent.reasoning_parser and "
+                f"(known: {', '.join(known)}); set rollout.agent.reasoning_parser and "
                 "rollout.agent.tool_call_parser to SGLang parser names")
     reasoning = family[0] if reasoning_parser == "auto" else reasoning_parser
     tools = family[1] if tool_call_parser == "auto" else tool_call_parser
@@ -113,11 +103,12 @@ def parser_issues(model_type: str | None, reasoning_parser: str | None,
         for names set explicitly (``auto`` and ``none`` need no import).
     """
     issues = []
-    family = FAMILY_PARSERS.get(model_type or "")
+    known = family_parsers()
+    family = known.get(model_type or "")
     for key, value in (("reasoning_parser", reasoning_parser), ("tool_call_parser", tool_call_parser)):
         if value == "auto" and model_type is not None and family is None:
             issues.append((f"rollout.agent.{key}", f"auto has no default for model family {model_type!r} "
-                           f"(known: {', '.join(FAMILY_PARSERS)}); set it to an SGLang parser name"))
+                           f"(known: {', '.join(known)}); set it to an SGLang parser name"))
     if reasoning_parser not in (None, "", "none", "auto"):
         from sglang.srt.parser.reasoning_parser import ReasoningParser
 

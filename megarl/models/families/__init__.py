@@ -1,9 +1,13 @@
 """Model families: one module each, registered by HF ``model_type``.
 
-A family module defines ``FAMILY = Family(...)``: its HF ``model_type`` names, the architecture
-summary read from an HF config (also used by the config mismatch check), the Megatron
-``TransformerConfig`` / ``GPTModel`` arguments, and the HF <-> Megatron mapping table.
-Adding a family (DeepSeek-V3, GLM-4.5, ...) = a new module listed in ``_MODULES`` plus its tests.
+A family module defines ``FAMILY = Family(...)``: everything megarl knows about the family. Its HF
+``model_type`` names, the architecture summary read from an HF config (also used by the config
+mismatch check), the Megatron ``TransformerConfig`` / ``GPTModel`` arguments, the HF <-> Megatron
+mapping table, the SGLang reasoning and tool-call parsers, the rollout engine's quirks (its class,
+whether it keeps ``lm_head`` apart, its loader's fused groups) and the ``tiny:`` builder's config.
+Other modules ask the family (:func:`get_family`, :func:`find_family`) and keep no per-family table.
+Adding a family = a new module listed in ``_MODULES`` plus its tests and fixtures
+(docs/architecture.md, "Adding a model family").
 """
 from __future__ import annotations
 
@@ -18,6 +22,19 @@ _MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
 
 
 @dataclass(frozen=True)
+class ParserVariant:
+    """A release that shares a family's ``model_type`` but writes tool calls (or reasoning)
+    differently, told apart by a text its official chat template holds."""
+
+    name: str
+    """Its name (what :func:`megarl.rollout.reasoning.family_of` returns), e.g. ``deepseek_v31``."""
+    marker: str
+    """Text found only in this release's chat template."""
+    reasoning_parser: str | None
+    tool_call_parser: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """Everything megarl needs to know about one model family."""
 
@@ -41,6 +58,29 @@ class Family:
     (per layer) in one bucket (:func:`megarl.weight_sync.plan.build_plan`). A member absent from a
     model (no ``q_lora_rank``: no ``q_a_proj``) just leaves a smaller group. Each family cites the
     SGLang 0.5.23 source it read; () = its loader loads every tensor on its own."""
+    reasoning_parser: str | None
+    """SGLang ``ReasoningParser`` name of the family's reasoning format (None: it writes none);
+    what ``rollout.agent.reasoning_parser: auto`` selects."""
+    tool_call_parser: str
+    """SGLang ``FunctionCallParser`` detector name of its tool calls (``tool_call_parser: auto``)."""
+    parser_variants: tuple[ParserVariant, ...] = ()
+    """Releases of the same ``model_type`` whose template selects other parsers (DeepSeek-V3.1)."""
+    engine_class: str
+    """The SGLang 0.5.23 class serving the family, as ``module.Class``
+    (``sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM``)."""
+    engine_unties_lm_head: bool
+    """True where :attr:`engine_class` builds an ``lm_head`` of its own whatever
+    ``tie_word_embeddings`` says (its ``__init__`` never reads the field): a tied checkpoint is then
+    served through an untied view (:mod:`megarl.rollout.engine_view`) and the engine holds a second
+    vocabulary matrix (:mod:`megarl.plan.shape`). False: the class shares ``embed_tokens`` when tied.
+    ``tests/unit/models/test_family_rules.py`` checks it against the installed SGLang class."""
+    tiny_config: Callable[[Any, dict], tuple[Any, type]] | None = None
+    """``(TinyModelSpec, common HF config kwargs) -> (HF config, transformers model class)``: the
+    family's ``tiny:`` model (:mod:`megarl.models.tiny`), shaped like its released models, scaled
+    down. None: no ``tiny:`` model (and no ``--cpu-scale`` twin)."""
+    tiny_random_norms: bool = False
+    """The tiny builder replaces HF's constant initial RMSNorm weights and router biases by seeded
+    random ones, so a conversion that swaps two same-shaped norms changes the logits."""
 
     def layout(self, hf_config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> ModelLayout:
         """The :class:`ModelLayout` of an HF config for a given TP size."""
@@ -64,6 +104,16 @@ def _registry() -> dict[str, Family]:
         for model_type in family.model_types:
             out[model_type] = family
     return out
+
+
+def all_families() -> tuple[Family, ...]:
+    """Every registered family, in ``_MODULES`` order."""
+    return tuple(importlib.import_module(module).FAMILY for module in _MODULES)
+
+
+def find_family(name_or_config) -> Family | None:
+    """:func:`get_family`, or None for a name or config no family handles."""
+    return _registry().get(getattr(name_or_config, "model_type", name_or_config))
 
 
 def get_family(name_or_config) -> Family:

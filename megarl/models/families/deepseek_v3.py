@@ -33,7 +33,7 @@ import logging
 
 import torch.nn.functional as F
 
-from megarl.models.families import Family, hf_get, rope_settings
+from megarl.models.families import Family, ParserVariant, hf_get, rope_settings
 from megarl.models.families.qwen3_moe import DENSE_MLP_TABLE, GLOBAL_TABLE, MOE_TABLE
 from megarl.models.table import Entry, TPSplit, Transform
 
@@ -294,6 +294,51 @@ Everything else goes through its own ``weight_loader`` (stacked ``gate_proj``/``
 shard id, lines 257-261, 372-399; experts' w1/w3/w2 with shard and expert ids, lines 400-427):
 one tensor per call is enough. Without ``q_lora_rank`` (no ``q_a_proj``) nothing is cached."""
 
+def tiny_moe_kwargs(spec, common: dict) -> tuple[dict, dict]:
+    """``(MoE kwargs, common kwargs)`` of the sigmoid-router tiny models (DeepSeek-V3, GLM-4.5):
+    routed scaling 2.5, ``n_shared_experts`` shared experts, ``first_k_dense_replace`` dense layers,
+    no MTP layer; ``common`` without ``rope_theta`` / ``head_dim`` (each family sets its rope)."""
+    moe = dict(
+        intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        n_shared_experts=spec.n_shared_experts, first_k_dense_replace=spec.first_k_dense_replace,
+        routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0)
+    return moe, {k: v for k, v in common.items() if k not in ("rope_theta", "head_dim")}
+
+
+def tiny_config(spec, common: dict):
+    """The ``tiny:deepseek_v3`` config and model class (:attr:`Family.tiny_config`): MLA with q/kv
+    LoRA ranks hidden/2, rope head dim head_dim/2, YaRN (factor 4, mscale_all_dim 1), interleaved
+    rope, and group-limited routing (4 groups, top-k/2 groups) when top-k is even."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    moe, common = tiny_moe_kwargs(spec, common)
+    k = spec.num_experts_per_tok
+    grouped = k % 2 == 0 and spec.num_experts % 4 == 0 and spec.num_experts >= 8
+    rope = {"rope_type": "yarn", "rope_theta": spec.rope_theta, "factor": 4.0,
+            "original_max_position_embeddings": spec.max_position_embeddings // 4,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    common["num_key_value_heads"] = spec.num_attention_heads  # MLA: every head has its own key and value
+    cfg = DeepseekV3Config(
+        q_lora_rank=spec.hidden_size // 2, kv_lora_rank=spec.hidden_size // 2,
+        qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.head_dim // 2, v_head_dim=spec.head_dim,
+        n_group=4 if grouped else 1, topk_group=k // 2 if grouped else 1, rope_interleave=True,
+        rope_parameters=rope, **moe, **common,
+        # Fields of the released config.json that transformers ignores and SGLang reads.
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
+    return cfg, DeepseekV3ForCausalLM
+
+
 FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS)
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
+                # DeepSeek-V3 / R1: <think>...</think> (the R1 template opens it in the prompt);
+                # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name ```json ...``` ...
+                reasoning_parser="deepseek-v3", tool_call_parser="deepseekv3",
+                # DeepSeek-V3.1 keeps V3's model_type; its template writes a call's name before the
+                # separator: <｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>
+                parser_variants=(ParserVariant("deepseek_v31", "tool['function']['name'] + '<｜tool▁sep｜>'",
+                                               "deepseek-v3", "deepseekv31"),),
+                # srt/models/deepseek_v2.py (DeepseekV2ForCausalLM.__init__) shares embed_tokens when tied
+                engine_class="sglang.srt.models.deepseek_v2.DeepseekV3ForCausalLM", engine_unties_lm_head=False,
+                tiny_config=tiny_config, tiny_random_norms=True)

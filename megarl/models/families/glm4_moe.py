@@ -13,7 +13,7 @@ from __future__ import annotations
 from megarl.models.families import Family, rope_settings
 from megarl.models.families import qwen3_moe as qwen
 from megarl.models.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
-                                                    router_architecture, router_config_kwargs)
+                                                    router_architecture, router_config_kwargs, tiny_moe_kwargs)
 from megarl.models.fp8_blocks import parse_quantization_config
 from megarl.models.table import Entry, TPSplit, Transform
 
@@ -116,6 +116,22 @@ ENGINE_LOAD_GROUPS: tuple = ()
 ``weight_loader`` at once: q/k/v and gate/up with their shard id (lines 1090-1096), experts with
 shard and expert id; nothing is cached across tensors."""
 
+def tiny_config(spec, common: dict):
+    """The ``tiny:glm4_moe`` config and model class (:attr:`Family.tiny_config`): partial rotary 0.5,
+    q/k norm, q/k/v bias, sigmoid router with ``e_score_correction_bias``."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    moe, common = tiny_moe_kwargs(spec, common)
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.5}
+    return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,
+                         attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
+
+
 FAMILY = Family(name="glm4_moe", model_types=("glm4_moe",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS)
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
+                # <think>...</think>; <tool_call>name <arg_key>k</arg_key><arg_value>v</arg_value>...
+                reasoning_parser="glm45", tool_call_parser="glm45",
+                # srt/models/glm4_moe.py builds a ParallelLMHead of its own (never reads tie_word_embeddings)
+                engine_class="sglang.srt.models.glm4_moe.Glm4MoeForCausalLM", engine_unties_lm_head=True,
+                tiny_config=tiny_config, tiny_random_norms=True)

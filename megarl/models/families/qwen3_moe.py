@@ -177,6 +177,22 @@ ENGINE_LOAD_GROUPS: tuple = ()
 ``Qwen3ForCausalLM.load_weights`` (``qwen3.py`` lines 686-692) load every tensor through its own
 ``weight_loader`` call: q/k/v and gate/up with a shard id, experts with shard and expert id."""
 
+def tiny_config(spec, common: dict):
+    """The ``tiny:qwen3_moe`` config (every layer MoE) and model class (:attr:`Family.tiny_config`)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        intermediate_size=spec.intermediate_size, moe_intermediate_size=spec.moe_intermediate_size,
+        num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], **common)
+    return cfg, Qwen3MoeForCausalLM
+
+
 FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS)
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
+                # <think>...</think>; <tool_call>{json}</tool_call>
+                reasoning_parser="qwen3", tool_call_parser="qwen25",
+                # srt/models/qwen3_moe.py builds a ParallelLMHead of its own (never reads tie_word_embeddings)
+                engine_class="sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM", engine_unties_lm_head=True,
+                tiny_config=tiny_config)

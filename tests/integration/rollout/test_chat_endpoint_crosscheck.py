@@ -12,7 +12,7 @@ messages, the ``tools`` list) goes to the server's ``POST /v1/chat/completions``
 ``serving_chat.py``: the ids the server rendered and fed its scheduler come back in
 ``choices[0].prompt_token_ids``) and to ``POST /v1/tokenize`` with ``messages`` (the same
 ``_process_messages``, ``serving_tokenize.py``). Both must equal megarl's stream (the engine input of
-the last turn) up to the differences listed in megarl/rollout/chat_templates/README.md ("Where
+the last turn) up to the differences listed in megarl/models/chat_templates/README.md ("Where
 SGLang's chat endpoint renders the conversation differently"), applied here to the stream's text:
 
 - ``sglang: tool-defer-loading-null``: SGLang writes ``"defer_loading": null`` into every tool of
@@ -63,7 +63,7 @@ class Case:
     stream and the server's rendering."""
     family_case: str   # a key of test_template_properties.FAMILIES
     model: str         # tiny family of the served model
-    template: str      # official template in its tokenizer (megarl/rollout/chat_templates)
+    template: str      # official template in its tokenizer (megarl/models/chat_templates)
     rewrites: frozenset
 
 

@@ -1,18 +1,14 @@
 """`megarl plan` counts the engine's lm_head of a tied Qwen3-MoE / GLM-4.5 checkpoint (SGLang keeps it apart
-and the engine serves an untied view), and only one vocabulary copy where SGLang shares it (dense Qwen3)."""
+and the engine serves an untied view), and only one vocabulary copy where SGLang shares it (dense Qwen3).
+Each family's rule is checked against SGLang's own class in tests/unit/test_family_rules.py."""
 from transformers import AutoConfig
 
 from megarl.plan.memory import EngineSetup, engine_memory
-from megarl.plan.shape import ENGINE_OWN_LM_HEAD, ModelShape
-from megarl.rollout.engine_view import SGLANG_UNTIED_LM_HEAD
+from megarl.plan.shape import ModelShape
 
 BASE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "intermediate_size": 128, "vocab_size": 4096, "torch_dtype": "float32"}
 MOE = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
-
-
-def test_plan_knows_the_families_whose_engine_keeps_its_own_lm_head():
-    assert set(ENGINE_OWN_LM_HEAD) == set(SGLANG_UNTIED_LM_HEAD)
 
 
 def test_engine_weights_of_a_tied_checkpoint():

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.1's official chat template (megarl/rollout/chat_templates/deepseek_v31.jinja).
+"""DeepSeek-V3.1's official chat template (megarl/models/chat_templates/deepseek_v31.jinja).
 
 References: the conversation llama.cpp renders as its example when it loads a DeepSeek-V3.1 GGUF
 (printed in its log with the embedded template), and SGLang 0.5.23's own DeepSeek-V3.1 tool-call
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from megarl.rollout.chat_templates import load_template
+from megarl.models.chat_templates import load_template
 from megarl.rollout.reasoning import family_of, resolve_parsers
 
 CALLS = [("calculator", {"expression": "48 / 2"}), ("search", {"query": "clips sold in May", "k": 3})]

@@ -11,7 +11,7 @@ SGLang reasoning parser and tool-call detector), and for each template:
 (c) the final stream is the template's own rendering of the same conversation (``apply_chat_template``
     of the OpenAI-style messages: answer, ``reasoning_content``, ``tool_calls``, tool messages),
     token for token, except for the rewrites listed per template in ``REWRITES`` (each named in
-    megarl/rollout/chat_templates/README.md): the stream with exactly those rewrites applied equals
+    megarl/models/chat_templates/README.md): the stream with exactly those rewrites applied equals
     the rendering's text, and the stream's ids are the one-pass tokenisation of its own text;
 (d) the tokenizer work between two generate calls is bounded by that turn's own tokens (the suffix
     encoded once, the turn decoded once, the anchor + the turn's tool messages rendered): nothing of
@@ -43,7 +43,7 @@ from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 MAX_EXAMPLES = 100
 MAX_TOOL_OUTPUT_CHARS = 3000
 QUESTION = [{"role": "user", "content": "Look up c1 and tell me what it says, 中文 ok?"}]
-README = Path(__file__).resolve().parents[3] / "megarl/rollout/chat_templates/README.md"
+README = Path(__file__).resolve().parents[3] / "megarl/models/chat_templates/README.md"
 
 
 # ---------------------------------------------------------------- conversations
