@@ -61,18 +61,28 @@ class RouteWorker:
 
 class RoutedClient:
     """An :class:`~megarl.rollout.client.SGLangClient` whose generate calls asking for routes run in
-    the engine's :class:`RouteWorker`; every other call goes to ``client`` itself."""
+    the engine's :class:`RouteWorker`; every other call goes to ``client`` itself.
 
-    def __init__(self, client: Any, worker: Any) -> None:
-        self.client, self.worker = client, worker
+    Args:
+        client: the engine's client.
+        start_worker: ``() -> actor handle``: starts the engine's worker (again, when it died).
+    """
+
+    def __init__(self, client: Any, start_worker: Any) -> None:
+        self.client, self.start_worker = client, start_worker
+        self.worker = start_worker()
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *,
                        return_routed_experts: bool = False, **kwargs: Any) -> Any:
         """As :meth:`SGLangClient.generate`; with routes, through the worker (cancellation reaches it).
 
         Raises:
-            megarl.rollout.client.EngineError: the worker's client raised it (unwrapped from Ray's error).
+            megarl.rollout.client.EngineError: the worker's client raised it (unwrapped from Ray's
+                error); ``EngineUnavailableError`` when the worker died (a new one is started, so
+                the router's re-sent turn goes through it).
         """
+        from megarl.rollout.errors import EngineUnavailableError
+
         if not return_routed_experts:
             return await self.client.generate(input_ids, sampling_params, **kwargs)
         ref = self.worker.generate.remote(input_ids, sampling_params, return_routed_experts=True, **kwargs)
@@ -86,11 +96,17 @@ class RoutedClient:
             if cause is not None:
                 raise cause from e
             raise
+        except ray.exceptions.RayActorError as e:
+            self.worker = self.start_worker()
+            raise EngineUnavailableError(f"{self.client.engine_id}: its route worker died ({e}); "
+                                         "a new one is started") from e
 
     async def close(self) -> None:
         """Close both HTTP sessions (the worker's and this one's)."""
         try:
             await self.worker.close.remote()
+        except ray.exceptions.RayActorError:
+            pass  # the worker is gone already
         finally:
             await self.client.close()
 
@@ -119,5 +135,6 @@ def routed_clients(clients: list[Any], request_timeout_s: float) -> list[RoutedC
         node = engine_node(c.url, nodes)
         options = {} if node is None else {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)}
-        out.append(RoutedClient(c, remote.options(**options).remote(c.url, c.engine_id, request_timeout_s)))
+        out.append(RoutedClient(c, lambda c=c, options=options: remote.options(**options).remote(
+            c.url, c.engine_id, request_timeout_s)))
     return out

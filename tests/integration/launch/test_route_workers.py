@@ -60,5 +60,15 @@ async def test_routes_are_kept_by_the_engine_facing_worker(sglang_url, local_ray
         assert torch.equal(whole[:-1], reference.routed_experts) and whole[-1].eq(-1).all()
         # a call without routes goes straight to the engine, as before
         assert (await routed.generate(prompt, params)).routed_experts is None
+        # a worker that died: the turn fails as an unavailable engine (the router re-sends it) and
+        # the next one goes through a new worker
+        from megarl.rollout.errors import EngineUnavailableError
+
+        dead = routed.worker
+        local_ray.kill(dead)
+        with pytest.raises(EngineUnavailableError, match="route worker died"):
+            await routed.generate(prompt, params, return_routed_experts=True)
+        again = await routed.generate(prompt, params, return_routed_experts=True)
+        assert routed.worker is not dead and again.routed_experts.shape == part.shape
     finally:
         await routed.close()
