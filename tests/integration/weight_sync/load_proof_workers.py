@@ -5,15 +5,15 @@ import workers
 
 
 def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: list[str], probes,
-                                 train_sequences, bucket_size_mb: float) -> dict | None:
+                                 train_sequences, bucket_size_mb: float, split_groups: bool = True) -> dict | None:
     """Train two steps; ``p2p`` sync with buckets of ``bucket_size_mb`` (every tensor its own
     bucket, the engine load groups kept whole) and read the engines' probe logprobs; train one more
     step and sync again with the groups ignored (``model_specs.load_group`` answering None, as
     before issue 34), so every group's members travel in separate buckets.
 
-    Returns (rank 0): ``{"trainer", "engine", "split_pairs", "error"}``: trainer and engine
-    logprobs after the first sync, how many groups the second plan split, and the second sync's
-    error (None if it passed).
+    Returns (rank 0): ``{"trainer", "engine", "buckets", "split_pairs", "error"}``: trainer and
+    engine logprobs after the first sync, its number of buckets, how many groups the second plan
+    split, and the second sync's error (None if it passed); without ``split_groups`` only the first.
     """
     from megarl.checkpoint.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
@@ -38,6 +38,9 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
             syncer.close()
         out["trainer"] = workers.trainer_probe_logprobs(trainer, probes)
         out["engine"] = workers.engine_logprobs(urls, probes)[0]
+        out["buckets"], out["tensors"] = len(syncer.plan.buckets), sum(1 for _ in syncer.plan.hf_tensors())
+        if not split_groups:
+            return out if rank == 0 else None
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
         grouped = model_specs.load_group
         model_specs.load_group = lambda *args, **kwargs: None
