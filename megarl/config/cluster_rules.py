@@ -7,6 +7,7 @@ import os
 from megarl.config.checker import Checker, get_key
 from megarl.config.device import use_cuda
 from megarl.config.parallel import trainer_world_size
+from megarl.plan.allocation import run_nodes, smaller_allocation
 
 COLOCATED_MEMORY_LIMIT = 0.9
 """Colocated on CUDA: the most of a GPU's memory the engine's static pool and the trainer's share may
@@ -52,17 +53,26 @@ def check_cluster(c: Checker) -> None:
                 "colocated engines share their GPUs with the trainer: they lend it their memory only while "
                 "they are idle, so generation cannot run during training; use cluster.placement=disaggregated "
                 "for async RL")
-    alloc_nodes = os.environ.get("MEGARL_ALLOC_NODES")
-    if alloc_nodes:
-        need = cl.trainer_nodes + (cl.rollout_nodes if cl.placement == "disaggregated" else 0)
-        c.check(need <= int(alloc_nodes), "cluster.trainer_nodes",
-                f"the run needs {need} nodes (trainer_nodes + rollout_nodes) but the allocation has "
-                f"{alloc_nodes} (MEGARL_ALLOC_NODES)")
+    _check_allocation_nodes(c)
     alloc_gpus = os.environ.get("MEGARL_ALLOC_GPUS_PER_NODE")
     if alloc_gpus:
         for key in ("cluster.trainer_devices_per_node", "cluster.rollout_devices_per_node"):
             c.check(get_key(cfg, key) <= int(alloc_gpus), key,
                     f"more devices per node than the allocation's {alloc_gpus} (MEGARL_ALLOC_GPUS_PER_NODE)")
+
+
+def _check_allocation_nodes(c: Checker) -> None:
+    """The run's nodes against the allocation's (``MEGARL_ALLOC_NODES``); when they are more, the message
+    says what fits there (`megarl.plan.allocation.smaller_allocation`)."""
+    alloc_nodes = os.environ.get("MEGARL_ALLOC_NODES")
+    if not alloc_nodes:
+        return
+    need = run_nodes(c.cfg)
+    if need.nodes > int(alloc_nodes):
+        c.check(False, "cluster.trainer_nodes",
+                f"the run needs {need.nodes} nodes (trainer_nodes {need.trainer} + rollout_nodes {need.rollout}) "
+                f"but the allocation has {alloc_nodes} (MEGARL_ALLOC_NODES): "
+                + smaller_allocation(c.cfg, int(alloc_nodes)))
 
 
 def check_engine_packing(c: Checker) -> None:

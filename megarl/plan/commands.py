@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from megarl.plan.allocation import run_nodes, sbatch_command
 from megarl.plan.fit import engine_setup, plan_fit, suggest_engine, suggest_trainer
 from megarl.plan.gpus import GPUS, detect_gpu, gpu_spec
 from megarl.plan.memory import GB, TrainerSetup
@@ -78,6 +79,18 @@ def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> lis
     return lines
 
 
+def allocation_lines(args, cfg, gpu) -> list[str]:
+    """The allocation the run needs and the ``sbatch`` line that asks for it: the recipe and overrides as
+    given (``cluster.gpu=NAME`` added when ``--gpu`` names another GPU than the config's)."""
+    need = run_nodes(cfg)
+    overrides = list(args.overrides)
+    if args.gpu and gpu.name != cfg.cluster.gpu:
+        overrides.append(f"cluster.gpu={gpu.name}")
+    return [f"allocation: {need.nodes} node(s) ({need.trainer} trainer + {need.rollout} rollout) x "
+            f"{gpu.gpus_per_node} {gpu.name}",
+            "  " + sbatch_command(args.config, overrides, need.nodes, gpu.gpus_per_node)]
+
+
 def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str,
              step_bytes: StepBytes | None = None) -> int:
     """Print the plan of a validated config; 0 when both sides fit the GPU (colocated: the trainer its
@@ -113,6 +126,7 @@ def run_plan(args, cfg, hf_config, sync_seconds: SyncSeconds, *, precision: str,
     lines += format_trainer(fit, shape, setup)
     lines += format_engine(fit, cfg, engine_setup(cfg, hf_config).fp8)
     lines += format_step(step, args.mfu, tokens, sync)
+    lines += allocation_lines(args, cfg, gpu)
     if args.suggest:
         lines += _suggest(cfg, shape, setup, fit, hf_config)
     print("\n".join(lines))
