@@ -33,6 +33,7 @@ sender, link contention with training traffic. A lower bound to compare designs,
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megarl.weight_sync.plan import WeightSyncPlan
@@ -123,7 +124,7 @@ def _sender_row(plan: WeightSyncPlan, pp_rank: int, transport: str, ranks_per_no
         for bucket in buckets:
             for tensor in bucket.wire:
                 for rank, sl in plan.engine_slices_of(tensor).items():
-                    shard[rank] += _numel(sl.shape(tensor.shape)) * tensor.itemsize
+                    shard[rank] += math.prod(sl.shape(tensor.shape)) * tensor.itemsize
         send = engines * sum(shard)
     else:
         send = sum(b.wire_nbytes for b in buckets)
@@ -227,12 +228,6 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
     lines.extend("    " + "  ".join(cells[i:i + 8]) for i in range(0, len(cells), 8))
     return lines
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *, intra_gbps: float,

@@ -26,6 +26,7 @@ The exchange is not counted in the bytes here (under 1 KB per tensor).
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -78,7 +79,7 @@ def _wire_bytes(plan: WeightSyncPlan, bucket) -> dict[tuple[str, int], int]:
     for w in bucket.wire:
         base = w.scale_of.name if w.scale_of is not None else w.name
         for rank, sl in plan.engine_slices_of(w).items():
-            wire[(base, rank)] += _numel(sl.shape(w.shape)) * w.itemsize
+            wire[(base, rank)] += math.prod(sl.shape(w.shape)) * w.itemsize
     return wire
 
 
@@ -95,7 +96,7 @@ def engine_parts(plan: WeightSyncPlan, placement: Placement) -> dict[tuple, int]
                 by_tensor[transfer.param.hf[piece.hf_index].name].append((transfer, piece))
         for spec in bucket.hf_tensors:
             for rank, sl in plan.engine_slices_of(spec).items():
-                hf_bytes = _numel(sl.shape(spec.shape)) * spec.itemsize
+                hf_bytes = math.prod(sl.shape(spec.shape)) * spec.itemsize
                 wire_bytes = hf_bytes if wire is None else wire[(spec.name, rank)]
                 over = [(t, p, n) for t, p in by_tensor[spec.name] if overlaps(sl, p)
                         for n in [_overlap_bytes(spec, p, sl)] if n]
@@ -167,12 +168,6 @@ def unaligned_parts(plan: WeightSyncPlan, placement: Placement) -> list[str]:
                     out.append(f"{spec.name} {('rows', 'cols')[piece.axis]} {piece.dst[0]}:{piece.dst[1]}")
     return out
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def owner_part(spec, sl, piece, shard):

@@ -61,20 +61,13 @@ def _groups_with_references():
 
 
 @pytest.fixture
-def local_ray(monkeypatch):
+def local_ray():
     import ray
-    from ray._private import ray_constants
 
-    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
+    from megarl.testing.local_ray import private_ray
 
-    monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with private_ray(num_cpus=2, log_to_driver=False):
         yield ray
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.slow  # a private Ray instance: ~40 s on the shared 2-core machine

@@ -16,20 +16,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the shared engine's
 
 
 @pytest.fixture
-def local_ray(monkeypatch):
+def local_ray():
     import ray
-    from ray._private import ray_constants
 
-    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
+    from megarl.testing.local_ray import private_ray
 
-    monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with private_ray(num_cpus=2, log_to_driver=False):
         yield ray
-    finally:
-        ray.shutdown()
 
 
 async def test_routes_are_kept_by_the_engine_facing_worker(sglang_url, local_ray):
