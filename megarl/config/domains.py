@@ -189,6 +189,7 @@ DOMAINS: dict[str, Domain] = {
     "weight_sync.pause_mode": Choice(("retract", "abort", "in_place")),
     "weight_sync.every_n_steps": POSITIVE,
     "weight_sync.verify": Choice(("off", "first", "always")),
+    "weight_sync.load_proof": Choice(("every_sync", "off")),
     "weight_sync.verify_tolerance": Range(0, None, "()"),
     "weight_sync.timeout_s": SECONDS,
     "data.train_path": Text("a jsonl/parquet file, or what data.dataset reads (checked: exists for dataset=file)"),

@@ -227,6 +227,9 @@ class WeightSyncConfig:
     engines serving a block-FP8 checkpoint."""
     timeout_s: float = 600.0
     """Seconds before a sync is declared failed."""
+    load_proof: str = "every_sync"
+    """``p2p``: after loading each bucket the engines read it back from their parameters
+    (``megarl.weight_sync.load_proof``; parameters SGLang transforms are skipped, named): ``every_sync``, ``off``."""
 
 
 @dataclass

@@ -155,6 +155,7 @@ class CheckedTransport(ReceiverGroupTransport):
         if self.sender_index:
             return
         tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
+                    "proof": self.load_proof,
                     "buckets": [dict({"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]},
                                      **({"source": self._source(b, rank)} if self._owners is not None else {}),
                                      **({"messages": sizes[rank]} if len(sizes[rank]) > 1 else {}))

@@ -21,7 +21,7 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
   ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters
-  after loading: :mod:`megarl.weight_sync.load_proof`) within the same call. The ticket's ``mode`` says
+  after loading: :mod:`megarl.weight_sync.load_proof`, unless the ticket's ``proof`` is false) within the same call. The ticket's ``mode`` says
   how the bytes come: ``p2p`` (default): this rank's own slices, point to point, loaded
   pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
   checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
@@ -118,7 +118,8 @@ def _stage(model, ticket: dict) -> None:
     state = _GROUPS[ticket["group"]]
     _drop_deferred(state, "a new stage ticket came")  # the last sync stopped early
     for entry in ticket["buckets"]:
-        if not _bucket(model, state, dict(entry, mode=ticket.get("mode", "p2p"), algo=ticket["algo"])):
+        if not _bucket(model, state, dict(entry, mode=ticket.get("mode", "p2p"), algo=ticket["algo"],
+                                          proof=bool(ticket.get("proof", True)))):
             return  # refused: the sender raises, no finish vote
     _load_deferred(model, state)
     _finish(state)
@@ -158,7 +159,7 @@ def _bucket(model, state: dict, ticket: dict) -> bool:
                   "sender refused)", index, status, at)
         return False
     if named:
-        state["deferred"] = {"bucket": index, "named": named, "whole": whole}
+        state["deferred"] = {"bucket": index, "named": named, "whole": whole, "proof": ticket["proof"]}
     return True
 
 
@@ -172,7 +173,7 @@ def _load_deferred(model, state: dict) -> None:
     """
     deferred = state.pop("deferred", None)
     if deferred is not None:
-        _load(model, deferred["named"], state, deferred["bucket"], whole=deferred["whole"])
+        _load(model, deferred["named"], state, deferred["bucket"], whole=deferred["whole"], proof=deferred["proof"])
 
 
 def _drop_deferred(state: dict, why: str) -> None:
@@ -182,9 +183,10 @@ def _drop_deferred(state: dict, why: str) -> None:
                   deferred["bucket"], why)
 
 
-def _load(model, named: list, state: dict, bucket: int, *, whole: bool) -> None:
-    """Load one voted bucket; pre-sharded (``p2p``), then prove every tensor is in the engine's
-    parameters (:func:`megarl.weight_sync.load_proof.first_unwritten`). A failure is kept for the
+def _load(model, named: list, state: dict, bucket: int, *, whole: bool, proof: bool) -> None:
+    """Load one voted bucket; pre-sharded (``p2p``), then, with ``proof`` (the stage ticket's, from
+    ``weight_sync.load_proof``), prove every tensor is in the engine's parameters
+    (:func:`megarl.weight_sync.load_proof.first_unwritten`). A failure is kept for the
     finish vote: ``(status, tensor index, bucket)``, status 7 (the loader raised) or 9 (not written)."""
     from megarl.weight_sync.load_proof import first_unwritten
     from megarl.weight_sync.sglang_loader import load_presharded
@@ -194,7 +196,7 @@ def _load(model, named: list, state: dict, bucket: int, *, whole: bool) -> None:
             model.load_weights(named)
             return
         load_presharded(model, named)
-        missing = first_unwritten(model, named)
+        missing = first_unwritten(model, named) if proof else None
     except Exception:  # noqa: BLE001
         log.error("p2p receiver: loading bucket %s failed: %s", bucket, traceback.format_exc())
         state["load_errors"].append((7, 0, bucket))

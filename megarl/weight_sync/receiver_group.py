@@ -40,6 +40,14 @@ class ReceiverGroupTransport(GroupTransport):
         self._control = None
         self._owners = None
         self._buckets: list[Bucket] = []
+        self.load_proof = True
+        """``p2p``: the engines prove each loaded bucket is in their parameters (``weight_sync.load_proof``)."""
+
+    @classmethod
+    def from_options(cls, plan, engines, options) -> "ReceiverGroupTransport":
+        transport = super().from_options(plan, engines, options)
+        transport.load_proof = options.load_proof
+        return transport
 
     @property
     def n_senders(self) -> int:

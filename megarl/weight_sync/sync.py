@@ -62,7 +62,7 @@ class WeightSynchronizer:
         segment_senders: with ``p2p`` (buckets laid out per engine rank), each engine rank's
             segment is sent by the trainer rank of the stage holding most of it
             (:class:`~megarl.weight_sync.segments.SegmentOwners`; ``weight_sync.segment_senders``).
-        transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s``
+        transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s``, ``load_proof``
             (:class:`~megarl.weight_sync.transport.TransportOptions`).
     """
 

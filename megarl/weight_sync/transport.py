@@ -36,6 +36,9 @@ class TransportOptions:
     """``disk``: where the safetensors files are written."""
     timeout_s: float = 600.0
     """Seconds before a transfer or an engine's answer is declared failed."""
+    load_proof: bool = True
+    """Checked transports: the engines read each ``p2p`` bucket back from their parameters after
+    loading it (:mod:`megarl.weight_sync.load_proof`; ``weight_sync.load_proof``)."""
 
 
 @dataclass

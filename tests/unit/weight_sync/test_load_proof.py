@@ -4,6 +4,8 @@ the ways SGLang 0.5.23 fuses them (q/k/v rows of ``qkv_proj``, an expert's rows 
 a bias run of ``qkv_proj.bias``, columns padded past the tensor)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from megarl.weight_sync.load_proof import first_unwritten
@@ -59,3 +61,71 @@ def test_one_changed_bit_is_not_written():
     stale.view(torch.int32)[3, 5] ^= 1
     named[4] = (named[4][0], stale)
     assert first_unwritten(model, named) == 4
+
+
+def test_a_transformed_parameter_is_skipped_by_name_and_logged_once(caplog):
+    """SGLang's DeepGEMM requant replaces ``weight_scale_inv`` by packed UE8M0 exponents and marks
+    it ``format_ue8m0``: the checkpoint's fp32 scale is nowhere in it, which is not a missed load."""
+    from megarl.weight_sync import load_proof
+
+    model = _model()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.weight_scale_inv = torch.nn.Parameter(torch.zeros(2, 1, dtype=torch.int32), requires_grad=False)
+    scale = (ATTN + "k_proj.weight_scale_inv", torch.full((1, 1), 2.5))  # fp32, as the trainer sends it
+    named = _written(model) + [scale]
+    assert first_unwritten(model, named) == len(named) - 1  # not marked: a missed load
+    load_proof._PARAMS.clear()
+    qkv.weight_scale_inv.format_ue8m0 = True
+    load_proof.SKIPPED.discard(scale[0])
+    with caplog.at_level("WARNING", logger=load_proof.__name__):
+        assert first_unwritten(model, named) is None
+        assert first_unwritten(model, named) is None
+    warnings = [r.getMessage() for r in caplog.records if scale[0] in r.getMessage()]
+    assert len(warnings) == 1 and "format_ue8m0" not in warnings[0] and "qkv_proj.weight_scale_inv" in warnings[0]
+
+
+def test_a_transform_excuses_only_its_own_kind():
+    """A marked scale does not excuse a weight of the same module that is nowhere, and a module
+    SGLang stores transposed (``use_triton_kernels``) excuses its experts' matrices only."""
+    from megarl.weight_sync import load_proof
+
+    model = _model()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.weight_scale_inv = torch.nn.Parameter(torch.zeros(2, 1, dtype=torch.int32), requires_grad=False)
+    qkv.weight_scale_inv.format_ue8m0 = True
+    named = _written(model)
+    named[1] = (named[1][0], named[1][1] + 1.0)  # k rows not loaded
+    assert first_unwritten(model, named) == 1
+    load_proof._PARAMS.clear()
+    named = _written(model)
+    named[5] = (named[5][0], torch.randn(3, 8))
+    assert first_unwritten(model, named) == 5
+    load_proof._PARAMS.clear()
+    model.model.layers[0].mlp.experts.use_triton_kernels = True
+    assert first_unwritten(model, named) is None
+    marked = {ATTN + "qkv_proj.weight_scale_inv": "format_ue8m0", EXPERTS + "w13_weight": "use_triton_kernels"}
+    assert load_proof.transformed_params(model) == {
+        name: f"{name}: " + {**load_proof.PARAM_TRANSFORMS, **load_proof.MODULE_TRANSFORMS}[flag]
+        for name, flag in marked.items()}
+
+
+def test_the_switch_reaches_the_receiver(monkeypatch):
+    """``weight_sync.load_proof`` -> TransportOptions -> the stage ticket's ``proof`` -> the receiver's
+    ``_load``: with ``off`` a tensor that is nowhere is not reported; with ``every_sync`` it is."""
+    from megarl.config.domains import DOMAINS
+    from megarl.config.schema import WeightSyncConfig
+    from megarl.weight_sync import receiver, sglang_loader
+    from megarl.weight_sync.p2p import P2PTransport
+    from megarl.weight_sync.transport import TransportOptions
+
+    assert WeightSyncConfig().load_proof == "every_sync" and not DOMAINS["weight_sync.load_proof"].allows("on")
+    plan = SimpleNamespace(engine_layout=SimpleNamespace(tp_size=1))  # what a transport reads at construction
+    assert P2PTransport.from_options(plan, [], TransportOptions(load_proof=False)).load_proof is False
+    assert P2PTransport.from_options(plan, [], TransportOptions()).load_proof is True
+    monkeypatch.setattr(sglang_loader, "load_presharded", lambda model, named: None)  # the loader drops it
+    model = _model()
+    named = [(ATTN + "o_proj.weight", torch.randn(8, 8))]
+    for proof, errors in ((False, []), (True, [(9, 0, 3)])):
+        state = {"load_errors": [], "deferred": {"bucket": 3, "named": named, "whole": False, "proof": proof}}
+        receiver._load_deferred(model, state)
+        assert state["load_errors"] == errors
