@@ -3,9 +3,9 @@
 ``verify_tolerance`` for each trainer precision x engine checkpoint, and the measurement behind
 :data:`megarl.training.fp8.FP8_ENGINE_VERIFY_TOLERANCE`: the mean |dlogprob| of a block-FP8 copy of
 the DeepSeek-V3 CPU twin (``tiny:deepseek_v3``, what ``--cpu-scale`` gives the FP8 recipes) against
-the fp32 model, every tensor SGLang quantises (:meth:`BlockFP8.is_quantized`, each expert's matrix
-on its own) through :func:`quantize_blockwise` / :func:`dequantize_blockwise`, and the activations
-into those linears quantised per token in groups of 128 as block-FP8 GEMMs do on GPU.
+the fp32 model (:mod:`megarl.testing.fp8_served`: every tensor SGLang quantises, block-FP8
+quantised and dequantised, the activations into those linears quantised per token in groups of 128
+as block-FP8 GEMMs do on GPU; tests/gpu/test_fp8_engine_gap_gpu.py measures the same on CUDA).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megarl.config.schema import TrainConfig
-from megarl.models.fp8_blocks import E4M3_MAX, BlockFP8, dequantize_blockwise, quantize_blockwise
+from megarl.testing.fp8_served import quantise_served, token_logprobs
 from megarl.training.fp8 import FP8_ENGINE_VERIFY_TOLERANCE, FP8_VERIFY_TOLERANCE, verify_tolerance
 
 BASE = 1e-2  # weight_sync.verify_tolerance's default
@@ -33,59 +33,20 @@ def test_tolerance_follows_trainer_and_served_precision(trainer_fp8, engine_bloc
     assert verify_tolerance(train, 10.0, engine_block_fp8=engine_block_fp8) == 10.0
 
 
-def _act_quant(x: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """Per-token, per-``group``-channel e4m3 quantise-dequantise (DeepSeek-V3's FP8 activations)."""
-    cols = x.shape[-1]
-    padded = torch.nn.functional.pad(x, (0, (-cols) % group)).unflatten(-1, (-1, group))
-    scale = padded.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    q = (padded / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).flatten(-2)[..., :cols]
-
-
-def _block_fp8(w: torch.Tensor) -> torch.Tensor:
-    return dequantize_blockwise(*quantize_blockwise(w), dtype=w.dtype)
-
-
-def _quantise_served(model) -> int:
-    """Every weight SGLang serves as block FP8, quantised and dequantised in place (transformers 5
-    fuses experts into ``[E, rows, cols]``, gate and up stacked: each checkpoint matrix on its own);
-    activations into those linears quantised per token. Returns how many matrices."""
-    rule, count = BlockFP8(), 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                halves = 2 if name.endswith("gate_up_proj") else 1
-                for e in range(p.shape[0]):
-                    for part in p.data[e].chunk(halves, dim=0):
-                        part.copy_(_block_fp8(part.clone()))
-                        count += 1
-            elif rule.is_quantized(name, tuple(p.shape)):
-                p.copy_(_block_fp8(p.data))
-                count += 1
-                module = model.get_submodule(name[:-len(".weight")])
-                module.register_forward_pre_hook(lambda _, args: (_act_quant(args[0]),) + tuple(args[1:]))
-    return count
-
-
 @pytest.mark.timeout(120)
 def test_block_fp8_engine_gap_of_the_cpu_twin_is_within_the_bound(tiny_deepseek_v3_dir):
     """The measurement in FP8_ENGINE_VERIFY_TOLERANCE's docstring: the twin's block-FP8 copy
     against fp32 on 16 random sequences of 64 tokens; larger than BF16's own gap, within the bound."""
     from transformers import AutoModelForCausalLM
 
-    def logprobs(model, ids):
-        with torch.no_grad():
-            logits = model(ids).logits[:, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-
     ref = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3_dir, dtype=torch.float32).eval()
     served = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3_dir, dtype=torch.float32).eval()
     bf16 = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3_dir, dtype=torch.bfloat16).eval()
-    assert _quantise_served(served) > 30  # 2 layers: MLA, dense MLP, 8 experts x 3, shared expert
+    assert quantise_served(served) > 30  # 2 layers: MLA, dense MLP, 8 experts x 3, shared expert
     ids = torch.randint(0, ref.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0))
-    want = logprobs(ref, ids)
-    fp8_gap = (logprobs(served, ids) - want).abs().mean().item()
-    bf16_gap = (logprobs(bf16, ids) - want).abs().mean().item()
+    want = token_logprobs(ref, ids)
+    fp8_gap = (token_logprobs(served, ids) - want).abs().mean().item()
+    bf16_gap = (token_logprobs(bf16, ids) - want).abs().mean().item()
     print(f"mean |dlogprob| vs fp32: block-FP8 {fp8_gap:.3g}, bf16 {bf16_gap:.3g}")
     assert bf16_gap < fp8_gap < FP8_ENGINE_VERIFY_TOLERANCE / 10
 
