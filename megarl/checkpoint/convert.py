@@ -5,9 +5,10 @@ chunks on the meta device and, one group at a time (the embedding, each layer, t
 materialises the group, fills it from the HF safetensors and saves it
 (:class:`~megarl.checkpoint.dist_ckpt.StreamingCheckpointWriter`). ``megatron_to_hf_dir`` loads a
 dist checkpoint (any layout it was saved at) group by group into a TP=1 meta model and streams the
-HF tensors into pre-planned safetensors shards. Peak memory: a couple of layers, not the model.
-For a job launched from outside (one Slurm task or torchrun process per rank), the same per-rank
-function runs in :mod:`megarl.checkpoint.dist_convert`.
+HF tensors into pre-planned safetensors shards, split over ``ranks`` processes that each write
+their own shards (:mod:`megarl.checkpoint.parallel_export`). Peak memory: a couple of layers per
+rank, not the model. For an import launched from outside (one Slurm task or torchrun process per
+rank), the same per-rank function runs in :mod:`megarl.checkpoint.dist_convert`.
 
 Both write into a temporary sibling of the destination and rename it at the end: on any error
 nothing is left at the destination. The checkpoint keeps the HF config, generation config and
@@ -217,12 +218,15 @@ def finish_import(plan: ImportPlan, tmp: Path) -> None:
 
 def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                        hf_config_dir: str | os.PathLike | None = None, dtype: Optional[str] = None,
-                       max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-                       timeout_s: float = 3600.0) -> Path:
+                       max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, ranks: int = 1,
+                       timeout_s: Optional[float] = None) -> Path:
     """Export a Megatron dist checkpoint (model weights, any saving layout) to an HF directory.
 
     Writes safetensors shards (+ ``model.safetensors.index.json`` when more than one), and copies
     config.json, generation_config.json, tokenizer and chat-template files from the config source.
+    ``ranks`` processes split the work (:mod:`megarl.checkpoint.parallel_export`): each reads its
+    share of the layers and writes its own shards; the index is merged from what they return. The
+    tensors are the same, byte for byte, whatever ``ranks``; only the cut into files differs.
 
     Args:
         ckpt_dir: a dist checkpoint (from :func:`hf_to_megatron`, or a trainer checkpoint: the step
@@ -233,18 +237,46 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             (architecture fields).
         dtype: output dtype (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's.
         max_shard_bytes: safetensors shard size limit.
+        ranks: export processes (gloo ranks on this machine), each reading and writing ~1/ranks of
+            the bytes.
+        timeout_s: limit for the whole export; default: sized from the checkpoint's bytes
+            (:func:`~megarl.checkpoint.parallel_export.export_timeout_s`).
 
     Raises:
         ConfigMismatchError: the configs disagree with each other or with the checkpoint's shapes.
         FileNotFoundError: not a dist checkpoint / no HF config. FileExistsError: destination not empty.
-        megarl.procs.local_ranks.RankError: the export process failed (traceback in the message).
+        ValueError: ``ranks`` < 1.
+        megarl.procs.local_ranks.RankError: an export rank failed (traceback in the message) or the
+            export ran past ``timeout_s``.
     """
+    from megarl.checkpoint.parallel_export import checkpoint_bytes, export_rank, export_timeout_s, write_merged_index
+    from megarl.procs.local_ranks import run_ranks
+
+    if ranks < 1:
+        raise ValueError(f"ranks={ranks}: the export needs at least one rank")
+    ckpt_dir = resolve_checkpoint_dir(Path(ckpt_dir).resolve())
+    config_dir = _checked_export_config(ckpt_dir, hf_config_dir)
+    if timeout_s is None:
+        timeout_s = export_timeout_s(checkpoint_bytes(ckpt_dir), ranks)
+    tmp = _atomic_dir(Path(out_dir), overwrite)
+    try:
+        parts = run_ranks(export_rank, ranks, timeout_s=timeout_s,
+                          args=(str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes),
+                          preload=RANK_PRELOAD)
+        write_merged_index(tmp, parts)
+        copy_hf_metadata(config_dir, tmp)
+        return _publish(tmp, Path(out_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _checked_export_config(ckpt_dir: Path, hf_config_dir) -> Path:
+    """The export's HF config directory, checked against the stored one and the checkpoint's shapes."""
     from megarl.checkpoint.config_check import check_checkpoint_matches_config, compare_configs
     from megarl.checkpoint.dist_ckpt import model_prefix, tensor_shapes
-    from megarl.procs.local_ranks import run_ranks
     from megarl.training.model import load_hf_config
 
-    ckpt_dir = resolve_checkpoint_dir(Path(ckpt_dir).resolve())
     stored = ckpt_dir / HF_CONFIG_SUBDIR
     config_dir = Path(hf_config_dir).resolve() if hf_config_dir else stored
     if not (config_dir / "config.json").exists():
@@ -257,15 +289,7 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     shapes = tensor_shapes(ckpt_dir)
     check_checkpoint_matches_config(shapes, model_prefix(shapes), load_hf_config(config_dir),
                                     config_dir / "config.json", ckpt_dir)
-    tmp = _atomic_dir(Path(out_dir), overwrite)
-    try:
-        run_ranks(_export_worker, 1, timeout_s=timeout_s,
-                  args=(str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes), preload=RANK_PRELOAD)
-        copy_hf_metadata(config_dir, tmp)
-        return _publish(tmp, Path(out_dir))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return config_dir
 
 
 def import_rank_worker(rank, world_size, hf_dir, out_dir, parallel_dict, divisible_by, precision):
@@ -274,9 +298,3 @@ def import_rank_worker(rank, world_size, hf_dir, out_dir, parallel_dict, divisib
 
     groups.import_rank(hf_dir, out_dir, ParallelConfig(**parallel_dict),
                        ModelConfig(hf_path=hf_dir, make_vocab_size_divisible_by=divisible_by), precision)
-
-
-def _export_worker(rank, world_size, ckpt_dir, out_dir, config_dir, dtype, max_shard_bytes):
-    from megarl.checkpoint import groups
-
-    groups.export_rank(ckpt_dir, out_dir, config_dir, dtype, max_shard_bytes)

@@ -27,9 +27,10 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: the HF config's dtype")
 
 
-def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_output_arguments(parser: argparse.ArgumentParser, timeout_s: float | None = 3600.0,
+                          timeout_help: str = "limit for the whole conversion") -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
-    parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit for the whole conversion")
+    parser.add_argument("--timeout-s", type=float, default=timeout_s, help=timeout_help)
 
 
 def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +53,9 @@ def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(PRECISION_DTYPES.values()), default=None,
                         help="deprecated: --precision (float32 = fp32, bfloat16 = bf16, float16 = fp16)")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size limit")
-    _add_output_arguments(parser)
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="export processes on this machine, each writing its own shards of ~1/RANKS of the model")
+    _add_output_arguments(parser, None, "limit for the whole export (default: sized from the checkpoint's bytes)")
 
 
 def run_hf_to_megatron(args: argparse.Namespace) -> Path:
@@ -86,4 +89,4 @@ def run_megatron_to_hf(args: argparse.Namespace) -> Path:
 
     return megatron_to_hf_dir(args.ckpt_dir, args.out_dir, hf_config_dir=args.hf_config, dtype=export_dtype(args),
                               max_shard_bytes=int(args.max_shard_size_gb * 2**30), overwrite=args.overwrite,
-                              timeout_s=args.timeout_s)
+                              ranks=args.ranks, timeout_s=args.timeout_s)

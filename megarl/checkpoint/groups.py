@@ -6,13 +6,13 @@ identity and Megatron's attributes), filled, saved or exported, and returned to 
 Two groups are in flight: group k is read in the rank's main thread while group k-1 is written
 by one background thread (the DCP save with its collectives, or the safetensors writes); their
 storages come from a :class:`~megarl.checkpoint.fastio.StoragePool`, so memory pages are touched
-once per conversion, not once per layer.
+once per conversion, not once per layer. The export's ranks (its split of the groups over ranks,
+each writing its own shards) are in :mod:`megarl.checkpoint.parallel_export`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -187,100 +187,8 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     destroy_parallel()
 
 
-def _hf_fp32_modules(hf_config) -> set[str]:
-    """Module names transformers keeps in fp32 whatever the model dtype
-    (``_keep_in_fp32_modules_strict``, e.g. DeepSeek-V3's ``e_score_correction_bias``)."""
-    from transformers import AutoModelForCausalLM
-
-    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
-    return set(getattr(model_class, "_keep_in_fp32_modules_strict", None) or ())
-
-
-def export_rank(ckpt_dir: str, out_dir: str, config_dir: str, dtype, max_shard_bytes: int) -> None:
-    """The (single) process of ``megatron_to_hf_dir``."""
-    from megarl.checkpoint import hf_io
-    from megarl.checkpoint.dist_ckpt import CheckpointReader, model_prefix, tensor_shapes
-    from megarl.checkpoint.fastio import StoragePool
-    from megarl.models.families import get_family
-    from megarl.models.mapping import megatron_to_hf
-    from megarl.config.schema import ModelConfig, ParallelConfig
-    from megarl.training.model import build_model, load_hf_config
-    from megarl.training.parallel_state import destroy_parallel, initialize_parallel
-
-    shapes = tensor_shapes(ckpt_dir)
-    prefix = model_prefix(shapes)
-    hf_config = load_hf_config(config_dir)
-    (padded_vocab, _), ckpt_dtype = shapes[prefix + "embedding.word_embeddings.weight"]
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[ckpt_dtype]
-    out_dtype = getattr(torch, dtype) if dtype else ckpt_dtype
-    ps = initialize_parallel(ParallelConfig(), backend="gloo")
-    chunks = build_model(hf_config, ParallelConfig(), ModelConfig(make_vocab_size_divisible_by=padded_vocab),
-                         precision=precision, device="meta", spec="local")
-    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=padded_vocab)
-    infos = _local_infos(chunks, ps, layout)
-    groups = module_groups(chunks)
-    reader, pool = CheckpointReader(ckpt_dir), StoragePool()
-
-    def hf_tensors(index, named):
-        pairs = [(infos[(index, n)].global_name, p) for n, p in named]
-        return megatron_to_hf(pairs, layout)
-
-    # Importing the modeling module costs ~1 s; it only matters when the output is not fp32.
-    fp32_modules = _hf_fp32_modules(hf_config) if out_dtype != torch.float32 else set()
-
-    def dtype_of(name):
-        return torch.float32 if fp32_modules & set(name.split(".")) else out_dtype
-
-    planned = [(name, dtype_of(name), tuple(t.shape)) for index, modules in groups
-               for name, t in hf_tensors(index, _group_params(chunks[index], [p for m in modules for p in m.parameters()]))]
-    shards = hf_io.plan_shards(planned, max_shard_bytes)
-    files = hf_io.shard_file_names(len(shards))
-    sink, background = _ShardSink(Path(out_dir), files, shards), _Background()
-    try:  # group k is read (here) while group k-1 is written (in the background thread)
-        for k, (index, modules) in enumerate(groups):
-            # Shape-only (meta) ShardedTensors describe what to read; the reader allocates the data.
-            wanted = group_sharded_state_dict(chunks[index], modules, prefix=prefix, materialized_only=False)
-            loaded = reader.load(wanted, allocate=functools.partial(pool.empty, group=k))
-            loaded = {key[len(prefix):]: v for key, v in loaded.items()}
-            named = _group_params(chunks[index], [p for m in modules for p in m.parameters()])
-            items = [(name, t.to(dtype_of(name))) for name, t in hf_tensors(index, [(n, loaded[n]) for n, _ in named])]
-            background.submit(sink.write_all, items, done=functools.partial(pool.release, k))
-            del wanted, loaded, named, items
-        background.drain()
-    finally:
-        background.shutdown()
-    sink.close()
-    hf_io.write_index(Path(out_dir), shards, files)
-    reader.close()
-    destroy_parallel()
-
-
 def _save_boxed(writer, box: list) -> None:
     writer.save_step(box.pop())
-
-
-class _ShardSink:
-    """Writes planned HF tensors, in order, into the planned safetensors shards."""
-
-    def __init__(self, out_dir: Path, files, shards):
-        self._todo = iter(list(zip(files, shards)))
-        self._out_dir, self._current, self._remaining = out_dir, None, 0
-
-    def write_all(self, items) -> None:
-        from megarl.checkpoint.hf_io import SafetensorsStreamWriter
-
-        for name, tensor in items:
-            if self._remaining == 0:
-                self.close()
-                file, shard = next(self._todo)
-                self._current, self._remaining = SafetensorsStreamWriter(self._out_dir / file, shard), len(shard)
-            self._current.write(name, tensor)
-            self._remaining -= 1
-
-    def close(self) -> None:
-        if self._current is not None:
-            self._current.close()
-            self._current = None
 
 
 class _Background:

@@ -1,10 +1,15 @@
 """HF exports during training, off the driver loop (``checkpoint.hf_export_interval``).
 
 The export of a committed checkpoint (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`) runs
-in its own process (one gloo rank, spawned by :func:`megarl.procs.local_ranks.run_ranks`) and
-takes as long as reading the model once and writing it once. Waited for in the driver loop, the
-trainer ranks sat idle meanwhile; here a daemon thread of the driver waits for that process while
-the loop goes on (rollouts, training, weight syncs).
+in its own processes (:func:`export_ranks` gloo ranks on the driver's machine, spawned by
+:func:`megarl.procs.local_ranks.run_ranks`): each reads ~1/ranks of the model's layers from the
+checkpoint and writes its own safetensors shards, and the index is merged from what they return
+(:mod:`megarl.checkpoint.parallel_export`), so it takes as long as one rank reading and writing its
+share. Waited for in the driver loop, the trainer ranks sat idle meanwhile; here a daemon thread of
+the driver waits for those processes while the loop goes on (rollouts, training, weight syncs).
+Its time limit is sized from the checkpoint's bytes (a floor rate per rank far under the measured
+one, :func:`megarl.checkpoint.parallel_export.export_timeout_s`): a hung export (a stalled
+filesystem) is ended and retried rather than holding up, forever, the next checkpoint's commit.
 
 Why this is safe:
 
@@ -26,6 +31,7 @@ Why this is safe:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,12 +41,20 @@ logger = logging.getLogger("megarl.train")
 
 EXPORT_ATTEMPTS = 2
 """Tries of one export (the first and one retry) before it is reported failed."""
+MAX_EXPORT_RANKS = 8
+"""Export processes at most (fewer on a machine with fewer CPUs): each reads and writes its share."""
 
 
-def _export(ckpt: Path, out: Path) -> None:
+def export_ranks(cpu_count: Optional[int] = None) -> int:
+    """Export processes on this machine: :data:`MAX_EXPORT_RANKS`, at most one per CPU."""
+    return max(1, min(MAX_EXPORT_RANKS, cpu_count or os.cpu_count() or 1))
+
+
+def _export(ckpt: Path, out: Path, ranks: int = 1) -> None:
     from megarl.checkpoint.convert import megatron_to_hf_dir
 
-    megatron_to_hf_dir(ckpt, out, overwrite=True)  # config and tokenizer: the checkpoint's hf_config/
+    # config and tokenizer: the checkpoint's hf_config/; the time limit: sized from its bytes
+    megatron_to_hf_dir(ckpt, out, overwrite=True, ranks=ranks)
 
 
 class BackgroundExport:
@@ -48,12 +62,15 @@ class BackgroundExport:
 
     Args:
         export: ``export(ckpt_dir, out_dir)``, the blocking export (default: ``megatron_to_hf_dir``
-            with the checkpoint's stored HF config, overwriting ``out_dir``).
+            with the checkpoint's stored HF config, overwriting ``out_dir``, at :attr:`ranks` ranks).
         attempts: tries per export before it is reported failed.
+        ranks: processes of the default export (:func:`export_ranks`).
     """
 
-    def __init__(self, export: Callable[[Path, Path], None] = _export, attempts: int = EXPORT_ATTEMPTS) -> None:
-        self._export = export
+    def __init__(self, export: Optional[Callable[[Path, Path], None]] = None, attempts: int = EXPORT_ATTEMPTS,
+                 ranks: Optional[int] = None) -> None:
+        self.ranks = export_ranks() if ranks is None else int(ranks)
+        self._export = export or (lambda ckpt, out: _export(ckpt, out, self.ranks))
         self.attempts = int(attempts)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None

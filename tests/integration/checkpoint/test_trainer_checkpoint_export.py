@@ -8,12 +8,14 @@ loaded the tiny model's HF weights and never stepped, so the reference is the or
 safetensors (read with the safetensors library), config.json and tokenizer files, byte for byte.
 """
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from megarl.launch.hf_export import MAX_EXPORT_RANKS
 from megarl.testing.multiproc import run_ranks
 
 
@@ -83,9 +85,9 @@ def step_dir(saved):
 
 
 def _assert_same_hf(original: Path, exported: Path):
-    from safetensors.torch import load_file
+    from megarl.testing.checkpoints import load_safetensors_dir
 
-    ref, got = load_file(original / "model.safetensors"), load_file(exported / "model.safetensors")
+    ref, got = load_safetensors_dir(original), load_safetensors_dir(exported)  # one file, or one per rank
     assert sorted(got) == sorted(ref)
     for name, tensor in ref.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
@@ -121,6 +123,7 @@ def test_background_export_during_training(tiny_moe_dir, saved):
     and wrote the checkpoint's weights with the stored config and tokenizer."""
     run, ckpt, in_flight = saved
     assert in_flight, "save_checkpoint returned before the export finished"
+    assert run.hf_export.ranks == min(MAX_EXPORT_RANKS, os.cpu_count())  # the run's export is parallel
     assert sorted(p.name for p in (run.run_dir / "hf").iterdir()) == [ckpt.name]
     _assert_same_hf(tiny_moe_dir, run.run_dir / "hf" / ckpt.name)
 
