@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from megarl.config.checker import Checker, get_key
-from megarl.config.device import use_cuda
+from megarl.config.device import resolved_precision, use_cuda
 from megarl.config.parallel import trainer_world_size
 from megarl.plan.allocation import run_nodes, smaller_allocation
 
@@ -48,6 +48,13 @@ def check_cluster(c: Checker) -> None:
                 f"keeps cluster.colocated_trainer_memory_fraction={trainer}: {engine + trainer:.2f} together, over "
                 f"{COLOCATED_MEMORY_LIMIT} (the rest holds CUDA contexts, NCCL buffers and the engines' "
                 "activations); lower one of them")
+    if cl.colocated_offload != "none":
+        c.check(cl.placement == "colocated", "cluster.colocated_offload",
+                "offloads the trainer's state while colocated engines hold their memory: it needs "
+                "cluster.placement=colocated")
+        c.check(not use_cuda(cl.device) or resolved_precision(cfg) != "fp32", "cluster.colocated_offload",
+                "with train.precision=fp32 the optimizer's parameters are the model's own (Megatron-Core's "
+                "offload_to_cpu would move them out of the DDP buffer): use bf16, or cluster.colocated_offload=none")
     if cl.placement == "colocated" and cfg.rollout.async_mode:
         c.check(not use_cuda(cl.device), "rollout.async_mode",
                 "colocated engines share their GPUs with the trainer: they lend it their memory only while "

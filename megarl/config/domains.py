@@ -190,6 +190,7 @@ DOMAINS: dict[str, Domain] = {
     "weight_sync.every_n_steps": POSITIVE,
     "weight_sync.verify": Choice(("off", "first", "always")),
     "weight_sync.load_proof": Choice(("every_sync", "off")),
+    "cluster.colocated_offload": Choice(("none", "optimizer", "optimizer_and_grads")),
     "weight_sync.verify_tolerance": Range(0, None, "()"),
     "weight_sync.timeout_s": SECONDS,
     "data.train_path": Text("a jsonl/parquet file, or what data.dataset reads (checked: exists for dataset=file)"),

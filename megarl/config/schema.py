@@ -296,6 +296,9 @@ class ClusterConfig:
     """Colocated on CUDA: the share of each GPU's memory the trainer rank keeps while the engines hold
     theirs (rollout and weight sync): its parameters, gradients, optimizer states and allocator
     cache. ``megarl validate`` checks that ``rollout.engine.mem_fraction_static`` + this fits."""
+    colocated_offload: str = "none"
+    """Colocated on CUDA, while the engines hold their memory: ``none``, ``optimizer`` (main weights, Adam states
+    to the host) or ``optimizer_and_grads`` (and the gradient buffers freed); ``megarl.training.memory_limit``."""
     distributed_timeout_minutes: int = 30
     """Timeout of the trainer's ``torch.distributed`` groups (the default group and Megatron's): a
     collective that waits longer raises instead of hanging."""

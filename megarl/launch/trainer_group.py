@@ -129,14 +129,19 @@ class TrainerWorker:
         self.trainer.load_checkpoint(directory)
 
     def colocated_memory(self, fraction: float | None) -> dict[str, float]:
-        """Colocated: release this rank's cached blocks and cap it at ``fraction`` of its GPU, or lift the
-        cap (None); on the device its model lives on (:mod:`megarl.training.memory_limit`)."""
+        """Colocated: offload what ``cluster.colocated_offload`` names, release this rank's cached blocks
+        and cap it at ``fraction`` of its GPU; or (None) lift the cap and restore what was offloaded; on
+        the device its model lives on (:mod:`megarl.training.memory_limit`)."""
         from megarl.training import memory_limit
 
+        trainer = self.trainer
+        mode = trainer.cfg.cluster.colocated_offload
         if fraction is None:
-            memory_limit.lift(self.trainer.device)
+            memory_limit.lift(trainer.device)
+            memory_limit.restore(trainer.optimizer, trainer.model_chunks, mode, trainer.device)
             return {}
-        return memory_limit.shrink(self.trainer.device, fraction)
+        memory_limit.offload(trainer.optimizer, trainer.model_chunks, mode, trainer.device)
+        return memory_limit.shrink(trainer.device, fraction)
 
     def sft_step(self, batch: Any, lr: float) -> dict[str, float]:
         """One SFT (masked NLL) step on this rank's trainer (:func:`megarl.launch.sft.sft_step`)."""

@@ -91,11 +91,13 @@ class Fit:
     colocated_limit: float | None = None
     """Colocated: bytes a trainer rank may keep while the engines hold theirs
     (``cluster.colocated_trainer_memory_fraction`` x memory); None when disaggregated."""
+    offloaded: tuple[str, ...] = ()
+    """Consumers moved off the GPU while the engines hold theirs (:data:`OFFLOADED`)."""
 
     @property
     def colocated_fits(self) -> bool:
         """Disaggregated, or the trainer's resident memory (:func:`resident_bytes`) within its fraction."""
-        return self.colocated_limit is None or resident_bytes(self.trainer) <= self.colocated_limit
+        return self.colocated_limit is None or resident_bytes(self.trainer, self.offloaded) <= self.colocated_limit
 
     @property
     def trainer_fits(self) -> bool:
@@ -119,7 +121,7 @@ def plan_fit(cfg, hf_config, gpu: GpuSpec, *, precision: str) -> Fit:
                engine_memory(shape, engine_setup(cfg, hf_config), gpu.memory_bytes),
                int(cfg.rollout.agent.max_context_tokens), engine_concurrency(cfg),
                float(cfg.cluster.colocated_trainer_memory_fraction) * gpu.memory_bytes
-               if cfg.cluster.placement == "colocated" else None)
+               if cfg.cluster.placement == "colocated" else None, OFFLOADED[cfg.cluster.colocated_offload])
 
 
 def _trainer_hint(name: str, cfg, setup: TrainerSetup) -> str:
@@ -166,9 +168,17 @@ RESIDENT = ("weights", "gradients", "main_weights", "adam_states", "reserved")
 the step and their cached blocks released (``torch.cuda.empty_cache``) before colocated engines resume."""
 
 
-def resident_bytes(mem: RankMemory) -> int:
-    """Bytes of :data:`RESIDENT` on a trainer rank: what it holds while colocated engines hold theirs."""
-    return sum(mem.consumers[name] for name in RESIDENT)
+OFFLOADED = {"none": (), "optimizer": ("main_weights", "adam_states"),
+             "optimizer_and_grads": ("main_weights", "adam_states", "gradients")}
+"""``cluster.colocated_offload`` -> the consumers of :data:`RESIDENT` it moves off the GPU while the
+engines hold theirs (Megatron-Core's ``offload_to_cpu`` / ``offload_grad_buffers``,
+`megarl.training.memory_limit`)."""
+
+
+def resident_bytes(mem: RankMemory, offloaded: tuple[str, ...] = ()) -> int:
+    """Bytes of :data:`RESIDENT` on a trainer rank but ``offloaded``: what it holds while colocated
+    engines hold theirs."""
+    return sum(mem.consumers[name] for name in RESIDENT if name not in offloaded)
 
 
 def _colocated_problem(fit: Fit, cfg) -> str | None:
@@ -176,13 +186,18 @@ def _colocated_problem(fit: Fit, cfg) -> str | None:
     if fit.colocated_fits:
         return None
     fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
-    limit, resident = fit.colocated_limit, resident_bytes(fit.trainer)
+    limit, resident = fit.colocated_limit, resident_bytes(fit.trainer, fit.offloaded)
     reserved = fit.trainer.consumers["reserved"]
+    kept = ", ".join(n.replace("_", " ") for n in RESIDENT[:-1] if n not in fit.offloaded)
+    more = [k for k, names in OFFLOADED.items() if set(names) > set(fit.offloaded)
+            and resident_bytes(fit.trainer, names) <= limit]
+    offload = (f"set cluster.colocated_offload={more[0]} (fits: {resident_bytes(fit.trainer, OFFLOADED[more[0]]) / GB:.1f}"
+               " GB), or " if more else "")
     return (f"colocated: between steps a trainer rank (pipeline stage {fit.trainer.stage}) keeps "
-            f"{(resident - reserved) / GB:.1f} GB (weights, gradients, main weights, Adam states) + "
+            f"{(resident - reserved) / GB:.1f} GB ({kept}) + "
             f"{reserved / GB:.1f} GB reserved = {resident / GB:.1f} GB, more than its limit while the engines hold "
             f"theirs, cluster.colocated_trainer_memory_fraction={fraction} x {fit.gpu.memory_text} = "
-            f"{limit / GB:.1f} GB (torch.cuda.set_per_process_memory_fraction): raise the fraction and lower "
+            f"{limit / GB:.1f} GB (torch.cuda.set_per_process_memory_fraction): {offload}raise the fraction and lower "
             "rollout.engine.mem_fraction_static, or spread the trainer over more GPUs (megarl plan shows every "
             "consumer)")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.plan.fit import Fit, resident_bytes
+from megarl.plan.fit import RESIDENT, Fit, resident_bytes
 from megarl.plan.gpus import GpuSpec
 from megarl.plan.memory import GB, TrainerSetup, trainer_memory
 from megarl.plan.shape import ModelShape
@@ -94,8 +94,10 @@ def format_trainer(fit: Fit, shape: ModelShape, setup: TrainerSetup) -> list[str
         other.append(f"{recompute or 'none'} {_gb(mem.consumers['activations'])} GB (total {_gb(mem.total)})")
     lines.append("  activations by model.recompute_granularity: " + ", ".join(other))
     if fit.colocated_limit is not None:
-        kept = resident_bytes(m)
-        lines.append(f"  colocated: kept between steps (weights, gradients, main weights, Adam states, reserved) "
+        kept = resident_bytes(m, fit.offloaded)
+        names = ", ".join(n.replace("_", " ") for n in RESIDENT if n not in fit.offloaded)
+        moved = f"; offloaded: {', '.join(n.replace('_', ' ') for n in fit.offloaded)}" if fit.offloaded else ""
+        lines.append(f"  colocated: kept between steps ({names}{moved}) "
                      f"{_gb(kept)} GB of its fraction {_gb(fit.colocated_limit)} GB: "
                      f"{'fits' if fit.colocated_fits else 'DOES NOT FIT'}")
     return lines

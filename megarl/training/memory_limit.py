@@ -11,9 +11,22 @@ removes the cap once the engines have released theirs.
 
 The device is the one the rank's model lives on (its process group's device,
 `megarl.training.devices.local_device_index`), never an index derived from ``LOCAL_RANK``. On a
-CPU device both are no-ops. Offloading parameters, gradients or optimizer state when they do not
-fit the fraction is not done: ``megarl validate`` refuses such a layout instead
-(`megarl.plan.fit`).
+CPU device both are no-ops.
+
+What does not fit the fraction can leave the GPU while the engines hold theirs
+(``cluster.colocated_offload``; ``megarl validate`` / ``megarl plan`` count it as not resident,
+`megarl.plan.fit.OFFLOADED`): :func:`offload` before :func:`shrink`, :func:`restore` after
+:func:`lift`, with Megatron-Core 0.16.1's own calls: ``optimizer`` = ``MegatronOptimizer.offload_to_cpu``
+/ ``restore_from_cpu`` (``megatron/core/optimizer/optimizer.py:344-381``, chained: ``:1414``: the
+optimizer's parameters, which are the FP32 main weights under BF16, and its Adam states move to the
+host; they only move CUDA tensors, so on CPU nothing moves and ``restore_from_cpu``, which would
+move host tensors to CUDA, is not called); ``optimizer_and_grads`` also frees the gradient buffers
+(``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers``,
+``megatron/core/distributed/distributed_data_parallel.py:575-613``: the storage is resized to 0 and
+zeroed when restored, which is what the next step's ``zero_grad_buffer`` would do). The model's own
+parameters stay: the weight sync and the next step's logprobs read them. Only under mixed precision:
+with FP32 the optimizer's parameters are the model's (views of the DDP buffer), and ``megarl
+validate`` refuses it.
 """
 from __future__ import annotations
 
@@ -72,3 +85,58 @@ def lift(device: Any) -> None:
     import torch
 
     torch.cuda.set_per_process_memory_fraction(1.0, cuda)
+
+
+OFFLOADS = ("none", "optimizer", "optimizer_and_grads")
+"""``cluster.colocated_offload``'s values."""
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in OFFLOADS:
+        raise ValueError(f"cluster.colocated_offload must be one of {', '.join(OFFLOADS)}, got {mode!r}")
+
+
+def offload(optimizer: Any, model_chunks: list, mode: str, device: Any) -> None:
+    """Move what ``mode`` names off the rank's GPU (module docstring); call before :func:`shrink`.
+
+    Args:
+        optimizer: the rank's Megatron optimizer (``offload_to_cpu``).
+        model_chunks: its DDP-wrapped model chunks (``offload_grad_buffers``).
+        mode: ``cluster.colocated_offload``.
+        device: the rank's device; CPU: the gradient buffers are freed, nothing else moves.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`OFFLOADS`.
+    """
+    _check_mode(mode)
+    if mode == "none":
+        return
+    cuda = _cuda(device)
+    if cuda is not None:
+        import torch
+
+        with torch.cuda.device(cuda):
+            optimizer.offload_to_cpu()
+    if mode == "optimizer_and_grads":
+        for chunk in model_chunks:
+            chunk.offload_grad_buffers(synchronize=cuda is not None, empty_cache=cuda is not None)
+
+
+def restore(optimizer: Any, model_chunks: list, mode: str, device: Any) -> None:
+    """Bring back what :func:`offload` moved, onto the rank's own device; call after :func:`lift`.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`OFFLOADS`.
+    """
+    _check_mode(mode)
+    if mode == "none":
+        return
+    cuda = _cuda(device)
+    if mode == "optimizer_and_grads":
+        for chunk in model_chunks:
+            chunk.restore_grad_buffers(synchronize=cuda is not None)
+    if cuda is not None:
+        import torch
+
+        with torch.cuda.device(cuda):  # .cuda() in Megatron's restore: the current device
+            optimizer.restore_from_cpu()
