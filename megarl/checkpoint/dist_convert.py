@@ -1,7 +1,8 @@
-"""One rank of an already-launched HF -> Megatron conversion job (Slurm tasks or torchrun).
+"""One rank of an already-launched conversion job (Slurm tasks or torchrun), either direction.
 
     srun -n 8 python -m megarl.checkpoint.dist_convert hf-to-megatron HF_DIR OUT_DIR \\
         --tensor-model-parallel-size 8                       (or: torchrun --nproc-per-node 8 -m ...)
+    srun -N 4 -n 32 python -m megarl.checkpoint.dist_convert megatron-to-hf CKPT_DIR OUT_DIR
 
 Where :func:`megarl.checkpoint.convert.hf_to_megatron` spawns its ranks itself on one machine,
 here every process of the job is one rank: it joins the ``env://`` rendezvous, runs the same
@@ -29,7 +30,11 @@ barrier it adds the HF metadata and renames it. A rank that fails removes nothin
 peers fail (srun ``--kill-on-bad-exit``, torchrun) or time out (``--timeout-s``); a killed job can
 leave a hidden ``.OUT_DIR.tmp-*`` sibling, never a partial OUT_DIR.
 
-megatron-to-hf is single-process (the streaming export): run ``megarl convert megatron-to-hf``.
+megatron-to-hf: any number of processes, on any number of nodes (the layout flags are not used):
+each runs :func:`megarl.checkpoint.parallel_export.export_rank`, reading its share of the layers
+and writing its own safetensors shards into the shared temporary directory; rank 0 gathers the
+ranks' shards, merges the one index, adds the HF metadata and renames it (the same tensors as
+``megarl convert megatron-to-hf``, byte for byte).
 """
 from __future__ import annotations
 
@@ -213,6 +218,45 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
             dist.destroy_process_group()
 
 
+def run_megatron_to_hf(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[Path]:
+    """This rank's share of the export; returns the published directory on rank 0, else None.
+
+    Raises:
+        As :func:`megarl.checkpoint.convert.megatron_to_hf_dir` (checked on every rank before any
+        collective).
+    """
+    import torch.distributed as dist
+
+    from megarl.checkpoint.convert import (_checked_export_config, _publish, copy_hf_metadata,
+                                           resolve_checkpoint_dir)
+    from megarl.checkpoint.convert_cli import PRECISION_DTYPES
+    from megarl.checkpoint.parallel_export import export_rank, write_merged_index
+    from megarl.training.collectives import all_gather_object
+
+    ckpt_dir = resolve_checkpoint_dir(Path(args.hf_dir).resolve())
+    config_dir = _checked_export_config(ckpt_dir, args.hf_config)
+    dtype = PRECISION_DTYPES[args.precision] if args.precision else None
+    _init_process_group(rdzv, args.backend, args.timeout_s)
+    try:
+        tmp = _shared_tmp_dir(Path(args.out_dir), args.overwrite)
+        try:
+            part = export_rank(rdzv.rank, rdzv.world_size, str(ckpt_dir), str(tmp), str(config_dir), dtype,
+                               int(args.max_shard_size_gb * 2**30))
+            parts = all_gather_object(part)  # after every rank closed its files
+            if rdzv.rank != 0:
+                return None
+            write_merged_index(tmp, parts)
+            copy_hf_metadata(config_dir, tmp)
+            return _publish(tmp, Path(args.out_dir))
+        except BaseException:
+            if rdzv.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (the layout flags of ``megarl convert`` / tools/convert_hf_to_megatron.py)."""
     parser = argparse.ArgumentParser(prog="python -m megarl.checkpoint.dist_convert", description=__doc__,
@@ -223,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_import_arguments(parser)
     parser.add_argument("--backend", choices=["auto", "gloo"], default="auto",
                         help="auto: gloo, plus nccl for CUDA tensors when CUDA is available")
+    parser.add_argument("--hf-config", default=None,
+                        help="megatron-to-hf: HF directory with config.json and tokenizer (default: SRC's hf_config/)")
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="megatron-to-hf: shard size limit")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--timeout-s", type=float, default=3600.0,
                         help="collective timeout (a dead peer ends the others after this long)")
@@ -232,14 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; exit status 0, 2 (bad arguments, layout/world mismatch), 1 (conversion failed)."""
     args = build_parser().parse_args(argv)
-    if args.direction == "megatron-to-hf":
-        print("dist_convert: megatron-to-hf is a single-process export; run it with one task "
-              "(`megarl convert megatron-to-hf SRC DST`)", file=sys.stderr)
-        return 2
+    run = run_megatron_to_hf if args.direction == "megatron-to-hf" else run_hf_to_megatron
     try:
         rdzv = rendezvous_from_env()
-        out = run_hf_to_megatron(args, rdzv)
-    except (ValueError, FileExistsError) as e:  # bad input: layout, env variables, config, destination
+        out = run(args, rdzv)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:  # bad input: layout, env, config, paths
         print(f"dist_convert: {e}", file=sys.stderr)
         return 2
     if out is not None:

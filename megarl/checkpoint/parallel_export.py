@@ -28,8 +28,8 @@ from typing import Sequence
 import torch
 
 EXPORT_FLOOR_BYTES_PER_S = 20e6
-"""Per-rank export rate the timeout assumes: ~1/10 of what one rank measured on 2 shared CPU cores
-(``tools/benchmarks/hf_export.md``); a real cluster's filesystem is faster still."""
+"""Per-rank export rate the timeout assumes: 1/5 to 1/14 of what a rank measured on 2 CPU cores at
+load average 7 (108-289 MB/s, ``tools/benchmarks/hf_export.md``)."""
 EXPORT_STARTUP_S = 600.0
 """Start-up allowance of the timeout: forking the ranks, Megatron's parallel state, the meta model."""
 

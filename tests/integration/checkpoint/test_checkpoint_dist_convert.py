@@ -3,6 +3,7 @@
 References: the original HF safetensors (read with the safetensors library) after a round trip
 through the single-process exporter, and the rendezvous variables written in the tests.
 """
+import json
 import os
 import subprocess
 import sys
@@ -26,10 +27,10 @@ def _env(**extra):
     return env
 
 
-def _launch(world_size, args, log_dir, timeout_s=240):
+def _launch(world_size, args, log_dir, timeout_s=240, direction="hf-to-megatron"):
     """Start ``world_size`` ranks of dist_convert; returns [(returncode, output)] by rank."""
     port = str(free_port())
-    cmd = [sys.executable, "-m", "megarl.checkpoint.dist_convert", "hf-to-megatron", *map(str, args)]
+    cmd = [sys.executable, "-m", "megarl.checkpoint.dist_convert", direction, *map(str, args)]
     procs, logs = [], []
     try:
         for rank in range(world_size):
@@ -82,6 +83,33 @@ def test_world_size_other_than_the_layout_is_refused_naming_flag_and_variable(ti
     assert rc == 2, output
     assert "WORLD_SIZE=1" in output and "--tensor-model-parallel-size 2" in output and "2 ranks" in output
     assert not (tmp_path / "ckpt").exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow  # ~40 s on 2 shared cores: an import and two exports
+@pytest.mark.timeout(420)
+def test_two_launched_ranks_export_the_single_process_tensors(tiny_moe_dir, tmp_path, tmp_path_factory):
+    """megatron-to-hf at 2 launched ranks (issue 35 item 3): each writes its own shards, rank 0 the
+    one index; the tensors are the single-process export's (and the original's), byte for byte."""
+    from megarl.checkpoint.convert import hf_to_megatron
+    from megarl.checkpoint.hf_io import INDEX_FILE
+
+    ckpt = hf_to_megatron(tiny_moe_dir, tmp_path / "ckpt", timeout_s=240)
+    logs = tmp_path_factory.mktemp("dist_export_logs")
+    results = _launch(2, [ckpt, tmp_path / "hf", "--max-shard-size-gb", "0.0001"], logs,
+                      direction="megatron-to-hf")
+    for rank, (rc, output) in enumerate(results):
+        assert rc == 0, f"rank {rank}:\n{output}"
+    assert "wrote" in results[0][1]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directory left"
+    single = megatron_to_hf_dir(ckpt, tmp_path / "hf_single", max_shard_bytes=int(0.0001 * 2**30), timeout_s=240)
+    ref, out = _load_all(single), _load_all(tmp_path / "hf")
+    assert sorted(out) == sorted(ref) == sorted(_load_all(tiny_moe_dir))
+    for name, tensor in ref.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    weight_map = json.loads((tmp_path / "hf" / INDEX_FILE).read_text())["weight_map"]
+    assert sorted(weight_map) == sorted(out)
+    assert sorted(set(weight_map.values())) == sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert (tmp_path / "hf" / "config.json").read_bytes() == (single / "config.json").read_bytes()
 
 
 def test_rendezvous_from_slurm_variables():
