@@ -65,6 +65,16 @@ def tiny_glm4_moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory):
+    """A tiny gpt-oss HF directory (2 layers: sliding window 4 then full attention; sinks, YaRN,
+    8 experts top-2 stacked in HF's gate_up_proj / down_proj, random biases and norms; fp32),
+    built once per session."""
+    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_gpt_oss", TinyModelSpec(family="gpt_oss"))
+
+
+@pytest.fixture(scope="session")
 def official_template_tokenizers(tmp_path_factory):
     """Tokenizers of tiny models built on each official chat template (megarl/models/chat_templates):
     ``{"qwen3": ..., "deepseek_r1": ..., "deepseek_v31": ..., "glm4_moe": ...}`` (Qwen3 dense, DeepSeek-V3

@@ -86,9 +86,11 @@ def check_weights_match_config(hf_dir: str | os.PathLike, hf_config=None,
     if arch.get("num_experts"):
         moe_layer = next(i for i, m in enumerate(arch["moe_layers"]) if m)
         prefix = f"model.layers.{moe_layer}.mlp.experts."
-        experts = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
-        if len(experts) != arch["num_experts"]:
-            raise _mismatch("num_experts", arch["num_experts"], len(experts), config_file,
+        heads = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
+        # per-expert tensors (experts.E.*), else one tensor stacking the experts (gpt-oss)
+        experts = len({h for h in heads if h.isdigit()}) or max((reader.shape(prefix + h)[0] for h in heads), default=0)
+        if experts != arch["num_experts"]:
+            raise _mismatch("num_experts", arch["num_experts"], experts, config_file,
                             f"experts in layer {moe_layer}")
     for name, shape in expected_hf_shapes(hf_config).items():
         if name not in reader:
@@ -116,7 +118,7 @@ def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     import torch
 
     from megarl.models.families import get_family
-    from megarl.models.mapping import Transform, hf_names_for, lookup, to_hf
+    from megarl.models.mapping import Transform, hf_names_for, lookup, stack_shapes, to_hf
 
     family = get_family(hf_config)
     layout = family.layout(hf_config)
@@ -129,7 +131,7 @@ def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
             meta = torch.empty((layout.padded_vocab_size, shape[1]), device="meta")
         for hf_name, t in zip(hf_names_for(name, layout, family.table), to_hf(entry, meta, layout)):
             shapes[hf_name] = tuple(t.shape)
-    return shapes
+    return stack_shapes(shapes)
 
 
 def checkpoint_architecture(shapes: dict, prefix: str) -> dict:

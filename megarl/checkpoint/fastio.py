@@ -91,7 +91,7 @@ def row_plan(entry, layout, hf_rows: tuple[int, ...], rank: int, size: int) -> O
     """
     from megarl.models.mapping import TPSplit, split_tp, to_megatron
 
-    if entry.tp_split is TPSplit.ROW and size > 1:
+    if (entry.tp_split is TPSplit.ROW and size > 1) or entry.transform.value in ("transpose", "glu_interleaved_t"):
         return None
     starts, total = [], 1  # row ids start at 1: 0 marks padding
     for rows in hf_rows:

@@ -3,7 +3,8 @@
 Reading: :class:`HFCheckpointReader` reads one tensor at a time with positioned reads (no mmap, so
 the process's resident memory holds only the tensors being converted). Shards are checked up front:
 a shard named by the index but absent, or shorter than its header declares, is an error that names
-the file.
+the file. ``name[E]`` reads row E of a tensor stacking every expert of a layer (gpt-oss's
+``mlp.experts.gate_up_proj``), that row's bytes only.
 
 Block-FP8 checkpoints (DeepSeek-V3's and Qwen3's FP8 releases: ``config.json`` has a block-wise
 ``quantization_config``, quantised linears are ``float8_e4m3fn`` with a float32
@@ -124,7 +125,11 @@ class HFCheckpointReader:
         return [k for k in self._entries if k not in hidden]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries and name not in self._scales.values()
+        try:
+            self._lookup(name)
+        except KeyError:
+            return False
+        return name not in self._scales.values()
 
     def dequantizes(self, name: str) -> bool:
         """True when :meth:`get` returns ``name`` dequantised from stored FP8 (see module docstring)."""
@@ -140,9 +145,22 @@ class HFCheckpointReader:
         return end - begin
 
     def _lookup(self, name: str):
-        if name not in self._entries:
+        """``(file, header entry, data start)``; for ``name[E]`` (an expert's slice of a stacked
+        tensor, ``megarl.models.table.Entry``) a header entry describing row E of that tensor."""
+        if name in self._entries:
+            return self._entries[name]
+        from megarl.models.mapping import expert_slice
+
+        base, expert = expert_slice(name)
+        if expert is None or base not in self._entries or base in self._scales:
             raise KeyError(f"tensor {name!r} not found in the safetensors of {self.hf_dir}")
-        return self._entries[name]
+        path, meta, start = self._entries[base]
+        shape = meta["shape"]
+        if not shape or expert >= shape[0]:
+            raise KeyError(f"tensor {name!r}: {base} has shape {tuple(shape)} in {self.hf_dir}")
+        begin, end = meta["data_offsets"]
+        row = (end - begin) // shape[0]
+        return path, dict(meta, shape=shape[1:], data_offsets=[begin + expert * row, begin + (expert + 1) * row]), start
 
     def location(self, name: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]]:
         """``(file, byte offset of the data, dtype, shape)`` of a tensor as stored (an FP8 weight that

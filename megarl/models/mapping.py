@@ -121,6 +121,11 @@ def to_megatron(entry: Entry, hf_tensors: Sequence[torch.Tensor], layout: ModelL
         return hf_tensors[0]
     if entry.transform is Transform.GLU:
         return torch.cat(list(hf_tensors), dim=0)
+    if entry.transform is Transform.TRANSPOSE:
+        return hf_tensors[0].t()
+    if entry.transform is Transform.GLU_INTERLEAVED_T:
+        t = hf_tensors[0]
+        return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1).t() if t.dim() == 2 else torch.cat([t[0::2], t[1::2]])
     if entry.transform is Transform.VOCAB:
         t = hf_tensors[0]
         if t.shape[0] > layout.padded_vocab_size:
@@ -142,6 +147,11 @@ def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.T
         return [full]
     if entry.transform is Transform.GLU:
         return list(full.chunk(2, dim=0))
+    if entry.transform is Transform.TRANSPOSE:
+        return [full.t().contiguous()]
+    if entry.transform is Transform.GLU_INTERLEAVED_T:  # [gate; up] rows -> gate, up alternating
+        interleaved = torch.stack(full.chunk(2, dim=0), dim=1).reshape(full.shape)
+        return [interleaved.t().contiguous() if full.dim() == 2 else interleaved]
     if entry.transform is Transform.VOCAB:  # several names: one tied tensor sent under each
         return [full[: layout.vocab_size]] * len(entry.hf)
     groups, hd = layout.num_query_groups, layout.head_dim
@@ -233,14 +243,53 @@ def megatron_to_hf(named_params: Iterable[tuple[str, torch.Tensor]], layout: Mod
     Yields:
         ``(hf_name, tensor)`` with checkpoint-style names (per-expert
         ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``); the output layer is
-        skipped when embeddings are tied. Tensors may be views of the inputs.
+        skipped when embeddings are tied. Tensors may be views of the inputs. Expert slices of a
+        stacked HF tensor (``name[E]``, see :class:`Entry`) come as the stacked tensor
+        ``[num_experts, ...]`` once every expert of it has been given, after the others; slices
+        whose stack stays incomplete come last, under their ``name[E]``.
 
     Raises:
         KeyError: a name with no mapping.
     """
     table = table if table is not None else family_table(layout)
+    pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in named_params:
         entry, values = lookup(table, name)
         if layout.tie_word_embeddings and name == "output_layer.weight":
             continue
-        yield from zip(hf_names(entry, values), to_hf(entry, tensor, layout))
+        for hf_name, hf_tensor in zip(hf_names(entry, values), to_hf(entry, tensor, layout)):
+            base, expert = expert_slice(hf_name)
+            if expert is None:
+                yield hf_name, hf_tensor
+                continue
+            pending.setdefault(base, {})[expert] = hf_tensor
+            if len(pending[base]) == layout.num_experts:
+                slices = pending.pop(base)
+                yield base, torch.stack([slices[e] for e in range(layout.num_experts)])
+    for base, slices in pending.items():
+        yield from ((f"{base}[{e}]", t) for e, t in sorted(slices.items()))
+
+
+def expert_slice(hf_name: str) -> tuple[str, int | None]:
+    """``("model.layers.0.mlp.experts.down_proj", 3)`` for ``model.layers.0.mlp.experts.down_proj[3]``
+    (expert 3's slice of a stacked HF tensor, :class:`Entry`); ``(hf_name, None)`` for any other name."""
+    if hf_name.endswith("]") and "[" in hf_name:
+        base, _, index = hf_name[:-1].rpartition("[")
+        if index.isdigit():
+            return base, int(index)
+    return hf_name, None
+
+
+def stack_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape with expert slices ``name[E]`` replaced by their stacked tensor
+    ``name: (experts, *slice shape)``."""
+    out: dict[str, tuple[int, ...]] = {}
+    counts: dict[str, int] = {}
+    for name, shape in shapes.items():
+        base, expert = expert_slice(name)
+        if expert is None:
+            out[name] = tuple(shape)
+        else:
+            counts[base] = max(counts.get(base, 0), expert + 1)
+            out[base] = (counts[base], *shape)
+    return out

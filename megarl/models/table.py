@@ -23,6 +23,11 @@ class Transform(str, enum.Enum):
     VOCAB = "vocab"
     """One HF ``[V, H]`` tensor, rows zero-padded to the padded vocabulary (to HF: one copy per name
     of the entry, ``mapping.embedding_as_output``)."""
+    GLU_INTERLEAVED_T = "glu_interleaved_t"
+    """One HF ``[H, 2F]`` tensor (``x @ W`` layout) whose columns alternate gate, up (gpt-oss's
+    ``gate_up_proj``), or its ``[2F]`` bias, into ``linear_fc1``'s ``[gate; up]`` rows ``[2F, H]``."""
+    TRANSPOSE = "transpose"
+    """One HF ``[F, H]`` tensor (``x @ W`` layout, gpt-oss's ``down_proj``), transposed to ``[H, F]``."""
 
 
 class TPSplit(str, enum.Enum):
@@ -43,7 +48,10 @@ class Entry:
     """One row of a family's mapping table."""
 
     hf: tuple[str, ...]
-    """HF name templates (``{L}`` layer, ``{E}`` expert), in the transform's argument order."""
+    """HF name templates (``{L}`` layer, ``{E}`` expert), in the transform's argument order. A name
+    ending in ``[{E}]`` is expert E's slice (dim 0) of one tensor stacking every expert of the layer
+    (gpt-oss's ``mlp.experts.gate_up_proj``): :func:`megarl.models.mapping.megatron_to_hf` stacks
+    the slices and the HF reader reads one slice."""
     transform: Transform
     tp_split: TPSplit
     expert: bool = False

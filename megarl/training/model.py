@@ -94,7 +94,13 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
     kwargs.update(config_overrides)  # the user's Megatron fields win over every choice above
     # Multi-latent attention (DeepSeek-V3) needs Megatron's MLA config class (q/kv LoRA ranks, YaRN).
     config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
-    return config_class(**kwargs)
+    # GPTModel(position_embedding_type="yarn") reads yarn_* attributes that only exist as attributes
+    # (Megatron-Core 0.16.1 gpt_model.py): gpt-oss's YaRN without MLA.
+    yarn = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("yarn_")]}
+    config = config_class(**kwargs)
+    for key, value in yarn.items():
+        setattr(config, key, value)
+    return config
 
 
 def _layout_kwargs(p: ParallelConfig, model_cfg: ModelConfig, *, first: Optional[int], last: Optional[int],
@@ -298,6 +304,10 @@ def _build_chunk(config, vp_stage: Optional[int], *, use_te: bool, vocab_size: i
             vp_stage=vp_stage, **gpt_kwargs)
     if device == "cuda":
         model.cuda(torch.cuda.current_device())
+    elif device == "meta":  # softmax_offset (learnable sinks) is made on an explicit device, not meta
+        for module in model.modules():
+            if any(not p.is_meta for p in module.parameters(recurse=False)):
+                module._apply(lambda t: t.to("meta"), recurse=False)
     return model
 
 

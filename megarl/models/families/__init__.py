@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 from megarl.models.table import Entry, ModelLayout
 
 _MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
-            "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe")
+            "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe",
+            "megarl.models.families.gpt_oss")
 
 
 @dataclass(frozen=True)

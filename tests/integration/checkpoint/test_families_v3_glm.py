@@ -9,8 +9,8 @@ safetensors files, and SGLang's own ``load_weights`` / server.
 - Routing replay: replaying the recorded routes reproduces the logits bit for bit; replaying other
   routes gives HF's output for those routes, and the router weight still gets a gradient while
   the expert bias (frozen, HF ``e_score_correction_bias``) gets none.
-- Conversion: HF -> Megatron dist checkpoint (TP1 / EP2 / PP2) -> HF is bit-identical; DeepSeek's
-  multi-token-prediction layer is dropped on import.
+- Conversion: HF -> Megatron dist checkpoint (TP1 / EP2 / PP2) -> HF is bit-identical (gpt-oss
+  too: its stacked experts); DeepSeek's multi-token-prediction layer is dropped on import.
 - SGLang (CPU): both families are served from the exported directory (prompt logprobs and greedy
   tokens vs transformers; DeepSeek-V3's MLA prefill runs through megarl's CPU shim
   ``rollout/cpu_shims/sglang_mla_dispatch.py``), and every exported HF name is checked against the
@@ -163,7 +163,7 @@ def test_forward_and_routing_replay_match_transformers(family, request):
 # ------------------------------------------------------------------------------------ conversion
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("gpt_oss",))  # gpt-oss: TP2 layouts in test_family_gpt_oss.py
 def test_roundtrip_bit_identical(family, layout, request, work_dir):
     hf_dir = _model_dir(request, family)
     exported = _export(hf_dir, work_dir, layout)
