@@ -7,7 +7,9 @@
 # Checks, each with a one-line summary; the run stops within MEGARL_GPU_CHECK_BUDGET_S (570 s; --cpu 1500):
 #   env         versions, the GPU, NCCL
 #   tests       every tests/gpu test that needs neither Transformer Engine nor SGLang (the others skip),
-#               among them the colocated trainer's memory cap (test_colocated_memory_gpu.py)
+#               among them the colocated trainer's memory cap and offload (test_colocated_memory_gpu.py,
+#               test_colocated_offload_gpu.py), the FP8-engine logprob gap and the load proof on CUDA
+#               (test_fp8_engine_gap_gpu.py)
 #   replay      a trainer step on CUDA with NCCL (world size 1), R2 and R3 routing replay
 #               (python -m megarl.testing.gpu_check replay)
 #   throughput  trainer tokens/s and MFU of a ~1B-parameter Qwen3-MoE-shaped model
