@@ -13,7 +13,8 @@ Around each train step (synchronous mode; the engines are idle once the step's r
    ``weights`` when the step ends with a weight sync (released weights come back uninitialised;
    the sync rewrites every one of them), then the trainer ranks' memory cap is lifted: the trainer
    computes logprobs and trains;
-2. :func:`resume` — every trainer rank releases its cached CUDA blocks and is capped at
+2. :func:`resume` — every trainer rank offloads what ``cluster.colocated_offload`` names (restored
+   after the next release), releases its cached CUDA blocks and is capped at
    ``cluster.colocated_trainer_memory_fraction`` of its GPU (`megarl.training.memory_limit`), then
    ``/resume_memory_occupation`` of ``weights`` first, then of the rest, before the weight sync (it
    flushes the prefix cache, and its verification runs the engines' forward);

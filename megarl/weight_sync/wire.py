@@ -11,11 +11,13 @@ payload (the tensor is empty, pickled by value: no shared memory, so it crosses 
 ticket per sync and stage lists every bucket of the stage (the sender makes it from the plan
 before the first bucket is packed)::
 
-    megarl.p2p/{"op": "stage", "mode": "p2p", "group": ..., "algo": "xxh3",
+    megarl.p2p/{"op": "stage", "mode": "p2p", "group": ..., "algo": "xxh3", "proof": true,
                 "buckets": [{"bucket": 3, "nbytes": 1048576, "tensors": [[hf_name, dtype, shape], ...],
                              "source": 1, "messages": [524288, 524288]}, ...]}
 
-``source`` (default 0): the group rank that sends this engine rank's bytes of the bucket (segment
+``proof`` (default true): the receiver reads each loaded ``p2p`` bucket back from the engine's
+parameters (:mod:`megarl.weight_sync.load_proof`, ``weight_sync.load_proof``). ``source``
+(default 0): the group rank that sends this engine rank's bytes of the bucket (segment
 senders, :class:`megarl.weight_sync.segments.SegmentOwners`); ``messages`` (default one of
 ``nbytes``): the byte counts of the messages those bytes arrive in, back to back (slices sent from
 the trainer's parameters travel as messages of their own).
