@@ -39,11 +39,12 @@ def test_a_failing_rank_ends_the_job_instead_of_hanging(job_env, tmp_path):
 
 @pytest.mark.timeout(200)
 def test_one_task_runs_megarl_convert_and_returns_its_status(job_env, tmp_path):
-    # The real `megarl convert` on one task; a checkpoint without an HF config is refused (exit 1).
+    # The real `megarl convert` on one task; a folder that is no checkpoint is refused (exit 2, the
+    # CLI's status for every expected error) and the job returns that status.
     (tmp_path / "ckpt").mkdir()
     r = submit(job_env, "slurm/convert.sbatch", ["megatron-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
-    assert r.rc == 1, r.output
-    assert "is not a Megatron dist checkpoint" in (r.job_dir / "convert.log").read_text()  # named, then rc 1
+    assert r.rc == 2, r.output
+    assert "is not a Megatron dist checkpoint" in (r.job_dir / "convert.log").read_text()  # named, then rc 2
     assert not (tmp_path / "hf").exists()
 
 
