@@ -123,6 +123,23 @@ def export_timeout_s(total_bytes: int, world_size: int) -> float:
     return EXPORT_STARTUP_S + total_bytes / world_size / EXPORT_FLOOR_BYTES_PER_S
 
 
+def ranks_within_memory(total_bytes: int, num_layers: int, available_bytes: int, ranks: int) -> int:
+    """At most ``ranks`` export ranks, fewer where ``available_bytes`` of host memory cannot hold
+    what each has in flight: two groups (one read, one being written) and a dtype-cast copy, a group
+    estimated as ``total_bytes / num_layers`` (a DeepSeek-V3 MoE layer: ~22 GB in bf16, ~66 GB per
+    rank). Never fewer than one."""
+    per_rank = 3 * total_bytes / max(1, num_layers)
+    return max(1, min(int(ranks), int(available_bytes // per_rank) if per_rank else int(ranks)))
+
+
+def available_memory_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` (Linux), in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
 def checkpoint_bytes(ckpt_dir: Path) -> int:
     """Bytes of the model tensors a dist checkpoint holds (its metadata; nothing is read)."""
     from megarl.checkpoint.dist_ckpt import tensor_shapes

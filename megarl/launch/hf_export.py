@@ -1,7 +1,8 @@
 """HF exports during training, off the driver loop (``checkpoint.hf_export_interval``).
 
 The export of a committed checkpoint (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`) runs
-in its own processes (:func:`export_ranks` gloo ranks on the driver's machine, spawned by
+in its own processes (:func:`export_ranks` gloo ranks on the driver's machine, fewer where its
+available memory would not hold each rank's layers in flight, spawned by
 :func:`megarl.procs.local_ranks.run_ranks`): each reads ~1/ranks of the model's layers from the
 checkpoint and writes its own safetensors shards, and the index is merged from what they return
 (:mod:`megarl.checkpoint.parallel_export`), so it takes as long as one rank reading and writing its
@@ -51,10 +52,19 @@ def export_ranks(cpu_count: Optional[int] = None) -> int:
 
 
 def _export(ckpt: Path, out: Path, ranks: int = 1) -> None:
-    from megarl.checkpoint.convert import megatron_to_hf_dir
+    import json
 
+    from megarl.checkpoint.convert import HF_CONFIG_SUBDIR, megatron_to_hf_dir, resolve_checkpoint_dir
+    from megarl.checkpoint.parallel_export import available_memory_bytes, checkpoint_bytes, ranks_within_memory
+
+    model = resolve_checkpoint_dir(ckpt)
+    config = model / HF_CONFIG_SUBDIR / "config.json"  # missing: megatron_to_hf_dir says what to do
+    num_layers = json.loads(config.read_text())["num_hidden_layers"] if config.is_file() else 1
+    fit = ranks_within_memory(checkpoint_bytes(model), num_layers, available_memory_bytes(), ranks)
+    if fit < ranks:
+        logger.warning("HF export of %s: %d ranks, not %d: host memory holds that many ranks' layers", ckpt, fit, ranks)
     # config and tokenizer: the checkpoint's hf_config/; the time limit: sized from its bytes
-    megatron_to_hf_dir(ckpt, out, overwrite=True, ranks=ranks)
+    megatron_to_hf_dir(ckpt, out, overwrite=True, ranks=fit)
 
 
 class BackgroundExport:

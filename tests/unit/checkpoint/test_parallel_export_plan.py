@@ -68,3 +68,15 @@ def test_the_merged_index_covers_every_rank_and_refuses_overlap(tmp_path):
 def test_split_refuses_no_ranks():
     with pytest.raises(ValueError, match="world_size=0"):
         split_groups([1, 2], 0)
+
+
+def test_ranks_are_cut_to_what_host_memory_holds():
+    """Each rank holds two groups and a cast copy: 3 x total / layers bytes."""
+    from megarl.checkpoint.parallel_export import available_memory_bytes, ranks_within_memory
+
+    layer = 22 * 10**9  # a DeepSeek-V3 MoE layer in bf16
+    total, layers = 61 * layer, 61
+    assert 2 * 10**12 // (3 * layer) == 30 and ranks_within_memory(total, layers, 2 * 10**12, 8) == 8
+    assert ranks_within_memory(total, layers, 200 * 10**9, 8) == 200 * 10**9 // (3 * layer) == 3
+    assert ranks_within_memory(total, layers, 10 * 10**9, 8) == 1  # never none
+    assert 0 < available_memory_bytes() <= 2**60
