@@ -41,6 +41,13 @@ def add_hf_to_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     _add_output_arguments(parser)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
+
+
 def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     """``CKPT_DIR OUT_DIR`` and every flag of :func:`megarl.checkpoint.convert.megatron_to_hf_dir`."""
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR",
@@ -53,7 +60,7 @@ def add_megatron_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(PRECISION_DTYPES.values()), default=None,
                         help="deprecated: --precision (float32 = fp32, bfloat16 = bf16, float16 = fp16)")
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size limit")
-    parser.add_argument("--ranks", type=int, default=1,
+    parser.add_argument("--ranks", type=_positive_int, default=1,
                         help="export processes on this machine, each writing its own shards of ~1/RANKS of the model")
     _add_output_arguments(parser, None, "limit for the whole export (default: sized from the checkpoint's bytes)")
 

@@ -55,3 +55,10 @@ def test_same_argv_parses_the_same():
     cli = vars(build_parser().parse_args(["convert", "hf-to-megatron", *argv]))
     tool = vars(_tool_parser("convert_hf_to_megatron").parse_args(argv))
     assert {k: v for k, v in cli.items() if k not in ("command", "direction", "debug")} == tool
+
+
+def test_export_ranks_below_one_are_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["convert", "megatron-to-hf", "ckpt", "out", "--ranks", "0"])
+    assert exit_info.value.code == 2 and "argument --ranks: 0: at least 1" in capsys.readouterr().err
+    assert build_parser().parse_args(["convert", "megatron-to-hf", "ckpt", "out", "--ranks", "3"]).ranks == 3
