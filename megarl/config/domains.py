@@ -189,7 +189,7 @@ DOMAINS: dict[str, Domain] = {
     "weight_sync.pause_mode": Choice(("retract", "abort", "in_place")),
     "weight_sync.every_n_steps": POSITIVE,
     "weight_sync.verify": Choice(("off", "first", "always")),
-    "weight_sync.load_proof": Choice(("every_sync", "off")),
+    "weight_sync.load_proof": Choice(("every_sync", "verified_syncs", "off")),
     "cluster.colocated_offload": Choice(("none", "optimizer", "optimizer_and_grads")),
     "weight_sync.verify_tolerance": Range(0, None, "()"),
     "weight_sync.timeout_s": SECONDS,

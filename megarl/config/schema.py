@@ -229,7 +229,8 @@ class WeightSyncConfig:
     """Seconds before a sync is declared failed."""
     load_proof: str = "every_sync"
     """``p2p``: after loading each bucket the engines read it back from their parameters
-    (``megarl.weight_sync.load_proof``; parameters SGLang transforms are skipped, named): ``every_sync``, ``off``."""
+    (``megarl.weight_sync.load_proof``; parameters SGLang transforms are skipped, named): ``every_sync``,
+    ``verified_syncs`` (the syncs ``verify`` checks), ``off``."""
 
 
 @dataclass

@@ -177,9 +177,9 @@ class TrainerWorker:
             except Exception as e:  # noqa: BLE001 - the restarted engine no longer knows the old group
                 logger.warning("closing the weight-sync groups: %s", e)
 
-    def sync_weights(self, policy_version: int) -> dict[str, float]:
-        """Push this rank's shards to the engines (pause -> push -> flush -> version -> continue)."""
-        return self.syncer.sync(dict(self.trainer.named_parameters_for_sync()), policy_version)
+    def sync_weights(self, policy_version: int, load_proof: bool | None = None) -> dict[str, float]:
+        """Push this rank's shards to the engines (pause -> push -> flush -> version -> continue; ``load_proof``: see `WeightSynchronizer.sync`)."""
+        return self.syncer.sync(dict(self.trainer.named_parameters_for_sync()), policy_version, load_proof=load_proof)
 
     def verify_weights(self, probes: Any, tolerance: float) -> dict[str, float]:
         """Trainer logprobs of ``probes`` (a TrainBatch; collective) vs every engine's (rank 0 asks them)."""
@@ -339,14 +339,14 @@ class TrainerGroup:
         """
         self._gather([w.close_weight_sync.remote() for w in self.workers], timeout_s or self.timeout_s)
 
-    def sync_weights(self, policy_version: int) -> dict[str, float]:
+    def sync_weights(self, policy_version: int, load_proof: bool | None = None) -> dict[str, float]:
         """Every rank pushes its shards to the engines (`TrainerWorker.sync_weights`: pause -> push
-        -> flush -> version -> continue); the metrics of rank 0 (the synchronizer's coordinator).
+        -> flush -> version -> continue; ``load_proof`` there); the metrics of rank 0 (the coordinator).
 
         Raises:
             TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
         """
-        return self._gather([w.sync_weights.remote(policy_version) for w in self.workers], self.timeout_s)[0]
+        return self._gather([w.sync_weights.remote(policy_version, load_proof) for w in self.workers], self.timeout_s)[0]
 
     def verify_weights(self, probes: Any, tolerance: float) -> list[dict[str, float]]:
         """Trainer logprobs of ``probes`` (a TrainBatch, put in the object store once) against every

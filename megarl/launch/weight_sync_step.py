@@ -123,6 +123,14 @@ def verify_now(verify: str, *, first_sync: bool, changed: bool, verified_changed
     return verify == "first" and (first_sync or (changed and not verified_changed))
 
 
+def load_proof_now(load_proof: str, verify: bool) -> bool:
+    """Whether this sync's ``p2p`` buckets are read back by the engines (``weight_sync.load_proof``:
+    ``every_sync``, ``verified_syncs``: those :func:`verify_now` checks, ``off``)."""
+    if load_proof not in ("every_sync", "verified_syncs", "off"):
+        raise ValueError(f"weight_sync.load_proof must be every_sync | verified_syncs | off, got {load_proof!r}")
+    return load_proof == "every_sync" or (load_proof == "verified_syncs" and verify)
+
+
 def verifies(run: Any, version: int) -> bool:
     """Whether the sync of policy ``version`` about to run is verified (:func:`verify_now` on the
     run's state; records a verified sync that changed the weights in ``run.verified_changed``).
@@ -143,7 +151,7 @@ def sync_engines(run: Any, version: int) -> dict[str, float]:
         connect(run)
         run.sync_connected = True
     verify = verifies(run, version)
-    metrics = dict(run.trainer.sync_weights(version))
+    metrics = dict(run.trainer.sync_weights(version, load_proof_now(cfg.weight_sync.load_proof, verify)))
     if verify:
         if run.probes is None:
             run.probes = probe_batch(run)

@@ -101,4 +101,4 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
                               pause_mode=cfg.pause_mode, group=group, segment_senders=cfg.segment_senders,
                               backend=cfg.backend, master_address=spec.master_address, port_base=spec.port_base,
                               directory=spec.directory,
-                              timeout_s=cfg.timeout_s, load_proof=cfg.load_proof == "every_sync")
+                              timeout_s=cfg.timeout_s, load_proof=cfg.load_proof != "off")

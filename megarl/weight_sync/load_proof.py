@@ -37,7 +37,8 @@ receiver loads with a custom loader, ``update_weights_from_tensor``'s branch in
 
 A tensor not found whose own module holds such a parameter is not counted as unwritten: it is
 named in a warning, once per name (:data:`SKIPPED`), and the proof goes on. Every other tensor
-must be found. ``weight_sync.load_proof: off`` turns the proof off (the receiver's ticket says).
+must be found. ``weight_sync.load_proof`` (``every_sync``, ``verified_syncs``: the syncs ``verify``
+checks, ``off``) says which syncs run it; the stage ticket's ``proof`` tells the receiver.
 
 Cost: one comparison of each received row against the rows of the candidate parameters that
 start like it (first row matched over all rows, the rest only at the candidate offsets), per

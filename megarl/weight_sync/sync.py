@@ -164,10 +164,13 @@ class WeightSynchronizer:
         self.transport.set_senders(senders, index, self.control, owners, list(self.mine.stage_buckets(self.stage)))
 
     # ------------------------------------------------------------------ the sync
-    def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int) -> dict[str, float]:
+    def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int, *,
+             load_proof: Optional[bool] = None) -> dict[str, float]:
         """Push ``local_params`` (this rank's shards, global names) to every engine (collective).
 
         See the module docstring for the ordering. Returns the metrics (identical on every rank).
+        ``load_proof``: the engines read this sync's ``p2p`` buckets back (``weight_sync.load_proof``,
+        :func:`megarl.launch.weight_sync_step.load_proof_now`); None keeps the transport's setting.
 
         Raises:
             WeightSyncError: a planned shard is missing or malformed, conversion did not produce the
@@ -175,6 +178,8 @@ class WeightSynchronizer:
         """
         if self.mine is not None:
             check_local_params(self.mine, self.rank, local_params)
+        if load_proof is not None and hasattr(self.transport, "load_proof"):  # the checked transports
+            self.transport.load_proof = load_proof
         if not self._connected:
             self.connect()
         start = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megarl.weight_sync.load_proof import first_unwritten
@@ -129,3 +130,26 @@ def test_the_switch_reaches_the_receiver(monkeypatch):
         state = {"load_errors": [], "deferred": {"bucket": 3, "named": named, "whole": False, "proof": proof}}
         receiver._load_deferred(model, state)
         assert state["load_errors"] == errors
+
+
+def test_verified_syncs_proves_exactly_the_verified_ones():
+    """``verified_syncs``: the proof runs on the syncs ``weight_sync.verify`` checks (its own rule,
+    ``verify_now``), ``every_sync`` on each, ``off`` on none; the choice reaches the rank's synchronizer."""
+    from megarl.launch.trainer_group import TrainerWorker
+    from megarl.launch.weight_sync_step import load_proof_now, verify_now
+
+    history = [dict(first_sync=True, changed=False, verified_changed=False),
+               dict(first_sync=False, changed=True, verified_changed=False),
+               dict(first_sync=False, changed=True, verified_changed=True)]
+    verified = [verify_now("first", **h) for h in history]
+    assert verified == [True, True, False]
+    assert [load_proof_now("verified_syncs", v) for v in verified] == verified
+    assert [load_proof_now("every_sync", v) for v in verified] == [True] * 3
+    assert [load_proof_now("off", v) for v in verified] == [False] * 3
+    with pytest.raises(ValueError, match="weight_sync.load_proof"):
+        load_proof_now("sometimes", True)
+    calls = []
+    worker = SimpleNamespace(trainer=SimpleNamespace(named_parameters_for_sync=lambda: iter([("w", torch.zeros(1))])),
+                             syncer=SimpleNamespace(sync=lambda params, version, **kw: calls.append((version, kw)) or {}))
+    TrainerWorker.__ray_metadata__.modified_class.sync_weights(worker, 4, False)
+    assert calls == [(4, {"load_proof": False})]
