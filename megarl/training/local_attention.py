@@ -7,8 +7,11 @@ row is block-diagonal (each sequence attends causally to itself only). `LocalSDP
 drop-in subclass (same constructor, parameters, state dict) that, for a block-diagonal causal mask,
 calls ``torch.nn.functional.scaled_dot_product_attention`` once per sequence with
 ``is_causal=True``: no ``[S, S]`` mask and no scores across sequences. Any other mask goes to SDPA
-as a bool mask; what SDPA cannot express (attention dropout in training, windowed attention, a
-softmax offset, an attention bias) goes to ``DotProductAttention.forward`` itself.
+as a bool mask. A learned softmax offset (gpt-oss's attention sinks) or a sliding window is
+computed here per sequence in plain torch (Megatron's own path drops the packing mask for its
+window mask, `LocalSDPAttention._sink_window_attention`); what neither path expresses
+(attention dropout in training, an attention bias, a window or sinks with a mask that is not
+block-diagonal causal) goes to ``DotProductAttention.forward`` itself.
 
 Masked positions get ``-inf`` here and ``-10000`` in Megatron's softmax: the same probabilities for
 every row that attends to at least one key (every row of a causal mask attends to itself).
@@ -66,6 +69,15 @@ class LocalSDPAttention(DotProductAttention):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None) -> Tensor:
+        sinks_or_window = self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None
+        if sinks_or_window and attention_bias is None and packed_seq_params is None and not (
+                self.training and self.attention_dropout.p > 0):
+            segments = _segments_of(attention_mask) if attention_mask is not None else None
+            if segments is None and attention_mask is None and query.shape[0] == key.shape[0] and (
+                    attn_mask_type or self.attn_mask_type) == AttnMaskType.causal:
+                segments = [[query.shape[0]]]
+            if segments is not None:
+                return self._sink_window_attention(query, key, value, segments)
         if not self._sdpa_supported(attention_bias, packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
@@ -97,6 +109,42 @@ class LocalSDPAttention(DotProductAttention):
             rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
         context = torch.stack(rows, dim=1)  # [sq, b, np, hn]
         return context.view(context.shape[0], context.shape[1], -1)
+
+    def _sink_window_attention(self, query: Tensor, key: Tensor, value: Tensor, segments: list[list[int]]) -> Tensor:
+        """Causal attention per packed sequence with a learned sink per head (``softmax_offset``:
+        one more logit in each row's softmax, its probability dropped) and a sliding window
+        (``window_size`` ``(left, right)``: key j is seen from query i when
+        ``i - left <= j <= i + right``, and j <= i), scores in fp32. Megatron's own path replaces
+        the given mask by its sliding-window mask (``megatron/core/fusions/fused_softmax.py``
+        line 321, ``forward_torch_softmax``), so sequences packed in one row would see each other
+        (the tiny gpt-oss's packed logits were 0.18 off transformers' that way). Shapes as
+        :meth:`forward`; returns ``[sq, b, np * hn]``."""
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        window = self.scale_mask_softmax.window_size
+        repeat = query.shape[2] // key.shape[2]
+        if len(segments) == 1 and query.shape[1] > 1:  # a mask broadcast over the rows
+            segments = segments * query.shape[1]
+        rows = []
+        for r, lens in enumerate(segments):
+            pieces, start = [], 0
+            for n in lens:
+                q, k, v = (t[start:start + n, r].transpose(0, 1) for t in (query, key, value))  # [heads, n, hn]
+                k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+                scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [np, n, n]
+                i = torch.arange(n, device=q.device)
+                seen = i[None, :] <= i[:, None]
+                if window is not None:
+                    seen &= (i[None, :] >= i[:, None] - window[0]) & (i[None, :] <= i[:, None] + window[1])
+                scores = scores.masked_fill(~seen, float("-inf"))
+                if self.softmax_offset is not None:
+                    sink = self.softmax_offset.float().view(-1, 1, 1).expand(-1, n, 1)
+                    scores = torch.cat([scores, sink], dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :n].to(v.dtype)
+                pieces.append(torch.matmul(probs, v).transpose(0, 1))  # [n, np, hn]
+                start += n
+            rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+        context = torch.stack(rows, dim=1)  # [sq, b, np, hn]
+        return context.reshape(context.shape[0], context.shape[1], -1)
 
 
 def use_local_sdpa_attention(block_spec) -> int:
