@@ -1,7 +1,8 @@
 """A model's parameter counts from its ``config.json`` alone (no weights): the shape the planner sizes.
 
 Counts follow Megatron-Core's layout of the families megarl trains (``qwen3_moe``, ``qwen3``,
-``deepseek_v3`` with multi-latent attention, ``glm4_moe``): per layer an attention block (GQA, or MLA
+``deepseek_v3`` with multi-latent attention, ``glm4_moe``, ``gpt_oss``; its expert and attention-sink
+biases, under 0.05 % of its parameters, are not counted): per layer an attention block (GQA, or MLA
 with its down-projections, which Megatron keeps whole on every tensor-parallel rank), a dense MLP
 or an MoE block (router, routed experts, shared experts), RMSNorms; the embedding and, untied, an
 output layer of the padded vocabulary. Multi-token-prediction layers are not built by megarl's
@@ -20,6 +21,16 @@ def _first(hf, *names, default=None):
         if value is not None:
             return value
     return default
+
+
+def _expert_ffn(hf) -> int:
+    """One routed expert's width: ``moe_intermediate_size``, or where a config has no such field
+    (gpt-oss: ``intermediate_size`` is the experts'), the family's own reading of the config."""
+    width = _first(hf, "moe_intermediate_size")
+    if width is None:
+        family = find_family(getattr(hf, "model_type", None))
+        width = family.architecture(hf).get("moe_intermediate_size", 0) if family is not None else 0
+    return int(width or 0)
 
 
 def _engine_unties_lm_head(model_type: str | None) -> bool:
@@ -68,7 +79,7 @@ class ModelShape:
                 raise ValueError(f"model.hf_path config.json: missing field {name}")
         h, layers, heads = int(hf.hidden_size), int(hf.num_hidden_layers), int(hf.num_attention_heads)
         experts = int(_first(hf, "n_routed_experts", "num_experts", "num_local_experts", default=0) or 0)
-        moe_ffn = int(_first(hf, "moe_intermediate_size", default=0) or 0)
+        moe_ffn = _expert_ffn(hf) if experts else 0
         shared = int(_first(hf, "shared_expert_intermediate_size", default=0) or 0)
         shared += int(_first(hf, "n_shared_experts", default=0) or 0) * moe_ffn
         return cls(

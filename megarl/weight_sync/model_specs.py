@@ -122,6 +122,10 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         shapes = family.megatron_shapes(family.architecture(hf_config))
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
+    if any(e.transform in (Transform.TRANSPOSE, Transform.GLU_INTERLEAVED_T) for e in family.table.values()):
+        raise SpecError(f"config.json ({hf_config.model_type}): weight sync is not planned yet for HF tensors "
+                        "stacked over experts in x @ W orientation (gpt-oss's mlp.experts.gate_up_proj); "
+                        "megarl plan --no-sync plans the rest")
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs = []
