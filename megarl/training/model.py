@@ -86,6 +86,10 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
     for key, message in model_split_issues(p, num_layers=arch["num_hidden_layers"], num_experts=num_experts):
         raise ValueError(f"{key}: {message}")  # the rules megarl validate reports (megarl.config.parallel)
     kwargs = family.transformer_config_kwargs(arch)
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if is_moe and kwargs.get("add_bias_linear") and etp != 1:  # Megatron-Core 0.16.1 asserts it (transformer_config.py)
+        raise ValueError(f"parallel.expert_tensor_parallel_size: {etp} (it defaults to TP); {hf_config.model_type}'s "
+                         "experts have biases, which Megatron-Core supports only at expert TP 1")
     kwargs.update(_layout_kwargs(p, model_cfg, first=first, last=last, precision=precision, device=device))
     kwargs.update(_feature_kwargs(model_cfg, is_moe=is_moe, use_te=use_te,
                                   multi_latent_attention=bool(kwargs.get("multi_latent_attention"))))

@@ -151,3 +151,15 @@ def test_mismatched_config_is_refused(tiny_gpt_oss_dir, tmp_path, field, value, 
     edited = _edit_config(tiny_gpt_oss_dir, tmp_path / "edited", **{field: value})
     with pytest.raises(ConfigMismatchError, match=message):
         check_weights_match_config(edited)
+
+
+@pytest.mark.timeout(60)
+def test_expert_tensor_parallelism_is_refused_naming_the_field(tiny_gpt_oss_dir):
+    from megarl.training.model import build_transformer_config
+
+    for etp in (None, 2):  # None: expert TP defaults to TP (2)
+        parallel = ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=etp, sequence_parallel=True)
+        with pytest.raises(ValueError, match="parallel.expert_tensor_parallel_size: 2 .*expert TP 1"):
+            build_transformer_config(tiny_gpt_oss_dir, parallel, ModelConfig())
+    parallel = ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1, sequence_parallel=True)
+    assert build_transformer_config(tiny_gpt_oss_dir, parallel, ModelConfig()).expert_tensor_parallel_size == 1
