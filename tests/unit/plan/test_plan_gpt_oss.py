@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[3]
 MODEL = REPO / "configs" / "models" / "gpt-oss-120b"
 
 
+@pytest.mark.slow  # ~8-10 s (transformers' gpt-oss modeling import and the meta model)
 @pytest.mark.timeout(120)
 def test_total_parameters_match_transformers_model():
     from transformers import AutoConfig, GptOssForCausalLM
