@@ -39,6 +39,7 @@ ranks' shards, merges the one index, adds the HF metadata and renames it (the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shutil
@@ -46,7 +47,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from megarl.checkpoint.convert_cli import add_import_arguments  # the flags megarl convert and the tools share
 from megarl.errors import UserError
@@ -180,6 +181,26 @@ def _shared_tmp_dir(out_dir: Path, overwrite: bool) -> Path:
     return Path(box[0])
 
 
+@contextlib.contextmanager
+def _staged_output(rdzv: Rendezvous, args: argparse.Namespace) -> Iterator[Path]:
+    """Join the process group and yield the shared staging folder beside ``args.out_dir``; on an
+    error rank 0 removes the folder, and the group is destroyed however the body ends."""
+    import torch.distributed as dist
+
+    _init_process_group(rdzv, args.backend, args.timeout_s)
+    try:
+        tmp = _shared_tmp_dir(Path(args.out_dir), args.overwrite)
+        try:
+            yield tmp
+        except BaseException:
+            if rdzv.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[Path]:
     """This rank's part of the conversion; returns the published directory on rank 0, else None.
 
@@ -187,8 +208,6 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
         LayoutMismatchError: world size != layout ranks (before any collective, on every rank).
         As :func:`megarl.checkpoint.convert.hf_to_megatron` otherwise.
     """
-    import torch.distributed as dist
-
     from megarl.checkpoint.convert import _publish, finish_import, import_rank_worker, plan_import
     from megarl.training.collectives import barrier
 
@@ -199,23 +218,13 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
                        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, precision=args.precision)
     check_world_size(rdzv, plan.world_size, args)
-    _init_process_group(rdzv, args.backend, args.timeout_s)
-    try:
-        tmp = _shared_tmp_dir(Path(args.out_dir), args.overwrite)
-        try:
-            import_rank_worker(rdzv.rank, rdzv.world_size, *plan.worker_args(tmp))
-            barrier()
-            if rdzv.rank != 0:
-                return None
-            finish_import(plan, tmp)
-            return _publish(tmp, Path(args.out_dir))
-        except BaseException:
-            if rdzv.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with _staged_output(rdzv, args) as tmp:
+        import_rank_worker(rdzv.rank, rdzv.world_size, *plan.worker_args(tmp))
+        barrier()
+        if rdzv.rank != 0:
+            return None
+        finish_import(plan, tmp)
+        return _publish(tmp, Path(args.out_dir))
 
 
 def run_megatron_to_hf(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[Path]:
@@ -225,8 +234,6 @@ def run_megatron_to_hf(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
         As :func:`megarl.checkpoint.convert.megatron_to_hf_dir` (checked on every rank before any
         collective).
     """
-    import torch.distributed as dist
-
     from megarl.checkpoint.convert import (_checked_export_config, _publish, copy_hf_metadata,
                                            resolve_checkpoint_dir)
     from megarl.checkpoint.convert_cli import PRECISION_DTYPES
@@ -236,25 +243,15 @@ def run_megatron_to_hf(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
     ckpt_dir = resolve_checkpoint_dir(Path(args.hf_dir).resolve())
     config_dir = _checked_export_config(ckpt_dir, args.hf_config)
     dtype = PRECISION_DTYPES[args.precision] if args.precision else None
-    _init_process_group(rdzv, args.backend, args.timeout_s)
-    try:
-        tmp = _shared_tmp_dir(Path(args.out_dir), args.overwrite)
-        try:
-            part = export_rank(rdzv.rank, rdzv.world_size, str(ckpt_dir), str(tmp), str(config_dir), dtype,
-                               int(args.max_shard_size_gb * 2**30))
-            parts = all_gather_object(part)  # after every rank closed its files
-            if rdzv.rank != 0:
-                return None
-            write_merged_index(tmp, parts)
-            copy_hf_metadata(config_dir, tmp)
-            return _publish(tmp, Path(args.out_dir))
-        except BaseException:
-            if rdzv.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with _staged_output(rdzv, args) as tmp:
+        part = export_rank(rdzv.rank, rdzv.world_size, str(ckpt_dir), str(tmp), str(config_dir), dtype,
+                           int(args.max_shard_size_gb * 2**30))
+        parts = all_gather_object(part)  # after every rank closed its files
+        if rdzv.rank != 0:
+            return None
+        write_merged_index(tmp, parts)
+        copy_hf_metadata(config_dir, tmp)
+        return _publish(tmp, Path(args.out_dir))
 
 
 def build_parser() -> argparse.ArgumentParser:
