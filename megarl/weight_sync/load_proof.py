@@ -60,7 +60,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-"""model -> ``(parameters by name, {transformed parameter name: why})``."""
+"""model -> ``(parameters under each module prefix (:func:`_by_ancestor`), {transformed parameter name: why})``."""
 PARAM_TRANSFORMS = {"format_ue8m0": "UE8M0 scales (DeepGEMM requant / MXFP8)",
                     "is_shuffled": "AITER pre-shuffled"}
 """Attributes SGLang sets on a parameter whose values it rewrote after loading (module docstring)."""
@@ -84,7 +84,7 @@ def first_unwritten(model, named: Sequence[tuple[str, torch.Tensor]]) -> Optiona
     """
     cached = _PARAMS.get(model)
     if cached is None:
-        cached = _PARAMS[model] = (dict(model.named_parameters()), transformed_params(model))
+        cached = _PARAMS[model] = (_by_ancestor(model), transformed_params(model))
     params, transformed = cached
     for index, (name, tensor) in enumerate(named):
         if any(_contains(p, tensor) for p in _candidates(params, name)):
@@ -123,20 +123,34 @@ def _transformed_owner(transformed: dict, name: str) -> Optional[str]:
                  if param.startswith(parent) and param.rsplit(".", 1)[1].endswith(kind)), None)
 
 
+def _by_ancestor(model) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """``{module prefix: [(parameter name, parameter), ...]}``: every parameter under each of its
+    ancestors (``a``, ``a.b``, ... of ``a.b.c.weight``), built once per model so that finding a
+    tensor's candidates costs a lookup, not a scan of every parameter (thousands per engine rank,
+    for each of the thousands of tensors a sync loads)."""
+    out: dict[str, list] = {}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        for depth in range(1, len(parts)):
+            out.setdefault(".".join(parts[:depth]), []).append((name, param))
+    return out
+
+
 def _candidates(params: dict, name: str):
     """Parameters that may hold HF tensor ``name``: an expert's slice of its fused expert tensors,
-    then the parameters of its module, then of the module's parent."""
+    then the parameters of its module, then of the module's parent (``params``:
+    :func:`_by_ancestor`)."""
     match = _EXPERT.match(name)
     if match:
-        expert, prefix = int(match["expert"]), match["prefix"] + "."
-        fused = [p for n, p in params.items() if n.startswith(prefix) and p.dim() == 3]
+        expert = int(match["expert"])
+        fused = [p for _, p in params.get(match["prefix"], ()) if p.dim() == 3]
         yield from (p[expert % p.shape[0]] for p in fused)  # EP: contiguous blocks of experts per rank
         yield from (p[e] for p in fused for e in range(p.shape[0]) if e != expert % p.shape[0])
     module = name.rsplit(".", 1)[0]
-    parent = module.rsplit(".", 1)[0] if "." in module else ""
-    own = [p for n, p in params.items() if n.rsplit(".", 1)[0] == module]
-    yield from own
-    yield from (p for n, p in params.items() if n.startswith(parent + ".") and not n.startswith(module + "."))
+    yield from (p for n, p in params.get(module, ()) if n.rsplit(".", 1)[0] == module)
+    if "." in module:
+        parent = module.rsplit(".", 1)[0]
+        yield from (p for n, p in params.get(parent, ()) if not n.startswith(module + "."))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
