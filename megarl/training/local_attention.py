@@ -23,6 +23,8 @@ Transformer Engine spec is not touched.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.attention import SelfAttention
@@ -96,19 +98,13 @@ class LocalSDPAttention(DotProductAttention):
             if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal or query.shape[0] != key.shape[0]:
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
             segments = [[query.shape[0]]]
-        if len(segments) == 1 and query.shape[1] > 1:  # a mask broadcast over the rows
-            segments = segments * query.shape[1]
-        rows = []
-        for r, lens in enumerate(segments):
-            pieces, start = [], 0
-            for n in lens:
-                q, k, v = (t[start:start + n, r].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-                pieces.append(out[0].transpose(0, 1))  # [n, np, hn]
-                start += n
-            rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-        context = torch.stack(rows, dim=1)  # [sq, b, np, hn]
-        return context.view(context.shape[0], context.shape[1], -1)
+
+        def causal(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            return out[0].transpose(0, 1)  # [n, np, hn]
+
+        return _per_segment(query, key, value, segments, causal)
 
     def _sink_window_attention(self, query: Tensor, key: Tensor, value: Tensor, segments: list[list[int]]) -> Tensor:
         """Causal attention per packed sequence with a learned sink per head (``softmax_offset``:
@@ -122,29 +118,50 @@ class LocalSDPAttention(DotProductAttention):
         scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         window = self.scale_mask_softmax.window_size
         repeat = query.shape[2] // key.shape[2]
-        if len(segments) == 1 and query.shape[1] > 1:  # a mask broadcast over the rows
-            segments = segments * query.shape[1]
-        rows = []
-        for r, lens in enumerate(segments):
-            pieces, start = [], 0
-            for n in lens:
-                q, k, v = (t[start:start + n, r].transpose(0, 1) for t in (query, key, value))  # [heads, n, hn]
-                k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
-                scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [np, n, n]
-                i = torch.arange(n, device=q.device)
-                seen = i[None, :] <= i[:, None]
-                if window is not None:
-                    seen &= (i[None, :] >= i[:, None] - window[0]) & (i[None, :] <= i[:, None] + window[1])
-                scores = scores.masked_fill(~seen, float("-inf"))
-                if self.softmax_offset is not None:
-                    sink = self.softmax_offset.float().view(-1, 1, 1).expand(-1, n, 1)
-                    scores = torch.cat([scores, sink], dim=-1)
-                probs = torch.softmax(scores, dim=-1)[..., :n].to(v.dtype)
-                pieces.append(torch.matmul(probs, v).transpose(0, 1))  # [n, np, hn]
-                start += n
-            rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-        context = torch.stack(rows, dim=1)  # [sq, b, np, hn]
-        return context.reshape(context.shape[0], context.shape[1], -1)
+
+        def sink_window(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            n = q.shape[0]
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, hn]
+            k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+            scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale  # [np, n, n]
+            i = torch.arange(n, device=q.device)
+            seen = i[None, :] <= i[:, None]
+            if window is not None:
+                seen &= (i[None, :] >= i[:, None] - window[0]) & (i[None, :] <= i[:, None] + window[1])
+            scores = scores.masked_fill(~seen, float("-inf"))
+            if self.softmax_offset is not None:
+                sink = self.softmax_offset.float().view(-1, 1, 1).expand(-1, n, 1)
+                scores = torch.cat([scores, sink], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :n].to(v.dtype)
+            return torch.matmul(probs, v).transpose(0, 1)  # [n, np, hn]
+
+        return _per_segment(query, key, value, segments, sink_window)
+
+
+def _per_segment(query: Tensor, key: Tensor, value: Tensor, segments: list[list[int]],
+                 attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """Run ``attend`` on each packed sequence of each row and put the rows back together.
+
+    Args:
+        query: ``[sq, b, np, hn]``; key, value: ``[sk, b, ng, hn]``.
+        segments: per row, the lengths of the sequences packed in it (one list for every row when
+            the mask was broadcast over the rows).
+        attend: ``(q [n, np, hn], k [n, ng, hn], v [n, ng, hn]) -> [n, np, hn]`` for one sequence.
+
+    Returns:
+        ``[sq, b, np * hn]``.
+    """
+    if len(segments) == 1 and query.shape[1] > 1:  # a mask broadcast over the rows
+        segments = segments * query.shape[1]
+    rows = []
+    for r, lens in enumerate(segments):
+        pieces, start = [], 0
+        for n in lens:
+            pieces.append(attend(*(t[start:start + n, r] for t in (query, key, value))))
+            start += n
+        rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
+    context = torch.stack(rows, dim=1)  # [sq, b, np, hn]
+    return context.reshape(context.shape[0], context.shape[1], -1)
 
 
 def use_local_sdpa_attention(block_spec) -> int:
