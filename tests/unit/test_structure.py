@@ -167,3 +167,15 @@ def test_files_and_functions_within_the_style_guides_sizes():
                 if lines > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
     assert too_long == [], "over the style guide's sizes:\n" + "\n".join(too_long)
+
+
+def test_test_files_have_unique_names():
+    """pytest (rootdir import mode, no ``__init__.py`` under tests/) imports every test file as a
+    top-level module named by its file name, so two test files of one name anywhere under tests/
+    stop a run that collects both (``bash tools/test.sh -m slow``: "import file mismatch"), while
+    CI's phases, which collect tests/unit and tests/integration apart, never show it."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE.parent / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert repeated == {}, f"test files sharing a name: {repeated}"
