@@ -12,14 +12,16 @@ and data-parallel ranks: ``reinforce_pp`` normalises over the batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
+
+from megarl.algorithms.extensions import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
 GRPO_EPS = 1e-6
 """Added to the group std in GRPO (as verl; TRL uses 1e-4). A group whose rewards are all equal
 gets advantage 0 for every trajectory."""
+EPS = {"eps": "advantage_eps"}
+"""``eps`` from ``algorithm.advantage_eps``."""
 
 
 def _as_flat_groups(rewards: Tensor, group_ids: Tensor | None) -> tuple[Tensor, Tensor, int]:
@@ -54,6 +56,7 @@ def _group_stats(rewards: Tensor, index: Tensor, num_groups: int) -> tuple[Tenso
     return size[index], mean[index], std[index]
 
 
+@register_advantage_estimator("grpo", hyperparameters=EPS, min_group_size=2)
 @torch.no_grad()
 def grpo_advantages(rewards: Tensor, group_ids: Tensor | None = None, *, eps: float = GRPO_EPS) -> Tensor:
     """GRPO (Shao et al. 2024, arXiv:2402.03300): ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)``.
@@ -77,6 +80,7 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor | None = None, *, eps: fl
     return ((flat - mean) / (std + eps)).reshape(rewards.shape)
 
 
+@register_advantage_estimator("dr_grpo", min_group_size=2)
 @torch.no_grad()
 def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
     """Dr.GRPO (Liu et al. 2025, arXiv:2503.20783): ``A_i = r_i - mean_g(r)`` (no std division).
@@ -90,6 +94,7 @@ def dr_grpo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tens
     return (flat - mean).reshape(rewards.shape)
 
 
+@register_advantage_estimator("rloo", min_group_size=2)
 @torch.no_grad()
 def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): ``A_i = r_i - (1/(G-1)) sum_{j != i} r_j``.
@@ -106,6 +111,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
     return advantages.reshape(rewards.shape)
 
 
+@register_advantage_estimator("reinforce_pp", hyperparameters=EPS)
 @torch.no_grad()
 def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor | None = None, *, eps: float = GRPO_EPS) -> Tensor:
     """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262): group-mean baseline, batch normalisation.
@@ -126,20 +132,13 @@ def reinforce_pp_advantages(rewards: Tensor, group_ids: Tensor | None = None, *,
     return normalised.reshape(rewards.shape)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-}
-"""Registry keyed by the config value ``algorithm.advantage_estimator``."""
-
-
 def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor | None = None, **kwargs: object) -> Tensor:
-    """Dispatch to the estimator named by ``algorithm.advantage_estimator``.
+    """Dispatch to the estimator named by ``algorithm.advantage_estimator``: a name registered in
+    `megarl.algorithms.extensions.ADVANTAGE_ESTIMATORS` or an import path ``module:attr``.
 
     Args:
-        name: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce_pp"``.
+        name: ``"grpo"``, ``"dr_grpo"``, ``"rloo"``, ``"reinforce_pp"``, another registered name or an
+            import path.
         rewards: ``[num_groups, G]`` or ``[N]`` float.
         group_ids: None or ``[N]`` int.
         **kwargs: estimator keywords (``eps`` for ``grpo`` and ``reinforce_pp``).
@@ -148,8 +147,7 @@ def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor | None = No
         Advantages, the shape of ``rewards``.
 
     Raises:
-        ValueError: if ``name`` is not a registered estimator, or on bad shapes.
+        ValueError: on bad shapes; `megarl.plugins.PluginError` (a ValueError naming
+            ``algorithm.advantage_estimator``) for an unknown name or an import path that does not load.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.advantage_estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {name!r}")
-    return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **kwargs)
+    return ADVANTAGE_ESTIMATORS.resolve(name).fn(rewards, group_ids, **kwargs)

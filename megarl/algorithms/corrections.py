@@ -29,9 +29,14 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from megarl.algorithms.extensions import register_rollout_correction
 from megarl.algorithms.metrics import Metric, extreme_metric, mean_metric
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+UPPER = {"upper": "rollout_correction_clip"}
+LOWER = {"lower": "rollout_correction_low"}
+LEVEL = {"level": "rollout_correction_level"}
+"""Keyword arguments of the corrections -> the ``algorithm`` fields they are read from."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,6 +122,7 @@ def _result(
     return RolloutCorrection(weights=weights, loss_mask=new_keep, metrics=metrics)
 
 
+@register_rollout_correction("tis", hyperparameters={**UPPER, **LEVEL})
 @torch.no_grad()
 def truncated_is(
     old_logprobs: Tensor,
@@ -156,6 +162,7 @@ def truncated_is(
     return _result(weights, keep, base, "mismatch/is_clip_frac", frac)
 
 
+@register_rollout_correction("mis", hyperparameters={**UPPER, **LOWER, **LEVEL})
 @torch.no_grad()
 def masked_is(
     old_logprobs: Tensor,
@@ -196,6 +203,7 @@ def masked_is(
     return _result(raw, keep & ~outside, base, "mismatch/is_masked_frac", frac)
 
 
+@register_rollout_correction("icepop", hyperparameters={**UPPER, **LOWER})
 @torch.no_grad()
 def icepop(
     old_logprobs: Tensor,
@@ -216,6 +224,7 @@ def icepop(
     return masked_is(old_logprobs, rollout_logprobs, loss_mask, level="token", lower=lower, upper=upper)
 
 
+@register_rollout_correction("decoupled", hyperparameters=UPPER)
 @torch.no_grad()
 def decoupled_ppo(
     old_logprobs: Tensor,
@@ -266,5 +275,3 @@ def decoupled_ppo(
     return _result(raw, keep & ~dropped, base, "mismatch/is_masked_frac", frac)
 
 
-ROLLOUT_CORRECTIONS = {"tis": truncated_is, "mis": masked_is, "icepop": icepop, "decoupled": decoupled_ppo}
-"""Registry of correction functions by short name."""

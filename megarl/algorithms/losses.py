@@ -29,15 +29,29 @@ ignored, even inf/nan), ``is_weights`` optional ``[B, T]`` detached per-token fa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from megarl.algorithms.aggregation import LossNormalizer, aggregate_loss
+from megarl.algorithms.extensions import POLICY_LOSSES, register_policy_loss
 from megarl.algorithms.metrics import Metric, extreme_metric, mean_metric, sum_metric
 
 PolicyLossOutput = tuple[Tensor, dict[str, Metric]]
+
+GSPO_MAX_CLIP = 0.05
+"""The largest clip range GSPO accepts: the paper's are 3e-4 / 4e-4; PPO-sized ranges defeat it."""
+CLIPS = {"clip_low": "clip_low", "clip_high": "clip_high"}
+"""The clip ranges every built-in loss takes, from the ``algorithm`` fields of the same names."""
+
+
+def _gspo_clip_issues(keywords: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """GSPO clips the sequence-level ratio: clip ranges above :data:`GSPO_MAX_CLIP` are refused."""
+    return [(name, f"GSPO clips the sequence-level ratio: use a small positive range (paper: 3e-4 low / "
+                   f"4e-4 high), at most {GSPO_MAX_CLIP}; PPO-sized ranges belong to ppo_clip")
+            for name in ("clip_low", "clip_high") if keywords[name] > GSPO_MAX_CLIP]
 
 
 def _check_token_inputs(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> None:
@@ -147,6 +161,7 @@ def seq_log_importance_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: 
     return _masked_log_ratio(logprobs, old_logprobs, keep).sum(dim=-1) / seq_tokens
 
 
+@register_policy_loss("gspo", hyperparameters=CLIPS, ratio_level="sequence", check=_gspo_clip_issues)
 def gspo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -207,6 +222,7 @@ def gspo_loss(
     return loss, metrics
 
 
+@register_policy_loss("gspo_token", hyperparameters=CLIPS, ratio_level="sequence", check=_gspo_clip_issues)
 def gspo_token_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -256,6 +272,7 @@ def gspo_token_loss(
     return loss, metrics
 
 
+@register_policy_loss("ppo_clip", hyperparameters={**CLIPS, "clip_c": "clip_c"})
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -344,14 +361,6 @@ def entropy_bonus_loss(
     return loss, metrics
 
 
-POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "ppo_clip": ppo_clip_loss,
-}
-"""Registry keyed by the config value ``algorithm.policy_loss``."""
-
-
 def compute_policy_loss(
     name: str,
     logprobs: Tensor,
@@ -360,10 +369,11 @@ def compute_policy_loss(
     loss_mask: Tensor,
     **kwargs: object,
 ) -> PolicyLossOutput:
-    """Dispatch to the policy loss named by ``algorithm.policy_loss`` (a key of `POLICY_LOSSES`).
+    """Dispatch to the policy loss named by ``algorithm.policy_loss``: a name registered in
+    `megarl.algorithms.extensions.POLICY_LOSSES` or an import path ``module:attr``.
 
     Args:
-        name: ``"gspo"``, ``"gspo_token"`` or ``"ppo_clip"``.
+        name: ``"gspo"``, ``"gspo_token"``, ``"ppo_clip"``, another registered name or an import path.
         logprobs, old_logprobs, advantages, loss_mask: as the selected loss documents.
         **kwargs: keyword arguments of the selected loss (``clip_low``, ``clip_high``,
             ``loss_agg_mode``, ``normalizer``, ``is_weights``, ``entropy``, ``clip_c`` for PPO).
@@ -372,8 +382,7 @@ def compute_policy_loss(
         The selected loss's ``(loss, metrics)``.
 
     Raises:
-        ValueError: if ``name`` is not a registered policy loss.
+        megarl.plugins.PluginError: (a ValueError naming ``algorithm.policy_loss``) an unknown name or
+            an import path that does not load.
     """
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"algorithm.policy_loss must be one of {sorted(POLICY_LOSSES)}, got {name!r}")
-    return POLICY_LOSSES[name](logprobs, old_logprobs, advantages, loss_mask, **kwargs)
+    return POLICY_LOSSES.resolve(name).fn(logprobs, old_logprobs, advantages, loss_mask, **kwargs)

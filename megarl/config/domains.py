@@ -1,8 +1,10 @@
 """The declared domain of every scalar field of the schema, and of the built-in tools' and rewards' settings.
 
 One table, :data:`DOMAINS`, keyed by dotted field name: an enum field names its values
-(:class:`Choice`), a number its range (:class:`Range`), a free string what it holds and who checks it
-(:class:`Text`). ``megarl validate`` checks every value against its domain
+(:class:`Choice`), a field that selects an extension (policy loss, advantage estimator, rollout
+correction, reward, agent loop, dataset) its registry (:class:`Registered`: the registry's names,
+read when a value is checked, or an import path), a number its range (:class:`Range`), a free string
+what it holds and who checks it (:class:`Text`). ``megarl validate`` checks every value against its domain
 (:func:`megarl.config.validate.validate`); a test walks the schema and fails on a field missing here,
 so a new field cannot ship without one. None is allowed exactly where the schema types a field
 ``Optional`` (OmegaConf refuses it elsewhere), so a domain never lists it except as a documented value.
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from megarl.plan.gpus import CHOICES as GPU_CHOICES
+from megarl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,56 @@ class Text:
         return self.what
 
 
-Domain = Union[Choice, Range, Text]
+@dataclass(frozen=True)
+class Registered:
+    """A name registered in an extension point's registry, or an import path ``module:attr``, or
+    one of ``also`` (``none``). The registry is read when a value is checked, so a name a plugin
+    registers is a valid choice without an entry here; whether an import path loads and fits is
+    checked with the rest of the user code (:mod:`megarl.config.plugin_check`)."""
+
+    registry: Callable[[], Registry]
+    """Returns the registry (imported on first use: the registries import torch and the rollout stack)."""
+    also: tuple = ()
+
+    def allows(self, value: Any) -> bool:
+        """True when ``value`` is one of :attr:`also`, registered, or shaped as an import path."""
+        return value in self.also or self.registry().allows(value)
+
+    def __str__(self) -> str:
+        return "".join(f"{v!r} or " for v in self.also) + self.registry().describe()
+
+
+def _policy_losses() -> Registry:
+    from megarl.algorithms.extensions import POLICY_LOSSES
+    return POLICY_LOSSES
+
+
+def _advantage_estimators() -> Registry:
+    from megarl.algorithms.extensions import ADVANTAGE_ESTIMATORS
+    return ADVANTAGE_ESTIMATORS
+
+
+def _rollout_corrections() -> Registry:
+    from megarl.algorithms.extensions import ROLLOUT_CORRECTIONS
+    return ROLLOUT_CORRECTIONS
+
+
+def _rewards() -> Registry:
+    from megarl.rollout.rewards.registry import REWARD_REGISTRY
+    return REWARD_REGISTRY
+
+
+def _agent_loops() -> Registry:
+    from megarl.rollout.agent import AGENT_REGISTRY
+    return AGENT_REGISTRY
+
+
+def _datasets() -> Registry:
+    from megarl.data.datasets import DATASET_REGISTRY
+    return DATASET_REGISTRY
+
+
+Domain = Union[Choice, Registered, Range, Text]
 
 POSITIVE = Range(1)
 """An integer count or size that must be at least 1."""
@@ -134,18 +186,18 @@ DOMAINS: dict[str, Domain] = {
     "train.routing_replay": Choice(("none", "r2", "r3")),
     "train.seed": NON_NEGATIVE,
     "train.max_wall_time_s": SECONDS,
-    "algorithm.policy_loss": Choice(("gspo", "gspo_token", "ppo_clip")),
-    "algorithm.advantage_estimator": Choice(("grpo", "dr_grpo", "rloo", "reinforce_pp")),
-    "algorithm.clip_low": FRACTION,  # GSPO's smaller bound: validate._check_algorithm
+    "algorithm.policy_loss": Registered(_policy_losses),
+    "algorithm.advantage_estimator": Registered(_advantage_estimators),
+    "algorithm.clip_low": FRACTION,  # GSPO's smaller bound: its registry entry (megarl.config.algorithm_rules)
     "algorithm.clip_high": FRACTION,
-    "algorithm.clip_c": Range(1, None, "()"),  # ppo_clip only: validate._check_algorithm
+    "algorithm.clip_c": Range(1, None, "()"),  # only losses declaring it: megarl.config.algorithm_rules
     "algorithm.loss_aggregation": Choice(("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                                           "seq_mean_token_sum_norm")),
     "algorithm.advantage_eps": Range(0, None, "()"),
     "algorithm.kl_coef": NON_NEGATIVE,
     "algorithm.kl_estimator": Choice(("k1", "k2", "k3")),
     "algorithm.entropy_coef": NON_NEGATIVE,
-    "algorithm.rollout_correction": Choice(("none", "tis", "mis", "icepop", "decoupled")),
+    "algorithm.rollout_correction": Registered(_rollout_corrections, also=("none",)),
     "algorithm.rollout_correction_level": Choice(("token", "sequence")),
     "algorithm.rollout_correction_clip": Range(1),
     "algorithm.rollout_correction_low": Range(0, 1),
@@ -155,7 +207,7 @@ DOMAINS: dict[str, Domain] = {
     "rollout.group_size": POSITIVE,
     "rollout.num_prompts_per_step": POSITIVE,
     "rollout.over_sample_prompts": NON_NEGATIVE,
-    "rollout.reward": Text("a reward registry name or import path (checked: megarl.config.plugin_check)"),
+    "rollout.reward": Registered(_rewards),
     "rollout.max_staleness": NON_NEGATIVE,  # async mode needs >= 1: validate._check_algorithm
     "rollout.engine.tensor_parallel_size": POSITIVE,
     "rollout.engine.expert_parallel_size": POSITIVE,
@@ -171,7 +223,7 @@ DOMAINS: dict[str, Domain] = {
     "rollout.sampling.top_p": Range(0, 1, "(]"),
     "rollout.sampling.top_k": Range(1, also=(-1,)),  # -1 = off (SGLang)
     "rollout.sampling.max_new_tokens": POSITIVE,
-    "rollout.agent.name": Text("an agent-loop registry name or import path (checked: megarl.config.plugin_check)"),
+    "rollout.agent.name": Registered(_agent_loops),
     "rollout.agent.max_turns": POSITIVE,
     "rollout.agent.max_response_tokens": POSITIVE,
     "rollout.agent.max_context_tokens": POSITIVE,
@@ -195,7 +247,7 @@ DOMAINS: dict[str, Domain] = {
     "weight_sync.timeout_s": SECONDS,
     "data.train_path": Text("a jsonl/parquet file, or what data.dataset reads (checked: exists for dataset=file)"),
     "data.eval_path": Text("a jsonl/parquet file, or what data.dataset reads (checked: exists for dataset=file)"),
-    "data.dataset": Text("file, a dataset registry name or import path (checked: megarl.config.plugin_check)"),
+    "data.dataset": Registered(_datasets),
     "data.prompt_key": Text("a field of the prompt rows"),
     "data.answer_key": Text("a field of the prompt rows"),
     "data.max_prompt_tokens": POSITIVE,

@@ -1,4 +1,5 @@
-"""Validation of the user code a config names: ``plugins``, tools, reward, agent loop, dataset reader.
+"""Validation of the user code a config names: ``plugins``, tools, reward, agent loop, dataset reader
+(the algorithm's policy loss, advantage estimator and rollout correction: :mod:`megarl.config.algorithm_rules`).
 
 Everything is imported and resolved in the validating process, before any process starts; each
 problem names the YAML key that caused it. Protocols are checked on the objects without building
@@ -14,14 +15,17 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from megarl.plugins import PluginError, import_plugins, is_import_path, resolve
+from megarl.config.domains import DOMAINS, Registered
+from megarl.plugins import PluginError, import_plugins, is_import_path
+from megarl.registry import Registry
 
 Issue = tuple[str, str, Any]
 """(key, message, value)."""
 
 
-def _binds(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
-    """Why ``fn(*args, **kwargs)`` would be a TypeError, or None."""
+def binding_problem(fn: Callable, *args: Any, **kwargs: Any) -> str | None:
+    """Why ``fn(*args, **kwargs)`` would be a TypeError (its arguments do not bind to its signature),
+    or None (they do, or ``fn`` has no inspectable signature)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: nothing to check
@@ -44,7 +48,7 @@ def _own_call(cls: type) -> Callable | None:
 def _tool_issue(factory: Any, settings: dict) -> str | None:
     if not callable(factory):
         return f"{factory!r} is not a tool class or factory"
-    problem = _binds(factory, **settings)
+    problem = binding_problem(factory, **settings)
     if problem:
         return f"the settings do not fit {getattr(factory, '__name__', factory)}: {problem}"
     if inspect.isclass(factory):
@@ -61,34 +65,34 @@ def _reward_issue(spec: str, obj: Any, kwargs: dict) -> str | None:
     if inspect.isclass(obj):
         if _own_call(obj) is None:
             return f"{obj.__name__} is not a reward: it needs `__call__(self, trajectory, sample)`"
-        problem = _binds(obj, **kwargs)
+        problem = binding_problem(obj, **kwargs)
         return f"rollout.reward_kwargs do not fit {obj.__name__}: {problem}" if problem else None
     if is_import_path(spec):  # a function that is the reward itself
-        problem = _binds(obj, None, None, **kwargs)
+        problem = binding_problem(obj, None, None, **kwargs)
         return (f"a reward function is called as fn(trajectory, sample, **reward_kwargs): {problem}"
                 if problem else None)
-    problem = _binds(obj, **kwargs)  # a registered factory
+    problem = binding_problem(obj, **kwargs)  # a registered factory
     return f"rollout.reward_kwargs: {problem}" if problem else None
 
 
 def _agent_issue(loop: Any) -> str | None:
     if not inspect.iscoroutinefunction(loop):
         return f"{getattr(loop, '__name__', loop)!r} is not an agent loop: it needs `async def loop(ctx, state)`"
-    problem = _binds(loop, None, None)
+    problem = binding_problem(loop, None, None)
     return f"an agent loop is called as loop(ctx, state): {problem}" if problem else None
 
 
 def _dataset_issue(reader: Any, kwargs: dict) -> str | None:
     if not callable(reader):
         return f"{reader!r} is not a dataset reader"
-    problem = _binds(reader, "path", **kwargs)
+    problem = binding_problem(reader, "path", **kwargs)
     return f"a dataset reader is called as reader(path, **dataset_kwargs): {problem}" if problem else None
 
 
 def _builder_issue(builder: Any) -> str | None:
     if not callable(builder):
         return f"{builder!r} is not a demonstration builder"
-    problem = _binds(builder, [], system_prompt=None, tool_fraction=1.0, seed=0)
+    problem = binding_problem(builder, [], system_prompt=None, tool_fraction=1.0, seed=0)
     return (f"a demonstration builder is called as builder(rows, *, system_prompt, tool_fraction, seed): "
             f"{problem}" if problem else None)
 
@@ -115,9 +119,11 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     issues: list[Issue] = []
     r = cfg.rollout
 
-    def check(spec: str, registry: dict, key: str, kind: str, protocol: Callable[[Any], str | None]) -> None:
+    def check(spec: str, registry: Registry, key: str, protocol: Callable[[Any], str | None]) -> None:
+        if isinstance(DOMAINS.get(key), Registered) and not registry.allows(spec):
+            return  # an unknown name: the field's domain reports it
         try:
-            obj = resolve(spec, registry, key=key, kind=kind)
+            obj = registry.resolve(spec, key)
         except PluginError as e:
             issues.append((key, e.message, spec))
             return
@@ -126,16 +132,16 @@ def plugin_issues(cfg: Any) -> list[Issue]:
             issues.append((key, problem, spec))
 
     for name, settings in r.tools.items():
-        check(str(name), TOOL_REGISTRY, f"rollout.tools.{name}", "tool",
+        check(str(name), TOOL_REGISTRY, f"rollout.tools.{name}",
               lambda f, s=dict(settings or {}): _tool_issue(f, s))
     reward_kwargs = dict(r.reward_kwargs or {})
-    check(r.reward, REWARD_REGISTRY, "rollout.reward", "reward",
+    check(r.reward, REWARD_REGISTRY, "rollout.reward",
           lambda obj: _reward_issue(r.reward, obj, reward_kwargs))
-    check(r.agent.name, AGENT_REGISTRY, "rollout.agent.name", "agent loop", _agent_issue)
+    check(r.agent.name, AGENT_REGISTRY, "rollout.agent.name", _agent_issue)
     dataset_kwargs = dict(cfg.data.dataset_kwargs or {})
-    check(cfg.data.dataset, DATASET_REGISTRY, "data.dataset", "dataset",
+    check(cfg.data.dataset, DATASET_REGISTRY, "data.dataset",
           lambda reader: _dataset_issue(reader, dataset_kwargs))
     demonstrations = str(cfg.sft.demonstrations)
     if demonstrations and not is_demonstrations_file(demonstrations):  # a file may be made at run time
-        check(demonstrations, DEMONSTRATION_BUILDERS, "sft.demonstrations", "demonstration builder", _builder_issue)
+        check(demonstrations, DEMONSTRATION_BUILDERS, "sft.demonstrations", _builder_issue)
     return issues

@@ -22,13 +22,10 @@ from megarl.config.builds import build_hint
 from megarl.config.checker import Checker, get_key
 from megarl.config.cluster_rules import check_cluster, check_engine_packing
 from megarl.config.device import resolved_precision, use_cuda
-from megarl.config.domains import DOMAINS, domain_issues
+from megarl.config.domains import domain_issues
 from megarl.config.loader import ConfigError, ConfigIssue
 from megarl.config.model_rules import check_model, read_hf_config
 from megarl.config.parallel import parallel_size_issues, trainer_world_size
-
-GROUP_RELATIVE = ("grpo", "dr_grpo", "rloo")
-GSPO_MAX_CLIP = 0.05  # the paper's clip ranges are 3e-4 / 4e-4; PPO-sized ranges defeat GSPO
 
 
 def _parent(cfg: DictConfig, key: str) -> DictConfig:
@@ -36,8 +33,15 @@ def _parent(cfg: DictConfig, key: str) -> DictConfig:
 
 
 def _check_fields(c: Checker) -> None:
-    """Every field against its declared domain (:mod:`megarl.config.domains`), then the rules that
-    relate a field to another."""
+    """Every field against its declared domain (:mod:`megarl.config.domains`). ``plugins`` are
+    imported first: the names they register are choices of the fields that select an extension (a
+    plugin that fails to import is reported by :func:`_check_plugins`)."""
+    from megarl.plugins import PluginError, import_plugins
+
+    try:
+        import_plugins(c.cfg.plugins)
+    except PluginError:
+        pass
     for key, message, value in domain_issues(c.cfg):
         c.check(False, key, message, value=value)
 
@@ -74,9 +78,6 @@ def _check_batches(c: Checker, dp: int) -> None:
             f"must divide the trajectories per step rollout.num_prompts_per_step*rollout.group_size = {num_traj}")
     c.check(gbs % g == 0, "train.global_batch_size",
             f"must be a multiple of rollout.group_size={g} so optimizer steps hold whole groups")
-    if cfg.algorithm.advantage_estimator in GROUP_RELATIVE:
-        c.check(g >= 2, "rollout.group_size",
-                f"group-relative advantages ({cfg.algorithm.advantage_estimator}) need >= 2 trajectories per prompt")
     mtpm = cfg.train.max_tokens_per_microbatch
     ctx = cfg.rollout.agent.max_context_tokens
     if mtpm is not None:
@@ -87,17 +88,13 @@ def _check_batches(c: Checker, dp: int) -> None:
 
 
 def _check_algorithm(c: Checker) -> None:
-    """The algorithm's cross-field rules; each field's own range is in :data:`DOMAINS`."""
-    a = c.cfg.algorithm
-    if a.policy_loss in ("gspo", "gspo_token"):
-        for key in ("clip_low", "clip_high"):
-            value = a[key]
-            c.check(not DOMAINS[f"algorithm.{key}"].allows(value) or value <= GSPO_MAX_CLIP, f"algorithm.{key}",
-                    f"GSPO clips the sequence-level ratio: use a small positive range (paper: "
-                    f"3e-4 low / 4e-4 high), at most {GSPO_MAX_CLIP}; PPO-sized ranges belong to ppo_clip")
-    if a.clip_c is not None:
-        c.check(a.policy_loss == "ppo_clip", "algorithm.clip_c",
-                "dual clip needs policy_loss=ppo_clip (or clip_c=null)")
+    """The algorithm's cross-field rules: the policy loss, advantage estimator and rollout correction
+    against their registry entries (:mod:`megarl.config.algorithm_rules`), then staleness; each
+    field's own range is in :data:`megarl.config.domains.DOMAINS`."""
+    from megarl.config.algorithm_rules import algorithm_issues
+
+    for key, message, value in algorithm_issues(c.cfg):
+        c.check(False, key, message, value=value)
     ro, every = c.cfg.rollout, c.cfg.weight_sync.every_n_steps
     if ro.async_mode:
         c.check(ro.max_staleness >= 1, "rollout.max_staleness", "async mode needs >= 1")

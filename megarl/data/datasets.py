@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from megarl.registry import registrar
+from megarl.registry import Registry
 
 Row = dict[str, Any]
 
@@ -74,7 +74,7 @@ def _read_parquet(p: Path) -> list[Row]:
 
 
 DatasetReader = Callable[..., Sequence[Row]]
-DATASET_REGISTRY: dict[str, DatasetReader] = {"file": read_rows}
+DATASET_REGISTRY: Registry[DatasetReader] = Registry("dataset", "data.dataset", [("file", read_rows)])
 """``data.dataset`` -> reader ``(path, **data.dataset_kwargs) -> rows``; ``file`` reads jsonl / parquet."""
 
 
@@ -85,7 +85,7 @@ def register_dataset(name: str) -> Callable[[DatasetReader], DatasetReader]:
     Raises:
         ValueError: ``name`` is already registered to another reader.
     """
-    return registrar(DATASET_REGISTRY, name, "dataset")
+    return DATASET_REGISTRY.register(name)
 
 
 def load_rows(dataset: str, path: str, **kwargs: Any) -> list[Row]:
@@ -95,9 +95,7 @@ def load_rows(dataset: str, path: str, **kwargs: Any) -> list[Row]:
         DatasetError: the reader failed or did not return rows (the message names ``data.dataset``).
         megarl.plugins.PluginError: unknown name or unloadable import path.
     """
-    from megarl.plugins import resolve
-
-    reader = resolve(dataset, DATASET_REGISTRY, key="data.dataset", kind="dataset")
+    reader = DATASET_REGISTRY.resolve(dataset)
     if reader is read_rows and not kwargs:
         return read_rows(path)
     try:

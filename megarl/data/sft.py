@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from megarl.registry import registrar
+from megarl.registry import Registry
 from megarl.rollout.types import RolloutStatus, Trajectory
 
 _ANCHOR = "\u2063megarl-demonstration-anchor\u2063"
@@ -223,7 +223,8 @@ def _gsm8k_python(rows: Sequence[dict], *, system_prompt: str | None, tool_fract
 DemonstrationBuilder = Callable[..., list[list[dict[str, Any]]]]
 """``builder(rows, *, system_prompt, tool_fraction, seed) -> demonstrations`` (lists of chat messages)."""
 
-DEMONSTRATION_BUILDERS: dict[str, DemonstrationBuilder] = {"gsm8k_python": _gsm8k_python}
+DEMONSTRATION_BUILDERS: Registry[DemonstrationBuilder] = Registry(
+    "demonstration builder", "sft.demonstrations", [("gsm8k_python", _gsm8k_python)])
 """``sft.demonstrations`` registry: name -> builder (a task's own builder is registered by its plugin
 with :func:`register_demonstrations`, or named by import path ``module:attr``)."""
 
@@ -234,7 +235,7 @@ def register_demonstrations(name: str) -> Callable[[DemonstrationBuilder], Demon
     Raises:
         ValueError: ``name`` is already registered to another builder.
     """
-    return registrar(DEMONSTRATION_BUILDERS, name, "demonstration builder")
+    return DEMONSTRATION_BUILDERS.register(name)
 
 
 def is_demonstrations_file(source: str) -> bool:
@@ -250,9 +251,7 @@ def resolve_builder(source: str) -> DemonstrationBuilder:
         megarl.plugins.PluginError: unknown name, unimportable module or missing attribute (its key
             is ``sft.demonstrations``).
     """
-    from megarl.plugins import resolve
-
-    return resolve(source, DEMONSTRATION_BUILDERS, key="sft.demonstrations", kind="demonstration builder")
+    return DEMONSTRATION_BUILDERS.resolve(source)
 
 
 def load_demonstrations(source: str, rows: Sequence[dict], *, system_prompt: str | None,

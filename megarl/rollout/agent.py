@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 
-from megarl.registry import registrar
+from megarl.registry import Registry
 from megarl.rollout.rewards.keys import FINAL_TEXT_KEY, REASONING_TEXT_KEY
 from megarl.rollout.route_parts import concat_routes
 from megarl.rollout.template import ChatTemplate
@@ -285,7 +285,8 @@ async def single_turn(ctx: AgentContext, state: TrajectoryState) -> None:
 
 
 AgentLoop = Callable[[AgentContext, TrajectoryState], Awaitable[None]]
-AGENT_REGISTRY: dict[str, AgentLoop] = {"tool_agent": tool_agent, "single_turn": single_turn}
+AGENT_REGISTRY: Registry[AgentLoop] = Registry("agent loop", "rollout.agent.name",
+                                          [("tool_agent", tool_agent), ("single_turn", single_turn)])
 """``rollout.agent.name`` -> agent loop coroutine function."""
 
 
@@ -295,7 +296,7 @@ def register_agent(name: str) -> Callable[[AgentLoop], AgentLoop]:
     Raises:
         ValueError: ``name`` is already registered to another loop.
     """
-    return registrar(AGENT_REGISTRY, name, "agent loop")
+    return AGENT_REGISTRY.register(name)
 
 
 def get_agent_loop(name: str) -> AgentLoop:
@@ -304,9 +305,7 @@ def get_agent_loop(name: str) -> AgentLoop:
     Raises:
         ValueError: unknown name or unloadable import path (:class:`megarl.plugins.PluginError`).
     """
-    from megarl.plugins import resolve
-
-    return resolve(name, AGENT_REGISTRY, key="rollout.agent.name", kind="agent loop")
+    return AGENT_REGISTRY.resolve(name)
 
 
 async def run_agent(loop: AgentLoop, ctx: AgentContext, state: TrajectoryState) -> Trajectory:

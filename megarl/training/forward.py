@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.algorithms import (ROLLOUT_CORRECTIONS, LossNormalizer, Metric, RolloutCorrection, compute_policy_loss,
+from megarl.algorithms import (POLICY_LOSSES, ROLLOUT_CORRECTIONS, LossNormalizer, Metric, RolloutCorrection,
                                drift_filter, entropy_bonus_loss, kl_penalty_loss)
 from megarl.algorithms.corrections import mismatch_metrics
 from megarl.config.schema import AlgorithmConfig
@@ -126,20 +126,14 @@ def mismatch(batch: TrainBatch) -> dict[str, Metric]:
 
 def _rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
                         algo: AlgorithmConfig) -> RolloutCorrection:
-    """``algorithm.rollout_correction`` on ``[B, T]`` padded tensors, with its configured bounds.
+    """``algorithm.rollout_correction`` (a registered name or an import path) on ``[B, T]`` padded
+    tensors, with the hyperparameters its entry declares (its bounds, its level).
 
     Raises:
-        ValueError: an unknown ``algorithm.rollout_correction``.
+        ValueError: an unknown ``algorithm.rollout_correction`` (`megarl.plugins.PluginError`).
     """
-    if algo.rollout_correction not in ROLLOUT_CORRECTIONS:
-        raise ValueError(f"algorithm.rollout_correction must be none or one of {sorted(ROLLOUT_CORRECTIONS)}, "
-                         f"got {algo.rollout_correction!r}")
-    kwargs = {"upper": algo.rollout_correction_clip}
-    if algo.rollout_correction in ("tis", "mis"):
-        kwargs["level"] = algo.rollout_correction_level
-    if algo.rollout_correction in ("mis", "icepop"):
-        kwargs["lower"] = algo.rollout_correction_low
-    return ROLLOUT_CORRECTIONS[algo.rollout_correction](old_logprobs, rollout_logprobs, loss_mask, **kwargs)
+    correction = ROLLOUT_CORRECTIONS.resolve(algo.rollout_correction)
+    return correction.fn(old_logprobs, rollout_logprobs, loss_mask, **correction.keywords(algo))
 
 
 def _output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -266,7 +260,9 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, i
         entropy: ``[T_real]`` per-token entropy (with grad for a bonus), or None.
         mb: the micro batch.
         inputs: the step-wide `LossInputs`.
-        algo: the ``algorithm`` config section (loss name, clips, aggregation, KL, entropy).
+        algo: the ``algorithm`` config section: the policy loss (a registered name or an import
+            path, `megarl.algorithms.extensions.POLICY_LOSSES`) gets the hyperparameters its entry
+            declares and ``policy_loss_kwargs``; aggregation, KL and entropy apply to every loss.
 
     Returns:
         ``(loss, metrics)``: 0-dim loss (the caller applies Megatron's scaling, module
@@ -283,12 +279,10 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, i
     advantages = inputs.advantages[torch.tensor(mb.spec.seq_indices, device=inputs.advantages.device)]
     is_weights = None if inputs.is_weights is None else padded(inputs.is_weights[index])
     ent = None if entropy is None else padded(entropy)
-    kwargs = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, loss_agg_mode=algo.loss_aggregation,
-                  normalizer=inputs.normalizer, is_weights=is_weights,
-                  entropy=None if ent is None else ent.detach())
-    if algo.policy_loss == "ppo_clip":
-        kwargs["clip_c"] = algo.clip_c
-    loss, metrics = compute_policy_loss(algo.policy_loss, lp, old, advantages, mask, **kwargs)
+    policy_loss = POLICY_LOSSES.resolve(algo.policy_loss)
+    loss, metrics = policy_loss.fn(lp, old, advantages, mask, loss_agg_mode=algo.loss_aggregation,
+                                   normalizer=inputs.normalizer, is_weights=is_weights,
+                                   entropy=None if ent is None else ent.detach(), **policy_loss.keywords(algo))
     if algo.kl_coef > 0:
         kl_loss, kl_metrics = kl_penalty_loss(lp, padded(inputs.ref_logprobs[index]), mask, kl_coef=algo.kl_coef,
                                               estimator=algo.kl_estimator,

@@ -133,7 +133,8 @@ def fp8_recipe_issues(train_cfg: TrainConfig, policy_loss: str, *, cuda: bool) -
 
     Args:
         train_cfg: the ``train`` section, with ``fp8`` set.
-        policy_loss: ``algorithm.policy_loss``.
+        policy_loss: ``algorithm.policy_loss``; a loss whose registry entry declares a
+            ``sequence`` ratio (GSPO) needs a recipe without scaling history.
         cuda: the run uses CUDA (``megarl.config.device.use_cuda``).
 
     Returns:
@@ -143,7 +144,10 @@ def fp8_recipe_issues(train_cfg: TrainConfig, policy_loss: str, *, cuda: bool) -
     recipe, issues = train_cfg.fp8_recipe, []
     if recipe not in FP8_RECIPES:
         return issues
-    if policy_loss in ("gspo", "gspo_token") and recipe not in HISTORY_FREE_RECIPES:
+    from megarl.algorithms.extensions import POLICY_LOSSES
+
+    loss = POLICY_LOSSES.get_entry(policy_loss)  # None: unknown, reported by the config's domain
+    if loss is not None and loss.ratio_level == "sequence" and recipe not in HISTORY_FREE_RECIPES:
         issues.append(("train.fp8_recipe",
                        "delayed scaling quantises the old-logprob pass and the training forward with different "
                        "(history) scales, so GSPO's first sequence ratio is not 1 and its 3e-4 clip fires on FP8 "

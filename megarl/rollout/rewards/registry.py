@@ -10,12 +10,12 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
-from megarl.registry import registrar
+from megarl.registry import Registry
 
 if TYPE_CHECKING:
     from megarl.rollout.types import RewardFn, Trajectory
 
-REWARD_REGISTRY: dict[str, Callable[..., "RewardFn"]] = {}
+REWARD_REGISTRY: Registry[Callable[..., "RewardFn"]] = Registry("reward", "rollout.reward")
 """Registry name -> reward class (or factory) taking ``rollout.reward_kwargs`` as keyword arguments."""
 
 
@@ -25,7 +25,7 @@ def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
     Raises:
         ValueError: ``name`` is already registered to something else.
     """
-    return registrar(REWARD_REGISTRY, name, "reward")
+    return REWARD_REGISTRY.register(name)
 
 
 def reward_factory(name: str) -> Callable[..., "RewardFn"]:
@@ -38,9 +38,7 @@ def reward_factory(name: str) -> Callable[..., "RewardFn"]:
     Raises:
         megarl.plugins.PluginError: unknown name, or an import path that cannot be loaded.
     """
-    from megarl.plugins import resolve
-
-    obj = resolve(name, REWARD_REGISTRY, key="rollout.reward", kind="reward")
+    obj = REWARD_REGISTRY.resolve(name)
     if name in REWARD_REGISTRY or inspect.isclass(obj):
         return obj
     return lambda **kwargs: functools.partial(obj, **kwargs) if kwargs else obj

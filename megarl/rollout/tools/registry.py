@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from megarl.registry import registrar
+from megarl.registry import Registry
 from megarl.rollout.types import Tool
 
-TOOL_REGISTRY: dict[str, Callable[..., Tool]] = {}
+TOOL_REGISTRY: Registry[Callable[..., Tool]] = Registry("tool", "rollout.tools")
 """Registry name -> tool class (or factory) taking the YAML settings as keyword arguments."""
 
 
@@ -23,7 +23,7 @@ def register_tool(name: str) -> Callable[[Callable[..., Tool]], Callable[..., To
     Raises:
         ValueError: ``name`` is already registered.
     """
-    return registrar(TOOL_REGISTRY, name, "tool")
+    return TOOL_REGISTRY.register(name)
 
 
 def build_tools(settings: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Tool]:
@@ -40,11 +40,9 @@ def build_tools(settings: Mapping[str, Mapping[str, Any] | None]) -> dict[str, T
         ValueError: an unknown tool name or import path (:class:`megarl.plugins.PluginError`), or
             settings the tool rejects (the message names the key).
     """
-    from megarl.plugins import resolve
-
     tools: dict[str, Tool] = {}
     for name, kwargs in settings.items():
-        factory = resolve(str(name), TOOL_REGISTRY, key=f"rollout.tools.{name}", kind="tool")
+        factory = TOOL_REGISTRY.resolve(str(name), key=f"rollout.tools.{name}")
         try:
             tool = factory(**dict(kwargs or {}))
         except TypeError as e:

@@ -11,7 +11,7 @@ import pytest
 
 from megarl.cli import main as cli_main
 from megarl.config import load_config
-from megarl.config.domains import DOMAINS, REWARD_DOMAINS, TOOL_DOMAINS, Choice, Range, Text
+from megarl.config.domains import DOMAINS, REWARD_DOMAINS, TOOL_DOMAINS, Choice, Range, Registered, Text
 from megarl.config.schema import MegarlConfig
 from config_issues import validate_issues
 
@@ -86,7 +86,7 @@ def test_shipped_defaults_are_inside_their_domains():
 
 def _outside(domain, kind):
     """A value just outside a domain (None where every value of the type is inside)."""
-    if isinstance(domain, Choice):
+    if isinstance(domain, (Choice, Registered)):  # a registered name is a choice too
         return "not_a_choice"
     if not isinstance(domain, Range) or (domain.low is None and domain.high is None):
         return None
