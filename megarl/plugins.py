@@ -1,11 +1,15 @@
 """User code loaded by name from YAML: ``plugins:`` modules and ``pkg.mod:Name`` import paths.
 
-A task is added without editing megarl. Its tools, reward, agent loop or dataset reader live in the
-user's own module, which either registers them (``@register_tool("search")``, ``@register_reward``,
-``@register_agent``, ``@register_dataset``, ``@register_demonstrations``) or is named directly by
-import path::
+A task is added without editing megarl. Its tools, reward, agent loop, dataset reader or RL loss
+live in the user's own module, which either registers them (``@register_tool("search")``,
+``@register_reward``, ``@register_agent``, ``@register_dataset``, ``@register_demonstrations``,
+``@register_policy_loss``, ``@register_advantage_estimator``, ``@register_rollout_correction``) or is
+named directly by import path (each registry is a :class:`megarl.registry.Registry`)::
 
     plugins: [my_pkg.tasks, examples/my_task/task.py]   # imported first, in every process
+    algorithm:
+      policy_loss: my_pkg.losses:my_loss                # slime's --custom-loss-function-path
+      policy_loss_kwargs: {scale: 0.5}                  # its own hyperparameters
     rollout:
       tools: {search: {top_k: 3}}                       # a name my_pkg.tasks registered
       reward: my_pkg.tasks:exact_match                  # or an import path
@@ -159,5 +163,8 @@ def absolute_specs(cfg: Any) -> None:
         r.tools = {_absolute(str(k)): v for k, v in r.tools.items()}
     if cfg.data.dataset:
         cfg.data.dataset = _absolute(cfg.data.dataset)
+    a = cfg.algorithm
+    a.policy_loss, a.advantage_estimator = _absolute(a.policy_loss), _absolute(a.advantage_estimator)
+    a.rollout_correction = _absolute(a.rollout_correction)
     if is_import_path(str(cfg.sft.demonstrations)):  # a file of rows stays as written
         cfg.sft.demonstrations = _absolute(cfg.sft.demonstrations)

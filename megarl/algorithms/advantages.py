@@ -12,6 +12,8 @@ and data-parallel ranks: ``reinforce_pp`` normalises over the batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -151,3 +153,23 @@ def compute_advantages(name: str, rewards: Tensor, group_ids: Tensor | None = No
             ``algorithm.advantage_estimator``) for an unknown name or an import path that does not load.
     """
     return ADVANTAGE_ESTIMATORS.resolve(name).fn(rewards, group_ids, **kwargs)
+
+
+def estimate_advantages(algorithm: Any, rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
+    """The advantages of the estimator ``algorithm.advantage_estimator`` names, called with the
+    hyperparameters its entry declares, read from ``algorithm`` (``eps`` <- ``advantage_eps`` for
+    ``grpo`` and ``reinforce_pp``; none for ``dr_grpo``, ``rloo`` or a bare function by import path).
+
+    Args:
+        algorithm: the ``algorithm`` config section (or any object with its attributes).
+        rewards: ``[num_groups, G]`` or ``[N]`` float.
+        group_ids: None or ``[N]`` int.
+
+    Returns:
+        Advantages, the shape of ``rewards``.
+
+    Raises:
+        ValueError: as `compute_advantages`.
+    """
+    estimator = ADVANTAGE_ESTIMATORS.resolve(algorithm.advantage_estimator)
+    return estimator.fn(rewards, group_ids, **estimator.keywords(algorithm))

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megarl.algorithms.advantages import compute_advantages
+from megarl.algorithms.advantages import estimate_advantages
 from megarl.algorithms.corrections import mismatch_metrics
 from megarl.algorithms.packing import padded_from_packed
 from megarl.rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
@@ -107,8 +107,7 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, poli
     flat = [t for g in kept_groups for t in g]
     rewards = torch.tensor([t.reward for t in flat], dtype=torch.float32)
     group_ids = torch.tensor([i for i, g in enumerate(kept_groups) for _ in g], dtype=torch.int64)
-    kwargs = {"eps": algorithm.advantage_eps} if algorithm.advantage_estimator in ("grpo", "reinforce_pp") else {}
-    advantages = compute_advantages(algorithm.advantage_estimator, rewards, group_ids, **kwargs)
+    advantages = estimate_advantages(algorithm, rewards, group_ids)  # with the hyperparameters its entry declares
     metrics["advantages/abs_mean"] = float(advantages.abs().mean())
     return BatchResult(TrainBatch.from_trajectories(flat, advantages, pack_routes=False), metrics, flat,
                        _route_refs(flat))

@@ -90,3 +90,32 @@ def test_errors_name_the_problem():
         compute_advantages("grpo", torch.zeros(4), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="integer"):
         compute_advantages("grpo", torch.zeros(4), torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_estimate_advantages_passes_the_hyperparameters_the_entry_declares(name):
+    """``algorithm.advantage_eps`` reaches grpo and reinforce_pp (the formula with that eps) and is
+    not passed to the estimators that take none (they would raise a TypeError)."""
+    from types import SimpleNamespace
+
+    from megarl.algorithms.advantages import estimate_advantages
+
+    rewards, group_ids = _ragged(3)
+    algorithm = SimpleNamespace(advantage_estimator=name, advantage_eps=0.5)
+    expected = _reference(name, rewards.tolist(), group_ids.tolist(), eps=0.5)
+    assert estimate_advantages(algorithm, rewards, group_ids).tolist() == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_estimate_advantages_takes_an_estimator_by_import_path():
+    from types import SimpleNamespace
+
+    from megarl.algorithms.advantages import estimate_advantages
+
+    rewards = torch.tensor([[1.0, 0.0, 0.5]])
+    algorithm = SimpleNamespace(advantage_estimator=f"{__name__}:_centred", advantage_eps=0.5)
+    assert estimate_advantages(algorithm, rewards).tolist() == [[0.5, -0.5, 0.0]]
+
+
+def _centred(rewards, group_ids):
+    """A user's estimator named by import path: rewards minus 0.5."""
+    return rewards - 0.5
