@@ -21,14 +21,14 @@ and its config field's domain becomes ``Registered(lambda: TRANSPORTS, also=("au
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from megarl.plugins import PluginError, is_import_path, resolve
 
 T = TypeVar("T")
 
 
-class Registry(dict, Generic[T]):
+class Registry(dict[str, T]):
     """Registry name -> entry of one extension point (a ``dict``: ``name in r``, ``r[name]``, ``sorted(r)``).
 
     Attributes:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from megarl.registry import Registry
 
@@ -51,7 +51,7 @@ class Extension:
     hyperparameters: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, obj: Any) -> Extension:
+    def of(cls, obj: Any) -> Self:
         """``obj`` if it is an entry of this type, else a callable wrapped as one (no hyperparameters).
 
         Raises:

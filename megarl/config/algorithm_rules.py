@@ -16,7 +16,7 @@ Unknown plain names are the field domain's to report (:class:`megarl.config.doma
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 from megarl.algorithms.extensions import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, Extension,
                                           PolicyLoss)
@@ -26,11 +26,13 @@ from megarl.config.schema_algorithm import AlgorithmConfig
 from megarl.plugins import PluginError
 from megarl.registry import Registry
 
+E = TypeVar("E", bound=Extension)
+
 _NULL_DEFAULTS = {f.name for f in dataclasses.fields(AlgorithmConfig) if f.default is None}
 """``algorithm`` fields that are off unless set (``clip_c``)."""
 
 
-def _entry(registry: Registry, spec: str, issues: list[Issue]) -> Extension | None:
+def _entry(registry: Registry[E], spec: str, issues: list[Issue]) -> E | None:
     """The entry ``spec`` names, None for an unknown name (the domain's) or a failed import path (an issue)."""
     if not registry.allows(spec):
         return None
@@ -83,7 +85,7 @@ def algorithm_issues(cfg: Any) -> list[Issue]:
     Returns:
         ``(key, message, value)`` for each problem; empty when all resolve and fit.
     """
-    a, issues = cfg.algorithm, []
+    a, issues = cfg.algorithm, list[Issue]()
     loss = _entry(POLICY_LOSSES, a.policy_loss, issues)
     if loss is not None:
         issues += _loss_issues(loss, a)
@@ -99,7 +101,8 @@ def algorithm_issues(cfg: Any) -> list[Issue]:
                            f"{estimator.min_group_size} trajectories per prompt (group-relative)", size))
     if a.rollout_correction != "none":
         correction = _entry(ROLLOUT_CORRECTIONS, a.rollout_correction, issues)
-        problem = correction and binding_problem(correction.fn, None, None, None, **correction.keywords(a))
+        problem = None if correction is None else binding_problem(correction.fn, None, None, None,
+                                                                  **correction.keywords(a))
         if problem:
             issues.append(("algorithm.rollout_correction", "a rollout correction is called as fn(old_logprobs, "
                            f"rollout_logprobs, loss_mask, **hyperparameters): {problem}", a.rollout_correction))
