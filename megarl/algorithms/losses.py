@@ -1,5 +1,9 @@
 """Policy losses: GSPO (default), GSPO-token and PPO-clip (with DAPO clip-higher and dual clip).
 
+Each registers itself in `megarl.algorithms.extensions.POLICY_LOSSES` under its
+``algorithm.policy_loss`` name, declaring the ``algorithm`` fields it takes (``clip_low``,
+``clip_high``; ``clip_c`` for PPO), its ratio level and, for GSPO, its clip ceiling.
+
 All losses take padded ``[B, T]`` tensors (``B`` sequences, ``T`` padded response length; for packed
 ``[T_total]`` batches see `megarl.algorithms.packing.padded_from_packed`), build a per-token loss
 matrix and reduce it with `megarl.algorithms.aggregation.aggregate_loss` (read its module docstring
