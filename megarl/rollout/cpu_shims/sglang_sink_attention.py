@@ -174,13 +174,12 @@ def _gpt_oss_on_cpu_torch_native(module, server_args) -> bool:
     """The server being checked runs gpt-oss on ``device == "cpu"`` with ``torch_native`` attention."""
     if getattr(server_args, "device", None) != "cpu":
         return False
-    try:
-        hf_config = module.model_config_of(server_args).hf_config
-    except Exception:  # an instance connector or an unreadable config: SGLang's step decides
+    if set(module.attention_backends_of(module.resolved_view(server_args))) != {"torch_native"}:
         return False
-    arch = (getattr(hf_config, "architectures", None) or [None])[0]
-    backends = module.attention_backends_of(module.resolved_view(server_args))
-    return arch == ARCH and set(backends) == {"torch_native"}
+    if module.parse_connector_type(server_args.model_path) == module.ConnectorType.INSTANCE:
+        return False  # no hf_config (SGLang's step returns early too)
+    hf_config = module.model_config_of(server_args).hf_config
+    return (getattr(hf_config, "architectures", None) or [None])[0] == ARCH
 
 
 def patch_backend_check(module) -> bool:
@@ -190,7 +189,8 @@ def patch_backend_check(module) -> bool:
     Returns:
         True if patched; False (with a line on stderr) if the step or its helpers are missing.
     """
-    names = ("handle_model_specific_adjustments", "attention_backends_of", "model_config_of", "resolved_view")
+    names = ("handle_model_specific_adjustments", "attention_backends_of", "model_config_of", "resolved_view",
+             "parse_connector_type", "ConnectorType")
     if not all(hasattr(module, n) for n in names):
         print(f"[megarl cpu_shims] {MODEL_HOOK_MODULE} lacks one of {names}; gpt-oss torch_native "
               "check NOT relaxed", file=sys.stderr)
