@@ -86,3 +86,44 @@ def test_tiny_gpt_oss_engine_matches_transformers(tiny_gpt_oss_dir, tmp_path):
         gaps[f"batched request of {len(prompt)} tokens"] = _gap(got, _hf_logprobs(model, prompt + ids))
     print("engine vs transformers, max |logprob gap|:", gaps)
     assert max(gaps.values()) < TOL, f"engine vs transformers logprob gaps: {gaps}"
+
+
+RESOLVE = ("import sys\n"
+           "from sglang.srt.server_args import ServerArgs\n"
+           "args = ServerArgs(model_path=sys.argv[1], device='cpu', attention_backend='torch_native',\n"
+           "                  sampling_backend='pytorch', grammar_backend='none')\n"
+           "args.resolve_once()\n"
+           "print('RESOLVED', args.attention_backend)\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sglang_still_refuses_torch_native_for_gpt_oss_without_the_shim(tiny_gpt_oss_dir, tmp_path):
+    # SGLang's server-argument resolution, as the server runs it, with every CPU shim and with every
+    # shim but sglang_sink_attention. If the second case passes, SGLang accepts torch_native for
+    # gpt-oss itself: re-check whether its backend has sinks now and delete the shim.
+    import os
+    import subprocess
+    import sys
+
+    from megarl.rollout import cpu_shims
+
+    without = tmp_path / "shims_without_sink_attention"
+    without.mkdir()
+    for entry in cpu_shims.shim_dir().iterdir():
+        if entry.name.removesuffix(".py") in set(cpu_shims.SHIM_NAMES) - {"sglang_sink_attention"}:
+            (without / entry.name).symlink_to(entry)
+    procs = {name: subprocess.Popen(
+        [sys.executable, "-c", RESOLVE, str(tiny_gpt_oss_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=dict(os.environ, PYTHONPATH=str(shims), SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1"))
+        for name, shims in (("all", cpu_shims.shim_dir()), ("without", without))}
+    try:
+        out = {name: p.communicate(timeout=540)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs["all"].returncode == 0 and "RESOLVED torch_native" in out["all"], out["all"][-3000:]
+    assert procs["without"].returncode != 0, "SGLang accepted torch_native for gpt-oss without the shim"
+    assert "GptOssForCausalLM requires one of" in out["without"], out["without"][-3000:]
