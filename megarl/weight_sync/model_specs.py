@@ -123,14 +123,9 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
     if any(e.transform in (Transform.TRANSPOSE, Transform.GLU_INTERLEAVED_T) for e in family.table.values()):
-        # SGLang 0.5.23's gpt-oss loader takes a layer's experts only as the whole stack
-        # (models/gpt_oss.py _load_normal_weights -> FusedMoE.weight_loader_fused copies all E experts;
-        # a per-expert name "experts.gate_up_proj[E]" maps to no parameter and is skipped silently),
-        # while each spec here is one Megatron parameter, i.e. one expert.
         raise SpecError(f"config.json ({hf_config.model_type}): weight sync is not planned yet for HF tensors "
-                        "stacked over experts in x @ W orientation (gpt-oss's mlp.experts.gate_up_proj: SGLang "
-                        "loads only a layer's whole [E, H, 2F] stack, megarl sends one tensor per expert); "
-                        "megarl plan --no-sync plans the rest")
+                        "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
+                        "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs = []

@@ -83,8 +83,9 @@ _HEADER_RECIPIENT = re.compile(r"<\|start\|>assistant to=(\S+)<\|channel\|>(\w+)
 
 def _completion(harmony, messages, *, model_form: bool = True) -> tuple[str, list]:
     """What the engine generates after the prompt's ``<|start|>assistant``: the rendered messages
-    less that header, as text with the special tokens (recipients moved after the channel for
-    ``model_form``, and a final answer ending in ``<|return|>``); and harmony's own parse of the rendered tokens, which must read the text back alike."""
+    less that header, as text with the special tokens (for ``model_form``: recipients moved after
+    the channel, a final answer ending in ``<|return|>``); and harmony's own parse of the rendered
+    tokens, which must read that text back alike."""
     from openai_harmony import Role
 
     tokens = [t for m in messages for t in harmony.render(m)]

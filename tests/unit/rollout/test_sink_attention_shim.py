@@ -30,7 +30,8 @@ def recorded():
     torch.manual_seed(0)
     cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                       num_experts_per_tok=2, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                       num_experts_per_tok=2, sliding_window=WINDOW,
+                       layer_types=["sliding_attention", "full_attention"],
                        attn_implementation="eager")
     model = GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
