@@ -124,8 +124,8 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
     if any(e.transform in (Transform.TRANSPOSE, Transform.GLU_INTERLEAVED_T) for e in family.table.values()):
         raise SpecError(f"config.json ({hf_config.model_type}): weight sync is not planned yet for HF tensors "
-                        "stacked over experts in x @ W orientation (gpt-oss's mlp.experts.gate_up_proj); "
-                        "megarl plan --no-sync plans the rest")
+                        "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
+                        "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs = []

@@ -19,6 +19,11 @@ Shims (each documented in its own file, each shown still needed by
 - ``sglang_mla_dispatch.py`` (applied by ``sitecustomize``): a ``torch_native`` attention handler for
   MLA models (DeepSeek-V3, Kimi-K2) that keeps prefill on SGLang's absorbed-MLA path; its MHA path
   attends over the latent cache on this backend and fails (``tests/integration/rollout/test_engine_mla_cpu.py``).
+- ``sglang_sink_attention.py`` (applied by ``sitecustomize``): gpt-oss on ``torch_native``. SGLang
+  refuses that backend for ``GptOssForCausalLM`` at start-up and the backend has no attention sinks;
+  the shim lets the check pass on CPU and computes sink + sliding-window attention as transformers'
+  eager gpt-oss attention (``tests/unit/rollout/test_sink_attention_shim.py``,
+  ``tests/integration/rollout/test_engine_gpt_oss_cpu.py``).
 
 Guard: :func:`check_sglang_version` is called by the launcher before a CPU server starts; the shims
 were written against, and are only applied to, :data:`SUPPORTED_SGLANG_VERSION`.
@@ -32,7 +37,7 @@ from pathlib import Path
 SUPPORTED_SGLANG_VERSION = "0.5.23"
 """The SGLang version these shims were written and tested for."""
 
-SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize", "sglang_mla_dispatch")
+SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize", "sglang_mla_dispatch", "sglang_sink_attention")
 """What the shim directory provides, by import name."""
 
 ALLOW_OTHER_VERSION_ENV = "MEGARL_ALLOW_UNTESTED_SGLANG"

@@ -15,7 +15,8 @@ with pinning off (a plain host tensor). SGLang's sources are not edited; the tab
 when the running SGLang is the version this was written for (0.5.23) and the table is present.
 
 The same import hook applies ``sglang_mla_dispatch.py`` of this directory (its own docstring says why):
-a ``torch_native`` attention handler for SGLang's MLA models (DeepSeek-V3, Kimi-K2).
+a ``torch_native`` attention handler for SGLang's MLA models (DeepSeek-V3, Kimi-K2); and
+``sglang_sink_attention.py``: gpt-oss (attention sinks, sliding window) on ``torch_native``.
 
 Other ``sitecustomize`` modules further down ``sys.path`` are still executed, so this file does not
 hide a site's own customisation.
@@ -92,10 +93,12 @@ def _install() -> None:
         return
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         import sglang_mla_dispatch  # this directory is on the server's sys.path
+        import sglang_sink_attention
 
         sys.meta_path.insert(0, _PatchOnImport({
             _TARGET_MODULE: patch_alloc_table,
-            sglang_mla_dispatch.TARGET_MODULE: sglang_mla_dispatch.patch_mla_dispatch}))
+            sglang_mla_dispatch.TARGET_MODULE: sglang_mla_dispatch.patch_mla_dispatch,
+            **sglang_sink_attention.PATCHES}))
 
 
 def _chain_next_sitecustomize() -> None:
