@@ -286,9 +286,3 @@ class RolloutManager:
             result = close()
             if asyncio.iscoroutine(result):
                 await result
-
-    def drop_carried(self) -> int:
-        """Forget carried-over groups (e.g. when they became too stale); returns how many."""
-        n = len(self._carry)
-        self._carry.clear()
-        return n

@@ -148,11 +148,6 @@ class TrainerLayout:
         """Which copy (:attr:`replica_block`) of its stage global rank ``rank`` belongs to."""
         return (rank % (self.world_size // self.pp_size)) // self.replica_block
 
-    def stage_ranks(self, pp_rank: int) -> range:
-        """All global ranks of pipeline stage ``pp_rank``."""
-        per_stage = self.world_size // self.pp_size
-        return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
-
     def _chunk_sizes(self, num_layers: int) -> list[tuple[int, int, int]]:
         """``(pp_rank, vp_rank, num_layers)`` of every model chunk, in layer order.
 
@@ -200,15 +195,6 @@ class TrainerLayout:
             offset += count
         raise AssertionError("unreachable: chunk sizes cover num_layers")
 
-    def layer_offset(self, pp_rank: int, vp_rank: int, num_layers: int) -> int:
-        """Global index of the first layer of model chunk ``vp_rank`` on stage ``pp_rank``."""
-        offset = 0
-        for p, v, count in self._chunk_sizes(num_layers):
-            if (p, v) == (pp_rank, vp_rank):
-                return offset
-            offset += count
-        raise LayoutError(f"no model chunk ({pp_rank}, {vp_rank}) in this layout")
-
     def expert_location(self, expert: int, num_experts: int) -> tuple[int, int]:
         """Where global expert ``expert`` lives: ``(ep_rank, local_index)``.
 
@@ -254,12 +240,3 @@ class EngineLayout:
     @functools.cached_property
     def moe_tp_size(self) -> int:
         return self.tensor_parallel_size // self.expert_parallel_size
-
-    @property
-    def num_ranks(self) -> int:
-        """Engine ranks over all engines."""
-        return self.tensor_parallel_size * self.num_engines
-
-    def moe_ranks(self, tp_rank: int) -> tuple[int, int]:
-        """``(moe_ep_rank, moe_tp_rank)`` of engine rank ``tp_rank``."""
-        return tp_rank // self.moe_tp_size, tp_rank % self.moe_tp_size
