@@ -15,7 +15,7 @@ Vocabulary padding: the embedding and output layer hold ``padded_vocab`` rows, a
 ``make_vocab_size_divisible_by x TP`` of the layout that saved them. Rows beyond the real
 vocabulary are never used (megarl excludes them from the softmax), so a checkpoint padded
 differently from the trainer loads: the rows both have are read and the trainer's remaining padding
-rows are zero, as :func:`~megarl.checkpoint.load_hf_weights` leaves them.
+rows are zero, as :func:`~megarl.checkpoint.loader.load_hf_weights` leaves them.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ in its placement bundle; the actor starts an SGLang server on its node and repor
 goes to that URL over HTTP (the rollout actor's router), never through Ray. With
 ``rollout.external_engine_urls`` no engine is launched and the URLs are used as they are.
 
-An engine larger than a node (:func:`megarl.cluster.placement.engine_nodes`) is one actor per node
+An engine larger than a node (:func:`megarl.cluster.bundles.engine_nodes`) is one actor per node
 part, each in its own bundle (consecutive nodes), each starting its node's SGLang process with
 ``--nnodes N --node-rank r --dist-init-addr HEAD:PORT`` (HEAD: node-rank 0's address and a free port
 there). Only node-rank 0 serves HTTP, so the engine's URL is its first part's; the parts are one
@@ -71,7 +71,7 @@ class EngineGroup:
 
     def __init__(self, cfg: Any, placement: Any, model_path: str, log_dir: Path, *,
                  custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        from megarl.cluster.placement import engine_nodes
+        from megarl.cluster.bundles import engine_nodes
         from megarl.config.device import use_cuda
         from megarl.rollout.engine_actor import EngineActor
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megarl.cluster.bundles import devices_per_engine
-from megarl.rollout.ports import ENGINE_PORT_STRIDE, find_free_port
+from megarl.procs.ports import find_free_port
+from megarl.rollout.ports import ENGINE_PORT_STRIDE
 
 
 class ExternalEnginesError(ValueError):

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import ray
 
-from megarl.rollout.ports import find_free_port
+from megarl.procs.ports import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TrainerWorker:
         Args:
             master_port: None: no port (0 is returned); else ``cluster.master_port``: the port is the
                 first free one at or above it on this node (0: anywhere below the ephemeral range),
-                from :func:`megarl.rollout.ports.find_free_port`, reserved there for this group.
+                from :func:`megarl.procs.ports.find_free_port`, reserved there for this group.
         """
         port = 0 if master_port is None else _free_port(master_port)
         return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port,

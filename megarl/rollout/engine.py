@@ -36,8 +36,8 @@ from typing import Mapping, Sequence
 
 from megarl.rollout import cpu_shims
 from megarl.rollout.engine_view import served_model_dir
-from megarl.rollout.ports import (  # noqa: F401  (re-exported: part of this module's interface)
-    AUTO_HOST, LOOPBACK, _wait_port_free, check_nodes, cpu_threads_bind, find_free_port, local_host, resolve_device)
+from megarl.procs.ports import find_free_port
+from megarl.rollout.ports import _wait_port_free, check_nodes, cpu_threads_bind, local_host, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class EngineProcess:
         (SGLang 0.5.23 ``PortArgs.init_new``: ``tcp://127.0.0.1:nccl_port``, used at every TP size).
         Chosen by megarl's port allocator at each :meth:`start`; without it SGLang draws a random port in
         22000-29999 that nothing reserves, which two engines (or an engine and a trainer group taking
-        ports from :mod:`megarl.rollout.ports`) starting at once on one host can both get."""
+        ports from :mod:`megarl.procs.ports`) starting at once on one host can both get."""
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 

@@ -26,8 +26,9 @@ import ipaddress
 import os
 from typing import Any, Iterable
 
-from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
-from megarl.rollout.ports import ENGINE_PORT_STRIDE, engine_port, find_free_port
+from megarl.procs.ports import find_free_port
+from megarl.rollout.engine import EngineProcess
+from megarl.rollout.ports import AUTO_HOST, ENGINE_PORT_STRIDE, LOOPBACK, engine_port
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megarl.rollout.engine import EngineProcess
-from megarl.rollout.ports import find_free_port, local_host
+from megarl.procs.ports import find_free_port
+from megarl.rollout.ports import local_host
 
 
 def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",

@@ -1,7 +1,7 @@
 """Where an engine process runs: its device, its host address, a free port, its CPU cores.
 
-Ports: megarl's one port allocator is :mod:`megarl.procs.ports` (:func:`find_free_port`, re-exported
-here with its constants); :func:`engine_port` is where engine ``i``'s search starts.
+Ports: megarl's one port allocator is :mod:`megarl.procs.ports` (``find_free_port``);
+:func:`engine_port` is where engine ``i``'s search starts.
 """
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import socket
 import time
 from typing import Sequence
 
-from megarl.procs.ports import (  # noqa: F401  (re-exported: part of this module's interface)
-    PORT_SPAN, RESERVATION_TTL_S, find_free_port, reservation_dir)
+from megarl.procs.ports import find_free_port
 
 
 def resolve_device(device: str) -> str:

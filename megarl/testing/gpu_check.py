@@ -63,7 +63,7 @@ def _require(ok: bool, what: str) -> None:
 
 def _start_single_rank(device: str) -> None:
     """Environment for ``torch.distributed``'s ``env://`` rendezvous of a world of one rank."""
-    from megarl.testing.multiproc import free_port
+    from megarl.procs.local_ranks import free_port
 
     if device == "cuda" and not torch.cuda.is_available():
         raise CheckFailed("--device cuda but torch.cuda.is_available() is False")

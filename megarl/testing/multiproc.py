@@ -3,7 +3,6 @@ the fork server preloading what megarl's rank functions import (:data:`RANK_PREL
 HF config classes, the converters, Megatron's model builder), as the converter's ranks get it."""
 from megarl.checkpoint.convert import RANK_PRELOAD
 from megarl.procs import local_ranks
-from megarl.procs.local_ranks import RankError, free_port  # noqa: F401  (the tests import them from here)
 
 
 def run_ranks(fn, world_size: int, **kwargs):

@@ -71,7 +71,7 @@ class SyncPrediction:
     seconds: float = 0.0
     engine_rank_node: list[int] = field(default_factory=list)
     """Which of its engine's nodes each engine rank is on (all 0 unless the engine spans nodes:
-    ``megarl.cluster.placement.engine_nodes``); empty when not known (no run config)."""
+    ``megarl.cluster.bundles.engine_nodes``); empty when not known (no run config)."""
 
 
 def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, intra_gbps: float,

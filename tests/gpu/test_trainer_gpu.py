@@ -30,7 +30,7 @@ def _cfg(hf_dir, **train):
 
 def _trainer(cfg, spec):
     """A trainer whose model uses the given layer spec (``te`` or ``local``)."""
-    from megarl.checkpoint import load_hf_weights
+    from megarl.checkpoint.loader import load_hf_weights
     from megarl.training.build import build_parallel_state
     from megarl.training.fp8 import fp8_config
     from megarl.training.model import build_model, load_hf_config

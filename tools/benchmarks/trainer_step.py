@@ -173,7 +173,7 @@ def padding_table(tokenizer, seed: int) -> list[dict]:
 def _init_single_rank() -> None:
     import torch.distributed as dist
 
-    from megarl.testing.multiproc import free_port
+    from megarl.procs.local_ranks import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -43,7 +43,7 @@ def _assert_identical(original, exported):
 @pytest.fixture(scope="module")
 def tiny_tied_dir(tmp_path_factory):
     """Tied embeddings, a vocabulary that Megatron pads (1000 -> 1024 at TP1 and TP2), 4 layers."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_tied",
                            TinyModelSpec(family="qwen3_moe", vocab_size=1000, tie_word_embeddings=True,

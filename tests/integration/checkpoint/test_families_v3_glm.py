@@ -56,7 +56,7 @@ def _export(hf_dir: Path, work: Path, layout: str) -> Path:
 
 # ------------------------------------------------------------------------------------ forward
 def _forward_worker(rank, world_size, hf_dir, tokens, forced_routes):
-    from megarl.checkpoint import load_hf_weights
+    from megarl.checkpoint.loader import load_hf_weights
     from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model
     from megarl.training.parallel_state import initialize_parallel
@@ -177,7 +177,7 @@ def test_roundtrip_bit_identical(family, layout, request, work_dir):
 @pytest.mark.timeout(400)
 def test_bf16_roundtrip_keeps_fp32_router_bias(work_dir):
     """Released DeepSeek-V3 / GLM-4.5 checkpoints are bf16 with an fp32 e_score_correction_bias."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     hf_dir = make_tiny_model(work_dir / "deepseek_bf16", TinyModelSpec(family="deepseek_v3", dtype="bfloat16"))
     ref = _load_all(hf_dir)
@@ -193,7 +193,7 @@ def test_bf16_roundtrip_keeps_fp32_router_bias(work_dir):
 def test_deepseek_mtp_layer_dropped_on_import(tiny_deepseek_v3_dir, work_dir, caplog):
     import shutil
 
-    from megarl.testing.tiny_model import append_mtp_layer
+    from megarl.models.tiny import append_mtp_layer
 
     with_mtp = append_mtp_layer(shutil.copytree(tiny_deepseek_v3_dir, work_dir / "deepseek_mtp"))
     with caplog.at_level(logging.WARNING, logger="megarl.models.families.deepseek_v3"):

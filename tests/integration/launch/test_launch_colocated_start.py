@@ -30,7 +30,7 @@ from megarl.config.loader import load_config
 from megarl.cluster import colocated
 from megarl.launch import run as run_module, weight_sync_step
 from megarl.cluster.engines import EngineGroup
-from megarl.rollout.ports import PORT_SPAN
+from megarl.procs.ports import PORT_SPAN
 from megarl.testing.local_ray import private_ray
 
 REPO = Path(__file__).resolve().parents[3]

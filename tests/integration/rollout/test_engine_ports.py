@@ -10,7 +10,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from megarl.rollout.ports import reservation_dir
+from megarl.procs.ports import reservation_dir
 
 
 def _listening_ports(pid: int) -> set[int]:

@@ -15,7 +15,7 @@ from megarl.checkpoint.config_check import ConfigMismatchError, check_weights_ma
 from megarl.models.families import get_family
 from megarl.checkpoint.hf_io import HFCheckpointReader
 from megarl.config.schema import ModelConfig, ParallelConfig
-from megarl.testing.tiny_model import append_mtp_layer
+from megarl.models.tiny import append_mtp_layer
 
 
 def _config(path):

@@ -17,7 +17,7 @@ from megarl.models.families import get_family
 from megarl.models.mapping import canonical_name, global_name, lookup
 from megarl.models.naming import TE_TO_CANONICAL
 from megarl.config.schema import ModelConfig, ParallelConfig
-from megarl.testing.tiny_model import TinyModelSpec, _hf_config
+from megarl.models.tiny import TinyModelSpec, _hf_config
 
 
 class _GroupedColumn:

@@ -160,7 +160,7 @@ async def test_reward_scores_the_answer_not_the_reasoning(family_tokenizers, cas
 def test_tiny_models_take_an_official_template(official_template_tokenizers):
     from pathlib import Path
 
-    from megarl.testing.tiny_model import parse_tiny_uri
+    from megarl.models.tiny import parse_tiny_uri
 
     assert parse_tiny_uri("tiny:qwen3_moe?chat_template=qwen3").chat_template == "qwen3"
     with pytest.raises(ValueError, match="chat_template"):
