@@ -80,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from megarl.checkpoint import convert_cli
+    from megarl.conversion import convert_cli
 
     from megarl.config.hub import resolve_hub_path
 
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("overrides", nargs="*", help="overrides, as for `megarl train`")
     conf.add_argument("--sources", action="store_true",
                       help="end each value's line with where it was set: file:line, the override, or default")
-    from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments
+    from megarl.conversion.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments
 
     conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints (the tools' flags)")
     directions = conv.add_subparsers(dest="direction", required=True)

@@ -89,9 +89,9 @@ class TrainerWorker:
             torch.set_num_threads(num_threads)
         from omegaconf import OmegaConf
 
-        from megarl.checkpoint.initial_weights import initial_weights
+        from megarl.conversion.initial_weights import initial_weights
         from megarl.plugins import import_plugins
-        from megarl.training.build import build_trainer
+        from megarl.training.trainer_build import build_trainer
 
         cfg = OmegaConf.create(cfg_yaml)
         import_plugins(cfg.plugins)  # user modules, before anything is built
@@ -154,7 +154,7 @@ class TrainerWorker:
         from omegaconf import OmegaConf
 
         from megarl.config.device import resolved_precision
-        from megarl.weight_sync.build import SyncSpec, build_weight_sync
+        from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
         from megarl.weight_sync.choice import run_transport
 
         cfg = self.trainer.cfg

@@ -1,7 +1,7 @@
 """The local-rank runner for tests and benchmarks: :func:`megarl.procs.local_ranks.run_ranks` with
 the fork server preloading what megarl's rank functions import (:data:`RANK_PRELOAD`: the families'
 HF config classes, the converters, Megatron's model builder), as the converter's ranks get it."""
-from megarl.checkpoint.convert import RANK_PRELOAD
+from megarl.conversion.convert import RANK_PRELOAD
 from megarl.procs import local_ranks
 
 

@@ -24,11 +24,11 @@ from typing import Iterator, Optional
 import torch
 
 from megarl.training.collectives import all_reduce, group_device, isend
-from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.engine_clients import wait_all
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.receiver_group import ReceiverGroupTransport
 from megarl.weight_sync.specs import torch_dtype
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.wire import DIGEST_CHARS, STATUS, VOTE_FIELDS, encode_sums
 
 

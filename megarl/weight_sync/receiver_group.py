@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.engine_clients import wait_all
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transport import GroupTransport
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 
 class ReceiverGroupTransport(GroupTransport):

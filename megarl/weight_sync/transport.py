@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megarl.weight_sync.engines import EngineClients, wait_all
+from megarl.weight_sync.engine_clients import EngineClients, wait_all
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import broadcast
-from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.engine_clients import wait_all
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transport import GroupTransport, Transport, TransportOptions
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 LOADER = "megarl.weight_sync.sglang_loader.load_presharded"
 """``--custom-weight-loader`` import path of the shard transport's loader."""

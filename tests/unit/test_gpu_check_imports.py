@@ -99,7 +99,7 @@ def check_modules() -> list[str]:
                 helper = REPO / (name.replace(".", "/") + ".py")
                 if helper.exists():
                     todo.append(helper)
-    from megarl.checkpoint.convert import RANK_PRELOAD
+    from megarl.conversion.convert import RANK_PRELOAD
     from megarl.procs.local_ranks import PRELOAD
 
     modules.update(RANK_PRELOAD, PRELOAD)

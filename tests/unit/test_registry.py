@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from megarl.data.datasets import DATASET_REGISTRY, register_dataset
-from megarl.data.sft import DEMONSTRATION_BUILDERS, register_demonstrations
+from megarl.data.demonstrations import DEMONSTRATION_BUILDERS, register_demonstrations
 from megarl.registry import registrar
 from megarl.rollout.agent import AGENT_REGISTRY, register_agent
-from megarl.rollout.rewards.registry import REWARD_REGISTRY, register_reward
-from megarl.rollout.tools.registry import TOOL_REGISTRY, register_tool
+from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY, register_reward
+from megarl.rollout.tools.tool_registry import TOOL_REGISTRY, register_tool
 
 
 def test_registrar_keeps_one_object_per_name():

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from megarl.rollout.rewards.keys import FINAL_TEXT_KEY
-from megarl.rollout.rewards.registry import register_reward
+from megarl.rollout.rewards.reward_registry import register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from megarl.rollout.tools.registry import register_tool
+from megarl.rollout.tools.tool_registry import register_tool
 
 MAX_QUERY_CHARS = 500
 

@@ -1,4 +1,4 @@
-"""Every port an SGLang server on CPU listens on comes from megarl's allocator (``megarl.rollout.ports``).
+"""Every port an SGLang server on CPU listens on comes from megarl's allocator (``megarl.rollout.engine_resources``).
 
 Reference: the kernel's socket table (``psutil``) of the running server's process tree. SGLang 0.5.23
 draws its torch.distributed store port (``--nccl-port``) at random in 22000-29999 when none is given;

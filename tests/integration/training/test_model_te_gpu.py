@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _worker(rank, world_size, hf_dir, grouped):
-    from megarl.checkpoint.loader import load_hf_weights
+    from megarl.conversion.load_hf import load_hf_weights
     from megarl.models.families import get_family
     from megarl.models.mapping import megatron_to_hf
     from megarl.models.params import iter_global_params

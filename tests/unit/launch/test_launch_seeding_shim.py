@@ -3,7 +3,7 @@ import importlib.util
 
 import torch
 
-from megarl.cluster.engines import SEEDING_SHIM_DIR
+from megarl.cluster.ray_engines import SEEDING_SHIM_DIR
 
 
 def _shim():

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn, tool_agent
-from megarl.rollout.rewards.gsm8k import Gsm8kReward
+from megarl.rollout.rewards.gsm8k_answer import Gsm8kReward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.types import RolloutStatus

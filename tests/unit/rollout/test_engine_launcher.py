@@ -8,8 +8,8 @@ import pytest
 
 from megarl.config.schema import RolloutConfig
 from megarl.rollout import cpu_shims
-from megarl.rollout.engine import EngineProcess
-from megarl.rollout.ports import cpu_threads_bind, resolve_device
+from megarl.rollout.engine_process import EngineProcess
+from megarl.rollout.engine_resources import cpu_threads_bind, resolve_device
 from megarl.rollout.engine_actor import EngineActor
 from megarl.rollout.local_engines import launch_engines
 
@@ -122,7 +122,7 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
 
     from omegaconf import OmegaConf
 
-    from megarl.cluster.engines import engine_kwargs
+    from megarl.cluster.ray_engines import engine_kwargs
 
     rollout = OmegaConf.merge(OmegaConf.structured(RolloutConfig),
                               {"engine": {"tensor_parallel_size": 4, "expert_parallel_size": 4}})

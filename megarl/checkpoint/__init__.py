@@ -1,8 +1,0 @@
-"""HF <-> Megatron-Core checkpoints: streaming loading, directory conversion, distributed checkpoints.
-
-The per-family mapping tables live in :mod:`megarl.models` (``families``, ``mapping``); this package
-moves tensors between files and model chunks: :func:`megarl.checkpoint.loader.load_hf_weights`
-(model chunks <- HF directory, per rank, tensor by tensor), ``megarl.checkpoint.convert``
-(``hf_to_megatron`` / ``megatron_to_hf_dir`` directory converters) and the Megatron distributed
-checkpoint formats (``dist_ckpt``, ``dist_convert``).
-"""
