@@ -63,6 +63,9 @@ class CheckedTransport(ReceiverGroupTransport):
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
 
     def start_sync(self) -> None:
+        """Reset the per-sync state: transfer statistics, the stage's announced buckets, and the bytes
+        each engine rank reported receiving.
+        """
         super().start_sync()
         self._finish_announced = False
         self._stage, self._next, self._partial = None, 0, None

@@ -87,30 +87,37 @@ class TrainerLayout:
 
     @property
     def tp_size(self) -> int:
+        """``tensor_model_parallel_size``."""
         return self.tensor_model_parallel_size
 
     @property
     def pp_size(self) -> int:
+        """``pipeline_model_parallel_size``."""
         return self.pipeline_model_parallel_size
 
     @property
     def ep_size(self) -> int:
+        """``expert_model_parallel_size``."""
         return self.expert_model_parallel_size
 
     @property
     def etp_size(self) -> int:
+        """``expert_tensor_parallel_size``, defaulting to the dense TP size as in Megatron-Core."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def vpp_size(self) -> int:
+        """Virtual pipeline stages per rank (1 without interleaving)."""
         return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def world_size(self) -> int:
+        """Trainer ranks: ``tp * cp * dp * pp``."""
         return self.tp_size * self.context_parallel_size * self.data_parallel_size * self.pp_size
 
     @property
     def expert_data_parallel_size(self) -> int:
+        """Replicas of each expert shard: ``world_size / (etp * ep * pp)``."""
         return self.world_size // (self.etp_size * self.ep_size * self.pp_size)
 
     def rank(self, *, tp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
@@ -231,12 +238,15 @@ class EngineLayout:
 
     @property
     def tp_size(self) -> int:
+        """``tensor_parallel_size``: ranks per engine."""
         return self.tensor_parallel_size
 
     @property
     def ep_size(self) -> int:
+        """``expert_parallel_size``."""
         return self.expert_parallel_size
 
     @functools.cached_property
     def moe_tp_size(self) -> int:
+        """TP size within an expert (SGLang's ``moe_tp_size``): ``tp_size / ep_size``."""
         return self.tensor_parallel_size // self.expert_parallel_size

@@ -152,9 +152,11 @@ class WeightSyncPlan:
         return replace(self, buckets=buckets, replica=replica, engines=self.replica_engines(replica))
 
     def stage_buckets(self, pp_rank: int) -> tuple[Bucket, ...]:
+        """The buckets of pipeline stage ``pp_rank``, in send order."""
         return tuple(b for b in self.buckets if b.pp_rank == pp_rank)
 
     def hf_tensors(self) -> Iterator[HFTensorSpec]:
+        """Every HF tensor the plan converts (trainer dtype), bucket by bucket."""
         for b in self.buckets:
             yield from b.hf_tensors
 
@@ -165,6 +167,7 @@ class WeightSyncPlan:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all HF tensors of the plan (trainer dtype; see :attr:`wire_bytes` for what is sent)."""
         return sum(b.nbytes for b in self.buckets)
 
     @property

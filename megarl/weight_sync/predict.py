@@ -63,6 +63,7 @@ class StagePrediction:
 
 @dataclass
 class SyncPrediction:
+    """One transport's sync on paper: per stage, bytes per engine rank and its shard, seconds."""
     transport: str
     stages: list[StagePrediction] = field(default_factory=list)
     engine_rank_bytes: list[int] = field(default_factory=list)
