@@ -41,10 +41,14 @@ class JsonlSink:
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Append one line ``{"step": step, **metrics}`` and flush (NaN / inf written as JSON's
+        ``NaN`` / ``Infinity``).
+        """
         self._file.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
         self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 
@@ -57,12 +61,16 @@ class TensorBoardSink:
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Write each finite metric as a scalar at ``global_step=step`` (NaN / inf are skipped:
+        TensorBoard cannot plot them) and flush.
+        """
         for key, value in metrics.items():
             if math.isfinite(value):
                 self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:
+        """Flush and close the event file."""
         self._writer.close()
 
 
@@ -83,9 +91,11 @@ class WandbSink:
         self.run_id = self._run.id
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Log ``metrics`` to the W&B run at ``step``."""
         self._run.log(dict(metrics), step=step)
 
     def close(self) -> None:
+        """Finish the W&B run (uploads what is pending)."""
         self._run.finish()
 
 

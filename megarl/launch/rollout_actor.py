@@ -64,6 +64,9 @@ class SeededEngine:
         return int.from_bytes(mixed, "little") & (2**63 - 1)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        """The wrapped engine's ``generate`` with ``sampling_seed`` set by :meth:`seed_for` (the caller's
+        ``sampling_params`` are not changed).
+        """
         params = {**sampling_params, "sampling_seed": self.seed_for(input_ids)}
         return await self.engine.generate(input_ids, params, **kwargs)
 

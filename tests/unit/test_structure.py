@@ -179,3 +179,40 @@ def test_test_files_have_unique_names():
         seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
     repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert repeated == {}, f"test files sharing a name: {repeated}"
+
+
+SAME_NAME_BY_NECESSITY = {"__init__.py", "sitecustomize.py"}  # Python finds these by their file name
+
+
+def test_module_file_names_are_unique():
+    """A file name says what the module holds, once: two ``engines.py`` in two packages make every
+    traceback, log line and ``grep`` ambiguous."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in SAME_NAME_BY_NECESSITY:
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert repeated == {}, f"modules in megarl/ sharing a file name: {repeated}"
+
+
+def _is_setter(node: ast.AST) -> bool:
+    """``@name.setter`` / ``.deleter``: Python shows the getter's docstring for the property."""
+    return any(isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter")
+               for d in getattr(node, "decorator_list", []))
+
+
+def test_every_public_name_has_a_docstring():
+    """Module-level functions and classes without a leading underscore, and their public methods."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE.parent)
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            if not ast.get_docstring(node):
+                missing.append(f"{name}:{node.lineno} {node.name}")
+            for member in node.body if isinstance(node, ast.ClassDef) else []:
+                if (isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)) and not member.name.startswith("_")
+                        and not _is_setter(member) and not ast.get_docstring(member)):
+                    missing.append(f"{name}:{member.lineno} {node.name}.{member.name}")
+    assert missing == [], f"{len(missing)} public names without a docstring:\n" + "\n".join(missing)

@@ -76,6 +76,9 @@ class WeightSchedule:
 
 @dataclass
 class Term:
+    """One term of a :class:`CompositeReward`: its name (the metric key ``reward/<name>``), the
+    reward function, and its weight schedule over training steps.
+    """
     name: str
     fn: Any
     weight: WeightSchedule
@@ -136,6 +139,7 @@ class CompositeReward:
         return out
 
     async def close(self) -> None:
+        """Close every term's reward function that has a ``close`` (awaited when it is a coroutine)."""
         for t in self.terms:
             close = getattr(t.fn, "close", None)
             if close is not None:

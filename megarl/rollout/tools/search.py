@@ -146,5 +146,6 @@ class SearchTool:
         return out
 
     async def close(self) -> None:
+        """Close the HTTP session to the retrieval service."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
