@@ -101,6 +101,28 @@ def test_every_package_has_a_layer():
     assert missing == [], f"packages missing from docs/architecture.md's layer table: {missing}"
 
 
+def _package_table() -> list[str]:
+    """`docs/architecture.md`'s package table: its first column, ``config/`` -> ``config``,
+    ``cli.py`` -> ``cli``."""
+    section = ARCHITECTURE.read_text().split("## Packages", 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            names.append(cells[0].strip("`").removesuffix("/").removesuffix(".py"))
+    return names
+
+
+def test_package_table_lists_every_package_once():
+    """Every package and top-level module of megarl/ has one row; no row names one that is gone."""
+    rows = _package_table()
+    assert rows, "docs/architecture.md has no package table"
+    actual = {_top(m) for m in _sources() if m != "megarl"}
+    repeated = sorted({r for r in rows if rows.count(r) > 1})
+    problems = {"missing": sorted(actual - set(rows)), "gone": sorted(set(rows) - actual), "repeated": repeated}
+    assert problems == {"missing": [], "gone": [], "repeated": []}, f"docs/architecture.md's package table: {problems}"
+
+
 def test_every_import_runs_down_the_layers():
     """Function-local imports count: an import inside a function to dodge a circle is a circle."""
     layers, sources = _layers(), _sources()
