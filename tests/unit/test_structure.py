@@ -238,3 +238,12 @@ def test_every_public_name_has_a_docstring():
                         and not _is_setter(member) and not ast.get_docstring(member)):
                     missing.append(f"{name}:{member.lineno} {node.name}.{member.name}")
     assert missing == [], f"{len(missing)} public names without a docstring:\n" + "\n".join(missing)
+
+
+def test_test_folders_are_named_after_packages():
+    """A test lives under the package it tests: every folder of tests/unit and tests/integration
+    is named after a package of megarl/."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    folders = {f"{kind}/{d.name}": d.name for kind in ("unit", "integration")
+               for d in (PACKAGE.parent / "tests" / kind).iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert sorted(f for f, name in folders.items() if name not in packages) == []

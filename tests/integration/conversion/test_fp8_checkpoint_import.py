@@ -3,7 +3,7 @@
 as the checkpoint its dequantisation stands for.
 
 Reference: the same tiny model with every quantised weight replaced by its dequantisation computed
-by the per-block loop of ``tests/unit/conversion/test_fp8_blocks.py`` (written to disk unquantised).
+by the per-block loop of ``tests/unit/models/test_fp8_blocks.py`` (written to disk unquantised).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from megarl.models.fp8_blocks import BlockFP8, quantize_blockwise
 from megarl.conversion.hf_io import CheckpointFileError, HFCheckpointReader
 from megarl.testing.checkpoints import load_safetensors_dir
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "unit" / "conversion"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "unit" / "models"))
 from test_fp8_blocks import _reference_dequantize  # noqa: E402
 
 BLOCK = (16, 16)  # the tiny model's linears span several blocks (DeepSeek-V3: 128 x 128)

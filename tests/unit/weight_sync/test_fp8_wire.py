@@ -25,7 +25,7 @@ from megarl.weight_sync.specs import EngineSplit, HFTensorSpec
 from megarl.weight_sync.manifest_checks import WeightSyncError, check_plan_against_manifest, read_manifest
 from megarl.weight_sync.wire import checksum_algo
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "conversion"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from test_fp8_blocks import _reference_quantize  # noqa: E402
 
 TP = 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = [ROOT / "tools" / "gpu_check.sh", ROOT / "tools" / "gpu_wheels.sh"]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NODE_DISTRIBUTIONS = ("torch", "transformers", "pytest", "pytest-timeout")
 """What a bare GPU node has installed (README "Checking a GPU node"), with their requirements."""
 CARRIED_WHEELS = ("megatron-core", "omegaconf")
