@@ -57,12 +57,27 @@ def _summary(cfg: DictConfig) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """``megarl validate CONFIG [overrides]``: load, compose and validate the config (every layer's
+    rules, :func:`megarl.launch.preflight.prepare_config`) and print a one-line summary; exit status 0.
+
+    Raises:
+        megarl.errors.UserError: the config breaks a rule (reported as one line by :func:`main`).
+    """
     cfg = prepare_config(args.config, args.overrides, cpu_scale=args.cpu_scale)
     print(f"OK {args.config}: {_summary(cfg)}")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``megarl train CONFIG [overrides]``: validate, then run :func:`megarl.launch.driver.train`.
+
+    A run resumed from ``$MEGARL_RESUME_FILE`` gets that run's overrides appended. Returns 0, or
+    ``EXIT_PREEMPTED`` when the run stopped on SIGUSR1 / SIGTERM / ``train.max_wall_time_s`` after
+    saving a checkpoint.
+
+    Raises:
+        megarl.errors.UserError: the config breaks a rule.
+    """
     from megarl.launch.preemption import EXIT_PREEMPTED, Preempted, record_run_dir, resume_overrides
 
     args.overrides = [*args.overrides, *resume_overrides()]  # $MEGARL_RESUME_FILE: continue the recorded run
@@ -80,7 +95,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from megarl.checkpoint import convert_cli
+    """``megarl convert hf-to-megatron | megatron-to-hf``: run one directory converter
+    (:mod:`megarl.conversion.convert_cli`); hub ids are resolved first. Prints the written directory;
+    returns 0.
+
+    Raises:
+        megarl.errors.UserError: a checkpoint that does not match its config, or a bad layout.
+        OSError: an input path that does not exist.
+    """
+    from megarl.conversion import convert_cli
 
     from megarl.config.hub import resolve_hub_path
 
@@ -94,6 +117,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace, rest: list[str]) -> int:
+    """``megarl make-tiny-model ...``: ``tools/make_tiny_model.py``'s ``main`` with the arguments
+    ``rest`` (the tool parses them itself); returns its exit status.
+    """
     import runpy
     from pathlib import Path
 
@@ -102,6 +128,10 @@ def cmd_make_tiny_model(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    """``megarl index build CORPUS OUT``: build a retrieval index (:func:`megarl.retrieval.index.build_index`).
+
+    Returns 0, or 2 with one line on stderr for a bad corpus, a bad index request or a missing file.
+    """
     from megarl.retrieval.corpus import CorpusError
     from megarl.retrieval.index import RetrievalIndexError, build_index
 
@@ -117,6 +147,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_sync(args: argparse.Namespace) -> int:
+    """``megarl plan-sync CONFIG``: predict one weight sync on paper
+    (:func:`megarl.weight_sync.predict.cmd_plan_sync`); returns its exit status.
+    """
     from megarl.weight_sync.predict import cmd_plan_sync as run
 
     return run(args, prepare_config(args.config, args.overrides))
@@ -154,12 +187,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    """``megarl show RUN_DIR``: a run's trajectories in the terminal or as one HTML page
+    (:func:`megarl.launch.show.cmd_show`); returns its exit status.
+    """
     from megarl.launch.show import cmd_show as run
 
     return run(args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """``megarl eval CONFIG``: pass@k, reward and tool use of a checkpoint or HF model with the
+    recipe's agent loop (:func:`megarl.launch.evaluate.run_eval`); returns its exit status.
+    """
     from megarl.launch.evaluate import run_eval
 
     return run_eval(args)
@@ -194,6 +233,10 @@ def plain(doc: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``megarl`` argument parser: one sub-command per ``cmd_*`` function (``train``,
+    ``validate``, ``config``, ``convert``, ``index build``, ``doctor``, ``make-tiny-model``,
+    ``plan-sync``, ``plan``, ``show``, ``eval``).
+    """
     parser = argparse.ArgumentParser(prog="megarl", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
@@ -212,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("overrides", nargs="*", help="overrides, as for `megarl train`")
     conf.add_argument("--sources", action="store_true",
                       help="end each value's line with where it was set: file:line, the override, or default")
-    from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments
+    from megarl.conversion.convert_cli import add_hf_to_megatron_arguments, add_megatron_to_hf_arguments
 
     conv = sub.add_parser("convert", help="Hugging Face <-> Megatron checkpoints (the tools' flags)")
     directions = conv.add_subparsers(dest="direction", required=True)
@@ -243,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``megarl`` command: parse ``argv`` (default ``sys.argv[1:]``), run the sub-command and
+    return its exit status.
+
+    Overrides may follow options (``megarl train c.yaml --cpu-scale a.b=1``). An expected error
+    (:class:`megarl.errors.UserError`, :class:`OSError`) is printed as one line and gives status 2
+    (:func:`report_expected_errors`); ``--debug`` or ``MEGARL_DEBUG=1`` prints its traceback too.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from megarl.logging_setup import install as filter_known_noise

@@ -8,7 +8,7 @@ its traceback.
 
 The expected errors derive from this class where they are defined (each module keeps its own
 exception): ``ConfigError`` (``megarl.config``), ``CheckpointFileError`` and ``ConfigMismatchError``
-(``megarl.checkpoint``), ``LayoutMismatchError`` (a conversion job's world size), ``PlanError`` (a
+(``megarl.conversion``), ``LayoutMismatchError`` (a conversion job's world size), ``PlanError`` (a
 weight-sync plan that cannot be built). It subclasses ``ValueError`` so callers that catch that keep
 working.
 """

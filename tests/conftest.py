@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
     """A tiny Qwen3-MoE HF directory (2 layers, 8 experts, top-2, fp32), built once per session."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_moe", TinyModelSpec(family="qwen3_moe"))
 
@@ -32,7 +32,7 @@ def tiny_moe_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_dense_dir(tmp_path_factory):
     """A tiny dense Qwen3 HF directory (2 layers, fp32), built once per session."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_dense", TinyModelSpec(family="qwen3"))
 
@@ -40,7 +40,7 @@ def tiny_dense_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_tied_moe_dir(tmp_path_factory):
     """The tiny Qwen3-MoE with ``tie_word_embeddings=true`` (no ``lm_head.weight``), built once per session."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_tied_moe",
                            TinyModelSpec(family="qwen3_moe", tie_word_embeddings=True))
@@ -50,7 +50,7 @@ def tiny_tied_moe_dir(tmp_path_factory):
 def tiny_deepseek_v3_dir(tmp_path_factory):
     """A tiny DeepSeek-V3 HF directory (2 layers: dense then MoE; MLA, YaRN, 8 experts in 4 groups,
     top-2, a shared expert, random router bias and norms; fp32), built once per session."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_deepseek_v3", TinyModelSpec(family="deepseek_v3"))
 
@@ -59,7 +59,7 @@ def tiny_deepseek_v3_dir(tmp_path_factory):
 def tiny_glm4_moe_dir(tmp_path_factory):
     """A tiny GLM-4.5 HF directory (2 layers: dense then MoE; partial rotary, q/k norm, qkv bias,
     8 experts, top-2, a shared expert, random router bias and norms; fp32), built once per session."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_glm4_moe", TinyModelSpec(family="glm4_moe"))
 
@@ -69,7 +69,7 @@ def tiny_gpt_oss_dir(tmp_path_factory):
     """A tiny gpt-oss HF directory (2 layers: sliding window 4 then full attention; sinks, YaRN,
     8 experts top-2 stacked in HF's gate_up_proj / down_proj, random biases and norms; fp32),
     built once per session."""
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_gpt_oss", TinyModelSpec(family="gpt_oss"))
 
@@ -82,7 +82,7 @@ def official_template_tokenizers(tmp_path_factory):
     their directories hold config.json and generation_config.json), built once per session."""
     from transformers import AutoTokenizer
 
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     families = {"qwen3": "qwen3", "deepseek_r1": "deepseek_v3", "deepseek_v31": "deepseek_v3", "glm4_moe": "glm4_moe"}
     root = tmp_path_factory.mktemp("official_templates")

@@ -8,13 +8,13 @@
 Spawns one CPU (gloo) process per rank of the layout, streams the weights group by group, and
 writes OUT_DIR atomically (a temporary sibling renamed at the end). The HF config, generation
 config and tokenizer are kept in OUT_DIR/hf_config for the export. The same command as
-``megarl convert hf-to-megatron`` (flags from megarl.checkpoint.convert_cli).
+``megarl convert hf-to-megatron`` (flags from megarl.conversion.convert_cli).
 """
 import argparse
 import os
 import sys
 
-from megarl.checkpoint.convert_cli import add_hf_to_megatron_arguments, run_hf_to_megatron
+from megarl.conversion.convert_cli import add_hf_to_megatron_arguments, run_hf_to_megatron
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,13 +8,13 @@ shards (+ index), config.json, generation_config.json and tokenizer files from H
 CKPT_DIR's hf_config/, which both the converter and the trainer store). The config is checked
 against the checkpoint's tensor shapes (and against the stored one when both exist). OUT_DIR is
 written atomically. The same command as ``megarl convert megatron-to-hf`` (flags from
-megarl.checkpoint.convert_cli).
+megarl.conversion.convert_cli).
 """
 import argparse
 import os
 import sys
 
-from megarl.checkpoint.convert_cli import add_megatron_to_hf_arguments, run_megatron_to_hf
+from megarl.conversion.convert_cli import add_megatron_to_hf_arguments, run_megatron_to_hf
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@
 # versions setup.py pins (OmegaConf 2.4 vendors its antlr4 runtime). The node has Python's standard
 # library, torch, transformers, pytest and pytest-timeout with what pip installed for them (numpy,
 # packaging, safetensors, tokenizers, pyyaml, ...), nothing else: no aiohttp, psutil or einops, no
-# Transformer Engine, SGLang or Ray. tests/unit/test_gpu_check_imports.py imports every module the
+# Transformer Engine, SGLang or Ray. tests/unit/testing/test_gpu_check_imports.py imports every module the
 # check imports with only those and these two wheels importable.
 #
 # usage: tools/gpu_wheels.sh            (run where pip can reach PyPI; PYTHON=... picks the pip)

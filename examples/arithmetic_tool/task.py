@@ -32,8 +32,8 @@ import json
 import random
 from typing import Any
 
-from megarl.rollout.rewards.registry import register_reward
-from megarl.rollout.rewards.gsm8k import Gsm8kReward
+from megarl.rollout.rewards.reward_registry import register_reward
+from megarl.rollout.rewards.gsm8k_answer import Gsm8kReward
 from megarl.rollout.tools import register_tool
 from megarl.rollout.tools.calculator import CalculatorTool
 

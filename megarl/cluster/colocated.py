@@ -1,6 +1,6 @@
 """Colocated placement: the engines give their GPU memory to the trainer while it trains.
 
-Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.engines.MEMORY_SAVER_FLAG`).
+Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.ray_engines.MEMORY_SAVER_FLAG`).
 At start (:meth:`megarl.launch.run.Run.build`) the engines, once ready, release everything before
 the trainer ranks are built, and resume before the first weight sync (which rewrites the weights):
 the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
@@ -63,7 +63,7 @@ def resume(engine_urls: Sequence[str], tags: Sequence[str], *, trainer: Any = No
 
 
 def _call(engine_urls: Sequence[str], method: str, tags: Sequence[str]) -> None:
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
 
     with EngineClients(list(engine_urls)) as engines:
         engines.call_all(method, list(tags))

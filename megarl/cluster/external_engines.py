@@ -4,7 +4,7 @@ serve-engines``): which engine parts each node runs, on which devices, and their
 An engine that fits a node: ``MEGARL_ENGINES_PER_NODE`` engines per node, each on ``max(tp, ep)``
 of the node's GPUs (``{name}-{k}``). An engine larger than a node (the Kimi-K2 recipe's TP16 on
 8-GPU nodes) spans ``devices / devices per node`` consecutive nodes of the job as engines started
-through Ray do (:mod:`megarl.cluster.engines`): one SGLang process per node with ``--nnodes N
+through Ray do (:mod:`megarl.cluster.ray_engines`): one SGLang process per node with ``--nnodes N
 --node-rank r --dist-init-addr HEAD:PORT``, HEAD node-rank 0's address and a port from megarl's
 allocator there. Node-rank 0 publishes that address in the registry (``engine{g}.rdzv``); the other
 parts read it. Devices per node: the visible GPUs on CUDA, ``cluster.rollout_devices_per_node`` on
@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megarl.cluster.bundles import devices_per_engine
-from megarl.rollout.ports import ENGINE_PORT_STRIDE, find_free_port
+from megarl.procs.ports import find_free_port
+from megarl.rollout.engine_resources import ENGINE_PORT_STRIDE
 
 
 class ExternalEnginesError(ValueError):
@@ -117,11 +118,11 @@ def rendezvous(part: ServedEngine, *, host: str, base_port: int, registry: Path,
 
 def engine_process(cfg: Any, part: ServedEngine, *, host: str, device: str, registry: Path,
                    custom_weight_loaders: Sequence[str] = (), dist_init_addr: str | None = None) -> Any:
-    """The :class:`~megarl.rollout.engine.EngineProcess` of ``part`` (the settings engines started
-    through Ray get, :func:`megarl.cluster.engines.engine_kwargs`, bound to ``host``; its HTTP
+    """The :class:`~megarl.rollout.engine_process.EngineProcess` of ``part`` (the settings engines started
+    through Ray get, :func:`megarl.cluster.ray_engines.engine_kwargs`, bound to ``host``; its HTTP
     port from megarl's allocator at or above ``base_port + 10 * index``), not started."""
-    from megarl.cluster.engines import engine_kwargs
-    from megarl.rollout.engine import EngineProcess
+    from megarl.cluster.ray_engines import engine_kwargs
+    from megarl.rollout.engine_process import EngineProcess
 
     env = {"CUDA_VISIBLE_DEVICES": ",".join(part.devices)} if part.devices else {}
     if part.nnodes > 1:  # SGLang's cross-node queue advertises this address (as EngineActor pins it)

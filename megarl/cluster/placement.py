@@ -32,7 +32,7 @@ import logging
 import os
 from typing import Any, Iterator, Sequence
 
-from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes  # noqa: F401  (re-exported)
+from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes
 from megarl.config.device import use_cuda
 from megarl.config.parallel import trainer_world_size
 

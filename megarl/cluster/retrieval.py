@@ -49,6 +49,7 @@ class RetrievalActor:
         return self.process.url
 
     def stop(self) -> None:
+        """Stop the retrieval server process (SIGTERM, then SIGKILL of its process group)."""
         self.process.stop()
 
 
@@ -63,6 +64,9 @@ def _placement_options(cfg: Any) -> dict[str, Any]:
 
 
 def uses_search(cfg: Any) -> bool:
+    """True when the run gives the policy the ``search`` tool (``rollout.tools`` names it), so a
+    retrieval service must run beside the engines.
+    """
     return "search" in (cfg.rollout.tools or {})
 
 

@@ -24,6 +24,15 @@ class Checker:
         self.issues: list[ConfigIssue] = []
 
     def check(self, ok: bool, key: str, message: str, value: Any = "__from_cfg__") -> bool:
+        """Record a :class:`ConfigIssue` for ``key`` when ``ok`` is False; returns ``ok``.
+
+        Args:
+            ok: the rule holds.
+            key: dotted config key the issue names (``parallel.tensor_model_parallel_size``).
+            message: what is wrong and what would be valid.
+            value: the value reported; by default the one at ``key`` in the config (None when the
+                config has no such key).
+        """
         if not ok:
             if value == "__from_cfg__":
                 try:

@@ -118,7 +118,7 @@ def _rollout_corrections() -> Registry:
 
 
 def _rewards() -> Registry:
-    from megarl.rollout.rewards.registry import REWARD_REGISTRY
+    from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY
     return REWARD_REGISTRY
 
 
@@ -150,7 +150,7 @@ PROBABILITY = Range(0, 1, "[)")
 DOMAINS: dict[str, Domain] = {
     "model.hf_path": Text("a Hugging Face model directory or hub id (checked: config.json, megarl.config.hub)"),
     "model.tokenizer_path": Text("a tokenizer directory (checked: exists)"),
-    "model.load_dir": Text("a Megatron dist checkpoint (checked: megarl.checkpoint.load_dir)"),
+    "model.load_dir": Text("a Megatron dist checkpoint (checked: megarl.conversion.load_dir)"),
     "model.make_vocab_size_divisible_by": POSITIVE,
     "model.moe_router_dtype": Choice((None, "fp32", "fp64")),
     "model.moe_aux_loss_coeff": NON_NEGATIVE,

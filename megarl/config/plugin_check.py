@@ -111,9 +111,9 @@ def plugin_issues(cfg: Any) -> list[Issue]:
         index = int(e.key[e.key.index("[") + 1:-1])
         return [(e.key, e.message, plugins[index])]  # the names below would only fail after it
     from megarl.data.datasets import DATASET_REGISTRY
-    from megarl.data.sft import DEMONSTRATION_BUILDERS, is_demonstrations_file
+    from megarl.data.demonstrations import DEMONSTRATION_BUILDERS, is_demonstrations_file
     from megarl.rollout.agent import AGENT_REGISTRY
-    from megarl.rollout.rewards.registry import REWARD_REGISTRY
+    from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY
     from megarl.rollout.tools import TOOL_REGISTRY
 
     issues: list[Issue] = []

@@ -245,7 +245,7 @@ class ClusterConfig:
     """torch.distributed rendezvous port of the trainer group on rank 0's node: the first free port at
     or above it there, within 1000 ports (the range a firewalled cluster opens); 0 (default): a free
     port below the kernel's ephemeral range. Ports handed out are reserved on the node for a while, so
-    two runs started at once on one machine do not race for one (``megarl.rollout.ports``)."""
+    two runs started at once on one machine do not race for one (``megarl.rollout.engine_resources``)."""
     colocated_trainer_memory_fraction: float = 0.4
     """Colocated on CUDA: the share of each GPU's memory the trainer rank keeps while the engines hold
     theirs (rollout and weight sync): its parameters, gradients, optimizer states and allocator
@@ -318,7 +318,7 @@ class SFTConfig:
     """A jsonl/parquet file whose rows hold chat ``messages``, or a builder turning the rows of
     ``data.train_path`` into demonstrations: a registered name (``gsm8k_python``: python-tool
     demonstrations from GSM8K's worked solutions; plugins add theirs with
-    ``megarl.data.sft.register_demonstrations``) or an import path ``module:attr`` / ``file.py:attr``
+    ``megarl.data.demonstrations.register_demonstrations``) or an import path ``module:attr`` / ``file.py:attr``
     (e.g. ``examples/arithmetic_tool/task.py:demonstrations``), called as
     ``builder(rows, *, system_prompt, tool_fraction, seed)``."""
     batch_size: int = 16

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from megarl.launch.metrics import StageTimer, save_plots
+from megarl.launch.metric_sinks import StageTimer, save_plots
 from megarl.launch.pipeline import pipeline_depth, staleness_bound, sync_due
 from megarl.launch.preemption import Preempted, StopGuard
 from megarl.launch.run import PendingRollout, Run

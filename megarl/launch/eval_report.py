@@ -1,6 +1,6 @@
 """``megarl eval``'s report: per-trajectory records in, a JSON-ready summary and a console table out.
 
-The records are :func:`megarl.rollout.metrics.trajectory_record`'s, as
+The records are :func:`megarl.rollout.trajectory_stats.trajectory_record`'s, as
 :meth:`megarl.launch.rollout_actor.RolloutWorker.evaluate_records` returns them: ``greedy`` (one
 trajectory per prompt, temperature 0) and ``sampled`` (n per prompt, the training sampling
 settings and seeds). A prompt whose group failed has fewer records than it should: its missing

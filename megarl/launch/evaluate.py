@@ -6,7 +6,7 @@
 1. **Model**: ``--hf`` (a directory or a hub id, :mod:`megarl.config.hub`) is served as it is. ``--checkpoint`` (a trainer's ``RUN/checkpoints/step_N``,
    its ``trainer/``, a ``checkpoints/`` directory with ``latest``, or any dist checkpoint of any
    layout) is exported to an HF directory by megarl's own converter
-   (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`, as ``megarl convert megatron-to-hf`` and
+   (:func:`megarl.conversion.convert.megatron_to_hf_dir`, as ``megarl convert megatron-to-hf`` and
    the run's background exports do), unless the run already exported it to ``RUN/hf/step_N``.
 2. **Config**: the recipe with ``model.hf_path`` set to that directory (validated first, against the
    checkpoint's stored ``hf_config/``, before anything is exported), ``data.eval_path`` from
@@ -70,7 +70,7 @@ def _trainer_step_dir(ckpt: Path) -> Path | None:
 
 
 def _resolve_checkpoint(path: str) -> Path:
-    from megarl.checkpoint.convert import resolve_checkpoint_dir
+    from megarl.conversion.convert import resolve_checkpoint_dir
 
     try:  # also a save_dir: its newest complete checkpoint
         return resolve_checkpoint_dir(path).resolve()
@@ -156,7 +156,7 @@ def default_ks(n: int) -> tuple[int, ...]:
 def export_model(request: EvalRequest) -> Path:
     """The HF directory to serve: ``--hf``; or the checkpoint's export, reused from ``RUN/hf/step_N``
     when the run wrote one, else written to ``work_dir/hf`` by megarl's converter."""
-    from megarl.checkpoint.convert import megatron_to_hf_dir
+    from megarl.conversion.convert import megatron_to_hf_dir
 
     if request.hf_dir is not None:
         return request.hf_dir
@@ -182,7 +182,7 @@ def evaluate_model(cfg: Any, rows: list[dict], log_dir: Path, policy_version: in
     import ray
     from omegaconf import OmegaConf
 
-    from megarl.cluster.engines import EngineGroup
+    from megarl.cluster.ray_engines import EngineGroup
     from megarl.cluster.placement import build_placement, init_ray
     from megarl.cluster.retrieval import start_retrieval, stop_retrieval
     from megarl.launch.rollout_actor import RolloutWorker
@@ -260,7 +260,7 @@ def _checkpoint_config_dir(ckpt: Path) -> Path:
     Raises:
         EvalArgumentError: the checkpoint has none.
     """
-    from megarl.checkpoint.convert import HF_CONFIG_SUBDIR
+    from megarl.conversion.convert import HF_CONFIG_SUBDIR
 
     stored = ckpt / HF_CONFIG_SUBDIR
     if not (stored / "config.json").is_file():

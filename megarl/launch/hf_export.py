@@ -1,15 +1,15 @@
 """HF exports during training, off the driver loop (``checkpoint.hf_export_interval``).
 
-The export of a committed checkpoint (:func:`megarl.checkpoint.convert.megatron_to_hf_dir`) runs
+The export of a committed checkpoint (:func:`megarl.conversion.convert.megatron_to_hf_dir`) runs
 in its own processes (:func:`export_ranks` gloo ranks on the driver's machine, fewer where its
 available memory would not hold each rank's layers in flight, spawned by
 :func:`megarl.procs.local_ranks.run_ranks`): each reads ~1/ranks of the model's layers from the
 checkpoint and writes its own safetensors shards, and the index is merged from what they return
-(:mod:`megarl.checkpoint.parallel_export`), so it takes as long as one rank reading and writing its
+(:mod:`megarl.conversion.parallel_export`), so it takes as long as one rank reading and writing its
 share. Waited for in the driver loop, the trainer ranks sat idle meanwhile; here a daemon thread of
 the driver waits for those processes while the loop goes on (rollouts, training, weight syncs).
 Its time limit is sized from the checkpoint's bytes (a floor rate per rank far under the measured
-one, :func:`megarl.checkpoint.parallel_export.export_timeout_s`): a hung export (a stalled
+one, :func:`megarl.conversion.parallel_export.export_timeout_s`): a hung export (a stalled
 filesystem) is ended and retried rather than holding up, forever, the next checkpoint's commit.
 
 Why this is safe:
@@ -54,8 +54,8 @@ def export_ranks(cpu_count: Optional[int] = None) -> int:
 def _export(ckpt: Path, out: Path, ranks: int = 1) -> None:
     import json
 
-    from megarl.checkpoint.convert import HF_CONFIG_SUBDIR, megatron_to_hf_dir, resolve_checkpoint_dir
-    from megarl.checkpoint.parallel_export import available_memory_bytes, checkpoint_bytes, ranks_within_memory
+    from megarl.conversion.convert import HF_CONFIG_SUBDIR, megatron_to_hf_dir, resolve_checkpoint_dir
+    from megarl.conversion.parallel_export import available_memory_bytes, checkpoint_bytes, ranks_within_memory
 
     model = resolve_checkpoint_dir(ckpt)
     config = model / HF_CONFIG_SUBDIR / "config.json"  # missing: megatron_to_hf_dir says what to do

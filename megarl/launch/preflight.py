@@ -3,10 +3,10 @@
 :func:`preflight` gathers :func:`megarl.config.validate.config_issues` (the rules that need only the
 config and the model's ``config.json``) with the rules each layer enforces at run time and can check
 on paper: the model's weights against its config.json
-(:func:`megarl.checkpoint.config_check.check_weights_match_config`), the FP8 recipe
+(:func:`megarl.conversion.config_check.check_weights_match_config`), the FP8 recipe
 (:func:`megarl.training.fp8.fp8_recipe_issues`), the pipeline stages' layers
 (:class:`megarl.weight_sync.layout.TrainerLayout`) and ``model.load_dir``
-(:func:`megarl.checkpoint.load_dir.check_load_dir`). Each rule is defined once, in its layer; this
+(:func:`megarl.conversion.load_dir.check_load_dir`). Each rule is defined once, in its layer; this
 module only collects. :func:`prepare_config` is what every ``megarl`` command that takes a config runs.
 """
 from __future__ import annotations
@@ -59,11 +59,11 @@ def _check_stage_layers(c: Checker) -> None:
 
 
 def _check_load_dir(c: Checker) -> None:
-    """``model.load_dir`` holds ``model.hf_path``'s model (:func:`megarl.checkpoint.load_dir.check_load_dir`)."""
+    """``model.load_dir`` holds ``model.hf_path``'s model (:func:`megarl.conversion.load_dir.check_load_dir`)."""
     load_dir = c.cfg.model.load_dir
     if not load_dir:
         return
-    from megarl.checkpoint.load_dir import check_load_dir
+    from megarl.conversion.load_dir import check_load_dir
 
     try:
         check_load_dir(load_dir, c.cfg.model.hf_path)
@@ -74,10 +74,10 @@ def _check_load_dir(c: Checker) -> None:
 def _check_hf_weights(c: Checker) -> None:
     """``model.hf_path``'s weights: complete safetensors headers holding what its ``config.json``
     says (layers, experts, every tensor's shape), as ``megarl convert`` checks them
-    (:func:`megarl.checkpoint.config_check.check_weights_match_config`; headers only, no data read).
+    (:func:`megarl.conversion.config_check.check_weights_match_config`; headers only, no data read).
     A directory without weights (the GPU recipes' ``configs/models/*``: config.json alone) is skipped."""
-    from megarl.checkpoint.config_check import check_weights_match_config
-    from megarl.checkpoint.hf_io import INDEX_FILE
+    from megarl.conversion.config_check import check_weights_match_config
+    from megarl.conversion.hf_io import INDEX_FILE
     from megarl.errors import UserError
 
     hf_dir = Path(c.cfg.model.hf_path)

@@ -8,7 +8,7 @@ health checks, putting a restarted engine back into service) between or during r
 Determinism (``rollout.deterministic_sampling``): every generate call gets a ``sampling_seed``
 derived from ``(train.seed, step, token ids of the request, occurrence)``, so a resumed run samples
 exactly what an uninterrupted one would, independent of which engine or in which order requests are
-served. The engines then run with ``--enable-deterministic-inference`` (see ``engines.py``).
+served. The engines then run with ``--enable-deterministic-inference`` (see ``megarl/cluster/ray_engines.py``).
 
 R3 routes (``Trajectory.routed_experts`` ``[P + R, L, K]`` int32, ~1.5 KB per token for
 Qwen3-30B-A3B) pass neither through this actor nor through the driver: one worker per engine makes
@@ -64,6 +64,9 @@ class SeededEngine:
         return int.from_bytes(mixed, "little") & (2**63 - 1)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        """The wrapped engine's ``generate`` with ``sampling_seed`` set by :meth:`seed_for` (the caller's
+        ``sampling_params`` are not changed).
+        """
         params = {**sampling_params, "sampling_seed": self.seed_for(input_ids)}
         return await self.engine.generate(input_ids, params, **kwargs)
 
@@ -97,7 +100,7 @@ def _records(trajectories: Sequence[Any], rows: Sequence[dict]) -> list[dict]:
     content: the manager copies the rows; equal rows take their indices in turn)."""
     import json
 
-    from megarl.rollout.metrics import trajectory_record
+    from megarl.rollout.trajectory_stats import trajectory_record
 
     def key(row: Any) -> str:
         return json.dumps(row, sort_keys=True, default=str)
@@ -209,7 +212,7 @@ class RolloutWorker:
     async def evaluate_records(self, rows: list[dict], policy_version: int
                                ) -> tuple[dict[str, float], str, dict[str, list[dict]]]:
         """:meth:`evaluate` (the same generations, so the same metrics) and every trajectory as a
-        record (:func:`megarl.rollout.metrics.trajectory_record`), ``{"greedy": [...], "sampled":
+        record (:func:`megarl.rollout.trajectory_stats.trajectory_record`), ``{"greedy": [...], "sampled":
         [...]}`` in prompt order; a failed group has no records (``megarl eval``'s report)."""
         self.eval_manager.policy_version = policy_version
         metrics, trajs = await self._score(self.eval_manager, rows, 1)

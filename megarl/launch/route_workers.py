@@ -81,7 +81,7 @@ class RoutedClient:
                 error); ``EngineUnavailableError`` when the worker died (a new one is started, so
                 the router's re-sent turn goes through it).
         """
-        from megarl.rollout.errors import EngineUnavailableError
+        from megarl.rollout.engine_errors import EngineUnavailableError
 
         if not return_routed_experts:
             return await self.client.generate(input_ids, sampling_params, **kwargs)

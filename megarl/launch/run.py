@@ -26,9 +26,9 @@ from megarl.data.datasets import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.launch import run_state as rs
 from megarl.cluster.placement import build_placement, init_ray
-from megarl.cluster.engines import EngineGroup
+from megarl.cluster.ray_engines import EngineGroup
 from megarl.launch.hf_export import BackgroundExport
-from megarl.launch.metrics import MetricsLogger
+from megarl.launch.metric_sinks import MetricsLogger
 from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.launch.rollout_actor import RolloutWorker
 from megarl.launch.route_files import write_routes

@@ -102,7 +102,7 @@ def save_hf_metadata(ckpt_dir: Path, hf_path: str | None, tokenizer_path: str | 
     Returns:
         The directory written, or None when ``hf_path`` is not an HF directory (runs without a model).
     """
-    from megarl.checkpoint.convert import HF_CONFIG_SUBDIR, copy_hf_metadata
+    from megarl.conversion.convert import HF_CONFIG_SUBDIR, copy_hf_metadata
 
     if not hf_path or not (Path(hf_path) / "config.json").is_file():
         return None

@@ -83,14 +83,14 @@ def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
     """The SFT demonstrations as trajectories (empty when ``sft.num_steps`` is 0); runs before Ray.
 
     Demonstrations are tokenised exactly as the agent loop lays out rollouts (same chat template,
-    ``chat_template_kwargs``, system prompt and tool schemas; see :mod:`megarl.data.sft`).
+    ``chat_template_kwargs``, system prompt and tool schemas; see :mod:`megarl.data.demonstrations`).
 
     Raises:
         ValueError: no usable demonstrations (names ``sft.demonstrations``).
     """
     from transformers import AutoTokenizer
 
-    from megarl.data.sft import demonstration_to_trajectory, load_demonstrations
+    from megarl.data.demonstrations import demonstration_to_trajectory, load_demonstrations
     from megarl.rollout.template import build_template
     from megarl.rollout.tools import build_tools
 
@@ -117,7 +117,7 @@ def run_cold_start(run: Any, trajectories: list) -> bool:
     import logging
     import time
 
-    from megarl.launch.metrics import JsonlSink
+    from megarl.launch.metric_sinks import JsonlSink
 
     cfg, sft = run.cfg, run.cfg.sft
     if sft.num_steps <= 0 or not trajectories:

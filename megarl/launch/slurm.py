@@ -149,6 +149,9 @@ def _supervise(engines: list, host: str, stop: dict) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m megarl.launch.slurm check | wait-nodes | serve-engines``, the sub-commands the
+    sbatch scripts run on the allocation; returns the sub-command's exit status.
+    """
     parser = argparse.ArgumentParser(prog="python -m megarl.launch.slurm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

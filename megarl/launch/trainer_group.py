@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import ray
 
-from megarl.rollout.ports import find_free_port
+from megarl.procs.ports import find_free_port
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TrainerWorker:
         Args:
             master_port: None: no port (0 is returned); else ``cluster.master_port``: the port is the
                 first free one at or above it on this node (0: anywhere below the ephemeral range),
-                from :func:`megarl.rollout.ports.find_free_port`, reserved there for this group.
+                from :func:`megarl.procs.ports.find_free_port`, reserved there for this group.
         """
         port = 0 if master_port is None else _free_port(master_port)
         return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), port,
@@ -89,9 +89,9 @@ class TrainerWorker:
             torch.set_num_threads(num_threads)
         from omegaconf import OmegaConf
 
-        from megarl.checkpoint.initial_weights import initial_weights
+        from megarl.conversion.initial_weights import initial_weights
         from megarl.plugins import import_plugins
-        from megarl.training.build import build_trainer
+        from megarl.training.trainer_build import build_trainer
 
         cfg = OmegaConf.create(cfg_yaml)
         import_plugins(cfg.plugins)  # user modules, before anything is built
@@ -154,7 +154,7 @@ class TrainerWorker:
         from omegaconf import OmegaConf
 
         from megarl.config.device import resolved_precision
-        from megarl.weight_sync.build import SyncSpec, build_weight_sync
+        from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
         from megarl.weight_sync.choice import run_transport
 
         cfg = self.trainer.cfg

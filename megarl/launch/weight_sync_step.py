@@ -64,7 +64,7 @@ def probe_routes(engine_url: str, probes: TrainBatch) -> torch.Tensor:
     Raises:
         megarl.rollout.client.EngineRequestError: the engine returned no routes.
     """
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
 
     cu = probes.cu_seqlens.tolist()
     rows = []

@@ -140,7 +140,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     try:
         tok.save_pretrained(tmp)
         # transformers 5 keeps MoE experts fused in memory but saves checkpoint-style per-expert
-        # names through its conversion mapping; verified by tests/unit/test_tiny_model.py.
+        # names through its conversion mapping; verified by tests/unit/models/test_tiny_model.py.
         model.save_pretrained(tmp, safe_serialization=True)
         if out.exists() and overwrite:
             shutil.rmtree(out)

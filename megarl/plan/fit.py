@@ -101,6 +101,7 @@ class Fit:
 
     @property
     def trainer_fits(self) -> bool:
+        """The busiest trainer rank's planned bytes fit the GPU's memory (``gpu.memory_bytes``)."""
         return self.trainer.total <= self.gpu.memory_bytes
 
     @property

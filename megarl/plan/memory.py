@@ -74,10 +74,12 @@ class TrainerSetup:
 
     @property
     def dp(self) -> int:
+        """Data-parallel size: ``world_size / (tp * pp * cp)``."""
         return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def expert_dp(self) -> int:
+        """Expert data-parallel size: ``world_size / (ep * etp * pp)``."""
         return self.world_size // (self.ep * self.etp * self.pp)
 
     @classmethod
@@ -115,6 +117,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
+        """Bytes of all consumers together."""
         return sum(self.consumers.values())
 
     def largest(self) -> tuple[str, int]:

@@ -102,6 +102,7 @@ class ModelShape:
 
     @property
     def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3 style: ``kv_lora_rank > 0``)."""
         return self.kv_lora_rank > 0
 
     def padded_vocab(self, divisible_by: int, tp: int) -> int:

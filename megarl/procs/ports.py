@@ -9,7 +9,7 @@ a random port below the kernel's ephemeral range (never ``bind(0)``: the kernel 
 an outgoing connection as its source port before the caller binds it again). A port it hands out is
 reserved on the node for :data:`RESERVATION_TTL_S` (a file per port under :func:`reservation_dir`,
 taken under a node-wide lock), so two groups or engines choosing at once on one node never get the
-same port before either binds it. Re-exported by :mod:`megarl.rollout.ports`.
+same port before either binds it.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ class Passage:
     text: str
 
     def to_json(self) -> str:
+        """One corpus line: ``{"id", "title", "text"}`` as JSON (non-ASCII kept)."""
         return json.dumps({"id": self.id, "title": self.title, "text": self.text}, ensure_ascii=False)
 
 

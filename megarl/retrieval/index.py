@@ -61,6 +61,7 @@ class Hit:
     score: float
 
     def to_dict(self) -> dict[str, Any]:
+        """``{"id", "title", "text", "score"}``, as the server returns a hit."""
         return {"id": self.id, "title": self.title, "text": self.text, "score": self.score}
 
 
@@ -286,6 +287,7 @@ class Retriever:
                     for row_docs, row_scores in zip(docs, scores)]
 
     def close(self) -> None:
+        """Close the passage store's file."""
         self._passages.close()
 
 

@@ -113,14 +113,22 @@ class Batcher:
         self.num_queries = 0
 
     def start(self) -> None:
+        """Start the batching task on the running event loop (call once, from the server's start-up)."""
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Cancel the batching task and the worker thread's queued searches."""
         if self._task is not None:
             self._task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def search(self, queries: list[str], top_k: int) -> list[list[dict[str, Any]]]:
+        """The ``top_k`` hits of each query (``[len(queries)][top_k]`` hit dicts, best first), searched
+        in one library call together with the other requests that arrive within ``max_wait_ms``.
+
+        Raises:
+            Exception: what the retriever's search raised (every request of that batch gets it).
+        """
         if not queries:
             return []
         future = asyncio.get_running_loop().create_future()
@@ -195,6 +203,10 @@ def build_app(retriever: Retriever, *, max_batch_queries: int = 64, max_wait_ms:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m megarl.retrieval.server --index DIR --port N``: check the index (backend, corpus)
+    and serve it over HTTP until killed. Returns 2 with one line on stderr when the index is missing
+    or was built from another corpus or backend, else 0 after the server stops.
+    """
     p = argparse.ArgumentParser(prog="python -m megarl.retrieval.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--index", required=True, help="index directory (megarl index build)")

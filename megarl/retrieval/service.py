@@ -77,9 +77,11 @@ class RetrievalProcess:
 
     @property
     def url(self) -> str:
+        """``http://host:port`` of the server (the port is known once :meth:`start` picked it)."""
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        """The server's command line (``python -m megarl.retrieval.server ...``)."""
         cmd = [sys.executable, "-m", "megarl.retrieval.server", "--index", self.index,
                "--host", self.host, "--port", str(self.port),
                "--max-batch-queries", str(self.max_batch_queries), "--max-wait-ms", str(self.max_wait_ms)]
@@ -140,6 +142,7 @@ class RetrievalProcess:
                                     f"{self.log_tail()}")
 
     def is_alive(self) -> bool:
+        """The server process is running (says nothing about readiness)."""
         return self._proc is not None and self._proc.poll() is None
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -160,6 +163,7 @@ class RetrievalProcess:
         proc.wait(timeout=30)
 
     def log_tail(self, num_bytes: int = 4000) -> str:
+        """The last ``num_bytes`` bytes of the server's log as text (``<no log>`` when there is none)."""
         if self.log_path is None or not self.log_path.exists():
             return "<no log>"
         data = self.log_path.read_bytes()[-num_bytes:]

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from megarl.rollout.errors import (  # noqa: F401  (EngineError and the others: part of this interface)
+from megarl.rollout.engine_errors import (  # noqa: F401  (EngineError and the others: part of this interface)
     EngineConnectionLost, EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError)
 from megarl.rollout.payloads import (  # noqa: F401  (re-exported)
     REBUILD_CUDA_DEVICE_ARG, decode_routed_experts, device_uuid_args, serialize_named_tensors)

@@ -5,7 +5,7 @@ Update sessions, the trainer-engine process group, the three ways tensors reach 
 ``/update_weights_from_disk``), the weight version and the teacher-forced logprobs a sync is
 verified with. They share the client's transport and its failure policy (module docstring of
 :mod:`megarl.rollout.client`); an endpoint answering ``{"success": false}`` raises
-:class:`~megarl.rollout.errors.EngineRequestError`.
+:class:`~megarl.rollout.engine_errors.EngineRequestError`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A Ray actor per rollout engine (cluster mode): it starts an SGLang server on its node.
 
-The actor is thin on purpose: it owns one :class:`~megarl.rollout.engine.EngineProcess` on the node
+The actor is thin on purpose: it owns one :class:`~megarl.rollout.engine_process.EngineProcess` on the node
 Ray placed it on, and reports the URL the driver's :class:`~megarl.rollout.client.SGLangClient`
 should use. Generation traffic goes straight to that URL over HTTP, never through Ray.
 
@@ -12,7 +12,7 @@ Usage (the launch layer does this)::
 Ray sets ``CUDA_VISIBLE_DEVICES`` for the actor; the server process inherits it.
 
 Port: the first free one at or above ``rollout.engine.base_port + 10 * i`` for engine ``i``, chosen
-on the engine's node when it starts (:func:`megarl.rollout.ports.engine_port`). An engine over several
+on the engine's node when it starts (:func:`megarl.rollout.engine_resources.engine_port`). An engine over several
 nodes takes its rendezvous port (``--dist-init-addr``) from the same range on node-rank 0's node.
 
 Address (``rollout.engine.host``, :func:`engine_host`): with ``auto`` (the default) the server binds
@@ -26,8 +26,9 @@ import ipaddress
 import os
 from typing import Any, Iterable
 
-from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
-from megarl.rollout.ports import ENGINE_PORT_STRIDE, engine_port, find_free_port
+from megarl.procs.ports import find_free_port
+from megarl.rollout.engine_process import EngineProcess
+from megarl.rollout.engine_resources import AUTO_HOST, ENGINE_PORT_STRIDE, LOOPBACK, engine_port
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -127,7 +128,7 @@ class EngineActor:
                 :meth:`dist_init_addr` (their ``/health`` answers once every rank joined).
 
         Raises:
-            megarl.rollout.engine.EngineStartupError: with the server's log tail.
+            megarl.rollout.engine_process.EngineStartupError: with the server's log tail.
             ValueError: a node part above rank 0 without ``dist_init_addr``.
             RuntimeError: no free port at or above the base port (names the range).
         """

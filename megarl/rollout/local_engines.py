@@ -1,5 +1,5 @@
 """Start a run's engines on this node: ``rollout.num_engines`` SGLang servers
-(:class:`~megarl.rollout.engine.EngineProcess`), launched together and waited for in parallel."""
+(:class:`~megarl.rollout.engine_process.EngineProcess`), launched together and waited for in parallel."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,9 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megarl.rollout.engine import EngineProcess
-from megarl.rollout.ports import find_free_port, local_host
+from megarl.rollout.engine_process import EngineProcess
+from megarl.procs.ports import find_free_port
+from megarl.rollout.engine_resources import local_host
 
 
 def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
@@ -33,7 +34,7 @@ def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
         nothing is launched and the list is empty: use the URLs directly.
 
     Raises:
-        megarl.rollout.engine.EngineStartupError: an engine failed to start; all engines started here are stopped.
+        megarl.rollout.engine_process.EngineStartupError: an engine failed to start; all engines started here are stopped.
     """
     if cfg.external_engine_urls:
         return []

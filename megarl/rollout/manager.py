@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from megarl.rollout.agent import AgentContext, get_agent_loop, new_state, run_agent
-from megarl.rollout.metrics import throughput_metrics, trajectory_metrics
-from megarl.rollout.rewards.registry import build_reward, compute_reward
+from megarl.rollout.trajectory_stats import throughput_metrics, trajectory_metrics
+from megarl.rollout.rewards.reward_registry import build_reward, compute_reward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.trajectory_state import TrajectoryState
@@ -286,9 +286,3 @@ class RolloutManager:
             result = close()
             if asyncio.iscoroutine(result):
                 await result
-
-    def drop_carried(self) -> int:
-        """Forget carried-over groups (e.g. when they became too stale); returns how many."""
-        n = len(self._carry)
-        self._carry.clear()
-        return n

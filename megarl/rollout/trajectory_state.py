@@ -49,6 +49,7 @@ class TrajectoryState:
 
     @property
     def response_len(self) -> int:
+        """Tokens after the prompt (model and agent tokens): ``len(ids) - prompt_len``."""
         return len(self.ids) - self.prompt_len
 
     def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None,

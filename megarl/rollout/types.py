@@ -141,11 +141,16 @@ class RolloutEngine(Protocol):
         are returned; ``megarl.rollout.client.SGLangClient.generate``)."""
         ...
 
-    async def pause(self, mode: str = "retract") -> None: ...
+    async def pause(self, mode: str = "retract") -> None:
+        """Pause generation: ``retract`` (running requests go back to the queue and resume later),
+        ``abort`` (they return now with ``finish_reason="abort"``) or ``in_place`` (kept as is).
+        """
 
-    async def resume(self) -> None: ...
+    async def resume(self) -> None:
+        """Continue generation after :meth:`pause`."""
 
-    async def flush_cache(self) -> None: ...
+    async def flush_cache(self) -> None:
+        """Empty the prefix (radix) cache (after a weight update: cached KV belongs to the old weights)."""
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ the environment: NCCL on CUDA, gloo on CPU), prints what it measured and one lin
 
 - ``env``: versions (torch, CUDA, NCCL, Megatron-Core, transformers, Transformer Engine if any),
   the device, and that CUDA and NCCL are there when ``--device cuda``.
-- ``replay``: megarl's real trainer (`megarl.training.build.build_trainer`; without Transformer
+- ``replay``: megarl's real trainer (`megarl.training.trainer_build.build_trainer`; without Transformer
   Engine the local layer spec) on a tiny Qwen3-MoE with HF weights. R2: ``prepare_batch`` records
   every token's top-k in the old-logprob pass (valid ids, no repeats, equal to a free forward's
   logprobs). R3: those routes given as the engine's replay the free forward's logprobs (the
@@ -63,7 +63,7 @@ def _require(ok: bool, what: str) -> None:
 
 def _start_single_rank(device: str) -> None:
     """Environment for ``torch.distributed``'s ``env://`` rendezvous of a world of one rank."""
-    from megarl.testing.multiproc import free_port
+    from megarl.procs.local_ranks import free_port
 
     if device == "cuda" and not torch.cuda.is_available():
         raise CheckFailed("--device cuda but torch.cuda.is_available() is False")
@@ -140,9 +140,9 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
         CheckFailed: a route, logprob or step metric is off (names which, with the numbers).
         megarl.training.routing_replay.RoutingReplayError: replay refused valid routes.
     """
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     _start_single_rank(device)
@@ -229,9 +229,9 @@ def check_throughput(device: str, size: str, steps: int, seq_len: int, num_seqs:
     """
     from transformers import Qwen3MoeConfig
 
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.launch.mfu import active_params, mfu, peak_tflops
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     _start_single_rank(device)

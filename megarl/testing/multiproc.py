@@ -1,9 +1,8 @@
 """The local-rank runner for tests and benchmarks: :func:`megarl.procs.local_ranks.run_ranks` with
 the fork server preloading what megarl's rank functions import (:data:`RANK_PRELOAD`: the families'
 HF config classes, the converters, Megatron's model builder), as the converter's ranks get it."""
-from megarl.checkpoint.convert import RANK_PRELOAD
+from megarl.conversion.convert import RANK_PRELOAD
 from megarl.procs import local_ranks
-from megarl.procs.local_ranks import RankError, free_port  # noqa: F401  (the tests import them from here)
 
 
 def run_ranks(fn, world_size: int, **kwargs):

@@ -1,6 +1,6 @@
 """The Megatron-Core policy trainer (CPU over gloo, GPU with Transformer Engine and FP8).
 
-Entry points: `megarl.training.build.build_trainer` (config -> `megarl.training.trainer.Trainer`
+Entry points: `megarl.training.trainer_build.build_trainer` (config -> `megarl.training.trainer.Trainer`
 on this rank) and `megarl.training.batch.TrainBatch` (what the driver hands it).
 
 Modules:
@@ -13,7 +13,7 @@ Modules:
 - ``shard``: `BatchShard`, one data-parallel rank's part of an RL step (what the driver sends it).
 - ``trainer``: `Trainer` (``prepare`` / ``train_prepared``, ``prepare_batch``, ``compute_logprobs``, ``train_step``,
   ``forward_backward``, ``named_parameters_for_sync``, checkpoints).
-- ``build``: ``build_*`` steps from a `MegarlConfig`; ``optimizer``: DDP, optimizer, LR schedule.
+- ``trainer_build``: ``build_*`` steps from a `MegarlConfig`; ``optimizer``: DDP, optimizer, LR schedule.
 - ``routing_replay``: MoE routing replay (R2 / R3) hooked into Megatron's ``TopKRouter``.
 - ``checkpointing``: ``dist_checkpointing`` save / load at any layout; ``fp8``: FP8 settings.
 - ``model``, ``parallel_state``, ``cpu_compat``, ``local_mla``: the model, parallel state and

@@ -89,9 +89,13 @@ class MovedWork:
         self._work, self._moved, self._original, self._copy_back = work, moved, original, copy_back
 
     def is_completed(self) -> bool:
+        """The collective finished (the result is not yet copied back: :meth:`wait` does that)."""
         return self._work.is_completed()
 
     def wait(self, timeout=None) -> bool:
+        """Wait for the collective (up to ``timeout``, a ``datetime.timedelta``, when given), then copy
+        the result into the caller's tensor once (receivers). Returns True.
+        """
         if timeout is None:
             self._work.wait()
         else:

@@ -310,8 +310,3 @@ def apply_cpu_patches(names: Iterable[str] | None = None, *, force: bool = False
                 PATCHES[name]()
                 _APPLIED.add(name)
     return tuple(n for n in PATCHES if n in _APPLIED)
-
-
-def applied_patches() -> tuple[str, ...]:
-    """Names of the patches applied in this process so far."""
-    return tuple(n for n in PATCHES if n in _APPLIED)

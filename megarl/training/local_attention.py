@@ -71,6 +71,13 @@ class LocalSDPAttention(DotProductAttention):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias: Tensor | None = None, packed_seq_params=None) -> Tensor:
+        """Attention of one layer (shapes in the class docstring): ``[sq, b, np * hn]``.
+
+        Sinks or a sliding window on a causal or packed-causal mask take the per-sequence sink/window
+        path; an attention bias, THD packed-sequence params, attention dropout in training, or sinks /
+        a window on any other mask take Megatron's own ``DotProductAttention.forward``; the rest runs
+        ``scaled_dot_product_attention``.
+        """
         sinks_or_window = self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None
         if sinks_or_window and attention_bias is None and packed_seq_params is None and not (
                 self.training and self.attention_dropout.p > 0):

@@ -230,7 +230,7 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     Pre/post-processing (embedding / output layer) follows the rank's pipeline stage and each
     chunk's virtual stage. The vocabulary is padded to a multiple of
     ``model.make_vocab_size_divisible_by x TP`` (padded rows are zero after
-    :func:`megarl.checkpoint.loader.load_hf_weights`). Weights are randomly initialised; load HF weights
+    :func:`megarl.conversion.load_hf.load_hf_weights`). Weights are randomly initialised; load HF weights
     with ``load_hf_weights``. ``model.moe_router_freeze`` sets ``requires_grad=False`` on routers.
 
     Args:

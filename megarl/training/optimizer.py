@@ -16,27 +16,6 @@ import torch
 from megarl.config.schema import TrainConfig
 
 
-def freeze_router(model_chunks: Sequence[torch.nn.Module]) -> int:
-    """Stop gradient updates of every MoE router (``model.moe_router_freeze``).
-
-    Must run before `build_ddp`: Megatron DDP only allocates gradient buffers for parameters that
-    require gradients, so frozen routers also cost no gradient memory or communication.
-
-    Returns:
-        The number of frozen parameters.
-    """
-    from megatron.core.transformer.moe.router import Router
-
-    frozen = 0
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if isinstance(module, Router):
-                for param in module.parameters():
-                    param.requires_grad_(False)
-                    frozen += 1
-    return frozen
-
-
 def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimizer: bool,
               overrides: dict | None = None, overlap: bool = False) -> list[torch.nn.Module]:
     """Wrap each model chunk in Megatron ``DistributedDataParallel``.

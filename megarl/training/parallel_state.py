@@ -54,11 +54,6 @@ class ParallelState:
     """``torch.distributed`` backend: ``gloo`` (CPU) or ``nccl``."""
 
     @property
-    def is_first_stage(self) -> bool:
-        """First pipeline stage (holds the embedding)."""
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         """Last pipeline stage (holds the output layer and computes logits)."""
         return self.pp_rank == self.pp_size - 1

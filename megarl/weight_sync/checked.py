@@ -24,11 +24,11 @@ from typing import Iterator, Optional
 import torch
 
 from megarl.training.collectives import all_reduce, group_device, isend
-from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.engine_clients import wait_all
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.receiver_group import ReceiverGroupTransport
 from megarl.weight_sync.specs import torch_dtype
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.wire import DIGEST_CHARS, STATUS, VOTE_FIELDS, encode_sums
 
 
@@ -63,6 +63,9 @@ class CheckedTransport(ReceiverGroupTransport):
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
 
     def start_sync(self) -> None:
+        """Reset the per-sync state: transfer statistics, the stage's announced buckets, and the bytes
+        each engine rank reported receiving.
+        """
         super().start_sync()
         self._finish_announced = False
         self._stage, self._next, self._partial = None, 0, None

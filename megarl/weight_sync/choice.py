@@ -9,7 +9,7 @@ import torch
 
 from megarl.config.device import use_cuda
 from megarl.weight_sync.engine_slices import PlanError
-from megarl.weight_sync.engines import EngineClients, wait_all
+from megarl.weight_sync.engine_clients import EngineClients, wait_all
 from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.receiver import RECEIVER

@@ -32,6 +32,7 @@ class TensorSlice:
     stop: int = 0
 
     def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this slice of a tensor of shape ``full`` (``full`` itself when ``axis`` is None)."""
         if self.axis is None:
             return full
         return full[:self.axis] + (self.stop - self.start,) + full[self.axis + 1:]

@@ -2,7 +2,7 @@
 
 For every bucket, the sender owns one flat byte buffer laid out exactly as the engines expect it
 (the bucket's HF tensors back to back, wire order). Following the copy instructions of
-:mod:`megarl.weight_sync.placement` (the family mapping, traced), it
+:mod:`megarl.weight_sync.copy_instructions` (the family mapping, traced), it
 
 - posts receives of other ranks' shards straight into that buffer where the rows are contiguous
   (column-split shards go to a temporary first), over the trainer's process group (gloo on CPU,
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import irecv, isend
-from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.segments import RankSlices, SegmentOwners, overlaps, sliced_layout
 from megarl.weight_sync.specs import torch_dtype
@@ -71,7 +71,7 @@ class StageGatherer:
         plan: the sync plan.
         rank: this rank's global rank (the plan's trainer ranks are global ranks).
         local: global Megatron name -> this rank's shard.
-        placement: copy instructions (:class:`~megarl.weight_sync.placement.Placement`).
+        placement: copy instructions (:class:`~megarl.weight_sync.copy_instructions.Placement`).
         max_in_flight: buckets a source rank may have open sends for.
         group: process group containing the trainer ranks (default: the default group).
         ring: the sender's ``RING_SLOTS`` bucket buffers, to reuse across syncs (filled in place);

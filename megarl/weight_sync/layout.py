@@ -87,30 +87,37 @@ class TrainerLayout:
 
     @property
     def tp_size(self) -> int:
+        """``tensor_model_parallel_size``."""
         return self.tensor_model_parallel_size
 
     @property
     def pp_size(self) -> int:
+        """``pipeline_model_parallel_size``."""
         return self.pipeline_model_parallel_size
 
     @property
     def ep_size(self) -> int:
+        """``expert_model_parallel_size``."""
         return self.expert_model_parallel_size
 
     @property
     def etp_size(self) -> int:
+        """``expert_tensor_parallel_size``, defaulting to the dense TP size as in Megatron-Core."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def vpp_size(self) -> int:
+        """Virtual pipeline stages per rank (1 without interleaving)."""
         return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def world_size(self) -> int:
+        """Trainer ranks: ``tp * cp * dp * pp``."""
         return self.tp_size * self.context_parallel_size * self.data_parallel_size * self.pp_size
 
     @property
     def expert_data_parallel_size(self) -> int:
+        """Replicas of each expert shard: ``world_size / (etp * ep * pp)``."""
         return self.world_size // (self.etp_size * self.ep_size * self.pp_size)
 
     def rank(self, *, tp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0) -> int:
@@ -147,11 +154,6 @@ class TrainerLayout:
     def replica_of(self, rank: int) -> int:
         """Which copy (:attr:`replica_block`) of its stage global rank ``rank`` belongs to."""
         return (rank % (self.world_size // self.pp_size)) // self.replica_block
-
-    def stage_ranks(self, pp_rank: int) -> range:
-        """All global ranks of pipeline stage ``pp_rank``."""
-        per_stage = self.world_size // self.pp_size
-        return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
     def _chunk_sizes(self, num_layers: int) -> list[tuple[int, int, int]]:
         """``(pp_rank, vp_rank, num_layers)`` of every model chunk, in layer order.
@@ -200,15 +202,6 @@ class TrainerLayout:
             offset += count
         raise AssertionError("unreachable: chunk sizes cover num_layers")
 
-    def layer_offset(self, pp_rank: int, vp_rank: int, num_layers: int) -> int:
-        """Global index of the first layer of model chunk ``vp_rank`` on stage ``pp_rank``."""
-        offset = 0
-        for p, v, count in self._chunk_sizes(num_layers):
-            if (p, v) == (pp_rank, vp_rank):
-                return offset
-            offset += count
-        raise LayoutError(f"no model chunk ({pp_rank}, {vp_rank}) in this layout")
-
     def expert_location(self, expert: int, num_experts: int) -> tuple[int, int]:
         """Where global expert ``expert`` lives: ``(ep_rank, local_index)``.
 
@@ -245,21 +238,15 @@ class EngineLayout:
 
     @property
     def tp_size(self) -> int:
+        """``tensor_parallel_size``: ranks per engine."""
         return self.tensor_parallel_size
 
     @property
     def ep_size(self) -> int:
+        """``expert_parallel_size``."""
         return self.expert_parallel_size
 
     @functools.cached_property
     def moe_tp_size(self) -> int:
+        """TP size within an expert (SGLang's ``moe_tp_size``): ``tp_size / ep_size``."""
         return self.tensor_parallel_size // self.expert_parallel_size
-
-    @property
-    def num_ranks(self) -> int:
-        """Engine ranks over all engines."""
-        return self.tensor_parallel_size * self.num_engines
-
-    def moe_ranks(self, tp_rank: int) -> tuple[int, int]:
-        """``(moe_ep_rank, moe_tp_rank)`` of engine rank ``tp_rank``."""
-        return tp_rank // self.moe_tp_size, tp_rank % self.moe_tp_size

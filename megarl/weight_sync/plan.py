@@ -152,9 +152,11 @@ class WeightSyncPlan:
         return replace(self, buckets=buckets, replica=replica, engines=self.replica_engines(replica))
 
     def stage_buckets(self, pp_rank: int) -> tuple[Bucket, ...]:
+        """The buckets of pipeline stage ``pp_rank``, in send order."""
         return tuple(b for b in self.buckets if b.pp_rank == pp_rank)
 
     def hf_tensors(self) -> Iterator[HFTensorSpec]:
+        """Every HF tensor the plan converts (trainer dtype), bucket by bucket."""
         for b in self.buckets:
             yield from b.hf_tensors
 
@@ -165,16 +167,13 @@ class WeightSyncPlan:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all HF tensors of the plan (trainer dtype; see :attr:`wire_bytes` for what is sent)."""
         return sum(b.nbytes for b in self.buckets)
 
     @property
     def wire_bytes(self) -> int:
         """Bytes of :meth:`wire_tensors` (``total_bytes`` unless the engines serve FP8)."""
         return sum(b.wire_nbytes for b in self.buckets)
-
-    def involves(self, trainer_rank: int) -> bool:
-        """True when ``trainer_rank`` sends or gathers anything."""
-        return any(b.sender_rank == trainer_rank or b.contributions(trainer_rank) for b in self.buckets)
 
     def engine_slice(self, tensor: HFTensorSpec, tp_rank: int) -> Optional[TensorSlice]:
         """The part of ``tensor`` that engine rank ``tp_rank`` holds; None = none (a remote expert).
@@ -212,20 +211,6 @@ class WeightSyncPlan:
         if transport in ("shard", "p2p"):
             return self.engine_shard_bytes()
         return [self.wire_bytes] * self.engine_layout.tp_size
-
-    def summary(self, transport: str) -> dict[str, float]:
-        """Plan-level metrics (``weight_sync/*``): buckets, bytes, bytes per engine rank / shard."""
-        received = self.engine_rank_bytes(transport)
-        shard = self.engine_shard_bytes()
-        ratios = [r / s for r, s in zip(received, shard) if s]
-        return {
-            "weight_sync/buckets": float(len(self.buckets)),
-            "weight_sync/hf_bytes": float(self.total_bytes),
-            "weight_sync/wire_bytes": float(self.wire_bytes),
-            "weight_sync/engine_rank_bytes_max": float(max(received)),
-            "weight_sync/engine_shard_bytes_max": float(max(shard)),
-            "weight_sync/engine_bytes_over_shard_max": max(ratios) if ratios else 0.0,
-        }
 
 
 def _numel(shape: Sequence[int]) -> int:

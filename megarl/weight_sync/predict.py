@@ -63,6 +63,7 @@ class StagePrediction:
 
 @dataclass
 class SyncPrediction:
+    """One transport's sync on paper: per stage, bytes per engine rank and its shard, seconds."""
     transport: str
     stages: list[StagePrediction] = field(default_factory=list)
     engine_rank_bytes: list[int] = field(default_factory=list)
@@ -71,7 +72,7 @@ class SyncPrediction:
     seconds: float = 0.0
     engine_rank_node: list[int] = field(default_factory=list)
     """Which of its engine's nodes each engine rank is on (all 0 unless the engine spans nodes:
-    ``megarl.cluster.placement.engine_nodes``); empty when not known (no run config)."""
+    ``megarl.cluster.bundles.engine_nodes``); empty when not known (no run config)."""
 
 
 def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, intra_gbps: float,
@@ -83,7 +84,7 @@ def predict_sync(plan: WeightSyncPlan, transport: str, *, ranks_per_node: int, i
         transport: ``p2p`` or ``distributed``.
         ranks_per_node: trainer GPUs per node (ranks ``[k * n, (k + 1) * n)`` share node ``k``).
         intra_gbps / inter_gbps: NVLink and network bandwidth per GPU, GB/s (1e9 bytes).
-        placement: the conversion's copy instructions (:class:`~megarl.weight_sync.placement.Placement`):
+        placement: the conversion's copy instructions (:class:`~megarl.weight_sync.copy_instructions.Placement`):
             ``p2p`` with segment senders (module docstring); None: one sender per stage.
 
     Raises:
@@ -276,7 +277,7 @@ def plan_from_config(cfg):
     from megarl.training.model import load_hf_config
     from megarl.models.fp8_blocks import parse_quantization_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-    from megarl.weight_sync.build import senders_per_stage
+    from megarl.weight_sync.synchronizer_build import senders_per_stage
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
 
@@ -310,7 +311,7 @@ def placement_from_config(cfg):
     """The conversion's copy instructions for a resolved run config (metadata only)."""
     from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
 
     from megarl.weight_sync.model_specs import engine_table
 

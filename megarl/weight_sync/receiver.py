@@ -276,7 +276,7 @@ def _manifest() -> Optional[dict]:
     """The served checkpoint's tensors (``read_manifest`` of the engine's model path), cached."""
     from sglang.srt.runtime_context import get_server_args
 
-    from megarl.weight_sync.validate import read_manifest
+    from megarl.weight_sync.manifest_checks import read_manifest
 
     path = get_server_args().model_path
     if path not in _MANIFESTS:

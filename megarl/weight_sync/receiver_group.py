@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.engine_clients import wait_all
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transport import GroupTransport
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 
 class ReceiverGroupTransport(GroupTransport):
@@ -45,6 +45,7 @@ class ReceiverGroupTransport(GroupTransport):
 
     @classmethod
     def from_options(cls, plan, engines, options) -> "ReceiverGroupTransport":
+        """This transport for ``plan`` and ``engines`` with the group options and ``load_proof``."""
         transport = super().from_options(plan, engines, options)
         transport.load_proof = options.load_proof
         return transport
@@ -56,6 +57,7 @@ class ReceiverGroupTransport(GroupTransport):
 
     @property
     def world_size(self) -> int:
+        """Ranks of the group: the stage senders, then every engine rank of every engine."""
         return self.n_senders + len(self.engines) * self.plan.engine_layout.tp_size
 
     def set_senders(self, senders: list[int], index: int, control, owners, buckets: list[Bucket]) -> None:

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.specs import torch_dtype
 

@@ -1,6 +1,6 @@
 """Owner senders on paper: every engine rank's slices leave from trainer ranks that hold them.
 
-For each HF tensor of the plan and each engine rank, the placement's pieces (:mod:`placement`) say
+For each HF tensor of the plan and each engine rank, the placement's pieces (:mod:`copy_instructions`) say
 which Megatron shard holds which part of the engine rank's slice. A part is sent by one of the
 trainer ranks holding that shard (its *holders*, :func:`holders`): an expert's shard by its EP
 owner in one of the expert-data-parallel copies, a TP-split dense shard by the rank of that TP
@@ -30,7 +30,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import ParamTransfer, ShardSource, WeightSyncPlan
 from megarl.weight_sync.segments import _overlap_bytes, overlaps
 

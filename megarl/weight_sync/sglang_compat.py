@@ -29,6 +29,7 @@ _PATCH_LOCK = threading.Lock()
 
 
 def sglang_version() -> str:
+    """The installed SGLang version (``sglang.__version__``; imports SGLang)."""
     import sglang
 
     return sglang.__version__

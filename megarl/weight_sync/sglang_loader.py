@@ -10,7 +10,7 @@ row / QKV / merged linears, vocab-parallel embedding and LM head, FusedMoE) make
 gate/up -> w13) and padding. Experts of other EP ranks are never sent.
 
 This runs inside the server: an exception here takes the engine down, which is why the trainer
-validates names, shapes and dtypes before sending (:mod:`megarl.weight_sync.validate`).
+validates names, shapes and dtypes before sending (:mod:`megarl.weight_sync.manifest_checks`).
 
 Measurement: with ``MEGARL_WEIGHT_SYNC_STATS_DIR`` set in the server's environment, each call
 appends ``{"tp_rank", "bytes_received", "num_tensors", "param_bytes"}`` to

@@ -83,14 +83,17 @@ class HFTensorSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the full tensor."""
         return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
         return DTYPE_BYTES[self.dtype]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the full tensor."""
         return self.numel * self.itemsize
 
 
@@ -136,6 +139,7 @@ class ParamSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the full (unsharded) parameter."""
         return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
     def shard_shape(self, num_shards: int) -> tuple[int, ...]:

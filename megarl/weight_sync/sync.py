@@ -38,12 +38,12 @@ from megarl.training.collectives import all_reduce, barrier, control_group
 from megarl.training.collectives import recv as recv_tensor
 from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
-from megarl.weight_sync.engines import EngineClients
+from megarl.weight_sync.engine_clients import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.segments import SegmentOwners
 from megarl.weight_sync.transport import Transport
-from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
+from megarl.weight_sync.manifest_checks import WeightSyncError, check_local_params, check_plan_against_manifest
 
 
 class WeightSynchronizer:
@@ -54,8 +54,8 @@ class WeightSynchronizer:
         transport: ``distributed``, ``shard``, ``tensor`` or ``disk``.
         engine_urls: every engine that must receive the weights.
         rank: this rank in ``group`` (the trainer's process group).
-        placement: the conversion as copy instructions (:class:`~megarl.weight_sync.placement.Placement`).
-        manifest: the engines' checkpoint tensors (:func:`~megarl.weight_sync.validate.read_manifest`);
+        placement: the conversion as copy instructions (:class:`~megarl.weight_sync.copy_instructions.Placement`).
+        manifest: the engines' checkpoint tensors (:func:`~megarl.weight_sync.manifest_checks.read_manifest`);
             None skips that check (engines on another host).
         pause_mode: ``retract``, ``abort`` or ``in_place``.
         group: the trainer's process group (default group if None).

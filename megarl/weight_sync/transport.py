@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from megarl.weight_sync.engines import EngineClients, wait_all
+from megarl.weight_sync.engine_clients import EngineClients, wait_all
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,7 @@ class Transport:
         """One-time setup for the sender of stage ``pp_rank`` (called in stage order)."""
 
     def start_sync(self) -> None:
+        """Start one sync: zero the transfer statistics (called on every sender before its first bucket)."""
         self.stats = TransferStats(engine_rank_bytes=[0] * self.plan.engine_layout.tp_size)
 
     def send(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
@@ -147,6 +148,9 @@ class GroupTransport(Transport):
 
     @classmethod
     def from_options(cls, plan, engines, options: TransportOptions) -> "GroupTransport":
+        """This transport for ``plan`` and ``engines`` with the group's backend, address, port base and
+        timeout from ``options``.
+        """
         return cls(plan, engines, backend=options.backend, master_address=options.master_address,
                    port_base=options.port_base, timeout_s=options.timeout_s)
 

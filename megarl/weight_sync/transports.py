@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import broadcast
-from megarl.weight_sync.engines import wait_all
+from megarl.weight_sync.engine_clients import wait_all
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transport import GroupTransport, Transport, TransportOptions
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 LOADER = "megarl.weight_sync.sglang_loader.load_presharded"
 """``--custom-weight-loader`` import path of the shard transport's loader."""
@@ -123,6 +123,9 @@ class DistributedTransport(GroupTransport):
         self.stats.engine_load_s += time.perf_counter() - started  # loads not hidden behind a transfer
 
     def close(self) -> None:
+        """Destroy the weight-update group on the engines and here (the group is gone even when the
+        engines' call fails).
+        """
         if self.group is not None:
             try:
                 self.engines.call_all("destroy_weights_update_group", group_name=self.group_name, timeout_s=60)
@@ -209,10 +212,14 @@ class DiskTransport(Transport):
         return cls(plan, engines, directory=options.directory, timeout_s=options.timeout_s)
 
     def start_sync(self) -> None:
+        """Start one sync: zero the statistics and create the directory."""
         super().start_sync()
         self.directory.mkdir(parents=True, exist_ok=True)
 
     def send(self, bucket, tensors, flat) -> None:
+        """Write ``bucket``'s tensors as ``bucket-<index>.safetensors`` in the directory (copied to the
+        CPU first: safetensors refuses views sharing storage).
+        """
         from safetensors.torch import save_file
 
         started = time.perf_counter()
@@ -223,6 +230,13 @@ class DiskTransport(Transport):
         self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)
 
     def finish(self, weight_version: str) -> None:
+        """Remove files of buckets this plan does not have, then have every engine load the directory
+        (``update_weights_from_disk`` with ``weight_version``).
+
+        Raises:
+            megarl.rollout.engine_errors.EngineRequestError: an engine refused the load (the first
+                engine's error is raised).
+        """
         started = time.perf_counter()
         expected = {f"bucket-{b.index:05d}.safetensors" for b in self.plan.buckets}
         for stale in self.directory.glob("*.safetensors"):

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from megarl.weight_sync.engines import EngineClients
-from megarl.weight_sync.validate import WeightSyncError
+from megarl.weight_sync.engine_clients import EngineClients
+from megarl.weight_sync.manifest_checks import WeightSyncError
 
 
 def engine_prompt_logprobs(engines: EngineClients, probes: Sequence[Sequence[int]]) -> list[list[torch.Tensor]]:

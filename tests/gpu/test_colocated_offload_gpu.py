@@ -41,10 +41,10 @@ def _both(rank, world_size, hf_dir, batches):
 
 
 def _one(hf_dir, batches, mode):
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
     from megarl.training import memory_limit
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
 
     cfg = MegarlConfig()
     cfg.model.hf_path, cfg.cluster.device, cfg.train.precision = str(hf_dir), "cuda", "bf16"

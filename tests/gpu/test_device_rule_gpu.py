@@ -10,7 +10,8 @@
 import pytest
 import torch
 
-from megarl.testing.multiproc import free_port, run_ranks
+from megarl.procs.local_ranks import free_port
+from megarl.testing.multiproc import run_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ def _worker(rank, world_size, hf_dir, grouped):
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
-    from megarl.weight_sync.validate import check_local_params
+    from megarl.weight_sync.manifest_checks import check_local_params
 
     ps = initialize_parallel(ParallelConfig(), backend="nccl")
     chunks = build_model(hf_dir, ParallelConfig(), ModelConfig(moe_grouped_gemm=grouped), precision="bf16",

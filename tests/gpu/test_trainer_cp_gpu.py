@@ -46,8 +46,8 @@ def _cfg(hf_dir, cp_size):
 
 
 def _cp_worker(rank, world_size, hf_dir, batch):
-    from megarl.checkpoint.initial_weights import initial_weights
-    from megarl.training.build import build_trainer
+    from megarl.conversion.initial_weights import initial_weights
+    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
 
     out = {}

@@ -30,8 +30,8 @@ def _cfg(hf_dir, **train):
 
 def _trainer(cfg, spec):
     """A trainer whose model uses the given layer spec (``te`` or ``local``)."""
-    from megarl.checkpoint import load_hf_weights
-    from megarl.training.build import build_parallel_state
+    from megarl.conversion.load_hf import load_hf_weights
+    from megarl.training.trainer_build import build_parallel_state
     from megarl.training.fp8 import fp8_config
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.optimizer import build_ddp, build_optimizer, build_scheduler

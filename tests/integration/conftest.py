@@ -18,7 +18,7 @@ import importlib.util
 
 import pytest
 
-from megarl.rollout.engine import EngineProcess
+from megarl.rollout.engine_process import EngineProcess
 
 ENGINE_STARTUP_TIMEOUT_S = 240.0
 ENGINE_KWARGS = dict(

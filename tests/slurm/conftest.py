@@ -220,7 +220,7 @@ def megarl_train_ready() -> tuple[Path | None, str | None]:
     if not callable(getattr(driver, "train", None)):
         return None, "`megarl train` not ready: megarl.launch.driver.train is missing"
     missing = set()
-    for package in ("launch", "training", "rollout", "weight_sync", "checkpoint"):
+    for package in ("launch", "training", "rollout", "weight_sync", "conversion"):
         for path in sorted((ROOT / "megarl" / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megarl"):

@@ -1,5 +1,5 @@
 """slurm/convert.sbatch with one task per rank on both nodes runs the real
-megarl.checkpoint.dist_convert: the TP=2 checkpoint it writes exports back bit-identical
+megarl.conversion.dist_convert: the TP=2 checkpoint it writes exports back bit-identical
 (reference: the original HF safetensors, read with the safetensors library)."""
 
 import pytest
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slurm
 
 @pytest.mark.timeout(300)
 def test_two_tasks_on_two_nodes_convert_tp2_bit_identical(job_env, tiny_moe_dir, tmp_path):
-    from megarl.checkpoint.convert import MARKER_FILE, megatron_to_hf_dir
+    from megarl.conversion.convert import MARKER_FILE, megatron_to_hf_dir
 
     ckpt = tmp_path / "ckpt"
     r = submit(job_env, "slurm/convert.sbatch",
@@ -36,8 +36,8 @@ def test_two_tasks_on_two_nodes_export_the_single_process_tensors(job_env, tiny_
     rank 0 the one index; the tensors are the original's, byte for byte."""
     import json
 
-    from megarl.checkpoint.convert import hf_to_megatron
-    from megarl.checkpoint.hf_io import INDEX_FILE
+    from megarl.conversion.convert import hf_to_megatron
+    from megarl.conversion.hf_io import INDEX_FILE
 
     ckpt = hf_to_megatron(tiny_moe_dir, tmp_path / "ckpt", timeout_s=120)
     out = tmp_path / "hf"

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.slurm.conftest import ROOT, make_job_env, megarl_train_ready, submit, wait_no_job_processes
 
@@ -164,6 +165,11 @@ def test_megarl_train_cpu_recipe_on_two_nodes(reference_job, local_slurm):
     assert (r.job_dir / "config.yaml").is_file() and (r.job_dir / "driver.log").stat().st_size > 0
     rows = [line.split("\t") for line in (r.job_dir / "nodes.tsv").read_text().splitlines()[1:]]
     assert [(row[1], row[3]) for row in rows] == [("node1", "trainer"), ("node2", "rollout")]
+    for row in rows:  # host:path of that node's Ray session logs (one machine here), and its ray start log
+        assert (Path(row[4].split(":", 1)[1]) / "raylet.out").is_file(), row
+    assert len(sorted(r.job_dir.glob("ray-*.log"))) == 2
+    resolved = yaml.safe_load((r.job_dir / "config.yaml").read_text())  # one directory per job
+    assert resolved["logging"]["run_dir"] == str(r.job_dir / "run")
     actors = _actors_by_node(r.job_dir)
     assert "TrainerWorker" in actors["node1"] and "TrainerWorker" not in actors["node2"], actors
     assert "EngineActor" in actors["node2"] and "EngineActor" not in actors["node1"], actors

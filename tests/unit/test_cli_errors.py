@@ -4,7 +4,7 @@ no traceback; ``--debug`` / ``MEGARL_DEBUG=1`` add the traceback.
 Each kind runs the installed CLI in a subprocess: a config key that does not exist, a truncated
 safetensors shard and a ``config.json`` that disagrees with the weights given to
 ``megarl convert hf-to-megatron``. The reference for "the right error" is the exception class the
-library raises for the same input (``megarl.checkpoint``'s own reader and checker), named in the line.
+library raises for the same input (``megarl.conversion``'s own reader and checker), named in the line.
 """
 import json
 import os
@@ -46,7 +46,7 @@ def broken_checkpoints(tiny_dense_dir, tmp_path_factory):
 
 def library_error(hf_dir, tmp_path):
     """The exception the converter itself raises for ``hf_dir`` (the reference)."""
-    from megarl.checkpoint.convert import hf_to_megatron
+    from megarl.conversion.convert import hf_to_megatron
 
     with pytest.raises(Exception) as info:
         hf_to_megatron(hf_dir, tmp_path / "ref_out")

@@ -90,7 +90,7 @@ def test_duplicate_key_and_missing_extends_name_file_and_line(tmp_path):
 
 
 def test_convert_directions_spell_precision_alike(capsys):
-    from megarl.checkpoint.convert_cli import export_dtype
+    from megarl.conversion.convert_cli import export_dtype
 
     parser = build_parser()
     new = parser.parse_args(["convert", "megatron-to-hf", "C", "O", "--precision", "bf16"])

@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 TASK = '''
 import asyncio
 from megarl.data.datasets import register_dataset
-from megarl.data.sft import register_demonstrations
+from megarl.data.demonstrations import register_demonstrations
 from megarl.rollout.agent import register_agent, single_turn
-from megarl.rollout.rewards.registry import register_reward
+from megarl.rollout.rewards.reward_registry import register_reward
 from megarl.rollout.tools import register_tool
 
 
@@ -102,7 +102,7 @@ def validate(monkeypatch, capsys, overrides):
 async def test_a_plugin_file_registers_names_used_by_the_builders(tmp_path):
     from megarl.data.datasets import load_rows
     from megarl.rollout.agent import get_agent_loop
-    from megarl.rollout.rewards.registry import build_reward
+    from megarl.rollout.rewards.reward_registry import build_reward
     from megarl.rollout.tools import build_tools
 
     task = write_task(tmp_path, "reg")
@@ -120,7 +120,7 @@ async def test_a_plugin_file_registers_names_used_by_the_builders(tmp_path):
 
 
 def test_sft_demonstrations_by_registered_name_and_import_path(tmp_path, monkeypatch):
-    from megarl.data.sft import load_demonstrations
+    from megarl.data.demonstrations import load_demonstrations
 
     task = write_task(tmp_path, "sft")
     import_plugins([str(task)])

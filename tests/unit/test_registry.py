@@ -7,12 +7,12 @@ import pytest
 from megarl.algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, PolicyLoss,
                                register_advantage_estimator, register_policy_loss, register_rollout_correction)
 from megarl.data.datasets import DATASET_REGISTRY, register_dataset
-from megarl.data.sft import DEMONSTRATION_BUILDERS, register_demonstrations
+from megarl.data.demonstrations import DEMONSTRATION_BUILDERS, register_demonstrations
 from megarl.plugins import PluginError
 from megarl.registry import Registry
 from megarl.rollout.agent import AGENT_REGISTRY, register_agent
-from megarl.rollout.rewards.registry import REWARD_REGISTRY, register_reward
-from megarl.rollout.tools.registry import TOOL_REGISTRY, register_tool
+from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY, register_reward
+from megarl.rollout.tools.tool_registry import TOOL_REGISTRY, register_tool
 
 
 def first():

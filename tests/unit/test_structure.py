@@ -101,6 +101,28 @@ def test_every_package_has_a_layer():
     assert missing == [], f"packages missing from docs/architecture.md's layer table: {missing}"
 
 
+def _package_table() -> list[str]:
+    """`docs/architecture.md`'s package table: its first column, ``config/`` -> ``config``,
+    ``cli.py`` -> ``cli``."""
+    section = ARCHITECTURE.read_text().split("## Packages", 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            names.append(cells[0].strip("`").removesuffix("/").removesuffix(".py"))
+    return names
+
+
+def test_package_table_lists_every_package_once():
+    """Every package and top-level module of megarl/ has one row; no row names one that is gone."""
+    rows = _package_table()
+    assert rows, "docs/architecture.md has no package table"
+    actual = {_top(m) for m in _sources() if m != "megarl"}
+    repeated = sorted({r for r in rows if rows.count(r) > 1})
+    problems = {"missing": sorted(actual - set(rows)), "gone": sorted(set(rows) - actual), "repeated": repeated}
+    assert problems == {"missing": [], "gone": [], "repeated": []}, f"docs/architecture.md's package table: {problems}"
+
+
 def test_every_import_runs_down_the_layers():
     """Function-local imports count: an import inside a function to dodge a circle is a circle."""
     layers, sources = _layers(), _sources()
@@ -179,3 +201,49 @@ def test_test_files_have_unique_names():
         seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
     repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert repeated == {}, f"test files sharing a name: {repeated}"
+
+
+SAME_NAME_BY_NECESSITY = {"__init__.py", "sitecustomize.py"}  # Python finds these by their file name
+
+
+def test_module_file_names_are_unique():
+    """A file name says what the module holds, once: two ``engines.py`` in two packages make every
+    traceback, log line and ``grep`` ambiguous."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in SAME_NAME_BY_NECESSITY:
+            seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert repeated == {}, f"modules in megarl/ sharing a file name: {repeated}"
+
+
+def _is_setter(node: ast.AST) -> bool:
+    """``@name.setter`` / ``.deleter``: Python shows the getter's docstring for the property."""
+    return any(isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter")
+               for d in getattr(node, "decorator_list", []))
+
+
+def test_every_public_name_has_a_docstring():
+    """Module-level functions and classes without a leading underscore, and their public methods."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE.parent)
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+                continue
+            if not ast.get_docstring(node):
+                missing.append(f"{name}:{node.lineno} {node.name}")
+            for member in node.body if isinstance(node, ast.ClassDef) else []:
+                if (isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)) and not member.name.startswith("_")
+                        and not _is_setter(member) and not ast.get_docstring(member)):
+                    missing.append(f"{name}:{member.lineno} {node.name}.{member.name}")
+    assert missing == [], f"{len(missing)} public names without a docstring:\n" + "\n".join(missing)
+
+
+def test_test_folders_are_named_after_packages():
+    """A test lives under the package it tests: every folder of tests/unit and tests/integration
+    is named after a package of megarl/."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    folders = {f"{kind}/{d.name}": d.name for kind in ("unit", "integration")
+               for d in (PACKAGE.parent / "tests" / kind).iterdir() if d.is_dir() and d.name != "__pycache__"}
+    assert sorted(f for f, name in folders.items() if name not in packages) == []

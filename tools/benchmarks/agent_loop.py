@@ -126,7 +126,7 @@ async def orchestration(url: str, tokenizer, history_tokens: int, turns: int, re
 
 
 def launch(model: str | None, workdir: str):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     if model is None:

@@ -84,7 +84,7 @@ def _weights_bytes(path: Path) -> int:
 
 
 def _largest_layer_bytes(path: Path) -> int:
-    from megarl.checkpoint.hf_io import HFCheckpointReader
+    from megarl.conversion.hf_io import HFCheckpointReader
 
     reader = HFCheckpointReader(path)
     layers: dict[str, int] = {}
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, str(tool), str(model), "--family", "qwen3_moe", *SIZES], check=True)
     size = _weights_bytes(model)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl_bench_convert_"))
-    from megarl.checkpoint.convert import hf_to_megatron, megatron_to_hf_dir
+    from megarl.conversion.convert import hf_to_megatron, megatron_to_hf_dir
     from megarl.testing.multiproc import run_ranks
 
     def timed(fn):

@@ -1,6 +1,6 @@
 """Bytes one RL step moves through the driver, at DP 1 / 2 / 4, vs the old whole-batch path.
 
-A real Ray `TrainerGroup` of CPU ranks (the tiny Qwen3-MoE of ``megarl.testing.tiny_model``, R3 routes
+A real Ray `TrainerGroup` of CPU ranks (the tiny Qwen3-MoE of ``megarl.models.tiny``, R3 routes
 in the object store as the rollout actor leaves them) runs one RL step's calls
 (`TrainerGroup.prepare`, one `train_step` per optimizer step) on the same global batch at DP 1
 (TP 2), DP 2 and DP 4; `megarl.testing.driver_bytes.step_bytes` counts pickled bytes: what the driver
@@ -105,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = args.hf_dir
         if hf_dir is None:
-            from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+            from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
             hf_dir = str(make_tiny_model(Path(tmp) / "tiny_moe", TinyModelSpec(family="qwen3_moe")))
         rows = measure(hf_dir, args.num_seqs, args.global_batch)

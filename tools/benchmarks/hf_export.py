@@ -7,7 +7,7 @@ Builds (once, cached in --model-dir) a >= 1 GB random Qwen3-MoE with the tiny-mo
 converts it to a TP1 Megatron dist checkpoint (also cached), then, in one process: starts the rank
 fork server (``startup_s``) and, ``--repeat`` times, copies the checkpoint directory with
 ``shutil.copytree`` and right after exports it to HF at each ``--ranks`` value
-(:func:`megarl.checkpoint.convert.megatron_to_hf_dir`, the run's periodic export). Each timed phase
+(:func:`megarl.conversion.convert.megatron_to_hf_dir`, the run's periodic export). Each timed phase
 starts and ends with ``os.sync()``: throughput is to disk. Reported per rank count: the median
 export time, the export's bytes/s (the HF files' bytes over the time) in all and per rank, and the
 ratio ``copytree_s / export_s`` of each copy/export pair run back to back (median, min, max; the
@@ -63,7 +63,7 @@ def _prepare(model: Path) -> Path:
         subprocess.run([sys.executable, str(tool), str(model), "--family", "qwen3_moe", *SIZES], check=True)
     ckpt = model.parent / (model.name + "_ckpt_tp1")
     if not (ckpt / "metadata.json").exists():
-        from megarl.checkpoint.convert import hf_to_megatron
+        from megarl.conversion.convert import hf_to_megatron
 
         hf_to_megatron(model, ckpt, overwrite=True)
     return ckpt
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
 
     ckpt = _prepare(Path(args.model_dir))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl_bench_export_"))
-    from megarl.checkpoint.convert import megatron_to_hf_dir
+    from megarl.conversion.convert import megatron_to_hf_dir
     from megarl.testing.multiproc import run_ranks
 
     start = time.perf_counter()

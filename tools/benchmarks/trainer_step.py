@@ -80,9 +80,9 @@ def make_batch(sequences, seed: int):
 
 def megarl_trainer(hf_dir: str):
     """A world-size-1 fp32 CPU `Trainer` of the model (GSPO, the default config otherwise)."""
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
 
     cfg = MegarlConfig()
     cfg.model.hf_path, cfg.cluster.device, cfg.train.precision = hf_dir, "cpu", "fp32"
@@ -173,7 +173,7 @@ def padding_table(tokenizer, seed: int) -> list[dict]:
 def _init_single_rank() -> None:
     import torch.distributed as dist
 
-    from megarl.testing.multiproc import free_port
+    from megarl.procs.local_ranks import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -184,7 +184,7 @@ def peak_step_mb(step) -> float:
     running sum of torch's CPU allocations and frees (``torch.profiler`` memory events), so the
     activations, logits, gradients and temporaries of the step, not the weights or optimizer state
     that persist across steps. Run untimed (the profiler slows the step)."""
-    from megarl.testing.memory import peak_cpu_bytes
+    from megarl.testing.peak_memory import peak_cpu_bytes
 
     return peak_cpu_bytes(step) / 2**20
 

@@ -161,12 +161,12 @@ def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, engine_pid: 
 
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.sync import WeightSynchronizer
-    from megarl.weight_sync.validate import read_manifest
+    from megarl.weight_sync.manifest_checks import read_manifest
 
     hf_config = load_hf_config(hf_dir)
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
@@ -243,10 +243,10 @@ def side_by_side_worker(rank: int, world_size: int, hf_dir: str, url: str, engin
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.sync import WeightSynchronizer
-    from megarl.weight_sync.validate import read_manifest
+    from megarl.weight_sync.manifest_checks import read_manifest
 
     hf_config = load_hf_config(hf_dir)
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
@@ -281,7 +281,7 @@ def side_by_side_worker(rank: int, world_size: int, hf_dir: str, url: str, engin
 
 def side_by_side(hf_dir: Path, workdir: Path, engine_tp: int, transports: list[str], bucket_mb: float,
                  repeats: int) -> dict:
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.testing.multiproc import run_ranks
     from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
 
@@ -319,7 +319,7 @@ def engine_check(url: str, hf_dir: str) -> dict:
     """Engine logprobs on probes vs transformers on the same (bf16) weights: the sync delivered them."""
     from transformers import AutoModelForCausalLM
 
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
     from megarl.weight_sync.verify import engine_prompt_logprobs, logprob_gap
 
     gen = torch.Generator().manual_seed(0)
@@ -355,7 +355,7 @@ def main() -> None:
         result["side_by_side"] = side_by_side(make_model(workdir, args.size_gb), workdir, args.engine_tp,
                                               args.transports.split(","), args.bucket_mb, args.repeats)
     elif not args.skip_engine:
-        from megarl.rollout.engine import EngineProcess
+        from megarl.rollout.engine_process import EngineProcess
         from megarl.testing.multiproc import run_ranks
         from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
 

@@ -63,7 +63,7 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
     from transformers import AutoConfig
 
     from megarl.models.families import get_family
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
 
     out = []
     for name, (config, trainer, engine_tp, engine_ep) in MODELS.items():

@@ -19,7 +19,7 @@ Fix, two patches applied when their modules are imported (active only with
    by :func:`multinomial_with_seed`, the same Gumbel-max sampler with MurmurHash3 written in torch
    integer ops.
 
-How it gets there: :mod:`megarl.cluster.engines` appends this directory to ``PYTHONPATH`` of the
+How it gets there: :mod:`megarl.cluster.ray_engines` appends this directory to ``PYTHONPATH`` of the
 engine actor; the engine's own CPU shims (``megarl/rollout/cpu_shims/sitecustomize.py``, earlier on
 the path) run the next ``sitecustomize`` on the path, i.e. this one, which in turn runs the next.
 """

@@ -177,7 +177,7 @@ def check_supported(hf_config) -> None:
     """Reject DeepSeek-V3 settings this family does not implement (names the HF field).
 
     A block-FP8 ``quantization_config`` (DeepSeek-V3's official release) is accepted: the weights
-    are dequantised block by block while they are read (:mod:`megarl.checkpoint.hf_io`).
+    are dequantised block by block while they are read (:mod:`megarl.conversion.hf_io`).
 
     Raises:
         ValueError: a quantisation other than block-wise e4m3 FP8, attention biases,

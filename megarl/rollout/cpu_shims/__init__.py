@@ -1,7 +1,7 @@
 """Compatibility shims for running the real SGLang 0.5.23 server on a CPU-only machine.
 
 This directory is put on ``PYTHONPATH`` of the SGLang *server* process (and so of the scheduler and
-detokenizer processes it spawns) by :class:`megarl.rollout.engine.EngineProcess` when
+detokenizer processes it spawns) by :class:`megarl.rollout.engine_process.EngineProcess` when
 ``device == "cpu"``, and nowhere else: the trainer, the client and the tests never import them. On
 GPU no shim is used. Background: ``docs/architecture.md`` ("Running on CPU").
 

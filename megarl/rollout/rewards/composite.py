@@ -10,7 +10,7 @@
           length:  {fn: overlong_penalty, kwargs: {max_tokens: 512, buffer_tokens: 128}}
 
 ``reward(step) = sum_i w_i(step) * term_i(trajectory, sample)``. A term's ``fn`` is any registered
-reward (:data:`~megarl.rollout.rewards.registry.REWARD_REGISTRY`: the terms of
+reward (:data:`~megarl.rollout.rewards.reward_registry.REWARD_REGISTRY`: the terms of
 :mod:`~megarl.rollout.rewards.terms`, ``gsm8k``, ``judge``, a plugin's) built with its ``kwargs``; a
 ``weight`` is a number (constant, default 1.0) or a piecewise-linear schedule ``[[step, weight],
 ...]`` with increasing steps, held at its first / last value outside them.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from megarl.rollout.rewards.keys import TERMS_KEY
-from megarl.rollout.rewards.registry import build_reward, compute_reward, register_reward
+from megarl.rollout.rewards.reward_registry import build_reward, compute_reward, register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory
@@ -76,6 +76,9 @@ class WeightSchedule:
 
 @dataclass
 class Term:
+    """One term of a :class:`CompositeReward`: its name (the metric key ``reward/<name>``), the
+    reward function, and its weight schedule over training steps.
+    """
     name: str
     fn: Any
     weight: WeightSchedule
@@ -136,6 +139,7 @@ class CompositeReward:
         return out
 
     async def close(self) -> None:
+        """Close every term's reward function that has a ``close`` (awaited when it is a coroutine)."""
         for t in self.terms:
             close = getattr(t.fn, "close", None)
             if close is not None:

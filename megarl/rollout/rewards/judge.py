@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from megarl.rollout.rewards.keys import FINAL_TEXT_KEY
-from megarl.rollout.rewards.registry import register_reward
+from megarl.rollout.rewards.reward_registry import register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory
@@ -217,6 +217,9 @@ class JudgeReward:
 
     # -- reward ---------------------------------------------------------------------------------
     def prompt_for(self, trajectory: "Trajectory", sample: dict[str, Any]) -> str:
+        """The judge's prompt for one trajectory: the rubric filled with the sample's question, its
+        reference answer (a list joined with `` / ``) and the policy's final text.
+        """
         reference = sample.get(self.reference_key, "")
         if isinstance(reference, (list, tuple)):
             reference = " / ".join(map(str, reference))
@@ -256,6 +259,7 @@ class JudgeReward:
         return out
 
     async def close(self) -> None:
+        """Stop the batching task and close the HTTP session."""
         if self._batcher is not None:
             self._batcher.cancel()
         if self._session is not None and not self._session.closed:

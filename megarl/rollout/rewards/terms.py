@@ -22,7 +22,7 @@ import string
 from typing import TYPE_CHECKING, Any
 
 from megarl.rollout.rewards.keys import FINAL_TEXT_KEY
-from megarl.rollout.rewards.registry import register_reward
+from megarl.rollout.rewards.reward_registry import register_reward
 
 if TYPE_CHECKING:
     from megarl.rollout.types import Trajectory

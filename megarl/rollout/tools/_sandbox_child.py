@@ -187,6 +187,9 @@ def _init(cfg: dict, drop_to_uid: bool) -> None:
 
 
 def main() -> None:
+    """The sandbox child: read its settings (JSON) from stdin, isolate itself (namespaces when it
+    can, else rlimits only), run the code and exit with its status.
+    """
     cfg = json.loads(sys.stdin.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

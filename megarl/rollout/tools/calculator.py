@@ -12,7 +12,7 @@ import math
 import operator
 from typing import Any
 
-from megarl.rollout.tools.registry import register_tool
+from megarl.rollout.tools.tool_registry import register_tool
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,

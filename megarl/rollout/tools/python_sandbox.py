@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.tools.registry import register_tool
+from megarl.rollout.tools.tool_registry import register_tool
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from megarl.rollout.tools.registry import register_tool
+from megarl.rollout.tools.tool_registry import register_tool
 
 MAX_QUERY_CHARS = 500
 
@@ -146,5 +146,6 @@ class SearchTool:
         return out
 
     async def close(self) -> None:
+        """Close the HTTP session to the retrieval service."""
         if self._session is not None and not self._session.closed:
             await self._session.close()

@@ -9,7 +9,7 @@ frees nothing; the endpoints, tags and ordering are the same code as on GPU.)
 import pytest
 
 from megarl.cluster import colocated
-from megarl.weight_sync.engines import EngineClients
+from megarl.weight_sync.engine_clients import EngineClients
 
 PROMPT = list(range(40, 90))
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}

@@ -29,8 +29,8 @@ import ray
 from megarl.config.loader import load_config
 from megarl.cluster import colocated
 from megarl.launch import run as run_module, weight_sync_step
-from megarl.cluster.engines import EngineGroup
-from megarl.rollout.ports import PORT_SPAN
+from megarl.cluster.ray_engines import EngineGroup
+from megarl.procs.ports import PORT_SPAN
 from megarl.testing.local_ray import private_ray
 
 REPO = Path(__file__).resolve().parents[3]

@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from megarl.cluster.engines import SEEDING_SHIM_DIR
+from megarl.cluster.ray_engines import SEEDING_SHIM_DIR
 
 
 @pytest.fixture(scope="module")
 def seeded_server(tiny_moe_dir, tmp_path_factory):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
 
     env = dict(os.environ, MEGARL_SEEDED_SAMPLING="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([*filter(None, env.get("PYTHONPATH", "").split(os.pathsep)),

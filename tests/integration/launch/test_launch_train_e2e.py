@@ -199,7 +199,7 @@ def test_hf_export_every_n_steps_loads_with_transformers(reference_run):
     from transformers import AutoModelForCausalLM
 
     from megarl.config.loader import load_config
-    from megarl.testing.tiny_model import resolve_model_path
+    from megarl.models.tiny import resolve_model_path
 
     exported = reference_run / "hf" / f"step_{NUM_STEPS:06d}"
     assert sorted(p.name for p in (reference_run / "hf").iterdir()) == [exported.name]

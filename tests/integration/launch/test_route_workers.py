@@ -55,7 +55,7 @@ async def test_routes_are_kept_by_the_engine_facing_worker(sglang_url, local_ray
         assert (await routed.generate(prompt, params)).routed_experts is None
         # a worker that died: the turn fails as an unavailable engine (the router re-sends it) and
         # the next one goes through a new worker
-        from megarl.rollout.errors import EngineUnavailableError
+        from megarl.rollout.engine_errors import EngineUnavailableError
 
         dead = routed.worker
         local_ray.kill(dead)

@@ -94,7 +94,7 @@ class _Servers:
         return self.models[case.template]
 
     def url(self, case: Case) -> str:
-        from megarl.rollout.engine import EngineProcess
+        from megarl.rollout.engine_process import EngineProcess
 
         model_dir = self.model_dir(case)
         if self.current is not None and self.current.model_path != str(model_dir):

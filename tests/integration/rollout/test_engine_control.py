@@ -196,7 +196,7 @@ async def test_update_weights_from_distributed_gloo(sglang_url, tiny_moe_dir, ti
     import torch.distributed as dist
     from sglang.srt.utils import init_custom_process_group
 
-    from megarl.rollout.engine import find_free_port
+    from megarl.procs.ports import find_free_port
 
     model = tiny_moe_hf[0]
     head = torch.zeros_like(model.lm_head.weight)

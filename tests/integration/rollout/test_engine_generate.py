@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megarl.rollout.client import SGLangClient
-from megarl.rollout.engine import EngineProcess, EngineStartupError
+from megarl.rollout.engine_process import EngineProcess, EngineStartupError
 
 pytestmark = pytest.mark.timeout(300)
 

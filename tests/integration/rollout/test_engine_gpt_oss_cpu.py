@@ -57,7 +57,7 @@ def test_tiny_gpt_oss_engine_matches_transformers(tiny_gpt_oss_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
 
     engine = EngineProcess(tiny_gpt_oss_dir, device="cpu", dtype="float32", mem_fraction_static=0.05,
                            max_total_tokens=2048, grammar_backend="none", log_path=tmp_path / "engine.log",

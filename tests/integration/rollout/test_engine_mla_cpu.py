@@ -41,7 +41,7 @@ def _hf_logprobs(model_dir, ids: list[int]):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tiny_deepseek_v3_engine_prefill_and_decode_match_transformers(tiny_deepseek_v3_dir, tmp_path):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
 
     engine = EngineProcess(tiny_deepseek_v3_dir, device="cpu", dtype="float32", mem_fraction_static=0.05,
                            max_total_tokens=2048, grammar_backend="none", log_path=tmp_path / "engine.log")

@@ -1,7 +1,7 @@
 """One SGLang engine (TP 2) across two emulated hosts on the CPU backend (issue 25 part 4).
 
 Each host is a network namespace with its own address (:mod:`megarl.testing.netns`); each runs one
-node part exactly as megarl builds it (:class:`~megarl.rollout.engine.EngineProcess` with
+node part exactly as megarl builds it (:class:`~megarl.rollout.engine_process.EngineProcess` with
 ``nnodes=2``, ``node_rank``, ``dist_init_addr`` = node 0's address; ``SGLANG_HOST_IP`` = the host's
 address, as :class:`~megarl.rollout.engine_actor.EngineActor` sets it). Each part also gets its own
 ``/dev/shm`` (a private mount namespace): network namespaces share the machine's, and SGLang decides
@@ -68,7 +68,7 @@ def _hf_logprobs(model_dir, ids: list[int]) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.timeout(HEALTHY_S + 300)
 def test_tp2_engine_across_two_emulated_hosts_serves_from_node_rank_0(tiny_dense_dir, tmp_path):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.testing.netns import emulated_hosts, unavailable_reason
 
     reason = unavailable_reason()

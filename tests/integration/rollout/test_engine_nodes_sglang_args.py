@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from megarl.rollout.engine import EngineProcess
+from megarl.rollout.engine_process import EngineProcess
 
 HEAD = "10.0.0.1:29500"
 LAYOUTS = [(2, 1, 2), (16, 16, 2), (32, 8, 4)]

@@ -1,4 +1,4 @@
-"""Every port an SGLang server on CPU listens on comes from megarl's allocator (``megarl.rollout.ports``).
+"""Every port an SGLang server on CPU listens on comes from megarl's allocator (``megarl.rollout.engine_resources``).
 
 Reference: the kernel's socket table (``psutil``) of the running server's process tree. SGLang 0.5.23
 draws its torch.distributed store port (``--nccl-port``) at random in 22000-29999 when none is given;
@@ -10,7 +10,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from megarl.rollout.ports import reservation_dir
+from megarl.procs.ports import reservation_dir
 
 
 def _listening_ports(pid: int) -> set[int]:

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from megarl.testing.multiproc import RankError, run_ranks
+from megarl.procs.local_ranks import RankError
+from megarl.testing.multiproc import run_ranks
 
 
 def _sum_ranks(rank, world_size, scale):

@@ -58,8 +58,8 @@ def make_batch(vocab_size: int, *, seed: int = 0, num_seqs: int = 6) -> TrainBat
 
 def build(cfg: MegarlConfig):
     """A trainer on a freshly initialised parallel state."""
-    from megarl.checkpoint.initial_weights import initial_weights
-    from megarl.training.build import build_trainer
+    from megarl.conversion.initial_weights import initial_weights
+    from megarl.training.trainer_build import build_trainer
 
     return build_trainer(cfg, load_weights=initial_weights(cfg.model))
 

@@ -43,7 +43,7 @@ def _case(case, dirs, tokens):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mps
 
-    from megarl.checkpoint import load_hf_weights
+    from megarl.conversion.load_hf import load_hf_weights
     from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
@@ -96,7 +96,7 @@ def _expected_state(rank, tp, pp, ep, etp):
 def test_megatron_forward_matches_transformers(tiny_moe_dir, tiny_dense_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megarl.checkpoint.convert import hf_to_megatron
+    from megarl.conversion.convert import hf_to_megatron
 
     no_norm = tmp_path / "moe_no_norm_topk"
     shutil.copytree(tiny_moe_dir, no_norm)

@@ -10,7 +10,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _worker(rank, world_size, hf_dir, grouped):
-    from megarl.checkpoint import get_family, load_hf_weights, megatron_to_hf
+    from megarl.conversion.load_hf import load_hf_weights
+    from megarl.models.families import get_family
+    from megarl.models.mapping import megatron_to_hf
     from megarl.models.params import iter_global_params
     from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model, load_hf_config

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.checkpoint.convert import MARKER_FILE, hf_to_megatron
+from megarl.conversion.convert import MARKER_FILE, hf_to_megatron
 from megarl.testing.multiproc import run_ranks
 from megarl_trainer_cases import LAYOUTS, build, make_batch, make_cfg, teardown
 
@@ -56,7 +56,7 @@ def _worker(rank, world_size, hf_dir, perturbed_dir, load_dir, batch):
 
 @pytest.mark.timeout(420)
 def test_trainer_starts_from_converted_checkpoint(tiny_moe_dir, perturbed_dir, converted):
-    from megarl.checkpoint.dist_ckpt import tensor_shapes
+    from megarl.conversion.dist_ckpt import tensor_shapes
     from transformers import AutoConfig
 
     assert tensor_shapes(converted)["embedding.word_embeddings.weight"][0] == (2112, 64)

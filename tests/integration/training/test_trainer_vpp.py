@@ -12,7 +12,7 @@ LAYOUTS = {"tp1": {}, "pp2_vpp2": {"parallel.pipeline_model_parallel_size": 2,
 
 @pytest.fixture(scope="module")
 def four_layer_moe_dir(tmp_path_factory):
-    from megarl.testing.tiny_model import TinyModelSpec, make_tiny_model
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "moe4", TinyModelSpec(family="qwen3_moe", num_hidden_layers=4))
 

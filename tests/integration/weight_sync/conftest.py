@@ -14,7 +14,7 @@ import pytest
 
 @pytest.fixture(scope="package")
 def _tp2_engine_started(tiny_moe_dir, tmp_path_factory):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS, STATS_DIR_ENV
 
     stats = tmp_path_factory.mktemp("loader_stats")

@@ -25,7 +25,7 @@ DUMP_EVERY_S = 300.0
 
 
 def engines(model: str, addr: str, num: int, out: str, log_dir: str, healthy_s: float) -> None:
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
 
     deadline = time.monotonic() + healthy_s

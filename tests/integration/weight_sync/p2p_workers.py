@@ -38,11 +38,11 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
             close at PP2); raised after every synchronizer was closed, unless another error is
             already propagating (then printed to stderr and the first error kept).
     """
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
-    from megarl.weight_sync.build import SyncSpec, build_weight_sync
+    from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, {**workers.LAYOUTS, **workers.LAYOUTS_4}[layout])
     trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
@@ -87,7 +87,7 @@ def _close(syncers: dict) -> list[str]:
 
 def _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrupt) -> dict:
     """The syncs of :func:`sync_then_corrupt` (every rank; the engine answers on rank 0)."""
-    from megarl.weight_sync.validate import WeightSyncError
+    from megarl.weight_sync.manifest_checks import WeightSyncError
 
     out: dict = {}
     for transport in ("disk", "p2p"):
@@ -159,7 +159,7 @@ def _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrup
 def fail_at(target: tuple[int, int]):
     """A ``P2PTransport.tamper`` that raises (a sender-side failure) before bucket ``target[0]``'s
     bytes for engine rank ``target[1]`` leave; the ranks before it got theirs."""
-    from megarl.weight_sync.validate import WeightSyncError
+    from megarl.weight_sync.manifest_checks import WeightSyncError
 
     def tamper(index: int, rank: int, buffer: torch.Tensor):
         if (index, rank) == target:
@@ -169,7 +169,7 @@ def fail_at(target: tuple[int, int]):
 
 
 def workers_engines(urls):
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
 
     return EngineClients(urls)
 

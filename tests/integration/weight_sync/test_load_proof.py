@@ -27,7 +27,7 @@ FAMILIES = {"qwen3_moe": "tiny_moe_dir", "qwen3": "tiny_dense_dir", "deepseek_v3
 
 
 def _engine(model_dir, log_dir):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.weight_sync.sglang_loader import CUSTOM_WEIGHT_LOADERS
 
     return EngineProcess(model_dir, tp_size=1, device="cpu", dtype="float32", mem_fraction_static=0.15,

@@ -42,7 +42,7 @@ def hf_logprobs(model_dir, sequences) -> list[list[float]]:
 
 
 def _engine(model_dir, tmp_path):
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
     from megarl.weight_sync.choice import engine_custom_weight_loaders
 
     return EngineProcess(model_dir, device="cpu", dtype="float32", mem_fraction_static=0.05, max_total_tokens=8192,
@@ -88,7 +88,7 @@ def test_an_engine_serving_the_tied_directory_itself_is_repaired_by_the_first_sy
     """What the view prevents, and why an external engine on the tied directory still works: served as it
     is, SGLang samples from an lm_head nothing loaded; the first sync (p2p, checked by megarl's receiver
     against the engine's tensors, lm_head.weight counted) fills it."""
-    from megarl.rollout import engine as engine_module
+    from megarl.rollout import engine_process as engine_module
 
     monkeypatch.setattr(engine_module, "served_model_dir", str)  # no view, as an engine megarl did not start
     engine = _engine(tiny_tied_moe_dir, tmp_path)

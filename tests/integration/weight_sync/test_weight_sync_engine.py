@@ -115,12 +115,12 @@ def test_sglang_ignores_a_misnamed_tensor_so_the_plan_check_refuses_it(sglang_en
     """Why names are checked on the trainer side: SGLang answers success for a name it does not know."""
     from transformers import AutoConfig
 
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.sync import WeightSynchronizer
-    from megarl.weight_sync.validate import WeightSyncError, read_manifest
+    from megarl.weight_sync.manifest_checks import WeightSyncError, read_manifest
 
     probe = probes()[:1]
     with EngineClients([sglang_engine.url]) as engines:

@@ -62,7 +62,7 @@ def trainer_probe_logprobs(trainer, probes: list[list[int]]) -> list[list[float]
 
 def engine_logprobs(urls, probes) -> list[list[list[float]]]:
     """``[engine][probe]`` teacher-forced logprobs of tokens 1..P-1."""
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
     from megarl.weight_sync.verify import engine_prompt_logprobs
 
     with EngineClients(urls) as engines:
@@ -71,7 +71,7 @@ def engine_logprobs(urls, probes) -> list[list[list[float]]]:
 
 def reset_engines(urls, model_dir: str) -> None:
     """Reload the engines' original weights from disk (the reference transport)."""
-    from megarl.weight_sync.engines import EngineClients
+    from megarl.weight_sync.engine_clients import EngineClients
 
     with EngineClients(urls) as engines:
         engines.call_all("update_weights_from_disk", model_dir)
@@ -86,12 +86,12 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
     Returns (rank 0): ``{layout: {"trainer": [...], "before": {t: ...}, "after": {t: ...},
     "metrics": {t: {...}}}}``.
     """
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
-    from megarl.weight_sync.build import SyncSpec, build_weight_sync
-    from megarl.weight_sync.validate import WeightSyncError
+    from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
+    from megarl.weight_sync.manifest_checks import WeightSyncError
 
     results = {}
     for layout in layouts:

@@ -65,7 +65,7 @@ def test_every_schema_field_has_a_declared_domain():
 
 
 def test_every_builtin_tool_and_reward_setting_has_a_declared_domain():
-    from megarl.rollout.rewards.registry import REWARD_REGISTRY
+    from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY
     from megarl.rollout.tools import TOOL_REGISTRY
 
     for registry, domains in ((TOOL_REGISTRY, TOOL_DOMAINS), (REWARD_REGISTRY, REWARD_DOMAINS)):

@@ -39,7 +39,7 @@ def test_megatron_overrides_checked_against_megatron_dataclasses(good_overrides)
 
 def test_uneven_pipeline_stages(good_overrides, tmp_path):
     """A 5-layer model on PP=2 (not divisible) is valid with first=2 / last=3; each bad split names its key."""
-    from megarl.testing.tiny_model import TinyModelSpec, _hf_config
+    from megarl.models.tiny import TinyModelSpec, _hf_config
 
     hf_config = _hf_config(TinyModelSpec(family="qwen3_moe", num_hidden_layers=5), 2048, 0, 1)[0]
     hf_config.save_pretrained(tmp_path)
@@ -61,7 +61,7 @@ def test_uneven_pipeline_stages_build_megatrons_layer_assignment():
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from megarl.config.schema import ModelConfig, ParallelConfig
-    from megarl.testing.tiny_model import TinyModelSpec, _hf_config
+    from megarl.models.tiny import TinyModelSpec, _hf_config
     from megarl.training.model import build_transformer_config
 
     hf_config = _hf_config(TinyModelSpec(family="qwen3", num_hidden_layers=61), 2048, 0, 1)[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.data.sft import DemonstrationError, demonstration_to_trajectory, load_demonstrations
+from megarl.data.demonstrations import DemonstrationError, demonstration_to_trajectory, load_demonstrations
 from megarl.plugins import import_module
 
 TASK_FILE = Path(__file__).resolve().parents[3] / "examples" / "arithmetic_tool" / "task.py"

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from megarl.config import load_config, validate
 from megarl.launch.cpu_scale import cpu_scale
-from megarl.testing.tiny_model import resolve_model_path
+from megarl.models.tiny import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPES = sorted(p.relative_to(REPO).as_posix() for pattern in ("configs/*.yaml", "examples/*/*.yaml")

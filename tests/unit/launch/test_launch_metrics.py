@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megarl.algorithms.metrics import mean_metric
-from megarl.launch.metrics import MetricsLogger, StageTimer, read_metrics, save_plots, to_float
+from megarl.launch.metric_sinks import MetricsLogger, StageTimer, read_metrics, save_plots, to_float
 
 
 def test_jsonl_and_tensorboard_receive_the_same_values(tmp_path):

@@ -84,7 +84,7 @@ def test_omp_threads_share_the_nodes_cores():
 @pytest.mark.parametrize("placement, device, saver", [("colocated", "cuda", True), ("disaggregated", "cuda", False),
                                                       ("colocated", "cpu", False)])
 def test_colocated_cuda_engines_start_with_the_memory_saver(placement, device, saver):
-    from megarl.cluster.engines import MEMORY_SAVER_FLAG, engine_kwargs
+    from megarl.cluster.ray_engines import MEMORY_SAVER_FLAG, engine_kwargs
 
     kwargs = engine_kwargs(_cfg(**{"cluster.placement": placement}), device=device, log_path=None, engine_id="e0")
     assert (MEMORY_SAVER_FLAG in kwargs["extra_args"]) == saver

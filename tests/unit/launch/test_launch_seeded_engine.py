@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 
 from megarl.config.schema import MegarlConfig
-from megarl.cluster.engines import DETERMINISTIC_FLAG, SEEDING_SHIM_DIR, engine_kwargs, seeding_env
+from megarl.cluster.ray_engines import DETERMINISTIC_FLAG, SEEDING_SHIM_DIR, engine_kwargs, seeding_env
 from megarl.launch.rollout_actor import SeededEngine
 from megarl.launch.steps import mean_metrics
 from megarl.training.batch import TrainBatch

@@ -15,7 +15,7 @@ def _mode(path: Path) -> int:
 
 def test_output_folders_honour_the_umask(tmp_path, tiny_moe_dir):
     """The reference is the mode a plain mkdir gets under the same umask (0755 under 022)."""
-    from megarl.checkpoint.convert import _atomic_dir
+    from megarl.conversion.convert import _atomic_dir
 
     old = os.umask(0o022)
     try:

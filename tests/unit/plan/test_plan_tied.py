@@ -1,6 +1,6 @@
 """`megarl plan` counts the engine's lm_head of a tied Qwen3-MoE / GLM-4.5 checkpoint (SGLang keeps it apart
 and the engine serves an untied view), and only one vocabulary copy where SGLang shares it (dense Qwen3).
-Each family's rule is checked against SGLang's own class in tests/unit/test_family_rules.py."""
+Each family's rule is checked against SGLang's own class in tests/unit/models/test_family_rules.py."""
 from transformers import AutoConfig
 
 from megarl.plan.memory import EngineSetup, engine_memory

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn, tool_agent
-from megarl.rollout.rewards.gsm8k import Gsm8kReward
+from megarl.rollout.rewards.gsm8k_answer import Gsm8kReward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.types import RolloutStatus
@@ -160,7 +160,7 @@ async def test_reward_scores_the_answer_not_the_reasoning(family_tokenizers, cas
 def test_tiny_models_take_an_official_template(official_template_tokenizers):
     from pathlib import Path
 
-    from megarl.testing.tiny_model import parse_tiny_uri
+    from megarl.models.tiny import parse_tiny_uri
 
     assert parse_tiny_uri("tiny:qwen3_moe?chat_template=qwen3").chat_template == "qwen3"
     with pytest.raises(ValueError, match="chat_template"):

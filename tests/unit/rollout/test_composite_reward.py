@@ -7,7 +7,7 @@ import torch
 
 from megarl.config.schema import AgentConfig, RolloutConfig, SamplingConfig
 from megarl.rollout.manager import RolloutManager
-from megarl.rollout.rewards.registry import build_reward
+from megarl.rollout.rewards.reward_registry import build_reward
 from megarl.rollout.rewards.composite import WeightSchedule
 from megarl.rollout.rewards.terms import normalize_answer
 from megarl.rollout.types import Trajectory

@@ -8,7 +8,8 @@ import pytest
 
 from megarl.config.schema import RolloutConfig
 from megarl.rollout import cpu_shims
-from megarl.rollout.engine import EngineProcess, cpu_threads_bind, resolve_device
+from megarl.rollout.engine_process import EngineProcess
+from megarl.rollout.engine_resources import cpu_threads_bind, resolve_device
 from megarl.rollout.engine_actor import EngineActor
 from megarl.rollout.local_engines import launch_engines
 
@@ -121,7 +122,7 @@ def test_engine_expert_parallel_size_reaches_sglangs_own_parser():
 
     from omegaconf import OmegaConf
 
-    from megarl.cluster.engines import engine_kwargs
+    from megarl.cluster.ray_engines import engine_kwargs
 
     rollout = OmegaConf.merge(OmegaConf.structured(RolloutConfig),
                               {"engine": {"tensor_parallel_size": 4, "expert_parallel_size": 4}})
@@ -148,7 +149,7 @@ def test_free_ports_are_taken_below_the_ephemeral_range():
     (the EADDRINUSE a weight-sync group hit with Ray and engines on one host)."""
     import socket
 
-    from megarl.rollout.engine import find_free_port
+    from megarl.procs.ports import find_free_port
 
     low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     ports = {find_free_port() for _ in range(20)}

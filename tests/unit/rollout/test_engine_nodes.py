@@ -10,7 +10,7 @@ The parse by SGLang's own parser is in tests/integration/rollout/test_engine_nod
 import pytest
 
 from megarl.cluster.placement import engine_part_bundles
-from megarl.rollout.engine import EngineProcess
+from megarl.rollout.engine_process import EngineProcess
 
 
 def _part(rank, nnodes=2, tp=4, addr="10.0.0.1:29500", **kw):

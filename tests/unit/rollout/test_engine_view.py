@@ -107,7 +107,7 @@ def test_engine_process_serves_the_view(tiny_tied_moe_dir, tmp_path, monkeypatch
     """EngineProcess.start hands SGLang the view (prepared on the engine's node, before the server starts)."""
     import subprocess
 
-    from megarl.rollout.engine import EngineProcess
+    from megarl.rollout.engine_process import EngineProcess
 
     monkeypatch.setenv("MEGARL_CACHE_DIR", str(tmp_path))
     commands = []

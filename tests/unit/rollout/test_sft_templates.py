@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.data.sft import DemonstrationError, demonstration_to_trajectory
+from megarl.data.demonstrations import DemonstrationError, demonstration_to_trajectory
 from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools

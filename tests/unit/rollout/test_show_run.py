@@ -225,7 +225,7 @@ def test_gsm8k_reward_records_its_terms_and_gold(run_dir):
     import asyncio
     import copy
 
-    from megarl.rollout.rewards.gsm8k import Gsm8kReward
+    from megarl.rollout.rewards.gsm8k_answer import Gsm8kReward
 
     _, _, trajs = run_dir
     reward = Gsm8kReward(executor="inline", format_weight=0.2)

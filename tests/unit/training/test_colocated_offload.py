@@ -171,9 +171,9 @@ def _optimizer_state(optimizer) -> list[torch.Tensor]:
 
 
 def _offload_worker(rank, world_size, hf_dir: str, mode: str) -> dict:
-    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
-    from megarl.training.build import build_trainer
+    from megarl.training.trainer_build import build_trainer
 
     cfg = MegarlConfig()
     cfg.model.hf_path, cfg.cluster.device, cfg.train.precision = hf_dir, "cpu", "fp32"

@@ -76,7 +76,8 @@ def _group_worker(rank, world_size):
 def test_default_group_has_the_explicit_timeout_and_gloo_is_its_own_control_group():
     """Item 12: the default process group gets ``timeout_minutes`` (before: torch's default, 30 min
     for gloo); item 4: on gloo the control-plane group is the group itself (no extra group)."""
-    from megarl.testing.multiproc import free_port, run_ranks
+    from megarl.procs.local_ranks import free_port
+    from megarl.testing.multiproc import run_ranks
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     for supported, control_is_default, total, timeout in run_ranks(_group_worker, 2, backend=None, env=env,

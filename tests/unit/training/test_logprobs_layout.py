@@ -7,7 +7,7 @@ allocations and frees (``torch.profiler`` memory events) for the memory of the l
 import pytest
 import torch
 
-from megarl.testing.memory import peak_cpu_bytes
+from megarl.testing.peak_memory import peak_cpu_bytes
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import MicroBatchSpec
 from megarl.training.forward import micro_batch_logprobs

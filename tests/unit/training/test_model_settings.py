@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from megarl.config.schema import ModelConfig, ParallelConfig
-from megarl.testing.tiny_model import TinyModelSpec, _hf_config
+from megarl.models.tiny import TinyModelSpec, _hf_config
 from megarl.training.model import FUSIONS, build_transformer_config, fusion_settings, split_megatron_overrides
 
 

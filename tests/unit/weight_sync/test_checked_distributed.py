@@ -64,7 +64,7 @@ def test_a_shard_is_refused_where_the_whole_tensor_is_expected(monkeypatch):
 
 
 class FileEngines:
-    """Stands in for :class:`~megarl.weight_sync.engines.EngineClients` (one engine of ``tp`` ranks):
+    """Stands in for :class:`~megarl.weight_sync.engine_clients.EngineClients` (one engine of ``tp`` ranks):
     request ``k``'s payload for rank ``r`` is written to ``r{r}-{k:05d}``; answers at once."""
 
     def __init__(self, directory: str, tp: int) -> None:
@@ -112,8 +112,8 @@ def _sender(directory: str) -> dict:
     from megarl.models.families import get_family
     from megarl.weight_sync.gather import StageGatherer
     from megarl.weight_sync.p2p import CheckedDistributedTransport
-    from megarl.weight_sync.placement import Placement
-    from megarl.weight_sync.validate import WeightSyncError
+    from megarl.weight_sync.copy_instructions import Placement
+    from megarl.weight_sync.manifest_checks import WeightSyncError
 
     hf_config, plan = _plan()
     gen = torch.Generator().manual_seed(0)
@@ -238,7 +238,7 @@ def test_close_waits_for_another_stage_senders_session_then_closes_the_group(mon
     session never frees; either way the local group is destroyed."""
     from megarl.weight_sync import receiver_group
     from megarl.weight_sync.p2p import CheckedDistributedTransport
-    from megarl.weight_sync.validate import WeightSyncError
+    from megarl.weight_sync.manifest_checks import WeightSyncError
 
     _, plan = _plan()
     destroyed = []

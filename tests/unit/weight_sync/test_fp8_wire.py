@@ -22,10 +22,10 @@ from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.engine_slices import PlanError, engine_slices
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec
-from megarl.weight_sync.validate import WeightSyncError, check_plan_against_manifest, read_manifest
+from megarl.weight_sync.manifest_checks import WeightSyncError, check_plan_against_manifest, read_manifest
 from megarl.weight_sync.wire import checksum_algo
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from test_fp8_blocks import _reference_quantize  # noqa: E402
 
 TP = 2
@@ -78,7 +78,7 @@ def test_each_engine_rank_receives_its_shard_quantised_at_half_the_bytes(tmp_pat
     from megarl.models.mapping import megatron_to_hf
     from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.p2p import P2PTransport
 
     hf_config = AutoConfig.for_model(**dict(CONFIG, num_key_value_heads=num_kv_heads))

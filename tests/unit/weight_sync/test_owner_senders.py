@@ -58,7 +58,7 @@ def _moe_plan(trainer: TrainerLayout, engines: EngineLayout, config: dict = MOE)
     from transformers import AutoConfig
 
     from megarl.models.families import get_family
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
 
     specs = param_specs_from_hf_config(config, tensor_model_parallel_size=trainer.tp_size, dtype="bfloat16")
     plan = build_plan(trainer, engines, specs, bucket_size_mb=0.01)

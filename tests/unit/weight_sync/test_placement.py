@@ -7,7 +7,7 @@ from megarl.models.families import get_family
 from megarl.models.mapping import gather_tp, lookup, megatron_to_hf, split_tp
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.model_specs import param_specs_from_hf_config
-from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import build_plan
 
 CONFIGS = {

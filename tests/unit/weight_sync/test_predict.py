@@ -74,7 +74,7 @@ def test_segment_senders_send_each_engine_ranks_segment_from_the_trainer_rank_ho
     from transformers import AutoConfig
 
     from megarl.models.families import get_family
-    from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.copy_instructions import Placement
 
     specs = param_specs_from_hf_config(DENSE, tensor_model_parallel_size=2, dtype="bfloat16")
     plan = build_plan(TrainerLayout(tensor_model_parallel_size=2), EngineLayout(tensor_parallel_size=2), specs)

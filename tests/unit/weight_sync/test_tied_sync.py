@@ -10,7 +10,7 @@ from megarl.models.families import get_family
 from megarl.models.mapping import lookup, megatron_to_hf, split_tp
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.model_specs import engine_table, param_specs_from_hf_config
-from megarl.weight_sync.placement import Placement
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.specs import EngineSplit
 
@@ -72,7 +72,7 @@ def test_the_plan_matches_the_engines_untied_view_exactly(tiny_tied_moe_dir, tmp
     from transformers import AutoConfig
 
     from megarl.rollout.engine_view import served_model_dir
-    from megarl.weight_sync.validate import check_plan_against_manifest, read_manifest
+    from megarl.weight_sync.manifest_checks import check_plan_against_manifest, read_manifest
 
     manifest = read_manifest(tiny_tied_moe_dir)
     view = served_model_dir(tiny_tied_moe_dir, root=tmp_path)

@@ -1,0 +1,109 @@
+"""Where every row (or column) of every HF tensor comes from: the conversion as copy instructions.
+
+The sender of a stage writes each bucket's HF tensors straight into the flat buffer that goes to
+the engines, and receives other ranks' shards straight into it where possible, instead of first
+assembling full Megatron tensors and converting them. The instructions are derived from the model
+family's own mapping (``megarl.conversion``: ``split_tp`` and ``to_hf``) by running it on index
+tensors: for a parameter split along rows (``TPSplit.COLUMN`` / ``GLU`` / ``NONE``), tracing
+``arange(rows)`` through ``split_tp`` and ``to_hf`` tells, for each HF row, which shard and which
+row of that shard holds it; runs of consecutive rows become one :class:`Piece`. A parameter split
+along columns (``TPSplit.ROW``; always a plain copy) becomes one column block per shard.
+
+A row piece is contiguous in the shard and in the HF tensor, so a remote shard's rows can be
+received directly into the flat buffer (no copy); a column piece is strided in the HF tensor and is
+received whole into a temporary, then copied.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from megarl.weight_sync.plan import ParamTransfer
+from megarl.weight_sync.manifest_checks import WeightSyncError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows (``axis`` 0) or columns (``axis`` 1) ``src`` of shard ``shard`` -> ``dst`` of HF tensor ``hf_index``."""
+
+    hf_index: int
+    shard: int
+    axis: int
+    src: tuple[int, int]
+    dst: tuple[int, int]
+
+
+def _runs(shard: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Per HF row its ``shard`` and ``src`` row -> runs ``(shard, src_start, dst_start, length)``."""
+    n = shard.numel()
+    if n == 0:
+        return []
+    breaks = torch.ones(n, dtype=torch.bool)
+    breaks[1:] = (shard[1:] != shard[:-1]) | (src[1:] != src[:-1] + 1)
+    starts = torch.nonzero(breaks)[:, 0].tolist() + [n]
+    return [(int(shard[a]), int(src[a]), a, b - a) for a, b in zip(starts[:-1], starts[1:])]
+
+
+class Placement:
+    """Copy instructions for a model family's parameters (see module docstring).
+
+    Args:
+        model_layout: ``Family.layout(hf_config, tp_size=...)`` of the trained model.
+        table: the mapping table the plan's specs were named from (default: the family's;
+            ``model_specs.engine_table`` for a tied model whose engine keeps its own ``lm_head``).
+    """
+
+    def __init__(self, model_layout, table=None) -> None:
+        from megarl.models.mapping import family_table
+
+        self.layout = model_layout
+        self.table = table if table is not None else family_table(model_layout)
+        self._pieces: dict[tuple, tuple[Piece, ...]] = {}
+
+    def pieces(self, transfer: ParamTransfer) -> tuple[Piece, ...]:
+        """The pieces of one parameter, ordered by HF tensor then destination.
+
+        Raises:
+            WeightSyncError: the traced conversion does not produce the planned HF shapes, or does
+                not cover every HF row exactly once.
+        """
+        from megarl.models.mapping import lookup, template_of
+
+        shapes = tuple(t.shape for t in transfer.param.hf)
+        key = (transfer.param.name, tuple(transfer.param.shape), len(transfer.sources), shapes)
+        pieces = self._pieces.get(key)
+        if pieces is None:  # the name lookups cost more than the copies of a small tensor: once per parameter
+            entry, _ = lookup(self.table, transfer.param.name)
+            template, _ = template_of(transfer.param.name)
+            pieces = self._pieces[key] = self._trace(template, entry, transfer.param.shape, len(transfer.sources),
+                                                     shapes)
+        return pieces
+
+    @functools.lru_cache(maxsize=4096)
+    def _trace(self, template: str, entry, full_shape: tuple, num_shards: int, hf_shapes: tuple) -> tuple[Piece, ...]:
+        from megarl.models.mapping import TPSplit, split_tp, to_hf
+
+        if entry.tp_split is TPSplit.ROW and num_shards > 1:
+            if len(hf_shapes) != 1 or tuple(hf_shapes[0]) != tuple(full_shape):
+                raise WeightSyncError(f"{template}: a column-split parameter must convert to one equal HF tensor")
+            cols = full_shape[1] // num_shards
+            return tuple(Piece(0, k, 1, (0, cols), (k * cols, (k + 1) * cols)) for k in range(num_shards))
+        index = torch.arange(full_shape[0], dtype=torch.int64).view(-1, 1)
+        owner = torch.empty(full_shape[0], 2, dtype=torch.int64)
+        for k in range(num_shards):
+            rows = split_tp(index, entry.tp_split, k, num_shards)[:, 0]
+            owner[rows, 0] = k
+            owner[rows, 1] = torch.arange(rows.numel())
+        outputs = to_hf(entry, index, self.layout)
+        if [o.shape[0] for o in outputs] != [s[0] for s in hf_shapes] or any(
+                tuple(s[1:]) != tuple(full_shape[1:]) for s in hf_shapes):
+            raise WeightSyncError(f"{template}: traced conversion gives {[tuple(o.shape) for o in outputs]} rows, "
+                                  f"the plan expects HF shapes {list(hf_shapes)}")
+        pieces = []
+        for i, out in enumerate(outputs):
+            rows = out[:, 0]
+            for shard, src, dst, length in _runs(owner[rows, 0], owner[rows, 1]):
+                pieces.append(Piece(i, shard, 0, (src, src + length), (dst, dst + length)))
+        return tuple(pieces)

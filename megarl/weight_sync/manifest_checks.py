@@ -1,0 +1,111 @@
+"""Trainer-side checks that make a wrong weight push an error instead of a silent success.
+
+SGLang 0.5.23 ignores tensor names it does not know and still answers ``success`` (so a misnamed
+tensor leaves stale weights), and an exception inside its loader kills the server. Everything is
+therefore checked here, before a byte is sent:
+
+1. :func:`check_plan_against_manifest` (once per plan): the plan's wire tensors and the engine's
+   checkpoint (``model.safetensors`` headers of the served model) have the same names, shapes and
+   dtypes: an unknown name, a missing tensor or a shape / dtype mismatch is an error.
+2. :func:`check_local_params` (once per plan, every rank): this rank holds every shard the plan
+   says it sends, with the planned shape and dtype.
+3. :class:`~megarl.weight_sync.copy_instructions.Placement` (once per parameter kind): the family's
+   conversion, traced, produces exactly the planned HF shapes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from megarl.rollout.engine_view import EMBEDDING, OUTPUT_LAYER, needs_untied_view
+from megarl.weight_sync.plan import WeightSyncPlan
+
+Manifest = dict[str, tuple[tuple[int, ...], str]]
+"""HF tensor name -> (shape, dtype name without ``torch.``)."""
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+                       "F8_E4M3": "float8_e4m3fn", "I64": "int64", "I32": "int32", "U8": "uint8"}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that must not be reported as a success (names the tensor and the problem)."""
+
+
+def read_manifest(model_dir: str | os.PathLike) -> Manifest:
+    """Names, shapes and dtypes of every tensor an engine serving ``model_dir`` holds: its safetensors
+    files' tensors (headers only), and ``lm_head.weight`` (the embedding's shape and dtype) for a tied
+    checkpoint whose SGLang class keeps its own output layer (:mod:`megarl.rollout.engine_view`: the
+    engines megarl starts serve an untied view; every sync delivers that tensor).
+
+    Raises:
+        WeightSyncError: no safetensors file in ``model_dir``.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise WeightSyncError(f"no *.safetensors in {model_dir}: cannot check tensor names against the engine")
+    manifest: Manifest = {}
+    for path in files:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                manifest[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]))
+    config = Path(model_dir) / "config.json"
+    if config.is_file() and needs_untied_view(json.loads(config.read_text())) and EMBEDDING in manifest:
+        manifest.setdefault(OUTPUT_LAYER, manifest[EMBEDDING])
+    return manifest
+
+
+def check_plan_against_manifest(plan: WeightSyncPlan, manifest: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
+    """Every planned tensor is known to the engine with the same shape and dtype, and none is missing.
+
+    Raises:
+        WeightSyncError: lists unknown names, missing tensors and shape / dtype mismatches.
+    """
+    planned = {t.name: t for t in plan.wire_tensors()}  # FP8 weights and scales for a block-FP8 engine
+    problems = []
+    unknown = sorted(set(planned) - set(manifest))
+    if unknown:
+        problems.append(f"{len(unknown)} tensor(s) unknown to the engine (SGLang would silently skip them): "
+                        f"{unknown[:5]}")
+    missing = sorted(set(manifest) - set(planned))
+    if missing:
+        problems.append(f"{len(missing)} engine tensor(s) the plan never sends (they would stay stale): {missing[:5]}")
+    for name in sorted(set(planned) & set(manifest)):
+        shape, dtype = manifest[name]
+        t = planned[name]
+        if tuple(t.shape) != tuple(shape):
+            problems.append(f"{name}: shape {tuple(t.shape)} planned, engine checkpoint has {tuple(shape)}")
+        if t.dtype != dtype:
+            problems.append(f"{name}: dtype {t.dtype} planned, engine checkpoint has {dtype}")
+    if problems:
+        raise WeightSyncError("weight sync plan does not match the engine's model: " + "; ".join(problems))
+
+
+def check_local_params(plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor]) -> None:
+    """This rank holds every shard the plan has it send, with the planned shape and dtype.
+
+    Args:
+        local: global Megatron name -> this rank's shard (``Trainer.named_parameters_for_sync()``).
+
+    Raises:
+        WeightSyncError: a planned shard is missing or has another shape / dtype.
+    """
+    for bucket in plan.buckets:
+        for transfer, source in bucket.contributions(rank):
+            name = transfer.param.name
+            if name not in local:
+                raise WeightSyncError(f"trainer rank {rank} does not hold {name!r} (shard {source.shard_index}) "
+                                      f"although the plan sends it from there")
+            tensor = local[name]
+            if tuple(tensor.shape) != tuple(source.shape):
+                raise WeightSyncError(f"{name} on trainer rank {rank}: shape {tuple(tensor.shape)}, "
+                                      f"the plan expects shard shape {tuple(source.shape)}")
+            if str(tensor.dtype).removeprefix("torch.") != transfer.param.dtype:
+                raise WeightSyncError(f"{name} on trainer rank {rank}: dtype {tensor.dtype}, "
+                                      f"the plan expects {transfer.param.dtype}")

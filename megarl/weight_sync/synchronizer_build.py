@@ -1,0 +1,104 @@
+"""A trainer rank's :class:`~megarl.weight_sync.sync.WeightSynchronizer`, built from the policy's HF
+directory, the trainer's parallel state, the ``weight_sync`` config section and the engines
+(:class:`SyncSpec`): plan, conversion placement, manifest check, transport options."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from megarl.models.families import get_family
+from megarl.training.model import load_hf_config
+from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
+from megarl.weight_sync.fp8_wire import served_quantization
+from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+from megarl.weight_sync.model_specs import engine_table, param_specs_from_hf_config
+from megarl.weight_sync.copy_instructions import Placement
+from megarl.weight_sync.plan import build_plan
+from megarl.weight_sync.sync import WeightSynchronizer
+from megarl.weight_sync.manifest_checks import read_manifest
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+    """What a weight sync needs besides the ``weight_sync`` section: the model, the engines, where
+    the bytes go (the same on every trainer rank)."""
+
+    hf_dir: str | os.PathLike
+    """The policy's HF directory: architecture; the engines' checkpoint for the manifest check; its
+    ``quantization_config`` (block-FP8 engines get FP8 weights, :mod:`megarl.weight_sync.fp8_wire`)."""
+    engine_urls: Sequence[str]
+    """Every engine to update."""
+    engine_tp_size: int = 1
+    """Every engine's ``--tp``."""
+    engine_ep_size: int = 1
+    """Every engine's ``--ep-size``."""
+    dtype: str = "bfloat16"
+    """The trainer's parameter dtype (``float32`` on CPU tests)."""
+    make_vocab_size_divisible_by: int = 128
+    """``model.make_vocab_size_divisible_by``."""
+    check_manifest: bool = True
+    """Check the plan against ``hf_dir``'s safetensors headers (engines on the same host)."""
+    directory: str | os.PathLike | None = None
+    """Where the ``disk`` transport writes."""
+    master_address: str = "127.0.0.1"
+    """Address of this host as the engines reach it (group transports)."""
+    port_base: Optional[int] = None
+    """Where group transports' ports start on this host (``cluster.master_port``; None: no base)."""
+
+
+def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
+    """The :class:`TrainerLayout` of a trainer's ``ParallelState`` (uneven stages from ``parallel_cfg``,
+    the ``parallel`` section; None: even stages)."""
+    first = parallel_cfg.num_layers_in_first_pipeline_stage if parallel_cfg is not None else None
+    last = parallel_cfg.num_layers_in_last_pipeline_stage if parallel_cfg is not None else None
+    return TrainerLayout(
+        tensor_model_parallel_size=parallel.tp_size, pipeline_model_parallel_size=parallel.pp_size,
+        expert_model_parallel_size=parallel.ep_size, expert_tensor_parallel_size=parallel.etp_size,
+        virtual_pipeline_model_parallel_size=parallel.vpp_size, context_parallel_size=parallel.cp_size,
+        data_parallel_size=parallel.dp_size,
+        num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
+
+
+def senders_per_stage(cfg) -> Optional[int]:
+    """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
+    per stage (``shard``, ``tensor``, ``disk``: same host or files), else the config's value."""
+    if cfg.transport in ONE_SENDER_TRANSPORTS:
+        return 1
+    return cfg.senders_per_stage
+
+
+def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group=None) -> WeightSynchronizer:
+    """A :class:`WeightSynchronizer` for a trainer rank (call on every rank, same arguments).
+
+    Args:
+        spec: the model and the engines (:class:`SyncSpec`).
+        parallel: this rank's ``megarl.training.parallel_state.ParallelState``.
+        cfg: the ``weight_sync`` config section (transport, bucket size, senders, backend, pause
+            mode, timeout).
+        parallel_cfg: the ``parallel`` section (uneven pipeline stages), optional.
+        group: the trainer's process group (default group if None).
+
+    Raises:
+        WeightSyncError / PlanError / LayoutError / SpecError: see the checks they name.
+    """
+    hf_config = load_hf_config(str(spec.hf_dir))
+    specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=parallel.tp_size,
+                                       make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+                                       dtype=spec.dtype)
+    engine_layout = EngineLayout(tensor_parallel_size=spec.engine_tp_size, expert_parallel_size=spec.engine_ep_size,
+                                 num_engines=len(spec.engine_urls))
+    plan = build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
+                      bucket_size_mb=cfg.bucket_size_mb,
+                      quantization=served_quantization(hf_config, source=f"{spec.hf_dir}/config.json"),
+                      senders_per_stage=senders_per_stage(cfg))
+    family = get_family(hf_config)
+    layout = family.layout(hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+                           tp_size=parallel.tp_size)
+    return WeightSynchronizer(plan, cfg.transport, list(spec.engine_urls), rank=parallel.rank,
+                              placement=Placement(layout, engine_table(family, hf_config)),
+                              manifest=read_manifest(spec.hf_dir) if spec.check_manifest else None,
+                              pause_mode=cfg.pause_mode, group=group, segment_senders=cfg.segment_senders,
+                              backend=cfg.backend, master_address=spec.master_address, port_base=spec.port_base,
+                              directory=spec.directory,
+                              timeout_s=cfg.timeout_s, load_proof=cfg.load_proof != "off")
