@@ -1,7 +1,7 @@
 """Colocated placement: the engines give their GPU memory to the trainer while it trains.
 
 Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.engines.MEMORY_SAVER_FLAG`).
-At start (:meth:`megarl.launch.run.Run.build`) the engines, once ready, release everything before
+At start (:meth:`megarl.launch.run.Run.build`, through :class:`EngineMemoryLoan`) the engines, once ready, release everything before
 the trainer ranks are built, and resume before the first weight sync (which rewrites the weights):
 the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
 weight sync) the trainer keeps its share, enforced on the device: ``rollout.engine.mem_fraction_static``
@@ -67,3 +67,46 @@ def _call(engine_urls: Sequence[str], method: str, tags: Sequence[str]) -> None:
 
     with EngineClients(list(engine_urls)) as engines:
         engines.call_all(method, list(tags))
+
+
+def lends_engine_memory(cluster: Any, rollout: Any) -> bool:
+    """Whether the engines lend their GPU memory to the trainer: colocated placement
+    (``cluster.placement``), synchronous rollouts, engines megarl launched (not
+    ``rollout.external_engine_urls``)."""
+    return cluster.placement == "colocated" and not rollout.async_mode and not rollout.external_engine_urls
+
+
+class EngineMemoryLoan:
+    """The engines' GPU memory lent to the trainer (module docstring), and what is on loan.
+
+    Args:
+        engine_urls: the engines that lend.
+        trainer: the trainer group (its ranks' memory cap is set around the loan).
+        lends: :func:`lends_engine_memory`; False makes every call a no-op.
+        weights_each_step: every RL step ends with a weight sync (``weight_sync.every_n_steps == 1``):
+            the weights are lent too at each step (the sync rewrites them).
+    """
+
+    def __init__(self, engine_urls: Sequence[str], trainer: Any, *, lends: bool, weights_each_step: bool) -> None:
+        self.engine_urls, self.trainer = list(engine_urls), trainer
+        self.lends, self.weights_each_step = lends, weights_each_step
+        self.released: tuple[str, ...] = ()
+        """The SGLang memory tags on loan (empty: none)."""
+
+    def release(self, *, weights: bool | None = None) -> None:
+        """The engines (idle: before the first rollout, or after the step's rollout) free their GPU
+        memory for the trainer until :meth:`resume`.
+
+        Args:
+            weights: lend the weights too (they come back uninitialised: only when the next weight
+                sync rewrites them); None: ``weights_each_step``.
+        """
+        if self.lends:
+            weights = self.weights_each_step if weights is None else weights
+            self.released = release(self.engine_urls, weights=weights, trainer=self.trainer)
+
+    def resume(self) -> None:
+        """Give the engines their memory back (weights, then KV cache and CUDA graphs); no-op if none is lent."""
+        if self.released:
+            resume(self.engine_urls, self.released, trainer=self.trainer)
+            self.released = ()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.launch import mfu
-from megarl.launch.rollout_log import step_mfu
+from megarl.launch.mfu import step_mfu
 
 
 def _linear_weights(model) -> int:
