@@ -148,18 +148,16 @@ def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
     return {k: float(m.value) for k, m in mismatch_metrics(*padded).items()}
 
 
+@dataclasses.dataclass
 class AdvantageStage:
     """Turns a step's rollouts into the trainer's batch: :func:`rollout_metrics`, then
-    :func:`build_train_batch` (filters, group-relative advantages, packing).
+    :func:`build_train_batch` (filters, group-relative advantages, packing)."""
 
-    Args:
-        algorithm: the ``algorithm`` section (filters, advantage estimator).
-        max_staleness: the staleness bound of the filter (`megarl.launch.pipeline.staleness_bound`;
-            None: on-policy, nothing can be stale).
-    """
-
-    def __init__(self, algorithm: AlgorithmConfig, max_staleness: int | None) -> None:
-        self.algorithm, self.max_staleness = algorithm, max_staleness
+    algorithm: AlgorithmConfig
+    """The ``algorithm`` section (filters, advantage estimator)."""
+    max_staleness: int | None
+    """The staleness bound of the filter (`megarl.launch.pipeline.staleness_bound`; None: on-policy,
+    nothing can be stale)."""
 
     def build(self, rollout: Any, policy_version: int) -> BatchResult:
         """The batch of ``rollout`` (a :class:`~megarl.rollout.manager.RolloutBatch`) for the trainer

@@ -9,9 +9,11 @@ flight are waited for and saved with the driver state (R3 routes as files, one R
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from megarl.config.schema import CheckpointConfig, ModelConfig
 from megarl.launch import run_state as rs
@@ -23,53 +25,41 @@ from megarl.launch.train_stage import TrainStage
 logger = logging.getLogger("megarl.train")
 
 
-def save_dir_of(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
-    """``checkpoint.save_dir`` or ``{run_dir}/checkpoints``."""
-    return Path(checkpoint.save_dir) if checkpoint.save_dir else run_dir / "checkpoints"
-
-
-def find_resume(checkpoint: CheckpointConfig, run_dir: Path) -> tuple[Path | None, rs.RunState]:
-    """The checkpoint to resume (``checkpoint.resume``: the newest complete one, else None) and its
-    driver state (a fresh :class:`~megarl.launch.run_state.RunState` without one); read before Ray starts.
-
-    Raises:
-        FileNotFoundError: ``latest`` names a directory that is gone or incomplete.
-    """
-    latest = rs.find_latest(save_dir_of(checkpoint, run_dir)) if checkpoint.resume else None
-    return latest, rs.load_driver_state(latest) if latest is not None else rs.RunState()
-
-
+@dataclasses.dataclass
 class CheckpointStage:
-    """Saves and restores a run (module docstring).
+    """Saves and restores a run (module docstring)."""
 
-    Args:
-        checkpoint: the ``checkpoint`` section (``save_interval``, ``keep_last``, ``hf_export_interval``).
-        model: the ``model`` section (its HF config and tokenizer are copied into each checkpoint; an
-            unset ``hf_path``, in stand-in runs, copies nothing).
-        run_dir: the run directory (``hf/step_*`` exports; checkpoints too unless ``save_dir`` is set).
-        trainer: the :class:`~megarl.launch.trainer_group.TrainerGroup`.
-        rollout: the rollout stage (prompt order, rollouts in flight).
-        train: the train stage (policy version).
-        config_yaml: the resolved config, saved beside each driver state.
-        state: the driver state resumed (or a fresh one): its ``wandb_id`` and ``extra`` are kept.
-        hf_export: the background HF export (one is made when None).
-    """
+    cfg: CheckpointConfig
+    """The ``checkpoint`` section (``save_interval``, ``keep_last``, ``hf_export_interval``)."""
+    model: ModelConfig
+    """The ``model`` section (its HF config and tokenizer are copied into each checkpoint; an unset
+    ``hf_path``, in stand-in runs, copies nothing)."""
+    run_dir: Path
+    """The run directory (``hf/step_*`` exports; checkpoints too unless ``save_dir`` is set)."""
+    trainer: Any
+    """The :class:`~megarl.launch.trainer_group.TrainerGroup`."""
+    rollout: RolloutStage
+    """The rollout stage (prompt order, rollouts in flight)."""
+    train: TrainStage
+    """The train stage (policy version)."""
+    config_yaml: str
+    """The resolved config, saved beside each driver state."""
+    state: rs.RunState
+    """The driver state resumed (or a fresh one); each save rewrites it (``wandb_id``, ``extra`` kept)."""
+    hf_export: BackgroundExport = dataclasses.field(default_factory=BackgroundExport)
+    """The HF export in flight (``checkpoint.hf_export_interval``)."""
+    saved_step: int | None = None
+    """The step of the last checkpoint saved or resumed (None: none yet)."""
 
-    def __init__(self, checkpoint: CheckpointConfig, model: ModelConfig, run_dir: Path, *, trainer: object,
-                 rollout: RolloutStage, train: TrainStage, config_yaml: str, state: rs.RunState,
-                 hf_export: BackgroundExport | None = None) -> None:
-        self.cfg, self.model, self.run_dir = checkpoint, model, Path(run_dir)
-        self.trainer, self.rollout, self.train = trainer, rollout, train
-        self.config_yaml, self.state = config_yaml, state
-        self.save_dir = save_dir_of(checkpoint, self.run_dir)
-        self.hf_export = hf_export or BackgroundExport()
-        """The HF export in flight (``checkpoint.hf_export_interval``)."""
-        self.saved_step: int | None = state.step if state.step else None
-        """The step of the last checkpoint saved or resumed (None: none yet)."""
+    @property
+    def save_dir(self) -> Path:
+        """``checkpoint.save_dir`` or ``{run_dir}/checkpoints``."""
+        return rs.save_dir_of(self.cfg, Path(self.run_dir))
 
     def restore(self, ckpt: Path) -> None:
         """Load checkpoint ``ckpt`` (its driver state is :attr:`state`) into the trainer and the stages."""
         logger.info("resuming from %s", ckpt)
+        self.saved_step = self.state.step
         self.trainer.load_checkpoint(str(ckpt / rs.TRAINER_DIR))
         self.rollout.restore(self.state.sampler, self.state.pending_rollouts)
         self.train.policy_version = self.state.policy_version

@@ -28,16 +28,17 @@ from __future__ import annotations
 import logging
 
 from megarl.config.schema import MegarlConfig
+from megarl.launch.checkpoint_stage import CheckpointStage
+from megarl.launch.eval_stage import EvalStage
 from megarl.launch.metrics import StageTimer, save_plots
 from megarl.launch.pipeline import sync_due
 from megarl.launch.preemption import Preempted, StopGuard
-from megarl.launch.run import Run, Stages
 from megarl.launch.rollout_stage import RolloutStage
+from megarl.launch.run import Run, Stages, prepare_run_dir
+from megarl.launch.step_log import StepLog
 from megarl.launch.train_stage import TrainStage
 from megarl.launch.weight_sync_stage import WeightSyncStage
-from megarl.launch.eval_stage import EvalStage
-from megarl.launch.checkpoint_stage import CheckpointStage
-from megarl.launch.step_log import StepLog
+from megarl.plugins import import_plugins
 
 logger = logging.getLogger("megarl.train")
 
@@ -57,19 +58,19 @@ def train(cfg: MegarlConfig) -> dict[str, float]:
                        "algorithm.rollout_correction=tis (set it explicitly to silence this)")
         cfg.algorithm.rollout_correction = "tis"
     stop = StopGuard(cfg.train.max_wall_time_s).install()  # SIGUSR1 / SIGTERM / wall-time budget
+    import_plugins(cfg.plugins)  # user datasets, rewards, tools: before anything reads their names
+    run = Run(prepare_run_dir(cfg))
     try:
-        run = Run.build(cfg)
-        try:
-            last = run_loop(run.stages, stop)
-            run.stages.checkpoint.wait_for_export()  # the last HF export (in the background) is written, or raises
-        finally:
-            run.close()
+        stages = run.build(cfg)
+        last = run_loop(stages, stop)
+        stages.checkpoint.wait_for_export()  # the last HF export (in the background) is written, or raises
     finally:
+        run.close()  # what was started, also when the build failed
         stop.uninstall()
     if cfg.logging.plots:
         for path in save_plots(run.run_dir):
             logger.info("wrote %s", path)
-    done = run.stages.checkpoint.saved_step or 0
+    done = stages.checkpoint.saved_step or 0
     if stop.reason is not None and done < cfg.train.num_steps:
         raise Preempted(stop.reason, done)
     return last

@@ -7,6 +7,7 @@ the engines, which serve the trained policy then: a weight sync always precedes 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -15,18 +16,18 @@ import ray
 logger = logging.getLogger("megarl.train")
 
 
+@dataclasses.dataclass
 class EvalStage:
-    """When to evaluate, and the evaluation itself.
+    """When to evaluate, and the evaluation itself."""
 
-    Args:
-        rows: the held-out rows (None or empty: never evaluates).
-        rollout_actor: the rollout actor.
-        interval: ``data.eval_interval`` (0: never).
-        num_steps: ``train.num_steps`` (the last step is always evaluated).
-    """
-
-    def __init__(self, rows: list[dict] | None, rollout_actor: Any, *, interval: int, num_steps: int) -> None:
-        self.rows, self.rollout_actor, self.interval, self.num_steps = rows or [], rollout_actor, int(interval), int(num_steps)
+    rows: list[dict] | None
+    """The held-out rows (None or empty: never evaluates)."""
+    rollout_actor: Any
+    """The rollout actor (:class:`~megarl.launch.rollout_actor.RolloutWorker` handle)."""
+    interval: int
+    """``data.eval_interval`` (0: never)."""
+    num_steps: int
+    """``train.num_steps`` (the last step is always evaluated)."""
 
     def due(self, completed_steps: int) -> bool:
         """Whether the evaluation runs after ``completed_steps`` RL steps (0: before training)."""

@@ -221,7 +221,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """
     from megarl.launch.eval_report import build_report, print_report, write_report
     from megarl.launch.preflight import prepare_config
-    from megarl.launch.rollout_stage import load_datasets
+    from megarl.launch.run import load_datasets
     from megarl.plugins import import_plugins
 
     request = check_args(args)

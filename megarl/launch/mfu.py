@@ -18,6 +18,7 @@ count (plus the router ``hidden * n_experts``), never all experts; plus the LM h
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -123,19 +124,19 @@ def step_mfu(model_config: Mapping[str, Any] | None, metrics: Mapping[str, float
     return mfu(model_config, tps, seq_len, num_devices, peak)
 
 
+@dataclasses.dataclass
 class MfuMeter:
     """``perf/mfu`` of each RL step (:func:`step_mfu`); the model's ``config.json`` and the GPU's
-    name are read once, on first use.
+    name are read once, on first use."""
 
-    Args:
-        model_dir: ``model.hf_path`` (None: stand-in runs without a model; MFU is then NaN).
-        num_devices: the trainer's devices (``trainer_world_size``).
-        on_cuda: the trainer runs on CUDA (else no GPU name is asked for: NaN without an override).
-        peak_tflops: ``logging.peak_tflops`` (None: the device's table entry).
-    """
-
-    def __init__(self, model_dir: str | None, num_devices: int, *, on_cuda: bool, peak_tflops: float | None) -> None:
-        self.model_dir, self.num_devices, self.on_cuda, self.peak = model_dir, num_devices, on_cuda, peak_tflops
+    model_dir: str | None
+    """``model.hf_path`` (None: stand-in runs without a model; MFU is then NaN)."""
+    num_devices: int
+    """The trainer's devices (``trainer_world_size``)."""
+    on_cuda: bool
+    """The trainer runs on CUDA (else no GPU name is asked for: NaN without an override)."""
+    peak_tflops: float | None
+    """``logging.peak_tflops`` (None: the device's table entry)."""
 
     @functools.cached_property
     def model_config(self) -> dict[str, Any] | None:
@@ -152,4 +153,4 @@ class MfuMeter:
         """The step's MFU in [0, 1] from its ``perf/tokens_per_s`` and trajectories; NaN (not logged)
         on a CPU or an unlisted GPU without ``logging.peak_tflops``."""
         return step_mfu(self.model_config, metrics, mean_seq_len(groups), self.num_devices, self.device_name,
-                        self.peak)
+                        self.peak_tflops)

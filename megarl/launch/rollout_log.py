@@ -8,6 +8,7 @@ reasoning parser, their policy versions and token counts) and the observations a
 (loss-masked) without the tokenizer. Older lines (no ``turns``) keep only ``prompt``/``response``."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -117,21 +118,19 @@ def write_rollouts(run_dir: Path, step: int, groups: Iterable[Any], tokenizer: A
     return path
 
 
+@dataclasses.dataclass
 class RolloutWriter:
     """Writes each step's trajectories (:func:`write_rollouts`) when ``logging.save_rollouts`` is set
-    and the run has a model; the tokenizer is loaded once, on first use.
+    and the run has a model; the tokenizer is loaded once, on first use."""
 
-    Args:
-        run_dir: the run directory (``rollouts/`` is made in it).
-        tokenizer_path: ``model.tokenizer_path`` or ``model.hf_path``; None: nothing is written
-            (stand-in runs without a model).
-        prompt_key: ``data.prompt_key`` (the question's field in a row).
-        enabled: ``logging.save_rollouts``.
-    """
-
-    def __init__(self, run_dir: Path, tokenizer_path: str | None, prompt_key: str, *, enabled: bool) -> None:
-        self.run_dir, self.tokenizer_path, self.prompt_key = Path(run_dir), tokenizer_path, prompt_key
-        self.enabled = enabled and tokenizer_path is not None
+    run_dir: Path
+    """The run directory (``rollouts/`` is made in it)."""
+    tokenizer_path: str | None
+    """``model.tokenizer_path`` or ``model.hf_path``; None: nothing is written (stand-in runs)."""
+    prompt_key: str
+    """``data.prompt_key`` (the question's field in a row)."""
+    enabled: bool
+    """``logging.save_rollouts``."""
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -142,6 +141,6 @@ class RolloutWriter:
 
     def write(self, step: int, groups: Iterable[Any]) -> Path | None:
         """Write step ``step``'s (1-based) trajectories; returns the file, or None when disabled."""
-        if not self.enabled:
+        if not self.enabled or self.tokenizer_path is None:
             return None
         return write_rollouts(self.run_dir, step, groups, self.tokenizer, prompt_key=self.prompt_key)

@@ -15,28 +15,12 @@ from typing import Any, Callable
 
 import ray
 
-from megarl.config.schema import DataConfig, RolloutConfig
+from megarl.config.schema import RolloutConfig
 from megarl.data.datasets import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.rollout.manager import RolloutBatch
 
 logger = logging.getLogger("megarl.train")
-
-
-def load_datasets(data: DataConfig) -> tuple[PromptDataset, list[dict] | None]:
-    """Training prompts and (when ``data.eval_path`` is set) the held-out evaluation rows.
-
-    Raises:
-        megarl.data.datasets.DatasetError: unreadable file or missing fields (names the file/row).
-    """
-    reader = dict(dataset=data.dataset, dataset_kwargs=dict(data.dataset_kwargs or {}))
-    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key, **reader)
-    eval_rows = None
-    if data.eval_path:
-        held = PromptDataset.from_file(data.eval_path, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                                       max_rows=data.max_eval_samples, **reader)
-        eval_rows = held.rows
-    return train, eval_rows
 
 
 @dataclasses.dataclass
@@ -57,39 +41,42 @@ class PendingRollout:
         return self.result
 
 
+@dataclasses.dataclass
 class RolloutStage:
-    """Each step's rollouts (module docstring).
+    """Each step's rollouts (module docstring)."""
 
-    Args:
-        rollout: the ``rollout`` section (prompts per step, over-sampling).
-        dataset: the training prompts.
-        sampler: their order (resumable: its state is saved with each checkpoint).
-        rollout_actor: the rollout actor (:class:`~megarl.launch.rollout_actor.RolloutWorker` handle).
-        num_steps: ``train.num_steps`` (no rollout starts for a step past the end).
-        depth: rollouts in flight while a step trains (0: synchronous).
-        sync: the weight sync; its ``synced_version`` is the engines' weight version.
-        heal: ``heal(policy_version)`` puts every engine back into service and returns the ids of
-            those it put back (:func:`megarl.cluster.engines.heal_engines`).
-    """
-
-    def __init__(self, rollout: RolloutConfig, dataset: PromptDataset, sampler: ResumableSampler,
-                 rollout_actor: Any, *, num_steps: int, depth: int, sync: Any,
-                 heal: Callable[[int], list[str]]) -> None:
-        self.prompts_per_step = int(rollout.num_prompts_per_step) + int(rollout.over_sample_prompts)
-        self.dataset, self.sampler, self.rollout_actor = dataset, sampler, rollout_actor
-        self.num_steps, self.depth, self.sync, self.heal = int(num_steps), int(depth), sync, heal
-        self.in_flight: collections.deque[PendingRollout] = collections.deque()
-        """The rollouts started for the steps ahead, oldest first."""
+    rollout: RolloutConfig
+    """The ``rollout`` section (prompts per step, over-sampling)."""
+    dataset: PromptDataset
+    """The training prompts."""
+    sampler: ResumableSampler
+    """Their order (resumable: its state is saved with each checkpoint)."""
+    rollout_actor: Any
+    """The :class:`~megarl.launch.rollout_actor.RolloutWorker` handle."""
+    num_steps: int
+    """``train.num_steps`` (no rollout starts for a step past the end)."""
+    depth: int
+    """Rollouts in flight while a step trains (0: synchronous)."""
+    sync: Any
+    """The weight sync: its ``synced_version`` is the engines' weight version."""
+    heal: Callable[[int], list[str]]
+    """``heal(policy_version)`` puts every engine back into service and returns the ids of those it
+    put back (:func:`megarl.cluster.engines.heal_engines`)."""
+    in_flight: collections.deque[PendingRollout] = dataclasses.field(default_factory=collections.deque)
+    """The rollouts started for the steps ahead, oldest first."""
 
     def restore(self, sampler_state: dict[str, Any], saved: list[dict[str, Any]]) -> None:
         """A checkpoint's prompt order and rollouts in flight (``RunState.pending_rollouts``)."""
         self.sampler.load_state_dict(sampler_state)
-        self.in_flight.extend(PendingRollout(s["step"], s["rows"], RolloutBatch(groups=s["groups"], metrics=s["metrics"]),
+        self.in_flight.extend(PendingRollout(s["step"], s["rows"], RolloutBatch(groups=s["groups"],
+                                                                                metrics=s["metrics"]),
                                              s.get("policy_version", 0)) for s in saved)
 
     def start(self, step: int, rows: list[dict] | None = None) -> PendingRollout:
         """Start step ``step``'s rollout (on the next prompts, or ``rows``) at the engines' version."""
-        rows = [self.dataset[i] for i in self.sampler.next_indices(self.prompts_per_step)] if rows is None else rows
+        if rows is None:
+            count = int(self.rollout.num_prompts_per_step) + int(self.rollout.over_sample_prompts)
+            rows = [self.dataset[i] for i in self.sampler.next_indices(count)]
         version = self.sync.synced_version
         return PendingRollout(step, rows, self.rollout_actor.generate.remote(rows, step, version), version)
 

@@ -29,17 +29,17 @@ from megarl.cluster.colocated import EngineMemoryLoan, lends_engine_memory
 from megarl.cluster.engines import EngineGroup, heal_engines
 from megarl.cluster.placement import build_placement, init_ray
 from megarl.cluster.retrieval import start_retrieval, stop_retrieval
-from megarl.config.schema import MegarlConfig
+from megarl.config.schema import DataConfig, MegarlConfig
 from megarl.data.datasets import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.launch.advantage_stage import AdvantageStage
-from megarl.launch.checkpoint_stage import CheckpointStage, find_resume
+from megarl.launch.checkpoint_stage import CheckpointStage
 from megarl.launch.eval_stage import EvalStage
 from megarl.launch.metrics import MetricsLogger
 from megarl.launch.pipeline import pipeline_depth, staleness_bound
 from megarl.launch.rollout_actor import RolloutWorker
-from megarl.launch.rollout_stage import RolloutStage, load_datasets
-from megarl.launch.run_state import RunState
+from megarl.launch.rollout_stage import RolloutStage
+from megarl.launch.run_state import RunState, find_resume
 from megarl.launch.step_log import StepLog
 from megarl.launch.train_stage import TrainStage
 from megarl.launch.trainer_group import TrainerGroup
@@ -77,6 +77,22 @@ def trainer_config(cfg: MegarlConfig, *, resuming: bool) -> MegarlConfig:
     return trainer_cfg
 
 
+def load_datasets(data: DataConfig) -> tuple[PromptDataset, list[dict] | None]:
+    """Training prompts and (when ``data.eval_path`` is set) the held-out evaluation rows.
+
+    Raises:
+        megarl.data.datasets.DatasetError: unreadable file or missing fields (names the file/row).
+    """
+    reader = dict(dataset=data.dataset, dataset_kwargs=dict(data.dataset_kwargs or {}))
+    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key, **reader)
+    eval_rows = None
+    if data.eval_path:
+        held = PromptDataset.from_file(data.eval_path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                                       max_rows=data.max_eval_samples, **reader)
+        eval_rows = held.rows
+    return train, eval_rows
+
+
 @dataclasses.dataclass
 class Stages:
     """What the RL loop (:func:`megarl.launch.driver.run_loop`) calls, one call per stage, each
@@ -97,8 +113,8 @@ class Stages:
 
 @dataclasses.dataclass
 class Run:
-    """A run's processes and its :class:`Stages` (see the module docstring). Build with :meth:`build`;
-    :meth:`close` stops what it started."""
+    """A run's processes and its :class:`Stages` (see the module docstring): ``Run(prepare_run_dir(cfg))``,
+    then :meth:`build`; :meth:`close` stops what it started, also after a failed build."""
 
     run_dir: Path
     stages: Stages | None = None
@@ -114,25 +130,13 @@ class Run:
     """The retrieval service's actor (``retrieval.index`` set), or None."""
     metrics: MetricsLogger | None = None
 
-    @classmethod
-    def build(cls, cfg: MegarlConfig) -> "Run":
-        """Build every part; on failure, everything started so far is shut down and the error raised.
+    def build(self, cfg: MegarlConfig) -> Stages:
+        """Start every process and build the stages (the module docstring's order); returns them
+        (also kept as :attr:`stages`). On failure, :meth:`close` stops what was started.
 
         Everything that can fail without a process (data, checkpoint state, SFT demonstrations,
         metric sinks) is done before Ray starts.
         """
-        from megarl.plugins import import_plugins
-
-        import_plugins(cfg.plugins)  # user datasets, before the data is read
-        run = Run(prepare_run_dir(cfg))
-        try:
-            run.stages = run._build_stages(cfg)
-        except BaseException:
-            run.close()
-            raise
-        return run
-
-    def _build_stages(self, cfg: MegarlConfig) -> Stages:
         from megarl.launch.sft import prepare_demonstrations, run_cold_start
 
         dataset, eval_rows = load_datasets(cfg.data)
@@ -151,68 +155,78 @@ class Run:
                                                            seed=int(cfg.train.seed))
         self.loan.resume()  # colocated: lent while the trainer was built (module docstring)
         stages.sync.push(stages.train.policy_version)
+        self.stages = stages
         return stages
 
     def _start_processes(self, cfg: MegarlConfig, *, resuming: bool = False) -> None:
         """Ray, placement groups, engines, trainer ranks, rollout actor (the module docstring's order)."""
-        self.started_ray = init_ray(cfg)
         from megarl.logging_setup import link_ray_logs
+        from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
+        trainer_cfg = trainer_config(cfg, resuming=resuming)
+        self.started_ray = init_ray(cfg)
         link_ray_logs(self.run_dir)  # run_dir/ray_logs -> this Ray session's worker logs
         self.placement = build_placement(cfg)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
-        from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
-
         self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
                                    custom_weight_loaders=engine_custom_weight_loaders(run_transport(cfg)))
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
-        lends = lends_engine_memory(cfg.cluster, cfg.rollout)
-        if lends:
+        self.loan = EngineMemoryLoan(lends=lends_engine_memory(cfg.cluster, cfg.rollout),
+                                     weights_each_step=int(cfg.weight_sync.every_n_steps) == 1)
+        if self.loan.lends:
             # Colocated: the engines free their GPUs before the trainer is built on them (their
             # weights too: the first weight sync rewrites every one); resumed before that sync.
-            self.engine_urls = self.engines.wait_ready()
-        self.loan = EngineMemoryLoan(self.engine_urls, None, lends=lends,
-                                     weights_each_step=int(cfg.weight_sync.every_n_steps) == 1)
-        self.loan.release(weights=True)
-        self.trainer = self.loan.trainer = TrainerGroup(trainer_config(cfg, resuming=resuming), self.placement)
-        if not lends:
-            self.engine_urls = self.engines.wait_ready()
+            self.engine_urls = self.loan.engine_urls = self.engines.wait_ready()
+            self.loan.release(weights=True)
+        self.trainer = self.loan.trainer = TrainerGroup(trainer_cfg, self.placement)
+        if not self.loan.lends:
+            self.engine_urls = self.loan.engine_urls = self.engines.wait_ready()
         self.rollout_actor = RolloutWorker.options(num_cpus=0).remote(
             OmegaConf.to_yaml(cfg, resolve=True), self.engine_urls, self.engines.ids)
 
     def _stages(self, cfg: MegarlConfig, dataset: PromptDataset, eval_rows: list[dict] | None,
                 state: RunState) -> Stages:
         """The stages on the started processes (``state``: the driver state resumed, or a fresh one)."""
+        num_steps, ro, every = int(cfg.train.num_steps), cfg.rollout, int(cfg.weight_sync.every_n_steps)
+        sync = WeightSyncStage(cfg=cfg.weight_sync, train_cfg=cfg.train, model=cfg.model, trainer=self.trainer,
+                               engine_urls=self.engine_urls, rollout_actor=self.rollout_actor,
+                               directory=self.run_dir / "weight_sync",
+                               probe_prompts=[dataset.prompt(i) for i in range(min(NUM_PROBES, len(dataset)))])
+        rollout = RolloutStage(rollout=ro, dataset=dataset, rollout_actor=self.rollout_actor, num_steps=num_steps,
+                               sampler=ResumableSampler(len(dataset), seed=int(cfg.train.seed),
+                                                        shuffle=bool(cfg.data.shuffle)),
+                               depth=pipeline_depth(ro.async_mode, ro.max_staleness, every), sync=sync,
+                               heal=functools.partial(heal_engines, self.engines, self.rollout_actor, sync))
+        train = TrainStage(trainer=self.trainer, loan=self.loan, global_batch_size=int(cfg.train.global_batch_size))
+        return Stages(
+            rollout=rollout,
+            advantages=AdvantageStage(cfg.algorithm, staleness_bound(ro.async_mode, ro.max_staleness, every)),
+            train=train,
+            sync=sync,
+            evaluation=EvalStage(rows=eval_rows, rollout_actor=self.rollout_actor,
+                                 interval=int(cfg.data.eval_interval), num_steps=num_steps),
+            checkpoint=CheckpointStage(cfg=cfg.checkpoint, model=cfg.model, run_dir=self.run_dir, trainer=self.trainer,
+                                       rollout=rollout, train=train, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                                       state=state),
+            log=self._step_log(cfg, state.step),
+            num_steps=num_steps,
+            first_step=state.step)
+
+    def _step_log(self, cfg: MegarlConfig, first_step: int) -> StepLog:
+        """The step log: metric sinks, ``perf/mfu``, the saved trajectories, the progress bar."""
         from megarl.config.device import use_cuda
         from megarl.config.parallel import trainer_world_size
         from megarl.launch.mfu import MfuMeter
         from megarl.launch.rollout_log import RolloutWriter
 
-        num_steps = int(cfg.train.num_steps)
-        sync = WeightSyncStage(cfg.weight_sync, cfg.train, cfg.model, trainer=self.trainer,
-                               engine_urls=self.engine_urls, rollout_actor=self.rollout_actor,
-                               directory=self.run_dir / "weight_sync",
-                               probe_prompts=[dataset.prompt(i) for i in range(min(NUM_PROBES, len(dataset)))])
-        ro = cfg.rollout
-        rollout = RolloutStage(ro, dataset, ResumableSampler(len(dataset), seed=int(cfg.train.seed),
-                                                             shuffle=bool(cfg.data.shuffle)),
-                               self.rollout_actor, num_steps=num_steps, sync=sync,
-                               depth=pipeline_depth(ro.async_mode, ro.max_staleness, sync.every_n_steps),
-                               heal=functools.partial(heal_engines, self.engines, self.rollout_actor, sync))
-        train = TrainStage(self.trainer, self.loan, global_batch_size=cfg.train.global_batch_size)
         model_dir = None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
-        log = StepLog(self.metrics, MfuMeter(model_dir, trainer_world_size(cfg.cluster), on_cuda=use_cuda(cfg.cluster.device),
-                                             peak_tflops=cfg.logging.peak_tflops),
-                      RolloutWriter(self.run_dir, cfg.model.tokenizer_path or model_dir, cfg.data.prompt_key,
-                                    enabled=cfg.logging.save_rollouts),
-                      num_steps=num_steps, first_step=state.step, progress_bar=cfg.logging.progress_bar)
-        return Stages(rollout, AdvantageStage(cfg.algorithm, staleness_bound(ro.async_mode, ro.max_staleness,
-                                                                             sync.every_n_steps)),
-                      train, sync, EvalStage(eval_rows, self.rollout_actor, interval=cfg.data.eval_interval,
-                                             num_steps=num_steps),
-                      CheckpointStage(cfg.checkpoint, cfg.model, self.run_dir, trainer=self.trainer, rollout=rollout,
-                                      train=train, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), state=state),
-                      log, num_steps=num_steps, first_step=state.step)
+        return StepLog(metrics=self.metrics,
+                       mfu=MfuMeter(model_dir=model_dir, num_devices=trainer_world_size(cfg.cluster),
+                                    on_cuda=use_cuda(cfg.cluster.device), peak_tflops=cfg.logging.peak_tflops),
+                       rollouts=RolloutWriter(run_dir=self.run_dir,
+                                              tokenizer_path=cfg.model.tokenizer_path or model_dir,
+                                              prompt_key=cfg.data.prompt_key, enabled=cfg.logging.save_rollouts),
+                       num_steps=int(cfg.train.num_steps), first_step=first_step, progress_bar=cfg.logging.progress_bar)
 
     def close(self) -> None:
         """Stop everything this run started (idempotent, best effort); an HF export in flight is

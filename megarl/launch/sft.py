@@ -133,10 +133,10 @@ def run_cold_start(trainer: Any, sft: SFTConfig, trajectories: list, *, run_dir:
     log = logging.getLogger("megarl.train")
     log.info("SFT cold start: %d steps x %d of %d demonstrations (%s), lr %g", sft.num_steps, sft.batch_size,
              len(trajectories), sft.demonstrations, sft.lr)
+    batches = demonstration_batches(trajectories, batch_size=int(sft.batch_size), num_steps=int(sft.num_steps),
+                                    seed=int(seed))
     sink, start = JsonlSink(Path(run_dir) / "sft_metrics.jsonl"), time.perf_counter()
     try:
-        batches = demonstration_batches(trajectories, batch_size=int(sft.batch_size),
-                                        num_steps=int(sft.num_steps), seed=int(seed))
         for i, batch in enumerate(batches):
             metrics = trainer.sft_step(batch, lr=float(sft.lr))
             sink.log(i, metrics)

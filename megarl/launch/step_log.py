@@ -2,6 +2,7 @@
 trajectories (``logging.save_rollouts``) and the progress bar (a terminal only)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Iterable
@@ -13,22 +14,22 @@ from megarl.launch.rollout_log import RolloutWriter
 logger = logging.getLogger("megarl.train")
 
 
+@dataclasses.dataclass
 class StepLog:
-    """Logs each RL step (module docstring).
+    """Logs each RL step (module docstring)."""
 
-    Args:
-        metrics: the run's metric sinks.
-        mfu: ``perf/mfu`` of a step (NaN: not logged).
-        rollouts: writes a step's trajectories (a disabled writer writes nothing).
-        num_steps: ``train.num_steps``.
-        first_step: steps completed before the loop starts (a resumed run's).
-        progress_bar: ``logging.progress_bar`` (shown only when stderr is a terminal).
-    """
-
-    def __init__(self, metrics: MetricsLogger, mfu: MfuMeter, rollouts: RolloutWriter, *, num_steps: int,
-                 first_step: int, progress_bar: bool) -> None:
-        self.metrics, self.mfu, self.rollouts, self.num_steps = metrics, mfu, rollouts, int(num_steps)
-        self.first_step, self.progress_bar = int(first_step), progress_bar
+    metrics: MetricsLogger
+    """The run's metric sinks."""
+    mfu: MfuMeter
+    """``perf/mfu`` of a step (NaN: not logged)."""
+    rollouts: RolloutWriter
+    """Writes a step's trajectories (a disabled writer writes nothing)."""
+    num_steps: int
+    """``train.num_steps``."""
+    first_step: int
+    """Steps completed before the loop starts (a resumed run's)."""
+    progress_bar: bool
+    """``logging.progress_bar`` (shown only when stderr is a terminal)."""
 
     @functools.cached_property
     def progress(self) -> Any:

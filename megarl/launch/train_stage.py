@@ -9,6 +9,7 @@ given back -> the policy version advances by one.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from megarl.cluster.colocated import EngineMemoryLoan
@@ -26,25 +27,29 @@ def mean_metrics(per_step: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass
 class TrainStage:
-    """The trainer ranks' part of an RL step (module docstring).
+    """The trainer ranks' part of an RL step (module docstring)."""
 
-    Args:
-        trainer: the :class:`~megarl.launch.trainer_group.TrainerGroup` (``dp_size``, ``cp_size``,
-            ``prepare``, ``train_step``).
-        loan: the engines' memory lent around the step (a loan that does not lend is a no-op).
-        global_batch_size: ``train.global_batch_size``, sequences per optimizer step.
-        policy_version: the trainer's version at the start (a resumed checkpoint's).
-    """
-
-    def __init__(self, trainer: Any, loan: EngineMemoryLoan, *, global_batch_size: int, policy_version: int = 0) -> None:
-        self.trainer, self.loan, self.global_batch_size = trainer, loan, int(global_batch_size)
-        self.policy_version = int(policy_version)
-        """Optimizer steps taken: the version of the trainer's weights."""
+    trainer: Any
+    """The :class:`~megarl.launch.trainer_group.TrainerGroup` (``dp_size``, ``cp_size``, ``prepare``,
+    ``train_step``)."""
+    loan: EngineMemoryLoan
+    """The engines' memory lent around the step (a loan that does not lend is a no-op)."""
+    global_batch_size: int
+    """``train.global_batch_size``: sequences per optimizer step."""
+    policy_version: int = 0
+    """Optimizer steps taken: the version of the trainer's weights (a resumed checkpoint's at the start)."""
 
     def step(self, built: BatchResult, timer: StageTimer) -> dict[str, float]:
         """Train on ``built.batch`` (not None); returns the ranks' metrics (``loss/*``, ``mismatch/*``,
-        ``train/*``, averaged over the optimizer steps) and advances :attr:`policy_version`."""
+        ``train/*``, averaged over the optimizer steps) and advances :attr:`policy_version`.
+
+        Raises:
+            ValueError: ``built`` has no batch (every group was filtered: the loop skips training).
+        """
+        if built.batch is None:
+            raise ValueError("TrainStage.step: no batch to train on (every group was filtered)")
         self.loan.release()
         shards = shard_batch(built.batch, dp_size=self.trainer.dp_size, cp_size=self.trainer.cp_size,
                              global_batch_size=self.global_batch_size, route_refs=built.route_refs)

@@ -17,6 +17,7 @@ did and every other difference (a q/k/v layout error that keeps shapes) still sh
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -123,41 +124,48 @@ def load_proof_now(load_proof: str, verify: bool) -> bool:
     return load_proof == "every_sync" or (load_proof == "verified_syncs" and verify)
 
 
+@dataclasses.dataclass
 class WeightSyncStage:
     """Pushes the trainer's weights to every engine (module docstring) and holds what that needs to
     remember: whether the synchronizers are connected, what ``verify: first`` has checked, the probe
-    batch, the version last pushed and the one the engines report.
+    batch, the version last pushed and the one the engines report."""
 
-    Args:
-        weight_sync: the ``weight_sync`` section (``verify``, ``load_proof``, ``verify_tolerance``,
-            ``every_n_steps``).
-        train: the ``train`` section (``routing_replay``; its FP8 recipe widens the tolerance).
-        model: the ``model`` section (the tokenizer of the probes; the engines' checkpoint).
-        trainer: the :class:`~megarl.launch.trainer_group.TrainerGroup`.
-        engine_urls: every engine, in engine order.
-        rollout_actor: the rollout actor (it reads the engines' ``weight_version``).
-        directory: the synchronizers' shared directory (``{run_dir}/weight_sync``).
-        probe_prompts: a few training prompts: the verification probes (tokenised on first use).
-    """
+    cfg: WeightSyncConfig
+    """The ``weight_sync`` section (``verify``, ``load_proof``, ``verify_tolerance``, ``every_n_steps``)."""
+    train_cfg: TrainConfig
+    """The ``train`` section (``routing_replay``; its FP8 recipe widens the tolerance)."""
+    model: ModelConfig
+    """The ``model`` section (the tokenizer of the probes; the engines' checkpoint)."""
+    trainer: Any
+    """The :class:`~megarl.launch.trainer_group.TrainerGroup`."""
+    engine_urls: list[str]
+    """Every engine, in engine order."""
+    rollout_actor: Any
+    """The :class:`~megarl.launch.rollout_actor.RolloutWorker` handle (it reads the engines'
+    ``weight_version``)."""
+    directory: Path
+    """The synchronizers' shared directory (``{run_dir}/weight_sync``)."""
+    probe_prompts: list[str]
+    """A few training prompts: the verification probes (tokenised on first use)."""
+    connected: bool = False
+    """The synchronizers are built on every trainer rank."""
+    synced_once: bool = False
+    """A sync ran since the synchronizers were connected."""
+    verified_changed: bool = False
+    """A verified sync changed the engines' weights since the connection."""
+    trained_before_rl: bool = False
+    """SFT ran: the trainer's weights differ from the engines' launch weights."""
+    probes: TrainBatch | None = None
+    """The probe batch (built on first use)."""
+    synced_version: int | None = None
+    """The policy version last pushed to the engines (None before the first sync)."""
+    engine_weight_version: float = float("nan")
+    """The engines' (lowest) reported weight version after the last sync."""
 
-    def __init__(self, weight_sync: WeightSyncConfig, train: TrainConfig, model: ModelConfig, *, trainer: Any,
-                 engine_urls: list[str], rollout_actor: Any, directory: Path, probe_prompts: list[str]) -> None:
-        self.cfg, self.train_cfg, self.model = weight_sync, train, model
-        self.trainer, self.engine_urls, self.rollout_actor = trainer, engine_urls, rollout_actor
-        self.directory, self.probe_prompts = directory, probe_prompts
-        self.every_n_steps = int(weight_sync.every_n_steps)
-        self.connected = False
-        self.synced_once = False
-        """A sync ran since the synchronizers were connected."""
-        self.verified_changed = False
-        """A verified sync changed the engines' weights since the connection."""
-        self.trained_before_rl = False
-        """SFT ran: the trainer's weights differ from the engines' launch weights."""
-        self.probes: TrainBatch | None = None
-        self.synced_version: int | None = None
-        """The policy version last pushed to the engines (None before the first sync)."""
-        self.engine_weight_version = float("nan")
-        """The engines' (lowest) reported weight version after the last sync."""
+    @property
+    def every_n_steps(self) -> int:
+        """``weight_sync.every_n_steps``: the engines are updated after every n-th optimizer step."""
+        return int(self.cfg.every_n_steps)
 
     def connect(self) -> None:
         """Build the synchronizers on every trainer rank (after the engines are up, or restarted);
@@ -211,7 +219,8 @@ class WeightSyncStage:
             logger.warning("engines report weight versions %s after syncing version %d", versions, version)
         diff = metrics.get("weight_sync/verify_logprob_diff_mean")
         logger.info("weight sync -> policy version %d: engines %s, %.2fs%s", version,
-                    ", ".join(f"{k}@{v}" for k, v in versions.items()), metrics.get("timing/weight_sync_s", float("nan")),
+                    ", ".join(f"{k}@{v}" for k, v in versions.items()),
+                    metrics.get("timing/weight_sync_s", float("nan")),
                     f", logprob mismatch after sync {diff:.2e}" if diff is not None else "")
         return metrics
 
@@ -219,13 +228,13 @@ class WeightSyncStage:
         """The engines' teacher-forced logprobs on the probes against the trainer's (module docstring)."""
         from megarl.training.fp8 import verify_tolerance
 
+        # FP8 trainer GEMMs, block-FP8 engine weights: the tolerance covers each quantisation present.
+        tolerance = verify_tolerance(self.train_cfg, float(self.cfg.verify_tolerance),
+                                     engine_block_fp8=engines_serve_block_fp8(self.model))
         if self.probes is None:
             self.probes = probe_batch(self.model.tokenizer_path or self.model.hf_path, self.probe_prompts)
         probes = self.probes
         if self.train_cfg.routing_replay == "r3":  # the trainer replays the engine's routes (module docstring)
             probes = probes.replace(routed_experts=probe_routes(self.engine_urls[0], probes))
-        # FP8 trainer GEMMs, block-FP8 engine weights: the tolerance covers each quantisation present.
-        tolerance = verify_tolerance(self.train_cfg, float(self.cfg.verify_tolerance),
-                                     engine_block_fp8=engines_serve_block_fp8(self.model))
         results = self.trainer.verify_weights(probes, tolerance)
         return next((r for r in results if r), {})

@@ -69,7 +69,7 @@ def make_run(hf_dir, run_dir: Path, step: int, **checkpoint):
     trainer = TrainerGroupStandIn(hf_dir)
     rollout = RolloutStage(cfg.rollout, [], ResumableSampler(4, seed=0), None, num_steps=step, depth=0, sync=None,
                            heal=lambda version: [])
-    train = TrainStage(trainer, EngineMemoryLoan([], trainer, lends=False, weights_each_step=True), global_batch_size=1)
+    train = TrainStage(trainer, EngineMemoryLoan(lends=False, weights_each_step=True), global_batch_size=1)
     return CheckpointStage(cfg.checkpoint, cfg.model, run_dir, trainer=trainer, rollout=rollout, train=train,
                            config_yaml="", state=RunState())
 

@@ -107,8 +107,9 @@ def test_colocated_engines_lend_their_memory_before_the_trainer_is_built(tiny_mo
     caplog.set_level(logging.INFO, logger="megarl.launch.trainer_group")
     cfg = _cfg(tmp_path / "run", tiny_moe_dir)
     run_ray(cfg)
-    run = run_module.Run.build(cfg)
+    run = run_module.Run(run_module.prepare_run_dir(cfg))
     try:
+        run.build(cfg)
         urls = list(run.engine_urls)
         with urllib.request.urlopen(urls[0] + "/health", timeout=30) as resp:
             assert resp.status == 200  # the engine listens on the port in its URL
@@ -131,8 +132,12 @@ def test_r3_verification_catches_a_layout_error_that_keeps_shapes(tiny_moe_dir, 
     monkeypatch.setenv("MEGARL_TEST_DRIVER_PID", str(os.getpid()))  # the plugin spares this process's tables
     cfg = _cfg(tmp_path / "run", tiny_moe_dir, f"plugins=[{SWAP_KV_PLUGIN}]")
     run_ray(cfg)
-    with pytest.raises(Exception, match="disagrees with the trainer after the weight sync"):
-        run_module.Run.build(cfg)
+    run = run_module.Run(run_module.prepare_run_dir(cfg))
+    try:
+        with pytest.raises(Exception, match="disagrees with the trainer after the weight sync"):
+            run.build(cfg)
+    finally:
+        run.close()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""``heal_engines`` (`megarl.cluster.engines`): an engine the router took out of service comes back only when it reports the
-synced policy version; one that does not answer, or reports another version, is restarted first.
+"""``heal_engines`` (`megarl.cluster.engines`): an engine the router took out of service comes back
+only when it reports the synced policy version; one that does not answer, or reports another
+version, is restarted first.
 
 Found by the async arithmetic demo: a dropped connection while the engine was paused for a weight
 update took it out of service, nothing brought it back, and 19 steps trained on nothing."""

@@ -57,7 +57,7 @@ def _checkpoint_stage(tmp_path, export, **checkpoint):
     trainer = TrainerStandIn()
     rollout = RolloutStage(cfg.rollout, [], ResumableSampler(4, seed=0), None, num_steps=2, depth=0, sync=None,
                            heal=lambda version: [])
-    train = TrainStage(trainer, EngineMemoryLoan([], trainer, lends=False, weights_each_step=True),
+    train = TrainStage(trainer, EngineMemoryLoan(lends=False, weights_each_step=True),
                        global_batch_size=1)
     return CheckpointStage(cfg.checkpoint, cfg.model, tmp_path / "run", trainer=trainer, rollout=rollout, train=train,
                            config_yaml="", state=RunState(), hf_export=BackgroundExport(export))

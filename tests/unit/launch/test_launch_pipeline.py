@@ -113,7 +113,7 @@ def _stages(cfg, *, first_step=0, policy_version=0):
     rollout = RolloutStage(ro, [{"prompt": str(i)} for i in range(64)], ResumableSampler(64, seed=0), actor,
                            num_steps=steps, depth=pipeline_depth(ro.async_mode, ro.max_staleness, every), sync=sync,
                            heal=lambda version: [])
-    train = actor.train = TrainStage(ScriptedTrainer(), EngineMemoryLoan([], None, lends=False, weights_each_step=True),
+    train = actor.train = TrainStage(ScriptedTrainer(), EngineMemoryLoan(lends=False, weights_each_step=True),
                                      global_batch_size=cfg.train.global_batch_size, policy_version=policy_version)
     stages = Stages(rollout, AdvantageStage(cfg.algorithm, staleness_bound(ro.async_mode, ro.max_staleness, every)),
                     train, sync, EvalStage(None, None, interval=0, num_steps=steps), RecordingCheckpoint(rollout),
