@@ -86,6 +86,7 @@ def run_loop(stages: Stages, stop: StopGuard | None = None) -> dict[str, float]:
     checkpoint: CheckpointStage = stages.checkpoint
     log: StepLog = stages.log
     done, last = stages.first_step, {}
+    rollout.top_up(done)  # async: the first steps' rollouts run while the evaluation before training does
     if done == 0 and evaluation.due(0):
         last = log.evaluation(evaluation.run(train.policy_version), train.policy_version)
     for step in range(stages.first_step, stages.num_steps):
