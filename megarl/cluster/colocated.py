@@ -1,9 +1,9 @@
 """Colocated placement: the engines give their GPU memory to the trainer while it trains.
 
 Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.ray_engines.MEMORY_SAVER_FLAG`).
-At start (:meth:`megarl.launch.run.Run.build`) the engines, once ready, release everything before
-the trainer ranks are built, and resume before the first weight sync (which rewrites the weights):
-the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
+At start (:meth:`megarl.launch.run.Run.build`, through :class:`EngineMemoryLoan`) the engines, once
+ready, release everything before the trainer ranks are built, and resume before the first weight sync
+(which rewrites the weights): the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
 weight sync) the trainer keeps its share, enforced on the device: ``rollout.engine.mem_fraction_static``
 + ``cluster.colocated_trainer_memory_fraction`` must fit the GPU, and the trainer's planned resident
 memory its fraction (``megarl validate``, `megarl.plan.fit`).
@@ -25,6 +25,7 @@ released (it keeps the set of released tags), so the two resumes must follow one
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 WEIGHT_TAGS = ("weights",)
@@ -67,3 +68,45 @@ def _call(engine_urls: Sequence[str], method: str, tags: Sequence[str]) -> None:
 
     with EngineClients(list(engine_urls)) as engines:
         engines.call_all(method, list(tags))
+
+
+def lends_engine_memory(cluster: Any, rollout: Any) -> bool:
+    """Whether the engines lend their GPU memory to the trainer: colocated placement
+    (``cluster.placement``), synchronous rollouts, engines megarl launched (not
+    ``rollout.external_engine_urls``)."""
+    return cluster.placement == "colocated" and not rollout.async_mode and not rollout.external_engine_urls
+
+
+@dataclasses.dataclass
+class EngineMemoryLoan:
+    """The engines' GPU memory lent to the trainer (module docstring), and what is on loan."""
+
+    lends: bool
+    """:func:`lends_engine_memory`; False makes every call a no-op."""
+    weights_each_step: bool
+    """Every RL step ends with a weight sync (``weight_sync.every_n_steps == 1``): the weights are
+    lent too at each step (the sync rewrites them)."""
+    engine_urls: Sequence[str] = ()
+    """The engines that lend."""
+    trainer: Any = None
+    """The trainer group (its ranks' memory cap is set around the loan)."""
+    released: tuple[str, ...] = ()
+    """The SGLang memory tags on loan (empty: none)."""
+
+    def release(self, *, weights: bool | None = None) -> None:
+        """The engines (idle: before the first rollout, or after the step's rollout) free their GPU
+        memory for the trainer until :meth:`resume`.
+
+        Args:
+            weights: lend the weights too (they come back uninitialised: only when the next weight
+                sync rewrites them); None: ``weights_each_step``.
+        """
+        if self.lends:
+            weights = self.weights_each_step if weights is None else weights
+            self.released = release(self.engine_urls, weights=weights, trainer=self.trainer)
+
+    def resume(self) -> None:
+        """Give the engines their memory back (weights, then KV cache and CUDA graphs); no-op if none is lent."""
+        if self.released:
+            resume(self.engine_urls, self.released, trainer=self.trainer)
+            self.released = ()

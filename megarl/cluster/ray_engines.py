@@ -179,3 +179,56 @@ class EngineGroup:
             return [parts[0].start.remote(timeout_s=self.startup_timeout_s)]
         addr = ray.get(parts[0].dist_init_addr.remote(), timeout=self.startup_timeout_s)
         return [p.start.remote(timeout_s=self.startup_timeout_s, dist_init_addr=addr) for p in parts]
+
+
+def heal_engines(engines: EngineGroup, rollout_actor: Any, sync: Any, policy_version: int) -> list[str]:
+    """Put every engine back into service: one the rollout actor's router took out of service
+    although it still answers (a dropped connection while it was paused or busy) returns once it
+    reports the synced policy version (weight syncs address every engine, in service or not); one that does not answer,
+    or reports another version, is restarted, re-synced and then put back.
+
+    Args:
+        engines: the run's engines (an engine over several nodes with a part down is down as a whole:
+            :meth:`EngineGroup.stop_broken`).
+        rollout_actor: the :class:`megarl.launch.rollout_actor.RolloutWorker` handle (its router
+            knows which engines are in service): its ``engine_health``, ``out_of_service`` and
+            ``set_alive`` calls.
+        sync: the weight sync (:class:`megarl.launch.weight_sync_stage.WeightSyncStage`): its
+            ``synced_version`` (what a live engine must report) and ``resync(version)``, which
+            reconnects to every engine (the old update groups included the dead ones) and pushes the
+            trainer's weights.
+        policy_version: the trainer's policy version (what a restarted engine is synced to).
+
+    Returns:
+        The ids of the engines put back (restarted or re-admitted; a warning each).
+
+    Raises:
+        RuntimeError: a restarted, re-synced engine does not report the synced version.
+    """
+    synced_version = sync.synced_version
+    engines.stop_broken()
+    health = ray.get(rollout_actor.engine_health.remote(), timeout=120)
+    dead = [eid for eid, ok in health.items() if not ok]
+    readmitted = []
+    for eid in ray.get(rollout_actor.out_of_service.remote(), timeout=60):
+        if eid in dead:
+            continue
+        if ray.get(rollout_actor.set_alive.remote(eid, str(synced_version)), timeout=60):
+            logger.warning("%s was out of service but answers and reports policy version %d; back in "
+                           "service", eid, synced_version)
+            readmitted.append(eid)
+        else:
+            dead.append(eid)
+    if not dead:
+        return readmitted
+    for eid in dead:
+        logger.warning("%s stopped answering; its requests were re-routed to the live engines. "
+                       "Restarting it", eid)
+        engines.restart(engines.ids.index(eid))
+    version = sync.resync(policy_version)
+    for eid in dead:
+        if not ray.get(rollout_actor.set_alive.remote(eid, str(version)), timeout=60):
+            raise RuntimeError(f"{eid} was restarted and re-synced but does not report weight version "
+                               f"{version}; it would serve other weights than the policy's")
+        logger.warning("%s restarted and re-synced to policy version %d; back in service", eid, version)
+    return readmitted + dead

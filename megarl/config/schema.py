@@ -173,7 +173,7 @@ class WeightSyncConfig:
     verify: str = "first"
     """Check engine logprobs against the trainer after a sync: ``off``, ``first`` (the first sync
     of a connection and the first that changed the engines' weights,
-    ``megarl.launch.weight_sync_step.verify_now``), ``always``."""
+    ``megarl.launch.weight_sync_stage.verify_now``), ``always``."""
     verify_tolerance: float = 1.0e-2
     """Max allowed mean absolute logprob difference in verification, BF16 trainer vs BF16 engine;
     ``megarl.training.fp8.verify_tolerance`` widens it for an FP8 trainer (``train.fp8``) and for

@@ -1,4 +1,4 @@
-"""`megarl train`: the RL loop, one line per stage (docs/architecture.md).
+"""`megarl train`: the RL loop, one call per stage (docs/architecture.md).
 
     rollout -> advantages & filters -> old/ref logprobs -> GSPO train step -> weight sync
             -> eval / checkpoint / metrics
@@ -17,256 +17,101 @@ async mode; ``decoupled`` is AReaL's objective for deeper pipelines).
 
 ``weight_sync.every_n_steps = n`` updates the engines after every n-th optimizer step (and always
 before an evaluation and at the end).
+
+Each stage owns its state (:class:`megarl.launch.run.Stages`): rollout (prompt sampler, rollouts in
+flight, engine healing), advantages (filters), train (trainer ranks, policy version), weight sync
+(connection, verification, the engines' version), evaluation, checkpoint, step log; the loop holds
+nothing but the step.
 """
 from __future__ import annotations
 
-import collections
-import functools
-import json
 import logging
-from pathlib import Path
-from typing import Any
 
-import ray
-
+from megarl.config.schema import MegarlConfig
+from megarl.launch.checkpoint_stage import CheckpointStage
+from megarl.launch.eval_stage import EvalStage
 from megarl.launch.metric_sinks import StageTimer, save_plots
-from megarl.launch.pipeline import pipeline_depth, staleness_bound, sync_due
+from megarl.launch.pipeline import sync_due
 from megarl.launch.preemption import Preempted, StopGuard
-from megarl.launch.run import PendingRollout, Run
-from megarl.launch.steps import build_train_batch, mean_metrics, rollout_metrics
-from megarl.training.shard import shard_batch
+from megarl.launch.rollout_stage import RolloutStage
+from megarl.launch.run import Run, Stages, prepare_run_dir
+from megarl.launch.step_log import StepLog
+from megarl.launch.train_stage import TrainStage
+from megarl.launch.weight_sync_stage import WeightSyncStage
+from megarl.plugins import import_plugins
 
 logger = logging.getLogger("megarl.train")
 
 
-def train(cfg: Any) -> dict[str, float]:
+def train(cfg: MegarlConfig) -> dict[str, float]:
     """Run training as configured (``cfg``: a resolved, validated ``MegarlConfig`` DictConfig).
 
     Returns:
         The metrics of the last step (for tests and scripts).
+
+    Raises:
+        megarl.launch.preemption.Preempted: stopped early (a signal or the wall-time budget) after
+            saving a checkpoint.
     """
     if cfg.rollout.async_mode and cfg.algorithm.rollout_correction == "none":
         logger.warning("rollout.async_mode trains on slightly stale rollouts: using "
                        "algorithm.rollout_correction=tis (set it explicitly to silence this)")
         cfg.algorithm.rollout_correction = "tis"
     stop = StopGuard(cfg.train.max_wall_time_s).install()  # SIGUSR1 / SIGTERM / wall-time budget
+    import_plugins(cfg.plugins)  # user datasets, rewards, tools: before anything reads their names
+    run = Run(prepare_run_dir(cfg))
     try:
-        run = Run.build(cfg)
-        try:
-            last = run_loop(run, stop)
-            run.wait_for_export()  # the last HF export (started in the background) is written, or raises
-        finally:
-            run.close()
+        stages = run.build(cfg)
+        last = run_loop(stages, stop)
+        stages.checkpoint.wait_for_export()  # the last HF export (in the background) is written, or raises
     finally:
+        run.close()  # what was started, also when the build failed
         stop.uninstall()
     if cfg.logging.plots:
         for path in save_plots(run.run_dir):
             logger.info("wrote %s", path)
-    if stop.reason is not None and run.state.step < cfg.train.num_steps:
-        raise Preempted(stop.reason, run.state.step)
+    done = stages.checkpoint.saved_step or 0
+    if stop.reason is not None and done < cfg.train.num_steps:
+        raise Preempted(stop.reason, done)
     return last
 
 
-def run_loop(run: Run, stop: StopGuard | None = None) -> dict[str, float]:
+def run_loop(stages: Stages, stop: StopGuard | None = None) -> dict[str, float]:
     """The loop itself; returns the last step's metrics. ``stop`` ends it early, after the step in
     flight, with a checkpoint (:mod:`megarl.launch.preemption`)."""
-    cfg, state = run.cfg, run.state
-    cache = _LoopCache(cfg)
-    every = int(cfg.weight_sync.every_n_steps)
-    bound = staleness_bound(cfg.rollout.async_mode, cfg.rollout.max_staleness, every)
-    pending = _initial_rollouts(run)
-    last: dict[str, float] = {}
-    if cfg.data.eval_interval > 0 and state.step == 0:
-        last = run.metrics.log(0, {**run.evaluate(), "policy_version": state.policy_version})
-        logger.info("eval before training: %s", _fmt(last, "eval/"))
-    progress = _progress_bar(cfg, state.step)
-    for step in range(state.step, cfg.train.num_steps):
+    rollout: RolloutStage = stages.rollout
+    train: TrainStage = stages.train
+    sync: WeightSyncStage = stages.sync
+    evaluation: EvalStage = stages.evaluation
+    checkpoint: CheckpointStage = stages.checkpoint
+    log: StepLog = stages.log
+    done, last = stages.first_step, {}
+    rollout.top_up(done)  # async: the first steps' rollouts run while the evaluation before training does
+    if done == 0 and evaluation.due(0):
+        last = log.evaluation(evaluation.run(train.policy_version), train.policy_version)
+    for step in range(stages.first_step, stages.num_steps):
         timer = StageTimer()
         with timer("rollout"):
-            rollout = _take_rollout(run, pending, step)
+            batch = rollout.take(step, train.policy_version)
         with timer("advantages"):
-            built = build_train_batch(rollout.groups, algorithm=cfg.algorithm, policy_version=state.policy_version,
-                                      max_staleness=bound)
-        metrics = {**rollout.metrics, **rollout_metrics(rollout.groups, state.policy_version), **built.metrics}
-        if built.batch is not None:
-            run.release_engine_memory()  # colocated: the engines lend their GPU memory to the trainer
-            # one shard per data-parallel rank; R3 routes stay references until the rank reads them
-            shards = shard_batch(built.batch, dp_size=run.trainer.dp_size, cp_size=run.trainer.cp_size,
-                                 global_batch_size=cfg.train.global_batch_size, route_refs=built.route_refs)
-            with timer("logprobs"):  # old / ref logprobs, R2 routes, mismatch: computed and kept on the ranks
-                metrics.update(run.trainer.prepare(shards))
-            with timer("train"):
-                metrics.update(mean_metrics([run.trainer.train_step(m) for m in range(shards[0].num_minis)]))
-            run.resume_engine_memory()
-            state.policy_version += 1
-            if sync_due(state.policy_version, every, last_step=step + 1 == cfg.train.num_steps,
-                        eval_next=_eval_due(cfg, step + 1)):
-                with timer("weight_sync"):
-                    metrics.update(run.sync_weights(state.policy_version))
-        else:
+            built = stages.advantages.build(batch, train.policy_version)
+        metrics, done = built.metrics, step + 1
+        if built.batch is None:
             logger.warning("step %d: no trainable group (all filtered); policy unchanged", step)
-        state.step = step + 1
-        mfu = _mfu(cfg, cache, metrics, rollout.groups)
-        if mfu == mfu:  # NaN (a CPU, an unknown GPU without logging.peak_tflops): not logged
-            metrics["perf/mfu"] = mfu
-        last = _end_step(run, step, {**metrics, **timer.metrics()}, pending)
-        if cfg.logging.save_rollouts and _model_dir(cfg):
-            _save_rollouts(run, cache, step + 1, rollout.groups)
-        progress.update(1)
-        progress.set_postfix(reward=f"{last.get('rollout/reward_mean', float('nan')):.3f}",
-                             version=state.policy_version)
-        if stop is not None and stop.should_stop() and state.step < cfg.train.num_steps:
-            logger.warning("stopping after step %d (%s); saving a checkpoint", state.step, stop.reason)
+        else:
+            metrics.update(train.step(built, timer))
+            if sync_due(train.policy_version, sync.every_n_steps, last_step=done == stages.num_steps,
+                        eval_next=evaluation.due(done)):
+                with timer("weight_sync"):
+                    metrics.update(sync.push(train.policy_version))
+        if evaluation.due(done):
+            metrics.update(evaluation.run(train.policy_version))
+        checkpoint.after_step(done)
+        last = log.step(done, {**metrics, **timer.metrics()}, batch.groups, policy_version=train.policy_version,
+                   engine_weight_version=sync.engine_weight_version)
+        if stop is not None and stop.should_stop() and done < stages.num_steps:
+            logger.warning("stopping after step %d (%s); saving a checkpoint", done, stop.reason)
             break
-    progress.close()
-    if cfg.checkpoint.save_interval == 0 or state.step % cfg.checkpoint.save_interval:
-        run.save_checkpoint(pending)
+    log.close()
+    checkpoint.finish(done)
     return last
-
-
-def _eval_due(cfg: Any, completed_steps: int) -> bool:
-    interval = int(cfg.data.eval_interval)
-    return interval > 0 and (completed_steps % interval == 0 or completed_steps == cfg.train.num_steps)
-
-
-def _initial_rollouts(run: Run) -> collections.deque[PendingRollout]:
-    """The rollouts in flight before the first step: those saved in the checkpoint (async), then
-    new ones up to the pipeline depth (empty in sync mode)."""
-    from megarl.rollout.manager import RolloutBatch
-
-    in_flight: collections.deque[PendingRollout] = collections.deque(
-        PendingRollout(saved["step"], saved["rows"], RolloutBatch(groups=saved["groups"], metrics=saved["metrics"]),
-                       saved.get("policy_version", 0))
-        for saved in run.state.pending_rollouts)
-    _top_up(run, in_flight, run.state.step)
-    return in_flight
-
-
-def _top_up(run: Run, in_flight: collections.deque[PendingRollout], next_step: int) -> None:
-    """Start rollouts for the steps after ``next_step - 1`` until ``depth`` are in flight (they are
-    consecutive steps, oldest first, so prompts are drawn in step order)."""
-    cfg = run.cfg
-    depth = pipeline_depth(cfg.rollout.async_mode, cfg.rollout.max_staleness, cfg.weight_sync.every_n_steps)
-    while len(in_flight) < depth and next_step + len(in_flight) < cfg.train.num_steps:
-        in_flight.append(run.start_rollout(next_step + len(in_flight)))
-
-
-def _take_rollout(run: Run, in_flight: collections.deque[PendingRollout], step: int) -> Any:
-    """This step's rollouts; in async mode the pipeline is topped up first (the next rollouts start
-    before this step trains). Engines out of service are put back (re-admitted, or restarted and
-    re-synced: `Run.heal_engines`); if that cost
-    trajectories, the step is generated again from the same prompts."""
-    current = in_flight.popleft() if in_flight else run.start_rollout(step)
-    if current.step != step:
-        raise RuntimeError(f"the rollout in flight is for step {current.step}, the driver is at step {step}")
-    rollout = current.wait()
-    restarted = run.heal_engines()
-    if restarted and (not rollout.groups or rollout.metrics.get("rollout/groups_dropped_error", 0) > 0):
-        logger.warning("step %d lost trajectories with %s; generating its rollouts again (same prompts, same "
-                       "seeds)", step + 1, ", ".join(restarted))
-        rollout = run.start_rollout(step, current.rows).wait()
-    rollout.groups.sort(key=lambda g: g.group_id)  # completion order -> prompt order: a deterministic batch
-    if getattr(rollout, "sample_text", ""):
-        logger.info("step %d rollout sample: %s", step + 1, rollout.sample_text)
-    rollout.metrics["engine/restarts"] = float(len(restarted))
-    rollout.metrics["rollout/in_flight"] = float(len(in_flight))
-    _top_up(run, in_flight, step + 1)
-    return rollout
-
-
-def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> dict[str, float]:
-    """Evaluate, checkpoint and log after an RL step; returns the logged floats."""
-    cfg, state = run.cfg, run.state
-    if _eval_due(cfg, state.step):
-        metrics.update(run.evaluate())
-    if cfg.checkpoint.save_interval > 0 and state.step % cfg.checkpoint.save_interval == 0:
-        run.save_checkpoint(pending)
-    metrics["policy_version"] = float(state.policy_version)
-    metrics.setdefault("engine/weight_version", run.engine_weight_version)
-    logged = run.metrics.log(state.step, metrics)
-    logger.info("step %d/%d | reward %.3f | engine weight_version %s | logprob mismatch: rollouts %s, "
-                "after sync %s | %s | %s%s", state.step, cfg.train.num_steps, logged.get("rollout/reward_mean", float("nan")),
-                _version_text(logged), _num(logged.get("mismatch/log_ratio_abs_mean")),
-                _num(logged.get("weight_sync/verify_logprob_diff_mean")),
-                _fmt(logged, "timing/", ("rollout_s", "logprobs_s", "train_s", "weight_sync_s")),
-                _fmt(logged, "perf/", ("tokens_per_s", "mfu")),
-                (" | " + _fmt(logged, "eval/")) if "eval/accuracy" in logged else "")
-    return logged
-
-
-def _version_text(m: dict[str, float]) -> str:
-    v = m.get("engine/weight_version")
-    return "?" if v is None or v != v else str(int(v))
-
-
-def _num(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2e}"
-
-
-def _fmt(m: dict[str, float], prefix: str, keys: tuple[str, ...] | None = None) -> str:
-    names = keys or tuple(k[len(prefix):] for k in sorted(m) if k.startswith(prefix))
-    return " ".join(f"{prefix}{k}={m[prefix + k]:.3g}" for k in names if prefix + k in m)
-
-
-def _progress_bar(cfg: Any, start: int) -> Any:
-    """A step bar on stderr only when it is a terminal (a log file or pipe gets the step lines only)."""
-    import sys
-
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.train.num_steps, initial=start, desc="megarl", unit="step",
-                disable=not (cfg.logging.progress_bar and sys.stderr.isatty()))
-
-
-def _model_dir(cfg: Any) -> str | None:
-    """``model.hf_path``, or None where it is unset (driver tests with stand-in processes)."""
-    from omegaconf import OmegaConf
-
-    return None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
-
-
-class _LoopCache:
-    """What the loop reads once, on first use, and reuses at every step: the model's ``config.json``
-    and the GPU's name (``perf/mfu``), the tokenizer that writes the saved rollouts."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-
-    @functools.cached_property
-    def model_config(self) -> dict[str, Any] | None:
-        """``config.json`` of ``model.hf_path``; None where there is none (stand-in runs)."""
-        path = Path(_model_dir(self.cfg) or ".") / "config.json"
-        return json.loads(path.read_text(encoding="utf-8")) if _model_dir(self.cfg) and path.is_file() else None
-
-    @functools.cached_property
-    def device_name(self) -> str:
-        """The trainer's GPU name (:func:`megarl.launch.rollout_log.gpu_name`); "" off CUDA."""
-        from megarl.config.device import use_cuda
-        from megarl.launch.rollout_log import gpu_name
-
-        return gpu_name() if use_cuda(self.cfg.cluster.device) else ""
-
-    @functools.cached_property
-    def rollout_tokenizer(self) -> Any:
-        """The tokenizer of ``model.tokenizer_path`` (else ``model.hf_path``) for the saved rollouts."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path or _model_dir(self.cfg))
-
-
-def _save_rollouts(run: Run, cache: _LoopCache, step: int, groups: Any) -> None:
-    """``run_dir/rollouts/step_{step}.jsonl`` (:mod:`megarl.launch.rollout_log`); the tokenizer is
-    loaded once, on first use."""
-    from megarl.launch.rollout_log import write_rollouts
-
-    write_rollouts(run.run_dir, step, groups, cache.rollout_tokenizer, prompt_key=run.cfg.data.prompt_key)
-
-
-def _mfu(cfg: Any, cache: _LoopCache, metrics: dict[str, float], groups: Any) -> float:
-    """``perf/mfu`` of the step (:mod:`megarl.launch.mfu`); NaN (and so not logged) on a CPU or an
-    unlisted GPU without ``logging.peak_tflops``."""
-    from megarl.config.parallel import trainer_world_size
-    from megarl.launch.rollout_log import mean_seq_len, step_mfu
-
-    return step_mfu(cache.model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), cache.device_name,
-                    cfg.logging.peak_tflops)

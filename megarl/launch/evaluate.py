@@ -236,7 +236,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise EvalArgumentError(f"argument --k: pass@{ks[-1]} needs at least {ks[-1]} samples per prompt (n = {n}; "
                                 f"pass --samples)")
     import_plugins(cfg.plugins)  # user dataset readers, before the rows are read
-    rows = load_datasets(cfg)[1] or []
+    rows = load_datasets(cfg.data)[1] or []
     cfg.model.hf_path = str(export_model(request))
     request.work_dir.mkdir(parents=True, exist_ok=True)
     version = _policy_version(request.checkpoint)

@@ -18,8 +18,12 @@ count (plus the router ``hidden * n_experts``), never all experts; plus the LM h
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import math
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Iterable, Mapping
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # dense (no 2:4 sparsity) tensor-core peaks from the vendors' datasheets, TFLOP/s per device
@@ -88,3 +92,65 @@ def mfu(cfg: Mapping[str, Any], tokens_per_s: float, seq_len: float, num_devices
         peak: TFLOP/s of one device (`peak_tflops`); NaN gives NaN.
     """
     return flops_per_token(cfg, seq_len) * tokens_per_s / (num_devices * peak * 1e12)
+
+
+def mean_seq_len(groups: Iterable[Any]) -> float:
+    """Mean prompt + response length (tokens) of the trajectories of ``groups`` (NaN: none)."""
+    lens = [t.prompt_ids.numel() + t.response_ids.numel() for g in groups for t in g.trajectories]
+    return sum(lens) / len(lens) if lens else math.nan
+
+
+def gpu_name() -> str:
+    """The first GPU's name from ``nvidia-smi`` ("" when it is absent or fails): no CUDA context is
+    made in the driver (in a colocated run its GPU memory belongs to the engines and trainer)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.splitlines()[0].strip() if out.strip() else ""
+
+
+def step_mfu(model_config: Mapping[str, Any] | None, metrics: Mapping[str, float], seq_len: float, num_devices: int,
+             device_name: str, override: float | None) -> float:
+    """``perf/mfu`` of a step from ``perf/tokens_per_s``; NaN without a model config, a throughput,
+    or a known peak (a CPU or unlisted device with no ``logging.peak_tflops``)."""
+    tps = metrics.get("perf/tokens_per_s")
+    peak = peak_tflops(device_name, "bf16", override)
+    if not model_config or tps is None or math.isnan(peak) or math.isnan(seq_len):
+        return math.nan
+    return mfu(model_config, tps, seq_len, num_devices, peak)
+
+
+@dataclasses.dataclass
+class MfuMeter:
+    """``perf/mfu`` of each RL step (:func:`step_mfu`); the model's ``config.json`` and the GPU's
+    name are read once, on first use."""
+
+    model_dir: str | None
+    """``model.hf_path`` (None: stand-in runs without a model; MFU is then NaN)."""
+    num_devices: int
+    """The trainer's devices (``trainer_world_size``)."""
+    on_cuda: bool
+    """The trainer runs on CUDA (else no GPU name is asked for: NaN without an override)."""
+    peak_tflops: float | None
+    """``logging.peak_tflops`` (None: the device's table entry)."""
+
+    @functools.cached_property
+    def model_config(self) -> dict[str, Any] | None:
+        """``config.json`` of :attr:`model_dir`; None where there is none."""
+        path = Path(self.model_dir or ".") / "config.json"
+        return json.loads(path.read_text(encoding="utf-8")) if self.model_dir and path.is_file() else None
+
+    @functools.cached_property
+    def device_name(self) -> str:
+        """The trainer's GPU name (:func:`gpu_name`); "" off CUDA."""
+        return gpu_name() if self.on_cuda else ""
+
+    def of_step(self, metrics: Mapping[str, float], groups: Iterable[Any]) -> float:
+        """The step's MFU in [0, 1] from its ``perf/tokens_per_s`` and trajectories; NaN (not logged)
+        on a CPU or an unlisted GPU without ``logging.peak_tflops``."""
+        return step_mfu(self.model_config, metrics, mean_seq_len(groups), self.num_devices, self.device_name,
+                        self.peak_tflops)

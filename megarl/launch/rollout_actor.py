@@ -152,7 +152,7 @@ class RolloutWorker:
         engine = self.seeded or self.router
         # Without over-sampling there is nothing to replace a filtered group with: the manager then
         # returns every group, so the step's reward statistics cover all trajectories, and the
-        # driver's filter (megarl.launch.steps) drops the zero-variance groups and counts them.
+        # driver's filter (megarl.launch.advantage_stage) drops the zero-variance groups and counts them.
         dynamic = cfg.algorithm.filter_zero_variance_groups and cfg.rollout.over_sample_prompts > 0
         # R3: training rollouts ask every turn for the engine's routed experts (evaluation does not train).
         self.manager = RolloutManager(engine, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,

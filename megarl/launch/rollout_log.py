@@ -1,5 +1,5 @@
-"""Trajectories on disk: ``run_dir/rollouts/step_N.jsonl`` (``logging.save_rollouts``), and the
-``perf/mfu`` metric of a step; both computed by the driver after the step, off the hot path.
+"""Trajectories on disk: ``run_dir/rollouts/step_N.jsonl`` (``logging.save_rollouts``), written by
+the driver after the step (:class:`RolloutWriter`), off the hot path.
 
 Each line is one trajectory (:func:`trajectory_record`). Since ``record_version`` 2 it also holds
 ``turns``: the response cut where ``loss_mask`` changes, each span decoded on its own, so a reader
@@ -8,13 +8,11 @@ reasoning parser, their policy versions and token counts) and the observations a
 (loss-masked) without the tokenizer. Older lines (no ``turns``) keep only ``prompt``/``response``."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
-import math
 from pathlib import Path
 from typing import Any, Iterable
-
-from megarl.launch.mfu import mfu, peak_tflops
-
 
 RECORD_VERSION = 2
 """Version of a line's layout: 1 (no ``record_version`` key) without ``turns``; 2 with them."""
@@ -120,31 +118,29 @@ def write_rollouts(run_dir: Path, step: int, groups: Iterable[Any], tokenizer: A
     return path
 
 
-def mean_seq_len(groups: Iterable[Any]) -> float:
-    """Mean prompt + response length (tokens) of the trajectories."""
-    lens = [t.prompt_ids.numel() + t.response_ids.numel() for g in groups for t in g.trajectories]
-    return sum(lens) / len(lens) if lens else math.nan
+@dataclasses.dataclass
+class RolloutWriter:
+    """Writes each step's trajectories (:func:`write_rollouts`) when ``logging.save_rollouts`` is set
+    and the run has a model; the tokenizer is loaded once, on first use."""
 
+    run_dir: Path
+    """The run directory (``rollouts/`` is made in it)."""
+    tokenizer_path: str | None
+    """``model.tokenizer_path`` or ``model.hf_path``; None: nothing is written (stand-in runs)."""
+    prompt_key: str
+    """``data.prompt_key`` (the question's field in a row)."""
+    enabled: bool
+    """``logging.save_rollouts``."""
 
-def gpu_name() -> str:
-    """The first GPU's name from ``nvidia-smi`` ("" when it is absent or fails): no CUDA context is
-    made in the driver (in a colocated run its GPU memory belongs to the engines and trainer)."""
-    import subprocess
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The tokenizer of :attr:`tokenizer_path`."""
+        from transformers import AutoTokenizer
 
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.splitlines()[0].strip() if out.strip() else ""
+        return AutoTokenizer.from_pretrained(self.tokenizer_path)
 
-
-def step_mfu(model_config: dict | None, metrics: dict[str, float], seq_len: float, num_devices: int,
-             device_name: str, override: float | None) -> float:
-    """``perf/mfu`` of a step from ``perf/tokens_per_s``; NaN without a model config, a throughput,
-    or a known peak (a CPU or unlisted device with no ``logging.peak_tflops``)."""
-    tps = metrics.get("perf/tokens_per_s")
-    peak = peak_tflops(device_name, "bf16", override)
-    if not model_config or tps is None or math.isnan(peak) or math.isnan(seq_len):
-        return math.nan
-    return mfu(model_config, tps, seq_len, num_devices, peak)
+    def write(self, step: int, groups: Iterable[Any]) -> Path | None:
+        """Write step ``step``'s (1-based) trajectories; returns the file, or None when disabled."""
+        if not self.enabled or self.tokenizer_path is None:
+            return None
+        return write_rollouts(self.run_dir, step, groups, self.tokenizer, prompt_key=self.prompt_key)

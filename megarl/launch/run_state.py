@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from megarl.config.schema import CheckpointConfig
+
 LATEST = "latest"
 DRIVER_STATE = "driver_state.pt"
 TRAINER_DIR = "trainer"
@@ -152,3 +154,22 @@ def load_driver_state(ckpt_dir: Path) -> RunState:
     if single:
         data["pending_rollouts"] = [single]
     return RunState(**data)
+
+
+def save_dir_of(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
+    """``checkpoint.save_dir`` or ``{run_dir}/checkpoints``."""
+    return Path(checkpoint.save_dir) if checkpoint.save_dir else run_dir / "checkpoints"
+
+
+def find_resume(checkpoint: CheckpointConfig, run_dir: Path) -> tuple[Path | None, RunState]:
+    """The checkpoint to resume (``checkpoint.resume``: the newest complete one, else None) and its
+    driver state (a fresh :class:`RunState` without one); read before Ray starts.
+
+    Raises:
+        FileNotFoundError: ``latest`` names a directory that is gone or incomplete.
+    """
+    if not checkpoint.resume:
+        return None, RunState()
+    save_dir = save_dir_of(checkpoint, run_dir)
+    latest = find_latest(save_dir)
+    return latest, load_driver_state(latest) if latest is not None else RunState()

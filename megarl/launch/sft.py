@@ -15,11 +15,13 @@ Deviation from ReTool: no separate SFT run or model; the optimizer's Adam state 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from megarl.algorithms.metrics import sum_metric
+from megarl.config.schema import MegarlConfig, SFTConfig
 from megarl.training.batch import TrainBatch
 
 
@@ -79,7 +81,7 @@ def demonstration_batches(trajectories: list, *, batch_size: int, num_steps: int
         yield TrainBatch.from_trajectories(chosen, torch.zeros(len(chosen)))
 
 
-def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
+def prepare_demonstrations(cfg: MegarlConfig, dataset: Any) -> list:
     """The SFT demonstrations as trajectories (empty when ``sft.num_steps`` is 0); runs before Ray.
 
     Demonstrations are tokenised exactly as the agent loop lays out rollouts (same chat template,
@@ -106,10 +108,17 @@ def prepare_demonstrations(cfg: Any, dataset: Any) -> list:
     return [demonstration_to_trajectory(tokenizer, m, template=template) for m in demos]
 
 
-def run_cold_start(run: Any, trajectories: list) -> bool:
-    """Run ``sft.num_steps`` SFT steps on the run's trainer before RL (no-op without demonstrations).
+def run_cold_start(trainer: Any, sft: SFTConfig, trajectories: list, *, run_dir: Path, seed: int) -> bool:
+    """Run ``sft.num_steps`` SFT steps on the trainer before RL (no-op without demonstrations).
 
     Progress goes to the log and to ``{run_dir}/sft_metrics.jsonl``.
+
+    Args:
+        trainer: the :class:`~megarl.launch.trainer_group.TrainerGroup`.
+        sft: the ``sft`` section.
+        trajectories: the demonstrations (:func:`prepare_demonstrations`).
+        run_dir: the run directory.
+        seed: ``train.seed`` (the order of the demonstrations).
 
     Returns:
         True when SFT ran (the trainer's weights then differ from the engines' launch weights).
@@ -119,18 +128,17 @@ def run_cold_start(run: Any, trajectories: list) -> bool:
 
     from megarl.launch.metric_sinks import JsonlSink
 
-    cfg, sft = run.cfg, run.cfg.sft
     if sft.num_steps <= 0 or not trajectories:
         return False
     log = logging.getLogger("megarl.train")
     log.info("SFT cold start: %d steps x %d of %d demonstrations (%s), lr %g", sft.num_steps, sft.batch_size,
              len(trajectories), sft.demonstrations, sft.lr)
-    sink, start = JsonlSink(run.run_dir / "sft_metrics.jsonl"), time.perf_counter()
+    batches = demonstration_batches(trajectories, batch_size=int(sft.batch_size), num_steps=int(sft.num_steps),
+                                    seed=int(seed))
+    sink, start = JsonlSink(Path(run_dir) / "sft_metrics.jsonl"), time.perf_counter()
     try:
-        batches = demonstration_batches(trajectories, batch_size=int(sft.batch_size),
-                                        num_steps=int(sft.num_steps), seed=int(cfg.train.seed))
         for i, batch in enumerate(batches):
-            metrics = run.trainer.sft_step(batch, lr=float(sft.lr))
+            metrics = trainer.sft_step(batch, lr=float(sft.lr))
             sink.log(i, metrics)
             if i % 20 == 0 or i == sft.num_steps - 1:
                 log.info("SFT step %d/%d: nll %.4f, grad norm %.3f (%.0fs)", i + 1, sft.num_steps,

@@ -18,7 +18,7 @@ Policy:
 - A dead engine comes back only through :meth:`Router.mark_alive` / :meth:`Router.admit`, called by
   whoever restarted it *and* brought its weights up to date (a restarted SGLang server serves its
   launch weights), or found it answering again with the current ``weight_version``
-  (``megarl.launch.run.Run.heal_engines``).
+  (``megarl.cluster.ray_engines.heal_engines``).
 """
 from __future__ import annotations
 

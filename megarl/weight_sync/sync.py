@@ -170,7 +170,7 @@ class WeightSynchronizer:
 
         See the module docstring for the ordering. Returns the metrics (identical on every rank).
         ``load_proof``: the engines read this sync's ``p2p`` buckets back (``weight_sync.load_proof``,
-        :func:`megarl.launch.weight_sync_step.load_proof_now`); None keeps the transport's setting.
+        :func:`megarl.launch.weight_sync_stage.load_proof_now`); None keeps the transport's setting.
 
         Raises:
             WeightSyncError: a planned shard is missing or malformed, conversion did not produce the

@@ -2,7 +2,7 @@
 RUN/checkpoints/step_N OUT`` needs no ``--hf-config``, and a step directory is a ``model.load_dir``.
 The driver's HF export of the checkpoint runs in the background and writes the same directory.
 
-The checkpoint is written by the driver's real ``Run.save_checkpoint`` around a real one-rank
+The checkpoint is written by the driver's real ``CheckpointStage.save`` around a real one-rank
 trainer save (the trainer group is a stand-in that runs the trainer in a gloo process). The trainer
 loaded the tiny model's HF weights and never stepped, so the reference is the original directory:
 safetensors (read with the safetensors library), config.json and tokenizer files, byte for byte.
@@ -54,18 +54,24 @@ class TrainerGroupStandIn:
 
 
 def make_run(hf_dir, run_dir: Path, step: int, **checkpoint):
-    """A `Run` with only what ``save_checkpoint`` uses (no Ray, no engines)."""
+    """The driver's checkpoint stage with only what ``save`` uses (no Ray, no engines)."""
+    from megarl.cluster.colocated import EngineMemoryLoan
     from megarl.data.sampler import ResumableSampler
-    from megarl.launch.run import Run
+    from megarl.launch.checkpoint_stage import CheckpointStage
+    from megarl.launch.rollout_stage import RolloutStage
     from megarl.launch.run_state import RunState
+    from megarl.launch.train_stage import TrainStage
 
     cfg = OmegaConf.structured(_cfg(hf_dir))
     cfg.logging.run_dir = str(run_dir)
     for key, value in checkpoint.items():
         setattr(cfg.checkpoint, key, value)
-    run = Run(cfg, run_dir, None, None, ResumableSampler(4, seed=0), RunState(step=step))
-    run.trainer = TrainerGroupStandIn(hf_dir)
-    return run
+    trainer = TrainerGroupStandIn(hf_dir)
+    rollout = RolloutStage(cfg.rollout, [], ResumableSampler(4, seed=0), None, num_steps=step, depth=0, sync=None,
+                           heal=lambda version: [])
+    train = TrainStage(trainer, EngineMemoryLoan(lends=False, weights_each_step=True), global_batch_size=1)
+    return CheckpointStage(cfg.checkpoint, cfg.model, run_dir, trainer=trainer, rollout=rollout, train=train,
+                           config_yaml="", state=RunState())
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +79,7 @@ def saved(tiny_moe_dir, tmp_path_factory):
     """``(run, step directory, whether the HF export was still running when save_checkpoint returned)``,
     the export (``checkpoint.hf_export_interval=1``) finished."""
     run = make_run(tiny_moe_dir, tmp_path_factory.mktemp("run"), step=3, hf_export_interval=1)
-    ckpt = run.save_checkpoint()
+    ckpt = run.save(step=3)
     in_flight = run.hf_export.in_flight
     run.wait_for_export()
     return run, ckpt, in_flight

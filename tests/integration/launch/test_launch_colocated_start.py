@@ -28,7 +28,8 @@ import ray
 
 from megarl.config.loader import load_config
 from megarl.cluster import colocated
-from megarl.launch import run as run_module, weight_sync_step
+from megarl.launch import run as run_module
+from megarl.launch.weight_sync_stage import WeightSyncStage
 from megarl.cluster.ray_engines import EngineGroup
 from megarl.procs.ports import PORT_SPAN
 from megarl.testing.local_ray import private_ray
@@ -102,12 +103,13 @@ def test_colocated_engines_lend_their_memory_before_the_trainer_is_built(tiny_mo
     _spy(monkeypatch, events, colocated, "resume", "resume")
     _spy(monkeypatch, events, run_module.TrainerGroup, "__init__", "trainer_build")
     synced: list[dict] = []
-    _spy(monkeypatch, events, weight_sync_step, "sync_engines", "sync", synced)
+    _spy(monkeypatch, events, WeightSyncStage, "push", "sync", synced)
     caplog.set_level(logging.INFO, logger="megarl.launch.trainer_group")
     cfg = _cfg(tmp_path / "run", tiny_moe_dir)
     run_ray(cfg)
-    run = run_module.Run.build(cfg)
+    run = run_module.Run(run_module.prepare_run_dir(cfg))
     try:
+        run.build(cfg)
         urls = list(run.engine_urls)
         with urllib.request.urlopen(urls[0] + "/health", timeout=30) as resp:
             assert resp.status == 200  # the engine listens on the port in its URL
@@ -117,7 +119,7 @@ def test_colocated_engines_lend_their_memory_before_the_trainer_is_built(tiny_mo
     assert first["engines_ready:done"] < first["release:start"] < first["release:done"] < first["trainer_build:start"]
     assert first["trainer_build:done"] < first["resume:start"] < first["resume:done"] < first["sync:start"]
     assert events.count("release:start") == 1 and events.count("resume:start") == 1  # released once, given back
-    assert synced[0]["weight_sync/verify_logprob_diff_mean"] <= float(run.cfg.weight_sync.verify_tolerance)  # R3
+    assert synced[0]["weight_sync/verify_logprob_diff_mean"] <= float(cfg.weight_sync.verify_tolerance)  # R3
     engine_port = int(urls[0].rsplit(":", 1)[1])
     assert ENGINE_BASE <= engine_port < ENGINE_BASE + PORT_SPAN, urls
     rendezvous = [int(m.group(1)) for m in re.finditer(r"rendezvous [\d.]+:(\d+)", caplog.text)]
@@ -130,8 +132,12 @@ def test_r3_verification_catches_a_layout_error_that_keeps_shapes(tiny_moe_dir, 
     monkeypatch.setenv("MEGARL_TEST_DRIVER_PID", str(os.getpid()))  # the plugin spares this process's tables
     cfg = _cfg(tmp_path / "run", tiny_moe_dir, f"plugins=[{SWAP_KV_PLUGIN}]")
     run_ray(cfg)
-    with pytest.raises(Exception, match="disagrees with the trainer after the weight sync"):
-        run_module.Run.build(cfg)
+    run = run_module.Run(run_module.prepare_run_dir(cfg))
+    try:
+        with pytest.raises(Exception, match="disagrees with the trainer after the weight sync"):
+            run.build(cfg)
+    finally:
+        run.close()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.launch import mfu
-from megarl.launch.rollout_log import step_mfu
+from megarl.launch.mfu import step_mfu
 
 
 def _linear_weights(model) -> int:
@@ -68,3 +68,25 @@ def test_cpu_or_unknown_gives_nan_unless_overridden():
     assert math.isnan(step_mfu(cfg, {"perf/tokens_per_s": 10.0}, 50.0, 1, "", None))
     assert step_mfu(cfg, {"perf/tokens_per_s": 10.0}, 50.0, 1, "", 1.0) == pytest.approx(
         mfu.flops_per_token(cfg, 50.0) * 10.0 / 1e12)
+
+
+def test_meter_reads_the_model_config_once_and_averages_the_step_s_sequence_lengths(tmp_path):
+    """``MfuMeter`` (the step log's ``perf/mfu``): the model's ``config.json`` and the trajectories'
+    mean prompt + response length into the formula; NaN without a model or a peak."""
+    import json
+
+    from megarl.rollout.types import Trajectory, TrajectoryGroup
+
+    cfg = _dense_cfg()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    lens = [(3, 5), (4, 12)]  # (prompt, response) tokens: mean sequence 12
+    groups = [TrajectoryGroup(group_id=0, trajectories=[
+        Trajectory(prompt_ids=torch.zeros(p, dtype=torch.int64), response_ids=torch.zeros(r, dtype=torch.int64),
+                   loss_mask=torch.ones(r, dtype=torch.int64), rollout_logprobs=torch.zeros(r)) for p, r in lens])]
+    meter = mfu.MfuMeter(model_dir=str(tmp_path), num_devices=2, on_cuda=False, peak_tflops=3.0)
+    step = {"perf/tokens_per_s": 40.0}
+    assert meter.of_step(step, groups) == pytest.approx(mfu.flops_per_token(cfg, 12.0) * 40.0 / (2 * 3.0e12))
+    (tmp_path / "config.json").unlink()  # read once: the meter keeps the first read
+    assert meter.of_step(step, groups) == pytest.approx(mfu.flops_per_token(cfg, 12.0) * 40.0 / (2 * 3.0e12))
+    assert math.isnan(mfu.MfuMeter(None, 2, on_cuda=False, peak_tflops=3.0).of_step(step, groups))
+    assert math.isnan(mfu.MfuMeter(str(tmp_path), 2, on_cuda=False, peak_tflops=None).of_step(step, groups))

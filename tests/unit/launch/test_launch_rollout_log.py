@@ -3,7 +3,8 @@ import json
 
 import torch
 
-from megarl.launch.rollout_log import mean_seq_len, write_rollouts
+from megarl.launch.mfu import mean_seq_len
+from megarl.launch.rollout_log import write_rollouts
 from megarl.rollout.rewards.composite import TERMS_KEY
 from megarl.rollout.types import Trajectory, TrajectoryGroup
 
@@ -34,13 +35,13 @@ def test_rollouts_file_round_trips(tmp_path, official_template_tokenizers):
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     import io
 
-    from omegaconf import OmegaConf
+    from megarl.launch.step_log import StepLog
 
-    from megarl.launch.driver import _progress_bar
+    def bar():
+        return StepLog(None, None, None, num_steps=3, first_step=0, progress_bar=True).progress
 
-    cfg = OmegaConf.create({"train": {"num_steps": 3}, "logging": {"progress_bar": True}})
     pipe = io.StringIO()
     monkeypatch.setattr("sys.stderr", pipe)
-    assert _progress_bar(cfg, 0).disable
+    assert bar().disable
     monkeypatch.setattr(pipe, "isatty", lambda: True, raising=False)
-    assert not _progress_bar(cfg, 0).disable
+    assert not bar().disable

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from megarl.config.schema import MegarlConfig
 from megarl.cluster.ray_engines import DETERMINISTIC_FLAG, SEEDING_SHIM_DIR, engine_kwargs, seeding_env
 from megarl.launch.rollout_actor import SeededEngine
-from megarl.launch.steps import mean_metrics
+from megarl.launch.train_stage import mean_metrics
 from megarl.training.batch import TrainBatch
 from megarl.training.shard import mini_batches
 

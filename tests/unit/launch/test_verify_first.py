@@ -3,30 +3,32 @@
 first sync that changed the engines' weights."""
 from __future__ import annotations
 
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 
-from megarl.config.schema import WeightSyncConfig
-from megarl.launch.weight_sync_step import verifies
+from megarl.config.schema import ModelConfig, TrainConfig, WeightSyncConfig
+from megarl.launch.weight_sync_stage import WeightSyncStage
 
 
-def _run(verify: str, *, trained_before_rl: bool = False):
-    """The run state the rule reads, as ``Run`` holds it before its first sync."""
-    return SimpleNamespace(cfg=SimpleNamespace(weight_sync=WeightSyncConfig(verify=verify)), synced_once=False,
-                           synced_version=None, trained_before_rl=trained_before_rl, verified_changed=False)
+def _run(verify: str, *, trained_before_rl: bool = False) -> WeightSyncStage:
+    """The weight-sync stage before its first sync (no processes: only its bookkeeping runs here)."""
+    stage = WeightSyncStage(WeightSyncConfig(verify=verify), TrainConfig(), ModelConfig(), trainer=None,
+                            engine_urls=[], rollout_actor=None, directory=Path("unused"), probe_prompts=[])
+    stage.trained_before_rl = trained_before_rl
+    return stage
 
 
-def _drive(run, versions: list) -> list:
-    """Which syncs of ``versions`` are verified, with the bookkeeping ``sync_engines`` does
-    (``"connect"`` = an engine restart: ``weight_sync_step.connect``'s reset)."""
+def _drive(stage: WeightSyncStage, versions: list) -> list:
+    """Which syncs of ``versions`` are verified, with the bookkeeping ``WeightSyncStage.push`` does
+    (``"connect"`` = an engine restart: ``WeightSyncStage.connect``'s reset)."""
     out = []
     for v in versions:
         if v == "connect":
-            run.synced_once, run.verified_changed = False, False
+            stage.synced_once, stage.verified_changed = False, False
             continue
-        out.append((v, verifies(run, v)))
-        run.synced_once, run.synced_version = True, v
+        out.append((v, stage.verifies(v)))
+        stage.synced_once, stage.synced_version = True, v
     return out
 
 

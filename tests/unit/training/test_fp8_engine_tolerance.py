@@ -60,12 +60,12 @@ def test_each_recipe_gets_the_tolerance_of_what_its_engines_serve(recipe):
     from pathlib import Path
 
     from megarl.config import load_config
-    from megarl.launch.weight_sync_step import engines_serve_block_fp8
+    from megarl.launch.weight_sync_stage import engines_serve_block_fp8
 
     repo = Path(__file__).resolve().parents[3]
     cfg = load_config(str(repo / "configs" / f"{recipe}.yaml"))
     on_disk = "quantization_config" in json.loads((repo / cfg.model.hf_path / "config.json").read_text())
-    served = engines_serve_block_fp8(cfg)
+    served = engines_serve_block_fp8(cfg.model)
     assert served == on_disk
     base = float(cfg.weight_sync.verify_tolerance)
     tolerance = verify_tolerance(cfg.train, base, engine_block_fp8=served)

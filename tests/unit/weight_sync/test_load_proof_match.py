@@ -136,7 +136,7 @@ def test_verified_syncs_proves_exactly_the_verified_ones():
     """``verified_syncs``: the proof runs on the syncs ``weight_sync.verify`` checks (its own rule,
     ``verify_now``), ``every_sync`` on each, ``off`` on none; the choice reaches the rank's synchronizer."""
     from megarl.launch.trainer_group import TrainerWorker
-    from megarl.launch.weight_sync_step import load_proof_now, verify_now
+    from megarl.launch.weight_sync_stage import load_proof_now, verify_now
 
     history = [dict(first_sync=True, changed=False, verified_changed=False),
                dict(first_sync=False, changed=True, verified_changed=False),

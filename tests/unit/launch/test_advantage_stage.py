@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.launch.steps import build_train_batch, logprob_mismatch, rollout_metrics
+from megarl.launch.advantage_stage import build_train_batch, logprob_mismatch, rollout_metrics
 from megarl.rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 
 ALGO = SimpleNamespace(advantage_estimator="grpo", advantage_eps=1e-6, filter_zero_variance_groups=True)

@@ -1,6 +1,7 @@
-"""The driver's pure stages: rollout statistics, filters + advantages -> TrainBatch, mismatch.
+"""The advantage stage of the RL loop: rollout statistics, filters + advantages -> TrainBatch.
 
-Kept apart from the Ray plumbing so each is testable on hand-made trajectories.
+:class:`AdvantageStage` is what the driver calls; its parts are pure functions, testable on
+hand-made trajectories.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from megarl.algorithms.advantages import estimate_advantages
 from megarl.algorithms.corrections import mismatch_metrics
 from megarl.algorithms.packing import padded_from_packed
+from megarl.config.schema import AlgorithmConfig
 from megarl.rollout.types import RolloutStatus, Trajectory, TrajectoryGroup
 from megarl.training.batch import TrainBatch
 
@@ -67,7 +69,7 @@ class BatchResult:
     route_refs: list[Any] | None = None
 
 
-def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Any, policy_version: int,
+def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: AlgorithmConfig, policy_version: int,
                       max_staleness: int | None = None) -> BatchResult:
     """Filter trajectories and groups, compute group-relative advantages, pack a TrainBatch.
 
@@ -145,10 +147,21 @@ def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
     return {k: float(m.value) for k, m in mismatch_metrics(*padded).items()}
 
 
-def mean_metrics(per_step: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Average the metrics of several optimizer steps (keys missing in some steps: over those present);
-    ``train/num_optimizer_steps`` counts them."""
-    keys = {k for m in per_step for k in m}
-    out = {k: float(sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step)) for k in keys}
-    out["train/num_optimizer_steps"] = float(len(per_step))
-    return out
+@dataclasses.dataclass
+class AdvantageStage:
+    """Turns a step's rollouts into the trainer's batch: :func:`rollout_metrics`, then
+    :func:`build_train_batch` (filters, group-relative advantages, packing)."""
+
+    algorithm: AlgorithmConfig
+    """The ``algorithm`` section (filters, advantage estimator)."""
+    max_staleness: int | None
+    """The staleness bound of the filter (`megarl.launch.pipeline.staleness_bound`; None: on-policy,
+    nothing can be stale)."""
+
+    def build(self, rollout: Any, policy_version: int) -> BatchResult:
+        """The batch of ``rollout`` (a :class:`~megarl.rollout.manager.RolloutBatch`) for the trainer
+        at ``policy_version``; its metrics are the rollout's, :func:`rollout_metrics` and the filters'."""
+        built = build_train_batch(rollout.groups, algorithm=self.algorithm, policy_version=policy_version,
+                                  max_staleness=self.max_staleness)
+        built.metrics = {**rollout.metrics, **rollout_metrics(rollout.groups, policy_version), **built.metrics}
+        return built
