@@ -32,9 +32,13 @@ FP32_PARAMS = ("mlp.router.expert_bias",)
 """Megatron keeps these in fp32 whatever the model dtype (the router's expert-bias buffer)."""
 
 
+_VOCAB = re.compile(r"(?:language_model\.)?(?:model\.embed_tokens|lm_head)\.")
+"""The vocabulary-parallel tensors, also under Kimi-K2.5's ``language_model.`` (``Family.hf_prefix``)."""
+
+
 def engine_split_for(hf_name: str) -> EngineSplit:
     """How SGLang 0.5.23 shards the HF tensor ``hf_name`` over TP ranks (by its module name)."""
-    if hf_name.startswith(("model.embed_tokens.", "lm_head.")):
+    if _VOCAB.match(hf_name):
         return EngineSplit.VOCAB
     parts = hf_name.rsplit(".", 2)
     module = parts[-2] if len(parts) == 3 else ""

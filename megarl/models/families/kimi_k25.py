@@ -82,15 +82,26 @@ def tiny_config(spec, common: dict):
     """The ``tiny:kimi_k25`` config and model class (:attr:`Family.tiny_config`): ``text_config`` is
     the ``tiny:deepseek_v3`` config (MLA with q/kv LoRA ranks, YaRN, grouped sigmoid router, one
     dense layer), with a one-block vision tower; ``architectures`` is the release's
-    ``KimiK25ForConditionalGeneration`` (the name SGLang registers)."""
+    ``KimiK25ForConditionalGeneration`` (the name SGLang registers).
+
+    ``language_model_only: true`` (a field SGLang 0.5.23 reads from the checkpoint,
+    ``srt/configs/model_config.py`` line 674: then not multimodal, so no processor is loaded): SGLang
+    builds Kimi-K2.5's image processor through transformers' ``AutoProcessor``, whose only
+    ``kimi_k25`` image processor needs torchvision (``models/auto/image_processing_auto.py``
+    mapping ``{"torchvision": "Kimi_K25ImageProcessor"}``), which the CPU install leaves out
+    (``megarl/rollout/cpu_shims``: an import-only stand-in). The tiny model is served as text only;
+    the vision tower is still built and loaded. Its own ``--language-model-only`` flag refuses this
+    architecture (``server_args.py`` ``LANGUAGE_MODEL_ONLY_ARCHITECTURES``)."""
     from transformers import Kimi_K25Config
 
     text, _ = v3.tiny_config(spec, common)
     text_dict = text.to_dict()
-    text_dict["model_type"] = "kimi_k2"  # as released; transformers reads it as deepseek_v3
+    # as released: transformers reads kimi_k2 as deepseek_v3; SGLang's shared-expert rule reads architectures
+    text_dict.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
     cfg = Kimi_K25Config(text_config=text_dict, vision_config={**TINY_VISION, "text_hidden_size": spec.hidden_size},
                          projection_hidden_size=TINY_VISION["hidden_size"],
-                         tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=common.get("pad_token_id"))
+                         tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=common.get("pad_token_id"),
+                         language_model_only=True)
     return cfg, _tiny_model_class()
 
 
