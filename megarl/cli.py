@@ -49,7 +49,10 @@ def _summary(cfg: DictConfig) -> str:
     p, cl = cfg.parallel, cfg.cluster
     world = trainer_world_size(cl)
     dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
-    return (f"model {hf.architectures[0]} ({hf.num_hidden_layers} layers, {num_experts_of(hf)} experts) | "
+    from megarl.models.families import text_config_of
+
+    layers = text_config_of(hf).num_hidden_layers
+    return (f"model {hf.architectures[0]} ({layers} layers, {num_experts_of(hf)} experts) | "
             f"trainer world {world} = TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size} "
             f"x CP{p.context_parallel_size} x DP{dp}, EP{p.expert_model_parallel_size} | "
             f"{cfg.rollout.num_prompts_per_step} prompts x G{cfg.rollout.group_size} per step | "

@@ -75,6 +75,17 @@ def tiny_gpt_oss_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_kimi_k25_dir(tmp_path_factory):
+    """A tiny Kimi-K2.5 HF directory: the release's layout (``language_model.*`` text backbone, a
+    one-block ``vision_tower.*`` and ``mm_projector.*``), its ``text_config`` the tiny DeepSeek-V3
+    (MLA, YaRN, 8 experts in 4 groups, top-2, a shared expert, random router bias and norms; fp32),
+    built once per session."""
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_kimi_k25", TinyModelSpec(family="kimi_k25"))
+
+
+@pytest.fixture(scope="session")
 def official_template_tokenizers(tmp_path_factory):
     """Tokenizers of tiny models built on each official chat template (megarl/models/chat_templates):
     ``{"qwen3": ..., "deepseek_r1": ..., "deepseek_v31": ..., "glm4_moe": ...}`` (Qwen3 dense, DeepSeek-V3

@@ -21,7 +21,11 @@ def read_hf_config(hf_path: str):
 
 
 def num_experts_of(hf_config) -> int:
-    """Routed experts per MoE layer (0 for dense models), whichever spelling the config uses."""
+    """Routed experts per MoE layer (0 for dense models), whichever spelling the config uses (read
+    from the language model's config where a vision-language config nests it)."""
+    from megarl.models.families import text_config_of
+
+    hf_config = text_config_of(hf_config)
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         value = getattr(hf_config, name, None)
         if value:
@@ -70,8 +74,11 @@ def check_model(c: Checker) -> None:
     agent = c.cfg.rollout.agent
     for key, message in parser_issues(model_type, agent.reasoning_parser, agent.tool_call_parser):
         c.check(False, key, message)
-    _check_trainer_split(c, hf)
-    _check_engine_split(c, hf)
+    from megarl.models.families import text_config_of
+
+    text = text_config_of(hf)  # sizes: the language model's (Kimi-K2.5 nests them under text_config)
+    _check_trainer_split(c, text)
+    _check_engine_split(c, text)
 
 
 def _check_trainer_split(c: Checker, hf) -> None:

@@ -71,21 +71,22 @@ def check_weights_match_config(hf_dir: str | os.PathLike, hf_config=None,
     family = get_family(hf_config)
     arch = family.architecture(hf_config)
     keys = reader.keys()
-    layers = {int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")}
+    pre = family.hf_prefix  # the language model's tensors in a vision-language checkpoint
+    layers = {int(k[len(pre):].split(".")[2]) for k in keys if k.startswith(pre + "model.layers.")}
     # Multi-token-prediction layers (DeepSeek-V3, GLM-4.5) follow the decoder layers; not imported.
     layers -= set(range(arch["num_hidden_layers"], arch["num_hidden_layers"] + arch.get("num_mtp_layers", 0)))
     if len(layers) != arch["num_hidden_layers"]:
         raise _mismatch("num_hidden_layers", arch["num_hidden_layers"], len(layers), config_file, "layers")
-    vocab, hidden = reader.shape("model.embed_tokens.weight")
+    vocab, hidden = reader.shape(pre + "model.embed_tokens.weight")
     if hidden != arch["hidden_size"]:
         raise _mismatch("hidden_size", arch["hidden_size"], hidden, config_file, "(embedding columns)")
     if vocab != arch["vocab_size"]:
         raise _mismatch("vocab_size", arch["vocab_size"], vocab, config_file, "(embedding rows)")
-    if not arch["tie_word_embeddings"] and "lm_head.weight" not in reader:
+    if not arch["tie_word_embeddings"] and pre + "lm_head.weight" not in reader:
         raise _mismatch("tie_word_embeddings", False, "no lm_head.weight", config_file, "(tied?)")
     if arch.get("num_experts"):
         moe_layer = next(i for i, m in enumerate(arch["moe_layers"]) if m)
-        prefix = f"model.layers.{moe_layer}.mlp.experts."
+        prefix = f"{pre}model.layers.{moe_layer}.mlp.experts."
         heads = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
         # per-expert tensors (experts.E.*), else one tensor stacking the experts (gpt-oss)
         experts = len({h for h in heads if h.isdigit()}) or max((reader.shape(prefix + h)[0] for h in heads), default=0)

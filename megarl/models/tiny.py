@@ -29,8 +29,10 @@ class TinyModelSpec:
     """A family with a ``tiny_config`` (:func:`tiny_families`): ``qwen3_moe`` (Qwen3MoeForCausalLM),
     ``qwen3`` (dense Qwen3ForCausalLM), ``deepseek_v3`` (DeepseekV3ForCausalLM: MLA, YaRN, grouped
     sigmoid router), ``glm4_moe`` (Glm4MoeForCausalLM: GQA with partial rotary, q/k norm, qkv bias,
-    sigmoid router) or ``gpt_oss`` (GptOssForCausalLM: sinks, sliding/full layers, YaRN, biased
-    experts with clamped SwiGLU); each family's module builds its config."""
+    sigmoid router), ``gpt_oss`` (GptOssForCausalLM: sinks, sliding/full layers, YaRN, biased
+    experts with clamped SwiGLU) or ``kimi_k25`` (Kimi-K2.5's layout: the ``deepseek_v3`` tiny model
+    as ``text_config`` under ``language_model.``, a one-block vision tower); each family's module
+    builds its config."""
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 4

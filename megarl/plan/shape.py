@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.models.families import find_family
+from megarl.models.families import find_family, text_config_of
 
 
 def _first(hf, *names, default=None):
@@ -74,6 +74,8 @@ class ModelShape:
         Raises:
             ValueError: a field the count needs is missing (named).
         """
+        model_type = hf.model_type
+        hf = text_config_of(hf)  # the language model's sizes (Kimi-K2.5 nests them under text_config)
         for name in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
             if getattr(hf, name, None) is None:
                 raise ValueError(f"model.hf_path config.json: missing field {name}")
@@ -98,7 +100,7 @@ class ModelShape:
             qk_nope_head_dim=int(_first(hf, "qk_nope_head_dim", default=0) or 0),
             qk_rope_head_dim=int(_first(hf, "qk_rope_head_dim", default=0) or 0),
             v_head_dim=int(_first(hf, "v_head_dim", default=0) or 0),
-            engine_own_lm_head=_engine_unties_lm_head(hf.model_type))
+            engine_own_lm_head=_engine_unties_lm_head(model_type))
 
     @property
     def mla(self) -> bool:

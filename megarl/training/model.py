@@ -265,7 +265,7 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
                                       device=device, use_te=use_te, extra_config=extra_config)
     family = get_family(hf_config)
     gpt_kwargs = family.gpt_model_kwargs(family.architecture(hf_config))
-    vocab = padded_vocab_size(hf_config.vocab_size, model_cfg.make_vocab_size_divisible_by,
+    vocab = padded_vocab_size(family.text(hf_config).vocab_size, model_cfg.make_vocab_size_divisible_by,
                               parallel_cfg.tensor_model_parallel_size)
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     chunks = []

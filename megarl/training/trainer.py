@@ -40,6 +40,7 @@ from torch import Tensor
 
 from megarl.algorithms import reduce_metrics
 from megarl.config.schema import MegarlConfig
+from megarl.models.families import text_config_of
 from megarl.training import forward as fwd
 from megarl.training import rank_plan
 from megarl.training.batch import TrainBatch
@@ -67,9 +68,10 @@ class Trainer:
                  hf_config) -> None:
         self.cfg, self.parallel, self.hf_config = cfg, parallel, hf_config
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
-        self.vocab_size = hf_config.vocab_size
+        text_config = text_config_of(hf_config)  # a vision-language config nests it (Kimi-K2.5)
+        self.vocab_size = text_config.vocab_size
         """Real (unpadded) vocabulary size; Megatron's padding ids are excluded from the softmax."""
-        self.num_layers = hf_config.num_hidden_layers
+        self.num_layers = text_config.num_hidden_layers
         """Transformer layers of the whole model (the ``L`` axis of routed experts)."""
         self.config = model_chunks[0].config
         self.device = next(model_chunks[0].parameters()).device

@@ -21,6 +21,7 @@ from typing import Mapping
 
 import torch
 
+from megarl.models.families import find_family
 from megarl.rollout.engine_view import EMBEDDING, OUTPUT_LAYER, needs_untied_view
 from megarl.weight_sync.plan import WeightSyncPlan
 
@@ -37,7 +38,9 @@ class WeightSyncError(RuntimeError):
 
 def read_manifest(model_dir: str | os.PathLike) -> Manifest:
     """Names, shapes and dtypes of every tensor an engine serving ``model_dir`` holds: its safetensors
-    files' tensors (headers only), and ``lm_head.weight`` (the embedding's shape and dtype) for a tied
+    files' tensors (headers only; of a vision-language release, those under its family's ``hf_prefix``:
+    megarl trains and syncs the language model, the engine keeps its vision tower), and
+    ``lm_head.weight`` (the embedding's shape and dtype) for a tied
     checkpoint whose SGLang class keeps its own output layer (:mod:`megarl.rollout.engine_view`: the
     engines megarl starts serve an untied view; every sync delivers that tensor).
 
@@ -56,8 +59,12 @@ def read_manifest(model_dir: str | os.PathLike) -> Manifest:
             if name != "__metadata__":
                 manifest[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]))
     config = Path(model_dir) / "config.json"
-    if config.is_file() and needs_untied_view(json.loads(config.read_text())) and EMBEDDING in manifest:
+    hf_config = json.loads(config.read_text()) if config.is_file() else {}
+    if needs_untied_view(hf_config) and EMBEDDING in manifest:
         manifest.setdefault(OUTPUT_LAYER, manifest[EMBEDDING])
+    family = find_family(hf_config.get("model_type"))
+    if family is not None and family.hf_prefix:  # a vision-language release: the language model only
+        manifest = {name: v for name, v in manifest.items() if name.startswith(family.hf_prefix)}
     return manifest
 
 

@@ -32,9 +32,10 @@ FP32_PARAMS = ("mlp.router.expert_bias",)
 """Megatron keeps these in fp32 whatever the model dtype (the router's expert-bias buffer)."""
 
 
-def engine_split_for(hf_name: str) -> EngineSplit:
-    """How SGLang 0.5.23 shards the HF tensor ``hf_name`` over TP ranks (by its module name)."""
-    if hf_name.startswith(("model.embed_tokens.", "lm_head.")):
+def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
+    """How SGLang 0.5.23 shards the HF tensor ``hf_name`` over TP ranks (by its module name);
+    ``hf_prefix``: the family's ``Family.hf_prefix`` (Kimi-K2.5's ``language_model.``)."""
+    if hf_name.startswith((hf_prefix + "model.embed_tokens.", hf_prefix + "lm_head.")):
         return EngineSplit.VOCAB
     parts = hf_name.rsplit(".", 2)
     module = parts[-2] if len(parts) == 3 else ""
@@ -47,10 +48,10 @@ def engine_split_for(hf_name: str) -> EngineSplit:
     return EngineSplit.REPLICATED
 
 
-def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0) -> HFTensorSpec:
+def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0, hf_prefix: str = "") -> HFTensorSpec:
     """An :class:`HFTensorSpec` whose engine split and expert id follow from its name."""
     match = _EXPERT_RE.search(name)
-    split = engine_split_for(name)
+    split = engine_split_for(name, hf_prefix)
     return HFTensorSpec(name, tuple(shape), dtype, split, int(match.group(1)) if match else None,
                         head_dim if split is EngineSplit.KV_HEADS else 0)
 
@@ -128,8 +129,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
                         "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
-    specs = []
-    hf_shapes: dict = {}  # (template, shape) -> HF shapes: every layer / expert converts alike
+    specs, hf_shapes = [], {}  # hf_shapes: (template, shape) -> HF shapes: every layer / expert converts alike
     table = engine_table(family, hf_config)
     for name, shape in shapes.items():
         template, index = template_of(name)
@@ -143,7 +143,8 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         names = hf_names(entry, index) if hf_shapes[key] else []  # [] = not exported (tied output layer)
         param_dtype = "float32" if name.endswith(FP32_PARAMS) else dtype
         head_dim = layout.head_dim if entry.transform is Transform.QKV else 0
-        hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim) for n, s in zip(names, hf_shapes[key]))
+        pairs = zip(names, hf_shapes[key])
+        hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim, hf_prefix=family.hf_prefix) for n, s in pairs)
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
             expert=index.get("E") if entry.expert else None, first_stage=name.startswith("embedding."),

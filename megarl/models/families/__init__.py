@@ -19,7 +19,7 @@ from megarl.models.table import Entry, ModelLayout
 
 _MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
             "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe",
-            "megarl.models.families.gpt_oss")
+            "megarl.models.families.gpt_oss", "megarl.models.families.kimi_k25")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,14 @@ class Family:
     """Architecture dict -> extra ``GPTModel`` keyword arguments (rope, tied embeddings)."""
     megatron_shapes: Callable[[dict], dict]
     """Architecture dict -> {global Megatron name (local spec): full unpadded shape}."""
+    text_config: Callable[[Any], Any] | None = None
+    """For a model whose HF config nests its language model's config (a vision-language release:
+    Kimi-K2.5's ``text_config``), ``HF config (object or config.json dict) -> that nested config``;
+    None: the config is the language model's. Read through :meth:`text`."""
+    hf_prefix: str = ""
+    """Prefix of the language model's tensors in the HF checkpoint (Kimi-K2.5: ``language_model.``,
+    before ``model.layers.{L}.``, ``model.embed_tokens.weight`` and ``lm_head.weight``); the
+    table's HF names carry it. Tensors outside it (a vision tower) are not imported."""
     engine_load_groups: tuple[tuple[str, ...], ...] = ()
     """HF tensor name templates (``{L}`` = layer) that the rollout engine's SGLang loader must see
     in one ``load_weights`` call: it caches one member and loads only when the others arrive within
@@ -69,6 +77,9 @@ class Family:
     engine_class: str
     """The SGLang 0.5.23 class serving the family, as ``module.Class``
     (``sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM``)."""
+    engine_text_class: str | None = None
+    """Where :attr:`engine_class` wraps the language model in another SGLang class (Kimi-K2.5's
+    ``DeepseekV3ForCausalLM``), that class (it builds the ``lm_head``); None: the engine class itself."""
     engine_unties_lm_head: bool
     """True where :attr:`engine_class` builds an ``lm_head`` of its own whatever
     ``tie_word_embeddings`` says (its ``__init__`` never reads the field): a tied checkpoint is then
@@ -82,6 +93,12 @@ class Family:
     tiny_random_norms: bool = False
     """The tiny builder replaces HF's constant initial RMSNorm weights and router biases by seeded
     random ones, so a conversion that swaps two same-shaped norms changes the logits."""
+
+    def text(self, hf_config):
+        """The language model's config of an HF config (object or ``config.json`` dict): the nested
+        one (:attr:`text_config`) or the config itself. Sizes (``vocab_size``, ``num_hidden_layers``,
+        ``hidden_size``) are read from it."""
+        return hf_config if self.text_config is None else self.text_config(hf_config)
 
     def layout(self, hf_config, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1) -> ModelLayout:
         """The :class:`ModelLayout` of an HF config for a given TP size."""
@@ -128,6 +145,15 @@ def get_family(name_or_config) -> Family:
     if key not in registry:
         raise ValueError(f"model_type {key!r} is not supported; supported: {sorted(registry)}")
     return registry[key]
+
+
+def text_config_of(hf_config):
+    """The language model's config of an HF config (object or ``config.json`` dict): its family's
+    :meth:`Family.text`, or the config itself when no family handles it. What a module that reads
+    sizes from a config (``vocab_size``, ``num_hidden_layers``, ...) reads them from."""
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
+    family = _registry().get(model_type)
+    return hf_config if family is None else family.text(hf_config)
 
 
 def hf_get(hf_config, *names: str, default: Any = KeyError) -> Any:

@@ -1,5 +1,6 @@
 """The engine proves what it loaded (issue 34 part 2), on a real SGLang CPU server per family
-(tiny Qwen3-MoE, Qwen3, DeepSeek-V3 with ``q_lora_rank``, GLM-4.5), every tensor in its own bucket.
+(tiny Qwen3-MoE, Qwen3, DeepSeek-V3 with ``q_lora_rank``, GLM-4.5, Kimi-K2.5's text backbone), every
+tensor in its own bucket.
 
 References: the trainer's own logprobs after the sync (engine = trainer within fp32 noise when the
 groups are kept whole); SGLang's own DeepSeek loader, which drops a ``q_a_proj`` /
@@ -23,7 +24,10 @@ TOLERANCE = 1e-3
 
 
 FAMILIES = {"qwen3_moe": "tiny_moe_dir", "qwen3": "tiny_dense_dir", "deepseek_v3": "tiny_deepseek_v3_dir",
-            "glm4_moe": "tiny_glm4_moe_dir"}
+            "glm4_moe": "tiny_glm4_moe_dir", "kimi_k25": "tiny_kimi_k25_dir"}
+GROUPED = ("deepseek_v3", "kimi_k25")
+"""Families with an engine load group (DeepSeek-V3's q_a_proj / kv_a_proj_with_mqa; Kimi-K2.5's text
+backbone is DeepSeek-V3, served by SGLang's KimiK25ForConditionalGeneration around its loader)."""
 
 
 def _engine(model_dir, log_dir):
@@ -48,14 +52,14 @@ def test_every_tensor_in_its_own_bucket_loads_and_a_split_group_is_named(family,
     try:
         engine.wait_healthy(300)
         out = run_ranks(load_proof_workers.sync_with_and_without_groups, 1, timeout_s=840, args=(
-            str(model_dir), [engine.url], probes(), train_sequences(), 0.001, family == "deepseek_v3"))[0]
+            str(model_dir), [engine.url], probes(), train_sequences(), 0.001, family in GROUPED))[0]
     finally:
         engine.stop(grace_s=0)
     mean, peak = gap(out["engine"], out["trainer"])
     assert mean <= TOLERANCE, (mean, peak)
     assert out["buckets"] >= out["tensors"] / 3, out  # a boundary after (nearly) every tensor
     print(f"\n{family}: {out['buckets']} buckets for {out['tensors']} tensors; engine vs trainer {mean:.2e}")
-    if family != "deepseek_v3":
+    if family not in GROUPED:
         return
     assert out["split_pairs"] == 2  # both layers' q_a_proj / kv_a_proj_with_mqa in different buckets
     error = out["error"]

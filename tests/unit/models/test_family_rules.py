@@ -13,10 +13,10 @@ from megarl.models.tiny import TinyModelSpec
 FAMILIES = {f.name: f for f in all_families()}
 
 
-def _engine_source(family) -> tuple[dict[str, ast.ClassDef], list[str]]:
-    """The classes of the SGLang module holding ``family.engine_class`` (parsed, not imported: on
-    CPU the model modules import CUDA / vision packages this machine lacks) and its ``EntryClass``."""
-    top, *parts = family.engine_class.split(".")[:-1]
+def _engine_source(engine_class: str) -> tuple[dict[str, ast.ClassDef], list[str]]:
+    """The classes of the SGLang module holding ``engine_class`` (parsed, not imported: on CPU the
+    model modules import CUDA / vision packages this machine lacks) and its ``EntryClass``."""
+    top, *parts = engine_class.split(".")[:-1]
     path = Path(importlib.util.find_spec(top).origin).parent.joinpath(*parts).with_suffix(".py")
     tree = ast.parse(path.read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
@@ -38,9 +38,15 @@ def _init_of(classes: dict[str, ast.ClassDef], name: str) -> ast.FunctionDef:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_engine_class_is_registered_and_its_lm_head_rule_holds(name):
     family = FAMILIES[name]
-    classes, entries = _engine_source(family)
+    classes, entries = _engine_source(family.engine_class)
     class_name = family.engine_class.rpartition(".")[2]
     assert class_name in entries  # what SGLang's ModelRegistry resolves from config.architectures
+    if family.engine_text_class:  # a wrapper (Kimi-K2.5): it builds that class, which builds the lm_head
+        text_class = family.engine_text_class.rpartition(".")[2]
+        assert f"self.language_model = {text_class}(" in ast.unparse(_init_of(classes, class_name))
+        classes, entries = _engine_source(family.engine_text_class)
+        class_name = text_class
+        assert class_name in entries
     source = ast.unparse(_init_of(classes, class_name))  # DeepseekV3ForCausalLM: DeepseekV2's
     assert "self.lm_head = ParallelLMHead(" in source
     # The class keeps lm_head apart for a tied checkpoint exactly when it never reads the field

@@ -120,7 +120,8 @@ def _model_names(hf_config, te: bool, te_ext, grouped) -> list[str]:
     return names
 
 
-CASES = [("qwen3_moe", True), ("qwen3_moe", False), ("qwen3", None), ("deepseek_v3", True), ("glm4_moe", True)]
+CASES = [("qwen3_moe", True), ("qwen3_moe", False), ("qwen3", None), ("deepseek_v3", True), ("glm4_moe", True),
+         ("kimi_k25", True)]
 
 
 @pytest.mark.parametrize("family,grouped", CASES)

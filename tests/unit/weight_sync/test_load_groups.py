@@ -34,14 +34,15 @@ QWEN3_DENSE = {  # Qwen3-8B's public architecture numbers (no dense config ships
 
 def _config(name: str, layers: int) -> dict:
     cfg = dict(QWEN3_DENSE) if name == "qwen3-8b" else json.loads((MODELS / name / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
+    cfg.get("text_config", cfg)["num_hidden_layers"] = layers  # Kimi-K2.5 nests its language model's
     return cfg
 
 
 def _members(plan, family) -> dict[str, list[int]]:
     """``{group key (layer filled in): [bucket index of each member present]}``."""
     where = {t.name: b.index for b in plan.buckets for t in b.hf_tensors}
-    layers = max((int(n.split(".")[2]) for n in where if n.startswith("model.layers.")), default=-1) + 1
+    pre = family.hf_prefix + "model.layers."  # Kimi-K2.5: language_model.model.layers.
+    layers = max((int(n[len(pre):].split(".")[0]) for n in where if n.startswith(pre)), default=-1) + 1
     out = {}
     for group in family.engine_load_groups:
         for layer in range(layers):
@@ -100,7 +101,7 @@ def _specs(name: str, tp: int):
 
 
 FAMILY_MODELS = {"qwen3_moe": "qwen3-30b-a3b", "qwen3": "qwen3-8b", "deepseek_v3": "deepseek-v3",
-                 "glm4_moe": "glm-4.5", "kimi_k2": "kimi-k2-like"}
+                 "glm4_moe": "glm-4.5", "kimi_k2": "kimi-k2-like", "kimi_k25": "kimi-k2.5"}
 
 
 @pytest.mark.timeout(300)
