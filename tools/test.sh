@@ -4,7 +4,8 @@
 # learning demonstration, the core end-to-end paths); not `gpu` (skips itself without CUDA), not the
 # multi-seed `demo` runs.
 #
-# Without arguments (CI) the suite runs in two phases on the 2-core CI machine:
+# Without arguments (CI) ruff and mypy run first (bash tools/lint.sh; a finding fails the run, after
+# the tests), then the suite runs in two phases on the 2-core CI machine:
 #   1. tests/unit (then the light integration tests in BESIDE_SLURM: no server, no trainer rank) and
 #      tests/slurm side by side: the unit tests keep one core busy, the Slurm tests mostly wait (job
 #      scheduling, nodes joining, the bounded-failure timers), so the second core is otherwise idle;
@@ -30,6 +31,11 @@ if [[ $# -gt 0 ]]; then
   exec "${PYTEST[@]}" "$@"
 fi
 
+set +e
+bash tools/lint.sh
+lint_rc=$?
+set -e
+echo "test.sh: lint (ruff, mypy) exit $lint_rc"
 BESIDE_SLURM=(tests/integration/launch/test_launch_broken_config.py tests/integration/test_repository_clone.py
               tests/integration/launch/test_launch_gpu_placement.py tests/integration/launch/test_local_ray_loopback.py)
 # pytest exit 5 = nothing collected in that part: not a failure of the part
@@ -63,9 +69,9 @@ set -e
 echo "================ whole runs (ran beside the rest of tests/integration) ================"
 cat "$LOGS/runs.log"
 echo "test.sh: phase 2 (integration, two streams) took $((SECONDS - start)) s; whole runs exit $runs_rc"
-if ok $unit_rc && ok $slurm_rc && ok $integration_rc && ok $runs_rc; then
+if ok $unit_rc && ok $slurm_rc && ok $integration_rc && ok $runs_rc && [[ $lint_rc -eq 0 ]]; then
   exit 0
 fi
-for rc in $unit_rc $slurm_rc $integration_rc $runs_rc; do
+for rc in $unit_rc $slurm_rc $integration_rc $runs_rc $lint_rc; do
   if ! ok "$rc"; then exit "$rc"; fi
 done
