@@ -8,10 +8,20 @@ Public API (used by the trainer and the weight sync):
 - :func:`get_family` and ``Family.layout(hf_config)`` -> :class:`ModelLayout`;
 - ``megarl.checkpoint.convert``: ``hf_to_megatron`` / ``megatron_to_hf_dir`` (directory converters).
 """
-from megarl.models.families import Family, get_family
 from megarl.checkpoint.loader import load_hf_weights
-from megarl.models.mapping import (Entry, ModelLayout, TPSplit, Transform, gather_tp, global_expert_id,
-                                       global_name, hf_names_for, megatron_to_hf, split_tp)
+from megarl.models.families import Family, get_family
+from megarl.models.mapping import (
+                                       Entry,
+                                       ModelLayout,
+                                       TPSplit,
+                                       Transform,
+                                       gather_tp,
+                                       global_expert_id,
+                                       global_name,
+                                       hf_names_for,
+                                       megatron_to_hf,
+                                       split_tp,
+)
 
 __all__ = [
     "Entry", "Family", "ModelLayout", "TPSplit", "Transform", "gather_tp", "get_family",

@@ -150,7 +150,9 @@ class StreamingCheckpointWriter:
         entries). Access integrity is validated once over all steps' chunks in :meth:`finalize`."""
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.core.dist_checkpointing.strategies.torch import (
-            _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+            _replace_state_dict_keys_with_sharded_keys,
+            mcore_to_pyt_state_dict,
+        )
         from torch.distributed.checkpoint import save as dcp_save
 
         sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
@@ -307,17 +309,17 @@ class CheckpointReader:
         for chunk in meta.chunks:
             lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
             hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            if any(h <= lo_d for lo_d, h in zip(lo, hi)):
                 continue
             dst = out
-            for dim, (l, h) in enumerate(zip(lo, hi)):
-                dst = dst.narrow(dim, l - offsets[dim], h - l)
+            for dim, (lo_d, h) in enumerate(zip(lo, hi)):
+                dst = dst.narrow(dim, lo_d - offsets[dim], h - lo_d)
             if tuple(lo) == tuple(chunk.offsets) and tuple(dst.shape) == tuple(chunk.sizes) and dst.is_contiguous():
                 self._chunk(key, chunk, dst)  # a whole chunk into contiguous rows: read in place
             else:
                 src = self._chunk(key, chunk)
-                for dim, (l, h) in enumerate(zip(lo, hi)):
-                    src = src.narrow(dim, l - chunk.offsets[dim], h - l)
+                for dim, (lo_d, h) in enumerate(zip(lo, hi)):
+                    src = src.narrow(dim, lo_d - chunk.offsets[dim], h - lo_d)
                 dst.copy_(src)
             covered += dst.numel()
         if covered != out.numel():

@@ -12,7 +12,8 @@ Block-FP8 checkpoints (DeepSeek-V3's and Qwen3's FP8 releases: ``config.json`` h
 of an FP8 weight reads it and its scales and returns ``q * scale_inv`` per block in the config's
 ``torch_dtype`` (:mod:`megarl.models.fp8_blocks`), one tensor at a time, stripe by stripe, so
 conversion and ``model.hf_path`` loading stream through the model as for a BF16 checkpoint; the
-``_scale_inv`` tensors are not listed by :meth:`~HFCheckpointReader.keys`. Writing: :class:`SafetensorsStreamWriter` writes the header first (names, dtypes, shapes
+``_scale_inv`` tensors are not listed by :meth:`~HFCheckpointReader.keys`. Writing: :class:`SafetensorsStreamWriter`
+writes the header first (names, dtypes, shapes
 planned in advance) and then each tensor as it is produced, so a shard is never held in memory.
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -114,7 +115,8 @@ class HFCheckpointReader:
                 raise CheckpointFileError(f"{self.hf_dir}: FP8 weight {name} has no {scale}")
             want = self.quantization.scale_shape(self._entries[name][1]["shape"])
             if tuple(self._entries[scale][1]["shape"]) != want:
-                raise CheckpointFileError(f"{self.hf_dir}: {scale} has shape {tuple(self._entries[scale][1]['shape'])}, "
+                raise CheckpointFileError(f"{self.hf_dir}: {scale} has shape "
+                                          f"{tuple(self._entries[scale][1]['shape'])}, "
                                           f"expected {want} for {name} with blocks {self.quantization.block}")
             scales[name] = scale
         return scales

@@ -21,9 +21,9 @@ driver's wait before the next checkpoint commit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
