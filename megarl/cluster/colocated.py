@@ -25,7 +25,8 @@ released (it keeps the set of released tags), so the two resumes must follow one
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 WEIGHT_TAGS = ("weights",)
 REST_TAGS = ("kv_cache", "cuda_graph")

@@ -30,9 +30,10 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes  # noqa: F401  (re-exported)
+from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes  # re-exported
 from megarl.config.device import use_cuda
 from megarl.config.parallel import trainer_world_size
 
@@ -62,8 +63,8 @@ def engine_part_bundles(nodes: Sequence[str], num_engines: int, parts: int, *, c
     for e, bundles in enumerate(out):
         where = [nodes[b] for b in bundles]
         if cuda and len(set(where)) < len(where):
-            raise ValueError(f"rollout.engine.tensor_parallel_size: engine {e} spans {parts} nodes but two of its parts "
-                             f"landed on one node ({where}); a node must have exactly "
+            raise ValueError(f"rollout.engine.tensor_parallel_size: engine {e} spans {parts} nodes but two of its "
+                             f"parts landed on one node ({where}); a node must have exactly "
                              "cluster.rollout_devices_per_node GPUs for the rollout")
     return out
 
