@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from megarl.plan.gpus import CHOICES as GPU_CHOICES
 
@@ -80,7 +80,7 @@ class Text:
         return self.what
 
 
-Domain = Union[Choice, Range, Text]
+Domain = Choice | Range | Text
 
 POSITIVE = Range(1)
 """An integer count or size that must be at least 1."""

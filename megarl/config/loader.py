@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf

@@ -12,7 +12,8 @@ a jsonl/parquet file) takes ``(rows, *, system_prompt, tool_fraction, seed)``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megarl.plugins import PluginError, import_plugins, is_import_path, resolve
 
