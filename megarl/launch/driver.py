@@ -27,8 +27,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from megarl.launch.metrics import StageTimer, save_plots
 from megarl.launch.pipeline import pipeline_depth, staleness_bound, sync_due
 from megarl.launch.preemption import Preempted, StopGuard
@@ -185,7 +183,8 @@ def _end_step(run: Run, step: int, metrics: dict[str, float], pending: Any) -> d
     metrics.setdefault("engine/weight_version", run.engine_weight_version)
     logged = run.metrics.log(state.step, metrics)
     logger.info("step %d/%d | reward %.3f | engine weight_version %s | logprob mismatch: rollouts %s, "
-                "after sync %s | %s | %s%s", state.step, cfg.train.num_steps, logged.get("rollout/reward_mean", float("nan")),
+                "after sync %s | %s | %s%s", state.step, cfg.train.num_steps,
+                logged.get("rollout/reward_mean", float("nan")),
                 _version_text(logged), _num(logged.get("mismatch/log_ratio_abs_mean")),
                 _num(logged.get("weight_sync/verify_logprob_diff_mean")),
                 _fmt(logged, "timing/", ("rollout_s", "logprobs_s", "train_s", "weight_sync_s")),
@@ -268,5 +267,5 @@ def _mfu(cfg: Any, cache: _LoopCache, metrics: dict[str, float], groups: Any) ->
     from megarl.config.parallel import trainer_world_size
     from megarl.launch.rollout_log import mean_seq_len, step_mfu
 
-    return step_mfu(cache.model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster), cache.device_name,
-                    cfg.logging.peak_tflops)
+    return step_mfu(cache.model_config, metrics, mean_seq_len(groups), trainer_world_size(cfg.cluster),
+                    cache.device_name, cfg.logging.peak_tflops)

@@ -19,7 +19,8 @@ count (plus the router ``hidden * n_experts``), never all experts; plus the LM h
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # dense (no 2:4 sparsity) tensor-core peaks from the vendors' datasheets, TFLOP/s per device

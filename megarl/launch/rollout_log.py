@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from megarl.launch.mfu import mfu, peak_tflops
-
 
 RECORD_VERSION = 2
 """Version of a line's layout: 1 (no ``record_version`` key) without ``turns``; 2 with them."""

@@ -16,20 +16,21 @@ import copy
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 from omegaconf import OmegaConf
 
+from megarl.cluster.engines import EngineGroup
+from megarl.cluster.placement import build_placement, init_ray
+from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.data.datasets import PromptDataset
 from megarl.data.sampler import ResumableSampler
 from megarl.launch import run_state as rs
-from megarl.cluster.placement import build_placement, init_ray
-from megarl.cluster.engines import EngineGroup
 from megarl.launch.hf_export import BackgroundExport
 from megarl.launch.metrics import MetricsLogger
-from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.launch.rollout_actor import RolloutWorker
 from megarl.launch.route_files import write_routes
 from megarl.launch.trainer_group import TrainerGroup
@@ -141,7 +142,7 @@ class Run:
     """The HF export in flight (``checkpoint.hf_export_interval``)."""
 
     @classmethod
-    def build(cls, cfg: Any) -> "Run":
+    def build(cls, cfg: Any) -> Run:
         """Build every part; on failure, everything started so far is shut down and the error raised.
 
         Everything that can fail without a process (data, checkpoint state, SFT demonstrations,
@@ -240,8 +241,8 @@ class Run:
 
     def _lends_engine_memory(self) -> bool:
         """Colocated, synchronous, launched engines: they lend their GPU memory to the trainer."""
-        cfg = self.cfg
-        return cfg.cluster.placement == "colocated" and not cfg.rollout.async_mode and not cfg.rollout.external_engine_urls
+        rollout = self.cfg.rollout
+        return self.cfg.cluster.placement == "colocated" and not (rollout.async_mode or rollout.external_engine_urls)
 
     def release_engine_memory(self, *, weights: bool | None = None) -> None:
         """Colocated, synchronous: the engines (idle: before the first rollout, or after the step's
@@ -307,8 +308,7 @@ class Run:
             if not ray.get(self.rollout.set_alive.remote(eid, str(self.synced_version)), timeout=60):
                 raise RuntimeError(f"{eid} was restarted and re-synced but does not report weight version "
                                    f"{self.synced_version}; it would serve other weights than the policy's")
-            logger.warning("%s restarted and re-synced to policy version %d; back in service",
-                           eid, self.synced_version)
+            logger.warning("%s restarted and re-synced to policy version %d; back in service", eid, self.synced_version)
         return readmitted + dead
 
     def evaluate(self) -> dict[str, float]:

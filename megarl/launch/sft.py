@@ -15,7 +15,8 @@ Deviation from ReTool: no separate SFT run or model; the optimizer's Adam state 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
