@@ -21,7 +21,7 @@ per-rank shards (``gather_tp`` is what a weight sync applies to shards it all-ga
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 

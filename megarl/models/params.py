@@ -7,8 +7,8 @@ over the expert tensor-parallel group (``etp_rank``/``etp_size``), as :class:`Pa
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 

@@ -88,7 +88,7 @@ def _randomize_constant_tensors(model, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 module.e_score_correction_bias = torch.nn.Buffer(

@@ -12,8 +12,9 @@ Adding a family = a new module listed in ``_MODULES`` plus its tests and fixture
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from megarl.models.table import Entry, ModelLayout
 

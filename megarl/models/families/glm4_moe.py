@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from megarl.models.families import Family, rope_settings
 from megarl.models.families import qwen3_moe as qwen
-from megarl.models.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
-                                                    router_architecture, router_config_kwargs, tiny_moe_kwargs)
+from megarl.models.families.deepseek_v3 import (
+    SIGMOID_MOE_TABLE,
+    moe_layer_shapes,
+    note_mtp_layers,
+    router_architecture,
+    router_config_kwargs,
+    tiny_moe_kwargs,
+)
 from megarl.models.fp8_blocks import parse_quantization_config
 from megarl.models.table import Entry, TPSplit, Transform
 
