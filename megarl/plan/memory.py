@@ -81,7 +81,7 @@ class TrainerSetup:
         return self.world_size // (self.ep * self.etp * self.pp)
 
     @classmethod
-    def from_config(cls, cfg, *, precision: str) -> "TrainerSetup":
+    def from_config(cls, cfg, *, precision: str) -> TrainerSetup:
         """From a run config (``parallel``, ``train``, ``model``, ``cluster``, ``rollout`` sections).
 
         Args:
