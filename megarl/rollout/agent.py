@@ -3,9 +3,11 @@
 A loop renders the prompt with the chat template once (tool schemas included), then per turn:
 generate on the engine (token ids + logprobs) -> split the turn into reasoning and answer with the
 family's SGLang reasoning parser -> parse tool calls from the answer only with SGLang's
-``FunctionCallParser`` detector of the family -> run the tools concurrently -> append the observation tokens and the chat-template tokens around
+``FunctionCallParser`` detector of the family -> run the tools concurrently -> append the observation tokens and the
+chat-template tokens around
 them (``loss_mask`` 0, ``rollout_logprobs`` 0.0). Only the appended suffix is ever tokenised (see
-:class:`~megarl.rollout.template.ChatTemplate`): the history is never re-rendered or re-tokenised, so a turn costs the same
+:class:`~megarl.rollout.template.ChatTemplate`): the history is never re-rendered or re-tokenised, so a turn costs the
+same
 at 1k and 32k tokens of history, and the model's own token ids are kept exactly as sampled.
 
 Stops, with a :class:`~megarl.rollout.types.RolloutStatus`:
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import torch
 

@@ -9,7 +9,8 @@ verified with. They share the client's transport and its failure policy (module 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from megarl.rollout.engine import AUTO_HOST, LOOPBACK, EngineProcess
 from megarl.rollout.ports import ENGINE_PORT_STRIDE, engine_port, find_free_port

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from megarl.rollout.engine import EngineProcess
 from megarl.rollout.ports import find_free_port, local_host

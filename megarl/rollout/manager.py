@@ -22,8 +22,9 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from megarl.rollout.agent import AgentContext, get_agent_loop, new_state, run_agent
 from megarl.rollout.metrics import throughput_metrics, trajectory_metrics
@@ -31,8 +32,7 @@ from megarl.rollout.rewards.registry import build_reward, compute_reward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.trajectory_state import TrajectoryState
-from megarl.rollout.types import (RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory,
-                                  TrajectoryGroup)
+from megarl.rollout.types import RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory, TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class RolloutManager:
         self.exclusive = True
         """No other rollout shares the engines (see :meth:`fork`)."""
 
-    def fork(self, engine: RolloutEngine | None = None, *, exclusive: bool = True) -> "RolloutManager":
+    def fork(self, engine: RolloutEngine | None = None, *, exclusive: bool = True) -> RolloutManager:
         """A manager for one more rollout, possibly running concurrently with others (async RL).
 
         The fork shares the tools, reward, chat template, group-id counter and carried-over groups

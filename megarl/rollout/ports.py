@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
-from megarl.procs.ports import (  # noqa: F401  (re-exported: part of this module's interface)
-    PORT_SPAN, RESERVATION_TTL_S, find_free_port, reservation_dir)
+from megarl.procs.ports import PORT_SPAN, RESERVATION_TTL_S, find_free_port, reservation_dir  # noqa: F401  (re-exported: part of this module's interface)
 
 
 def resolve_device(device: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 from megarl.models.families import all_families, find_family
 
+
 def family_parsers() -> dict[str, tuple[str | None, str]]:
     """HF ``model_type`` (or a release's :class:`~megarl.models.families.ParserVariant` name) ->
     (reasoning parser, tool-call parser), SGLang names, as each :class:`~megarl.models.families.Family`

@@ -5,8 +5,9 @@ between turns tokenised (:class:`ChatTemplate`); :func:`build_template` makes th
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from megarl.rollout.reasoning import ReasoningFormat, resolve_parsers
 from megarl.rollout.tools.calls import ToolCallParser

@@ -51,7 +51,8 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(s):
+        return None if s is None else s.encode()
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
            f"mount {target}")
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from megarl.rollout.types import Tool
 
@@ -69,7 +70,7 @@ class _SessionBound:
     """A stateful tool seen by one trajectory: ``await bound(arguments)`` creates the session on
     first use, then calls ``tool(arguments, session=...)``."""
 
-    def __init__(self, tool: Tool, sessions: "ToolSessions") -> None:
+    def __init__(self, tool: Tool, sessions: ToolSessions) -> None:
         self.tool = tool
         self.name = tool.name
         self.schema = tool.schema

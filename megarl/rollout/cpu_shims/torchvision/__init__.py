@@ -32,7 +32,7 @@ class _Placeholder:
     def __init__(self, qualname: str) -> None:
         self._qualname = qualname
 
-    def __getattr__(self, name: str) -> "_Placeholder":
+    def __getattr__(self, name: str) -> _Placeholder:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return _Placeholder(f"{self._qualname}.{name}")
