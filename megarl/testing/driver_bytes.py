@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ def step_bytes(group: Any, batch: Any, routes: list[torch.Tensor] | None, *, glo
 
     kept: list[int] = []
     if routes is not None and route_workers > 0:
-        refs, kept, workers = kept_routes(routes, route_workers)  # noqa: F841  (alive until the step ends)
+        refs, kept, workers = kept_routes(routes, route_workers)  # alive until the step ends
     else:
         refs = [ray.put(r) for r in routes] if routes is not None else None
     route_size = {id(ref): r.nbytes for ref, r in zip(refs or [], routes or [])}  # payload: no per-object framing

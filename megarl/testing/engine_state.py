@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 
@@ -156,7 +157,7 @@ class StreamedGeneration:
                 return
             try:
                 await asyncio.wait_for(self._progress.wait(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TimeoutError(f"{self.url}: {self.num_tokens} of {num_tokens} tokens "
                                    f"within {timeout_s} s") from None
 
