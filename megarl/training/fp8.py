@@ -30,8 +30,6 @@ noise. The default is ``tensorwise`` (current scaling: the scale comes from the 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from megarl.config.schema import TrainConfig
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -64,8 +62,8 @@ def _version(text: str):
     return Version(text)
 
 
-def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: Optional[str],
-                      te_version: Optional[str]) -> Optional[str]:
+def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: str | None,
+                      te_version: str | None) -> str | None:
     """Why ``recipe`` cannot run on a device, or None when it can (pure; no GPU needed).
 
     Args:
@@ -106,7 +104,7 @@ def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: O
     return None
 
 
-def installed_te_version() -> Optional[str]:
+def installed_te_version() -> str | None:
     """The installed Transformer Engine's version (package metadata), or None."""
     from importlib import metadata
 
@@ -118,7 +116,7 @@ def installed_te_version() -> Optional[str]:
     return None
 
 
-def fp8_support_error_here(recipe: str) -> Optional[str]:
+def fp8_support_error_here(recipe: str) -> str | None:
     """:func:`fp8_support_error` for this process's current CUDA device (None without a GPU: unknown)."""
     import torch
 

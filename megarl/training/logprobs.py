@@ -16,7 +16,8 @@ pass runs (no log over the vocabulary, no second ``[T, V/tp]`` buffer); it is co
 asked for (the trainer asks when it logs ``loss/entropy`` or trains on the entropy).
 
 Both are `torch.autograd.Function` s with hand-written backward passes
-(``d log p(y) / d z_v = 1[v = y] - p_v``; ``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP rank holds the same
+(``d log p(y) / d z_v = 1[v = y] - p_v``; ``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP
+rank holds the same
 (replicated) loss, so each rank's gradient for its own vocabulary slice is already complete.
 
 Memory: the pass works in one fp32 ``[T, V/tp]`` buffer (the softmax, then the gradient, in place);
@@ -29,7 +30,7 @@ equals a softmax over the real vocabulary (the rollout engine's).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -232,7 +233,8 @@ def vocab_parallel_logprobs_and_entropy(logits: Tensor, targets: Tensor, *, voca
         ValueError: ``logits`` not ``[T, V/tp]`` or ``targets`` not ``[T]``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     overwrite = overwrite and logits.dtype == torch.float32 and logits.is_contiguous()
     return _VocabParallelLogprobs.apply(logits, targets, vocab_size, tp_group, with_entropy, temperature, overwrite)
 

@@ -121,7 +121,8 @@ def block_causal_mask(row_segments: list[list[int]], length: int) -> Tensor:
     return mask
 
 
-def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_params: bool = False) -> PackedMicroBatch:
+def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *,
+                     use_packed_seq_params: bool = False) -> PackedMicroBatch:
     """Build the rows of one micro batch.
 
     Args:
@@ -172,4 +173,5 @@ def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_
                                             for lens_r in row_lens], length)
     return PackedMicroBatch(spec=spec, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                             packed_seq_params=packed, cu_seqlens=cu,
-                            flat_index=torch.cat(flat) if flat else empty, token_index=torch.cat(tokens) if tokens else empty)
+                            flat_index=torch.cat(flat) if flat else empty,
+                            token_index=torch.cat(tokens) if tokens else empty)
