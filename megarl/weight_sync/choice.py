@@ -34,7 +34,8 @@ def engines_have_receiver(engines: EngineClients, *, timeout_s: float = 60.0) ->
     return all(RECEIVER in (info.get("custom_weight_loader") or []) for info in infos)
 
 
-def resolve_auto(plan: WeightSyncPlan, engines: EngineClients, *, backend: str = "auto", timeout_s: float = 60.0) -> str:
+def resolve_auto(plan: WeightSyncPlan, engines: EngineClients, *, backend: str = "auto",
+                 timeout_s: float = 60.0) -> str:
     """``weight_sync.transport=auto`` for one sender: ``p2p`` where it applies and is not predicted
     slower, else ``distributed``.
 

@@ -246,7 +246,8 @@ def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *
                      f"{max(p.engine_rank_bytes) / GB:.2f} GB (max), shard {max(p.engine_shard_bytes) / GB:.2f} GB, "
                      f"received/shard {ratio:.2f}")
         lines.extend(_engine_node_lines(p, inter_gbps))
-        lines.append("  stage  replica  sender  engines  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB  seconds")
+        lines.append("  stage  replica  sender  engines  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB"
+                     "  seconds")
         for s in p.stages:
             lines.append(f"  {s.pp_rank:5d}  {s.replica:7d}  {s.sender_rank:6d}  {s.engines:7d}  {s.hf_bytes / GB:8.2f}"
                          f"  {s.gather_intra_bytes / GB:15.2f}  {s.gather_inter_bytes / GB:15.2f}"
@@ -273,10 +274,10 @@ def _engine_node_lines(p: SyncPrediction, inter_gbps: float) -> list[str]:
 def plan_from_config(cfg):
     """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
     from megarl.config.device import resolved_precision
-    from megarl.training.model import load_hf_config
     from megarl.models.fp8_blocks import parse_quantization_config
-    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.training.model import load_hf_config
     from megarl.weight_sync.build import senders_per_stage
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
 
@@ -310,9 +311,8 @@ def placement_from_config(cfg):
     """The conversion's copy instructions for a resolved run config (metadata only)."""
     from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.placement import Placement
-
     from megarl.weight_sync.model_specs import engine_table
+    from megarl.weight_sync.placement import Placement
 
     hf_config = load_hf_config(str(cfg.model.hf_path))
     family = get_family(hf_config)
