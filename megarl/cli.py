@@ -29,14 +29,13 @@ import os
 import re
 import sys
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from omegaconf import DictConfig
 
-from megarl.config import ConfigError
 from megarl.config.loader import to_yaml
-from megarl.launch.preflight import prepare_config
 from megarl.errors import UserError
+from megarl.launch.preflight import prepare_config
 
 log = logging.getLogger("megarl")
 
@@ -81,7 +80,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from megarl.checkpoint import convert_cli
-
     from megarl.config.hub import resolve_hub_path
 
     if args.direction == "hf-to-megatron":  # the inputs may be hub ids (megarl.config.hub)

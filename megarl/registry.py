@@ -3,7 +3,8 @@ SFT demonstration builders): ``@register_x("name")`` puts the decorated object i
 No megarl imports here, so any module can use it without an import cycle."""
 from __future__ import annotations
 
-from typing import Callable, MutableMapping, TypeVar
+from collections.abc import Callable, MutableMapping
+from typing import TypeVar
 
 T = TypeVar("T")
 
