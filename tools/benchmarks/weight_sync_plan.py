@@ -2,7 +2,8 @@
 rank and the predicted sync time of ``p2p`` and ``distributed``, with one and with four engines,
 one sender per stage vs one per engine (``weight_sync.senders_per_stage``), BF16 and block-FP8 on
 the wire, and ``p2p`` with segment senders (``weight_sync.segment_senders``: each engine rank's
-segment from the trainer rank of the stage holding most of it; BF16 on the wire only). Metadata only (public architecture numbers below); nothing is allocated.
+segment from the trainer rank of the stage holding most of it; BF16 on the wire only). Metadata only (public
+architecture numbers below); nothing is allocated.
 
 Links: 200 GB/s NVLink and 50 GB/s network (400 Gb/s) per GPU, 8 GPUs per node (change with
 ``--intra-gbps`` / ``--inter-gbps``). The time model and what it leaves out:
@@ -54,16 +55,15 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "we
 
 
 def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
-    from megarl.models.fp8_blocks import parse_quantization_config
-    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-    from megarl.weight_sync.model_specs import param_specs_from_hf_config
-    from megarl.weight_sync.plan import build_plan
-    from megarl.weight_sync.predict import predict_sync
-
     from transformers import AutoConfig
 
     from megarl.models.families import get_family
+    from megarl.models.fp8_blocks import parse_quantization_config
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.placement import Placement
+    from megarl.weight_sync.plan import build_plan
+    from megarl.weight_sync.predict import predict_sync
 
     out = []
     for name, (config, trainer, engine_tp, engine_ep) in MODELS.items():
@@ -78,7 +78,8 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
                     continue  # one engine: one sender per stage either way
                 for wire in ("bf16", "fp8"):
                     quantization = parse_quantization_config(FP8, where="FP8") if wire == "fp8" else None
-                    plan = build_plan(layout, EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep,
+                    plan = build_plan(layout, EngineLayout(tensor_parallel_size=engine_tp,
+                                                           expert_parallel_size=engine_ep,
                                                            num_engines=engines), specs, bucket_size_mb=1024,
                                       quantization=quantization, senders_per_stage=senders)
                     row = {"model": name, "trainer": f"TP{layout.tp_size} PP{layout.pp_size} EP{layout.ep_size} "
