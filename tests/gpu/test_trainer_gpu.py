@@ -9,9 +9,9 @@
 """
 import pytest
 import torch
+from megarl_gpu_cases import needs_te
 
 from megarl.testing.multiproc import run_ranks
-from megarl_gpu_cases import needs_te
 
 pytestmark = [pytest.mark.gpu, needs_te]  # every test here builds the Transformer Engine layer spec
 
@@ -49,9 +49,8 @@ def _trainer(cfg, spec):
 
 
 def _batch(hf_dir):
-    from transformers import AutoConfig
-
     from megarl_gpu_cases import make_batch
+    from transformers import AutoConfig
 
     return make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
 

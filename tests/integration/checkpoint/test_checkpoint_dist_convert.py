@@ -14,8 +14,8 @@ import torch
 
 from megarl.checkpoint.convert import MARKER_FILE, megatron_to_hf_dir
 from megarl.checkpoint.dist_convert import Rendezvous, rendezvous_from_env
-from megarl.testing.multiproc import free_port
 from megarl.testing.checkpoints import load_safetensors_dir as _load_all
+from megarl.testing.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from megarl.config.loader import load_config
 from megarl.cluster import colocated
-from megarl.launch import run as run_module, weight_sync_step
 from megarl.cluster.engines import EngineGroup
+from megarl.config.loader import load_config
+from megarl.launch import run as run_module
+from megarl.launch import weight_sync_step
 from megarl.rollout.ports import PORT_SPAN
 from megarl.testing.local_ray import private_ray
 
@@ -66,7 +67,7 @@ def run_ray():
             try:
                 init_ray(cfg)
                 return
-            except Exception:  # noqa: BLE001 - "The current node timed out during startup": retried
+            except Exception:  # "The current node timed out during startup": retried
                 ray.shutdown()
                 if attempt == 2:
                     raise

@@ -13,8 +13,8 @@ tests/unit/rollout/test_engine_nodes.py.)
 import pytest
 import ray
 
-from megarl.cluster.placement import build_placement
 from megarl.cluster.engines import engine_kwargs
+from megarl.cluster.placement import build_placement
 from megarl.rollout.engine_actor import EngineActor
 
 ROLLOUT_NODES, GPUS_PER_NODE, TP, ENGINES = 2, 2, 4, 1

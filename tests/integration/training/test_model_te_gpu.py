@@ -11,8 +11,8 @@ pytestmark = pytest.mark.gpu
 
 def _worker(rank, world_size, hf_dir, grouped):
     from megarl.checkpoint import get_family, load_hf_weights, megatron_to_hf
-    from megarl.models.params import iter_global_params
     from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.models.params import iter_global_params
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
 

@@ -7,7 +7,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 import workers
 
 

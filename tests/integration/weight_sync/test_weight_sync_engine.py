@@ -17,7 +17,7 @@ import torch
 from megarl.testing.multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-import workers  # noqa: E402
+import workers
 
 TOLERANCE = 1e-3
 """Mean |engine - trainer| logprob allowed after a sync (fp32 on CPU)."""

@@ -12,9 +12,9 @@ import shutil
 import pytest
 
 from megarl.checkpoint.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
-from megarl.models.families import get_family
 from megarl.checkpoint.hf_io import HFCheckpointReader
 from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.models.families import get_family
 from megarl.testing.tiny_model import append_mtp_layer
 
 

@@ -13,10 +13,10 @@ real Megatron builds), which validates the walk.
 import pytest
 import torch
 
+from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.models.families import get_family
 from megarl.models.mapping import canonical_name, global_name, lookup
 from megarl.models.naming import TE_TO_CANONICAL
-from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.testing.tiny_model import TinyModelSpec, _hf_config
 
 

@@ -11,7 +11,6 @@ import itertools
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from megarl.config.loader import load_config
 from megarl.launch import driver

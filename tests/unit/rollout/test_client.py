@@ -15,8 +15,14 @@ import pytest
 import torch
 from aiohttp import web
 
-from megarl.rollout.client import (EngineConnectionLost, EngineRequestError, EngineTimeoutError,
-                                   EngineUnavailableError, SGLangClient, decode_routed_experts)
+from megarl.rollout.client import (
+    EngineConnectionLost,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    SGLangClient,
+    decode_routed_experts,
+)
 from megarl.rollout.engine import find_free_port
 
 pytestmark = pytest.mark.timeout(60)

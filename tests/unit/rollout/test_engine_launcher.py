@@ -63,7 +63,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="tp_size"):
         EngineProcess("/m", tp_size=0, device="cpu")
     with pytest.raises(RuntimeError, match="after start"):
-        EngineProcess("/m", device="cpu").url
+        _ = EngineProcess("/m", device="cpu").url
 
 
 def test_external_engines_launch_nothing():
