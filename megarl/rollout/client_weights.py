@@ -27,6 +27,9 @@ class WeightUpdateEndpoints:
     async def _post_checked(self, path: str, payload: Any, **kwargs: Any) -> dict:
         raise NotImplementedError  # SGLangClient's transport
 
+    async def flush_cache(self) -> Any:
+        raise NotImplementedError  # SGLangClient's
+
     async def begin_weight_update(self, selector: str = "all") -> dict:
         """Open a weight-update session (required around tensor / distributed updates in 0.5.23)."""
         return await self._post_checked("/begin_weight_update", {"selector": selector})

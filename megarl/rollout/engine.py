@@ -33,6 +33,7 @@ import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from megarl.rollout import cpu_shims
 from megarl.rollout.engine_view import served_model_dir
@@ -144,7 +145,7 @@ class EngineProcess:
         22000-29999 that nothing reserves, which two engines (or an engine and a trainer group taking
         ports from :mod:`megarl.rollout.ports`) starting at once on one host can both get."""
         self._proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: IO[bytes] | None = None
 
     # ---------------------------------------------------------------- description
     @property

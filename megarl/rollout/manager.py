@@ -57,7 +57,7 @@ class _Group:
 
 def sampling_params_from_config(sampling: Any) -> dict[str, Any]:
     """SGLang sampling parameters from a ``SamplingConfig``."""
-    params = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
+    params: dict[str, Any] = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
               "top_k": int(sampling.top_k), "max_new_tokens": int(sampling.max_new_tokens)}
     if sampling.stop:
         params["stop"] = list(sampling.stop)
@@ -258,7 +258,7 @@ class RolloutManager:
             self._carry.append(group)
             counts["groups_carried_over"] += 1
 
-    async def _stop_excess(self, pending: set[asyncio.Future], tasks: dict[asyncio.Future, _Group],
+    async def _stop_excess(self, pending: set[asyncio.Task], tasks: dict[asyncio.Task, _Group],
                            counts: dict[str, int]) -> None:
         """End the over-sampled groups: turn-boundary stop, engine abort, then cancellation."""
         self.ctx.stop_requested = True

@@ -108,7 +108,7 @@ class JudgeReward:
         self.timeout_s, self.retries = float(timeout_s), int(retries)
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000
         self.max_concurrency = int(max_concurrency)
-        self.sampling = {"max_tokens": int(max_tokens), "temperature": float(temperature)}
+        self.sampling: dict[str, Any] = {"max_tokens": int(max_tokens), "temperature": float(temperature)}
         if constrain:
             hi = int(self.max_score)
             self.sampling["regex"] = f"Score: ({'|'.join(str(i) for i in range(hi, int(self.min_score) - 1, -1))})"

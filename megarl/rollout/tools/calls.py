@@ -196,8 +196,8 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool], *, timeout_s:
         return ToolResult(name=call.name, text=text, is_error=is_error,
                           duration_s=time.monotonic() - start)
 
-    if call.error is not None:
-        return result(f"Error: {call.error}", True)
+    if call.error is not None or call.name is None or call.arguments is None:
+        return result(f"Error: {call.error or 'malformed tool call'}", True)
     tool = tools.get(call.name)
     if tool is None:
         return result(f"Error: unknown tool {call.name!r} (available: {', '.join(tools)})", True)

@@ -211,6 +211,7 @@ class PythonSandboxTool:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env=dict(_CLEAN_ENV), cwd=workdir, start_new_session=True, close_fds=True)
         cap_bytes = 4 * self.max_output_chars
+        assert proc.stdout is not None and proc.stdin is not None  # both are PIPEs
         reader = asyncio.ensure_future(_read_capped(proc.stdout, cap_bytes))
         timed_out = False
         try:
