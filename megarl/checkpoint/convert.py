@@ -24,6 +24,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from megarl.config.schema import ModelConfig, ParallelConfig
 
@@ -155,7 +156,7 @@ class ImportPlan:
         make_vocab_size_divisible_by: vocabulary padding unit. precision: ``fp32``/``bf16``/``fp16``.
     """
     hf_dir: Path
-    hf_config: object
+    hf_config: Any
     parallel: ParallelConfig
     world_size: int
     make_vocab_size_divisible_by: int

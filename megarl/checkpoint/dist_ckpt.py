@@ -18,6 +18,7 @@ import dataclasses
 import os
 import pickle
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,7 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
             or tensor.untyped_storage().nbytes() == tensor.nbytes):
         return tensor
     raw = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor.view(-1).view(torch.uint8)
-    buffer = memoryview(raw.reshape(-1).numpy())
+    buffer = memoryview(raw.reshape(-1).numpy())  # type: ignore[arg-type]  # ndarray: a buffer
     return torch.frombuffer(buffer, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
@@ -114,7 +115,7 @@ def _merge(into: Metadata | None, step: Metadata) -> Metadata:
         if key not in into.state_dict_metadata:
             into.state_dict_metadata[key] = meta
         elif isinstance(meta, TensorStorageMetadata):
-            have = into.state_dict_metadata[key]
+            have = cast(TensorStorageMetadata, into.state_dict_metadata[key])
             if tuple(have.size) != tuple(meta.size):
                 raise ValueError(f"{key}: global shape {tuple(meta.size)} differs from {tuple(have.size)}")
             have.chunks.extend(meta.chunks)
@@ -299,7 +300,7 @@ class CheckpointReader:
         Raises:
             KeyError: unknown key. ValueError: the saved chunks do not cover the region.
         """
-        meta = self.metadata.state_dict_metadata[key]
+        meta = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[key])
         for chunk in meta.chunks:  # fast path: the region is exactly one saved chunk
             if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
                 return self._chunk(key, chunk, out)

@@ -140,7 +140,7 @@ def _preadv_all(fd: int, views: list, offset: int) -> int:
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
     if not tensor.numel():
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray: a buffer
 
 
 def read_hf_into(param: torch.Tensor, reader, names: Sequence[str], entry, layout, rank: int, size: int) -> bool:

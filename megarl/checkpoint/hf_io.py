@@ -23,6 +23,7 @@ import os
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -205,7 +206,7 @@ class HFCheckpointReader:
         begin, end = meta["data_offsets"]
         dtype = _DTYPES[meta["dtype"]]
         out = torch.empty(meta["shape"], dtype=dtype)
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]  # ndarray: a buffer
         with open(path, "rb", buffering=0) as f:
             got = os.preadv(f.fileno(), [view], start + begin) if end > begin else 0
         if got != end - begin:
@@ -228,7 +229,8 @@ def _block_fp8_settings(hf_dir: Path):
 
 
 def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, list[int]]:
-    header, sizes, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    sizes, offset = list[int](), 0
     for name, dtype, shape in entries:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
@@ -265,7 +267,7 @@ class SafetensorsStreamWriter:
             raise ValueError(f"{self.path}: expected {want_name} {dtype} {shape}, got {name} "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
         data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy() if tensor.numel() else b""
-        self._file.write(memoryview(data))
+        self._file.write(memoryview(data))  # type: ignore[arg-type]  # ndarray: a buffer
         self._next += 1
 
     def close(self) -> None:
@@ -280,7 +282,7 @@ def plan_shards(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
                 max_shard_bytes: int) -> list[list[tuple[str, torch.dtype, tuple]]]:
     """Split planned tensors into consecutive shards of at most ``max_shard_bytes`` (a single
     larger tensor gets its own shard)."""
-    shards, current, size = [], [], 0
+    shards, current, size = [], list[tuple[str, torch.dtype, tuple]](), 0
     for name, dtype, shape in entries:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if current and size + nbytes > max_shard_bytes:

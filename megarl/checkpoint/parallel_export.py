@@ -21,9 +21,10 @@ driver's wait before the next checkpoint commit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -194,7 +195,7 @@ class _ExportModel:
         index, modules = self.groups[k]
         return _group_params(self.chunks[index], [p for m in modules for p in m.parameters()])
 
-    def hf_tensors(self, k: int, named) -> list[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, k: int, named) -> Iterator[tuple[str, torch.Tensor]]:
         """Group ``k``'s ``(local name, tensor)`` pairs as HF ``(name, tensor)`` pairs."""
         from megarl.models.mapping import megatron_to_hf
 
@@ -246,7 +247,8 @@ class _ShardSink:
 
     def __init__(self, out_dir: Path, files, shards):
         self._todo = iter(list(zip(files, shards)))
-        self._out_dir, self._current, self._remaining = out_dir, None, 0
+        self._out_dir, self._remaining = out_dir, 0
+        self._current: Any = None  # the SafetensorsStreamWriter of the file being written
 
     def write_all(self, items) -> None:
         from megarl.checkpoint.hf_io import SafetensorsStreamWriter

@@ -128,7 +128,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
 
     for name, settings in r.tools.items():
         check(str(name), TOOL_REGISTRY, f"rollout.tools.{name}", "tool",
-              lambda f, s=dict(settings or {}): _tool_issue(f, s))
+              lambda f, s=dict(settings or {}): _tool_issue(f, s))  # type: ignore[misc]
     reward_kwargs = dict(r.reward_kwargs or {})
     check(r.reward, REWARD_REGISTRY, "rollout.reward", "reward",
           lambda obj: _reward_issue(r.reward, obj, reward_kwargs))

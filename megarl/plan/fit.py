@@ -186,6 +186,7 @@ def _colocated_problem(fit: Fit, cfg) -> str | None:
         return None
     fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
     limit, resident = fit.colocated_limit, resident_bytes(fit.trainer, fit.offloaded)
+    assert limit is not None  # colocated_fits holds without a limit
     reserved = fit.trainer.consumers["reserved"]
     kept = ", ".join(n.replace("_", " ") for n in RESIDENT[:-1] if n not in fit.offloaded)
     more = [k for k, names in OFFLOADED.items() if set(names) > set(fit.offloaded)

@@ -186,7 +186,7 @@ def trainer_rank_memory(shape: ModelShape, s: TrainerSetup, stage: int) -> RankM
         per_mb = len(layers) * a * shape.hidden_size + max(stored, default=0)
     else:
         per_mb = sum(stored) + (4 * shape.num_attention_heads / s.tp * len(layers) if s.recompute is None else 0)
-    in_flight = 1
+    in_flight: float = 1
     if first and s.pp > 1:
         in_flight = s.pp * (1 + (s.pp - 1) / (s.pp * s.vpp)) if s.vpp else s.pp
     activations = tokens * per_mb * in_flight

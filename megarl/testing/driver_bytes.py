@@ -65,8 +65,8 @@ def kept_routes(routes: list[torch.Tensor], num_workers: int) -> tuple[list[Any]
     from megarl.launch.route_workers import RouteWorker
     from megarl.rollout.route_parts import RouteParts
 
-    workers = [ray.remote(num_cpus=0)(RouteWorker).remote("http://127.0.0.1:9", f"e{j}", 60.0)
-               for j in range(num_workers)]
+    actor: Any = ray.remote(num_cpus=0)(RouteWorker)
+    workers = [actor.remote("http://127.0.0.1:9", f"e{j}", 60.0) for j in range(num_workers)]
     parts = ray.get([workers[i % num_workers].keep.remote(r) for i, r in enumerate(routes)])
     kept = [sum(r.nbytes for r in routes[j::num_workers]) for j in range(num_workers)]
     return [RouteParts((p,), p.shape[0]) for p in parts], kept, workers
@@ -100,6 +100,7 @@ def step_bytes(group: Any, batch: Any, routes: list[torch.Tensor] | None, *, glo
     from megarl.training.shard import shard_batch
 
     kept: list[int] = []
+    refs: list[Any] | None
     if routes is not None and route_workers > 0:
         refs, kept, workers = kept_routes(routes, route_workers)  # alive until the step ends
     else:

@@ -122,7 +122,7 @@ def _run(tensor: torch.Tensor, group, call, *, returns_handle: bool, copy_back: 
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                group: dist.ProcessGroup | None = None, *, async_op: bool = False):
     """All-reduce ``tensor`` over ``group`` in place on the group's device.
 

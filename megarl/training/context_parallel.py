@@ -164,6 +164,7 @@ class CPMicroBatch(PackedMicroBatch):
         for name, value in moved.items():
             if isinstance(value, Tensor):
                 moved[name] = value.to(device, non_blocking=True)
+        assert self.packed_seq_params is not None  # CP rows are always THD
         bounds = self.packed_seq_params.cu_seqlens_q.to(device)
         moved["packed_seq_params"] = dataclasses.replace(
             self.packed_seq_params, cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,

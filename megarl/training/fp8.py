@@ -30,6 +30,8 @@ noise. The default is ``tensorwise`` (current scaling: the scale comes from the 
 """
 from __future__ import annotations
 
+from typing import Any
+
 from megarl.config.schema import TrainConfig
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -122,7 +124,7 @@ def fp8_support_error_here(recipe: str) -> str | None:
 
     if not torch.cuda.is_available():
         return None
-    return fp8_support_error(recipe, capability=tuple(torch.cuda.get_device_capability()),
+    return fp8_support_error(recipe, capability=torch.cuda.get_device_capability(),
                              torch_cuda=torch.version.cuda, te_version=installed_te_version())
 
 
@@ -138,7 +140,7 @@ def fp8_recipe_issues(train_cfg: TrainConfig, policy_loss: str, *, cuda: bool) -
         ``(key, message)`` pairs; empty when the recipe can run (an unknown recipe is the config
         domain's to report).
     """
-    recipe, issues = train_cfg.fp8_recipe, []
+    recipe, issues = train_cfg.fp8_recipe, list[tuple[str, str]]()
     if recipe not in FP8_RECIPES:
         return issues
     if policy_loss in ("gspo", "gspo_token") and recipe not in HISTORY_FREE_RECIPES:
@@ -197,7 +199,7 @@ def fp8_config(train_cfg: TrainConfig, *, is_moe: bool, cuda: bool) -> dict:
     error = fp8_support_error_here(train_cfg.fp8_recipe)
     if error:
         raise ValueError(f"train.fp8_recipe={train_cfg.fp8_recipe}: {error}")
-    extra = {"fp8": train_cfg.fp8, "fp8_recipe": train_cfg.fp8_recipe}
+    extra: dict[str, Any] = {"fp8": train_cfg.fp8, "fp8_recipe": train_cfg.fp8_recipe}
     if train_cfg.fp8_recipe == "delayed":
         # Megatron-LM's usual delayed-scaling settings: scale from the max amax of a long history.
         extra.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")

@@ -45,7 +45,7 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
+def _all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
     if _group_size(group) > 1:
         all_reduce(tensor, op=op, group=group)
     return tensor
@@ -119,7 +119,7 @@ def _exp_(shifted: Tensor, num_real: int, with_entropy: bool) -> tuple[Tensor, T
     shifted[:, num_real:] = 0.0  # the padding ids' exp(-inf)
     for start in range(0, shifted.shape[0], rows):
         chunk = shifted[start:start + rows, :num_real]
-        if with_entropy:
+        if scratch is not None and weighted is not None:  # with_entropy
             exp_chunk = torch.exp(chunk, out=scratch[:chunk.shape[0]])
             weighted[start:start + rows] = torch.linalg.vecdot(exp_chunk, chunk)
             chunk.copy_(exp_chunk)
@@ -143,7 +143,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
         target_z = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), torch.zeros_like(z[..., 0]))
         sum_exp, weighted = _exp_(z, num_real, with_entropy)  # z now holds exp(z - max): the softmax, for backward
-        sums = torch.stack([sum_exp, target_z] + ([weighted] if with_entropy else []))  # one all-reduce
+        sums = torch.stack([sum_exp, target_z] + ([weighted] if weighted is not None else []))  # one all-reduce
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         sum_exp, target_z = sums[0], sums[1]
         log_sum_exp = sum_exp.log()
@@ -286,7 +286,7 @@ def _next_token_pairs(logits: Tensor, input_ids: Tensor, *,
     flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
     targets = input_ids[..., 1:].reshape(-1)
 
-    def shifted(values: Tensor) -> Tensor:
+    def shifted(values: Tensor) -> Tensor:  # type: ignore[no-redef]  # one per branch
         values = values.view(*lead, length - 1)
         return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
     return flat_logits, targets, shifted

@@ -13,6 +13,7 @@ Orders used below:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ class PackedMicroBatch:
     input_ids: Tensor
     position_ids: Tensor
     attention_mask: Tensor | None
-    packed_seq_params: object | None
+    packed_seq_params: Any | None
     cu_seqlens: Tensor
     flat_index: Tensor
     token_index: Tensor
@@ -49,7 +50,7 @@ class PackedMicroBatch:
     @property
     def shape(self) -> tuple[int, int]:
         """``(R, S)``."""
-        return tuple(self.input_ids.shape)
+        return self.input_ids.shape[0], self.input_ids.shape[1]
 
     @property
     def flat_size(self) -> int:

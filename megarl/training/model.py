@@ -167,7 +167,7 @@ def _grad_accum_kernel_available() -> bool:
 
 
 def fusion_settings(*, use_te: bool, is_moe: bool, multi_latent_attention: bool,
-                    grad_accum_kernel: bool) -> tuple[dict[str, bool], dict[str, str]]:
+                    grad_accum_kernel: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """Megatron's fusions for a layer spec, as Megatron-LM runs them on GPU: every one of
     :data:`FUSIONS` on under the Transformer Engine spec, off on the local spec (CPU), with the reason
     for each one left off.

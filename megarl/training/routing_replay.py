@@ -112,6 +112,7 @@ class _RouterSlot:
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None,
                         default_compute_topk: Callable[..., tuple[Tensor, Tensor]] | None = None,
                         ) -> tuple[Tensor, Tensor]:
+        assert default_compute_topk is not None  # Megatron's router always passes it
         probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.mode == "record":
             self.recorded.append(indices.detach().clone())
