@@ -254,7 +254,7 @@ def bundle_order(nodes: Sequence[str], gpus: Sequence[str | int | None]) -> list
     first: dict[str, int] = {}
     for node in nodes:
         first.setdefault(node, len(first))
-    return sorted(range(len(nodes)), key=lambda b: (first[nodes[b]], -1 if gpus[b] is None else int(gpus[b]), b))
+    return sorted(range(len(nodes)), key=lambda b: (first[nodes[b]], -1 if gpus[b] is None else int(gpus[b]), b))  # type: ignore[arg-type]
 
 
 def check_groups_on_one_node(rank_nodes: Sequence[str], group_size: int, what: str) -> None:

@@ -129,7 +129,7 @@ def tiny_config(spec, common: dict):
 
     moe, common = tiny_moe_kwargs(spec, common)
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.5}
-    return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,
+    return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,  # type: ignore[call-arg]
                          attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
 
 
