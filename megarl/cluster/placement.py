@@ -36,6 +36,7 @@ from typing import Any
 from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes  # re-exported
 from megarl.config.device import use_cuda
 from megarl.config.parallel import trainer_world_size
+from megarl.config.schema import MegarlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def _ray_version() -> str:
     return ray.__version__
 
 
-def init_ray(cfg: Any) -> bool:
+def init_ray(cfg: MegarlConfig) -> bool:
     """Connect to ``cluster.ray_address`` or start a local Ray; reuse one already initialised.
 
     Returns:
@@ -290,7 +291,7 @@ def _gpu_ids() -> list[str]:
     return [str(g) for g in ray.get_gpu_ids()]
 
 
-def build_placement(cfg: Any, *, timeout_s: float = 300.0, engines_only: bool = False) -> Placement:
+def build_placement(cfg: MegarlConfig, *, timeout_s: float = 300.0, engines_only: bool = False) -> Placement:
     """Create the placement groups of the ``cluster`` section and wait until they are ready.
 
     Args:
@@ -337,7 +338,7 @@ def build_placement(cfg: Any, *, timeout_s: float = 300.0, engines_only: bool = 
     return placement
 
 
-def _order_trainer_bundles(placement: Placement, cfg: Any, *, cuda: bool, world: int, per_engine: int,
+def _order_trainer_bundles(placement: Placement, cfg: MegarlConfig, *, cuda: bool, world: int, per_engine: int,
                            check_tp: bool = True) -> None:
     """Rank -> bundle by node and GPU; colocated engines' bundles and GPUs follow (module docstring).
 

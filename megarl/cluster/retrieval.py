@@ -18,6 +18,8 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf, open_dict
 
+from megarl.config.schema import MegarlConfig
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("bm25", "dense")
@@ -52,7 +54,7 @@ class RetrievalActor:
         self.process.stop()
 
 
-def _placement_options(cfg: Any) -> dict[str, Any]:
+def _placement_options(cfg: MegarlConfig) -> dict[str, Any]:
     """Pin the actor to the first rollout node when nodes advertise ``megarl_node_<i>`` (Slurm)."""
     resources = ray.cluster_resources()
     cluster = cfg.cluster
@@ -62,7 +64,7 @@ def _placement_options(cfg: Any) -> dict[str, Any]:
     return {"resources": {key: 0.001}} if key in resources else {}
 
 
-def uses_search(cfg: Any) -> bool:
+def uses_search(cfg: MegarlConfig) -> bool:
     return "search" in (cfg.rollout.tools or {})
 
 
