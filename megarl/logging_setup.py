@@ -140,7 +140,7 @@ def link_ray_logs(run_dir: Any) -> Path | None:
     """
     import ray
 
-    node = getattr(getattr(ray, "_private").worker, "_global_node", None)
+    node = getattr(ray._private.worker, "_global_node", None)
     logs = node.get_logs_dir_path() if node is not None else None
     if not logs or not Path(logs).is_dir():
         return None

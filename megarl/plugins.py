@@ -31,9 +31,10 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 
 class PluginError(ValueError):
@@ -85,7 +86,7 @@ def import_module(module: str, key: str) -> ModuleType:
     except ModuleNotFoundError as e:
         raise PluginError(key, f"no module named {e.name!r} (importing {module!r}; is it installed "
                                "or on PYTHONPATH?)") from e
-    except Exception as e:  # noqa: BLE001 - any error inside the user's module, reported with its key
+    except Exception as e:  # any error inside the user's module, reported with its key
         raise PluginError(key, f"importing {module!r} failed: {type(e).__name__}: {e}") from e
 
 

@@ -21,7 +21,8 @@ and its config field's domain becomes ``Registered(lambda: TRANSPORTS, also=("au
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from megarl.plugins import PluginError, is_import_path, resolve
 

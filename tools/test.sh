@@ -4,7 +4,8 @@
 # learning demonstration, the core end-to-end paths); not `gpu` (skips itself without CUDA), not the
 # multi-seed `demo` runs.
 #
-# Without arguments (CI) the suite runs in two phases on the 2-core CI machine:
+# Without arguments (CI) the suite runs in two phases on the 2-core CI machine, and ruff and mypy
+# (bash tools/lint.sh) beside the first; a lint finding fails the run, after the tests:
 #   1. tests/unit (then the light integration tests in BESIDE_SLURM: no server, no trainer rank) and
 #      tests/slurm side by side: the unit tests keep one core busy, the Slurm tests mostly wait (job
 #      scheduling, nodes joining, the bounded-failure timers), so the second core is otherwise idle;
@@ -39,12 +40,19 @@ trap 'rm -rf "$LOGS"' EXIT
 start=$SECONDS
 "${PYTEST[@]}" tests/slurm > "$LOGS/slurm.log" 2>&1 &
 slurm_pid=$!
+bash tools/lint.sh > "$LOGS/lint.log" 2>&1 &  # ~1 min of one core, while the Slurm tests wait
+lint_pid=$!
 set +e
 "${PYTEST[@]}" tests/unit "${BESIDE_SLURM[@]}"
 unit_rc=$?
 wait "$slurm_pid"
 slurm_rc=$?
+wait "$lint_pid"
+lint_rc=$?
 set -e
+echo "================ tools/lint.sh: ruff, mypy (ran beside tests/unit) ================"
+cat "$LOGS/lint.log"
+echo "test.sh: lint exit $lint_rc"
 echo "================ tests/slurm (ran beside tests/unit) ================"
 cat "$LOGS/slurm.log"
 echo "test.sh: phase 1 (unit beside slurm) took $((SECONDS - start)) s; unit exit $unit_rc, slurm exit $slurm_rc"
@@ -63,9 +71,9 @@ set -e
 echo "================ whole runs (ran beside the rest of tests/integration) ================"
 cat "$LOGS/runs.log"
 echo "test.sh: phase 2 (integration, two streams) took $((SECONDS - start)) s; whole runs exit $runs_rc"
-if ok $unit_rc && ok $slurm_rc && ok $integration_rc && ok $runs_rc; then
+if ok $unit_rc && ok $slurm_rc && ok $integration_rc && ok $runs_rc && [[ $lint_rc -eq 0 ]]; then
   exit 0
 fi
-for rc in $unit_rc $slurm_rc $integration_rc $runs_rc; do
+for rc in $unit_rc $slurm_rc $integration_rc $runs_rc $lint_rc; do
   if ! ok "$rc"; then exit "$rc"; fi
 done

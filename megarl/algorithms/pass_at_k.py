@@ -16,7 +16,7 @@ biased low for k > 1 and is not used.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

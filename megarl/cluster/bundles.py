@@ -13,6 +13,7 @@ from typing import Any
 
 from megarl.config.device import use_cuda
 from megarl.config.parallel import trainer_world_size
+from megarl.config.schema import MegarlConfig
 
 
 def devices_per_engine(rollout: Any) -> int:
@@ -54,7 +55,7 @@ class BundleShapes:
         return float(sum(b.get("GPU", 0) for b in [*self.trainer, *self.rollout]))
 
 
-def bundle_shapes(cfg: Any, *, roles: bool, engines_only: bool = False) -> BundleShapes:
+def bundle_shapes(cfg: MegarlConfig, *, roles: bool, engines_only: bool = False) -> BundleShapes:
     """The bundles a run (``engines_only=False``) or an evaluation (True) reserves.
 
     Args:

@@ -3,7 +3,8 @@
 Engines run with ``--enable-memory-saver`` on CUDA (:data:`megarl.cluster.ray_engines.MEMORY_SAVER_FLAG`).
 At start (:meth:`megarl.launch.run.Run.build`, through :class:`EngineMemoryLoan`) the engines, once
 ready, release everything before the trainer ranks are built, and resume before the first weight sync
-(which rewrites the weights): the trainer is never built beside their KV cache. While the engines hold their memory (rollout,
+(which rewrites the weights): the trainer is never built beside their KV cache. While the engines hold
+their memory (rollout,
 weight sync) the trainer keeps its share, enforced on the device: ``rollout.engine.mem_fraction_static``
 + ``cluster.colocated_trainer_memory_fraction`` must fit the GPU, and the trainer's planned resident
 memory its fraction (``megarl validate``, `megarl.plan.fit`).
@@ -26,7 +27,8 @@ released (it keeps the set of released tags), so the two resumes must follow one
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 WEIGHT_TAGS = ("weights",)
 REST_TAGS = ("kv_cache", "cuda_graph")

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megarl.cluster.bundles import devices_per_engine
 from megarl.procs.ports import find_free_port

@@ -30,7 +30,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes
 from megarl.config.device import use_cuda
@@ -62,7 +63,8 @@ def engine_part_bundles(nodes: Sequence[str], num_engines: int, parts: int, *, c
     for e, bundles in enumerate(out):
         where = [nodes[b] for b in bundles]
         if cuda and len(set(where)) < len(where):
-            raise ValueError(f"rollout.engine.tensor_parallel_size: engine {e} spans {parts} nodes but two of its parts "
+            raise ValueError(f"rollout.engine.tensor_parallel_size: engine {e} spans {parts} nodes but two of its "
+                             f"parts "
                              f"landed on one node ({where}); a node must have exactly "
                              "cluster.rollout_devices_per_node GPUs for the rollout")
     return out
@@ -253,7 +255,7 @@ def bundle_order(nodes: Sequence[str], gpus: Sequence[str | int | None]) -> list
     first: dict[str, int] = {}
     for node in nodes:
         first.setdefault(node, len(first))
-    return sorted(range(len(nodes)), key=lambda b: (first[nodes[b]], -1 if gpus[b] is None else int(gpus[b]), b))
+    return sorted(range(len(nodes)), key=lambda b: (first[nodes[b]], -1 if gpus[b] is None else int(gpus[b]), b))  # type: ignore[arg-type]
 
 
 def check_groups_on_one_node(rank_nodes: Sequence[str], group_size: int, what: str) -> None:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import ray
+
+from megarl.config.schema import MegarlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ SEEDING_SHIM_DIR = Path(__file__).resolve().parent / "sglang_seeding"
 the CPU attention backend); see ``sglang_seeding/sitecustomize.py``."""
 
 
-def seeding_env(cfg: Any, device: str) -> dict[str, str]:
+def seeding_env(cfg: MegarlConfig, device: str) -> dict[str, str]:
     """Environment of an engine actor for ``rollout.deterministic_sampling`` on CPU (else empty)."""
     if not cfg.rollout.deterministic_sampling or device != "cpu":
         return {}
@@ -40,7 +43,7 @@ def seeding_env(cfg: Any, device: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(parts), "MEGARL_SEEDED_SAMPLING": "1"}
 
 
-def engine_kwargs(cfg: Any, *, device: str, log_path: str | None, engine_id: str,
+def engine_kwargs(cfg: MegarlConfig, *, device: str, log_path: str | None, engine_id: str,
                   custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> dict:
     """:class:`~megarl.rollout.engine_process.EngineProcess` keyword arguments from the run config."""
     ecfg = cfg.rollout.engine
@@ -69,7 +72,7 @@ class EngineGroup:
         custom_weight_loaders, env: passed to every server (the weight-sync transport's needs).
     """
 
-    def __init__(self, cfg: Any, placement: Any, model_path: str, log_dir: Path, *,
+    def __init__(self, cfg: MegarlConfig, placement: Any, model_path: str, log_dir: Path, *,
                  custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         from megarl.cluster.bundles import engine_nodes
         from megarl.config.device import use_cuda

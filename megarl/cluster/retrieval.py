@@ -98,14 +98,14 @@ def start_retrieval(cfg: Any, log_dir: Any) -> Any:
     r = cfg.retrieval
     actor, url = None, r.url
     if url is None and r.index:
-        settings = OmegaConf.to_container(r, resolve=True)
+        settings: Any = OmegaConf.to_container(r, resolve=True)
         for key in ("index", "corpus"):  # the actor's working directory may not be the driver's
             if settings.get(key):
                 settings[key] = str(Path(settings[key]).resolve())
         options = _placement_options(cfg)
         if settings["host"] == "auto":  # loopback on one host; the node's address when pinned to one
             settings["host"] = "node" if options else "127.0.0.1"
-        actor = RetrievalActor.options(**options).remote(
+        actor = RetrievalActor.options(**options).remote(  # type: ignore[attr-defined]  # a Ray actor class
             settings, str(log_dir / "retrieval.log"))
         try:
             url = ray.get(actor.start.remote(float(r.startup_timeout_s)))

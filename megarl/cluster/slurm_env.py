@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+
 
 def expand_counts(text: str) -> list[int]:
     """Expand Slurm's compressed per-node counts: ``"4(x2),8"`` -> ``[4, 4, 8]``.
@@ -56,11 +57,11 @@ class Allocation:
     """CPUs per node (0 = unknown; Ray then detects them)."""
     gpus: tuple[int, ...]
     """GPUs per node (0 = none)."""
-    het_groups: Optional[tuple[int, ...]] = None
+    het_groups: tuple[int, ...] | None = None
     """Het-job component of each node (0 = trainer side, 1 = rollout side); None = one component."""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Allocation":
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Allocation:
         """Read the ``MEGARL_ALLOC_*`` variables (see the module docstring).
 
         Raises:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-from megarl.algorithms.extensions import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, Extension,
-                                          PolicyLoss)
+from megarl.algorithms.extensions import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, Extension, PolicyLoss
 from megarl.config.domains import DOMAINS
 from megarl.config.plugin_check import Issue, binding_problem
 from megarl.config.schema_algorithm import AlgorithmConfig

@@ -19,8 +19,9 @@ Rules that relate several fields (batch divisibility, the GSPO clip size) stay i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 from megarl.plan.gpus import CHOICES as GPU_CHOICES
 from megarl.registry import Registry
@@ -132,7 +133,7 @@ def _datasets() -> Registry:
     return DATASET_REGISTRY
 
 
-Domain = Union[Choice, Registered, Range, Text]
+Domain = Choice | Registered | Range | Text
 
 POSITIVE = Range(1)
 """An integer count or size that must be at least 1."""

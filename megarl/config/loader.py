@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -163,7 +164,7 @@ def _apply(cfg: DictConfig, data: dict, source: str, lines: dict[str, int],
         where = f"{source}:{lines[dotted]}" if dotted in lines else source
         node = OmegaConf.select(cfg, prefix) if prefix else cfg
         if not isinstance(node, DictConfig) or key not in node.keys():
-            valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
+            valid = sorted(node.keys(), key=str) if isinstance(node, DictConfig) else []
             issues.append(ConfigIssue(dotted, f"unknown key; valid keys here: {', '.join(map(str, valid))}",
                                       value, where))
             continue

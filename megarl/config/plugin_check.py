@@ -13,7 +13,8 @@ a jsonl/parquet file) takes ``(rows, *, system_prompt, tool_fraction, seed)``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megarl.config.domains import DOMAINS, Registered
 from megarl.plugins import PluginError, import_plugins, is_import_path
@@ -133,7 +134,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
 
     for name, settings in r.tools.items():
         check(str(name), TOOL_REGISTRY, f"rollout.tools.{name}",
-              lambda f, s=dict(settings or {}): _tool_issue(f, s))
+              lambda f, s=dict(settings or {}): _tool_issue(f, s))  # type: ignore[misc]
     reward_kwargs = dict(r.reward_kwargs or {})
     check(r.reward, REWARD_REGISTRY, "rollout.reward",
           lambda obj: _reward_issue(r.reward, obj, reward_kwargs))

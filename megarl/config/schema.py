@@ -14,11 +14,10 @@ importance ratio, clip range 3e-4 / 4e-4, no KL penalty, group-normalised advant
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-from megarl.config.schema_algorithm import AlgorithmConfig  # noqa: F401  (part of this module's interface)
-from megarl.config.schema_rollout import (  # noqa: F401  (part of this module's interface)
-    AgentConfig, EngineConfig, RetrievalConfig, RolloutConfig, SamplingConfig)
+from megarl.config.schema_algorithm import AlgorithmConfig
+from megarl.config.schema_rollout import AgentConfig, EngineConfig, RetrievalConfig, RolloutConfig, SamplingConfig  # noqa: F401  (part of this module's interface)
 
 
 @dataclass
@@ -27,11 +26,11 @@ class ModelConfig:
 
     hf_path: str = "???"
     """Hugging Face model directory (config.json, tokenizer files, safetensors weights)."""
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: str | None = None
     """Tokenizer directory; defaults to ``hf_path``."""
     load_weights: bool = True
     """Load the HF weights into the trainer at start (False: random init, for tests and benchmarks)."""
-    load_dir: Optional[str] = None
+    load_dir: str | None = None
     """Megatron dist checkpoint the trainer starts from instead of ``hf_path``'s safetensors: the
     output of ``megarl convert hf-to-megatron`` (any parallel layout, precision and vocabulary
     padding) or a trainer checkpoint ``RUN/checkpoints/step_N`` (model weights only; optimizer and
@@ -41,7 +40,7 @@ class ModelConfig:
     ``hf_path``'s model."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times tensor_model_parallel_size."""
-    moe_router_dtype: Optional[str] = "fp32"
+    moe_router_dtype: str | None = "fp32"
     """Router logits dtype: ``fp32`` (default, recommended for RL), ``fp64`` or None (model dtype)."""
     moe_aux_loss_coeff: float = 0.0
     """Auxiliary load-balancing loss coefficient; 0 (off) by default for RL."""
@@ -49,11 +48,11 @@ class ModelConfig:
     """Freeze the router weights (no gradient step on them)."""
     moe_token_dispatcher_type: str = "alltoall"
     """Megatron MoE token dispatcher: ``alltoall`` or ``allgather``."""
-    moe_grouped_gemm: Optional[bool] = None
+    moe_grouped_gemm: bool | None = None
     """Grouped GEMM for experts; None = on with CUDA/Transformer Engine, off on CPU."""
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: str | None = None
     """Activation recomputation: None, ``selective`` or ``full`` (Megatron's names)."""
-    megatron_overrides: Dict[str, Any] = field(default_factory=dict)
+    megatron_overrides: dict[str, Any] = field(default_factory=dict)
     """Any Megatron-Core ``TransformerConfig`` or ``DistributedDataParallelConfig`` field, applied
     last over megarl's choices (``{moe_permute_fusion: false, bucket_size: 40000000}``); names are
     checked against Megatron's own dataclass fields by ``megarl validate``."""
@@ -71,11 +70,11 @@ class ParallelConfig:
     """Tensor (intra-layer) model-parallel size (TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline model-parallel size (PP): the layers are split into this many stages."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     """Interleaved pipeline: model chunks per PP stage (None = no interleaving)."""
     expert_model_parallel_size: int = 1
     """Expert-parallel size (EP): the experts are split over this many ranks."""
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: int | None = None
     """Tensor-parallel size inside each expert (ETP); None = Megatron's default (equal to TP)."""
     context_parallel_size: int = 1
     """Context-parallel size (CP): the sequence is split over this many ranks."""
@@ -83,9 +82,9 @@ class ParallelConfig:
     """Megatron sequence parallelism (requires TP > 1; required for MoE with TP > 1)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
-    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_first_pipeline_stage: int | None = None
     """Uneven pipeline: decoder layers on the first stage (Megatron's field); None = even split."""
-    num_layers_in_last_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: int | None = None
     """Uneven pipeline: decoder layers on the last stage; the middle stages share the rest evenly
     (DeepSeek-V3's 61 layers on PP=8: first 7, last 6, six middle stages of 8)."""
 
@@ -101,7 +100,7 @@ class TrainConfig:
     ``num_trajectories / global_batch_size`` optimizer steps."""
     micro_batch_size: int = 1
     """Sequences per micro batch when ``max_tokens_per_microbatch`` is unset."""
-    max_tokens_per_microbatch: Optional[int] = 4096
+    max_tokens_per_microbatch: int | None = 4096
     """Token budget per micro batch (dynamic batching); None = fixed ``micro_batch_size``."""
     optimizer: str = "adam"
     """``adam`` (AdamW) or ``sgd``."""
@@ -125,7 +124,7 @@ class TrainConfig:
     """Global gradient-norm clip (0 = off)."""
     precision: str = "auto"
     """Parameter / compute dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``bf16``, ``fp16`` or ``fp32``."""
-    fp8: Optional[str] = None
+    fp8: str | None = None
     """FP8 through Transformer Engine (GPU only): None, ``e4m3`` or ``hybrid``."""
     fp8_recipe: str = "tensorwise"
     """Transformer Engine FP8 recipe: ``tensorwise`` (current per-tensor scaling, sm_89+),
@@ -136,7 +135,7 @@ class TrainConfig:
     ``r3`` (replay the rollout engine's routes, Rollout Routing Replay, arXiv:2510.11370)."""
     seed: int = 1234
     """Seed of the trainer, the data order and the rollout sampling."""
-    max_wall_time_s: Optional[float] = None
+    max_wall_time_s: float | None = None
     """Stop cleanly before this many seconds of ``megarl train``: after the step whose successor
     would not fit, save a checkpoint and exit with code 75 (as on SIGUSR1 / SIGTERM); None = no limit."""
 
@@ -153,7 +152,7 @@ class WeightSyncConfig:
     host), ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""
     bucket_size_mb: int = 512
     """Bucket size for flattened transfers, in MiB."""
-    senders_per_stage: Optional[int] = None
+    senders_per_stage: int | None = None
     """``p2p`` / ``distributed`` with several engines: this many complete copies (data-parallel
     replicas) of each pipeline stage gather and send side by side, replica ``k`` to the engines
     ``i % senders_per_stage == k``; null = as many as there are engines and complete copies
@@ -192,12 +191,12 @@ class DataConfig:
 
     train_path: str = "???"
     """Training prompts (jsonl or parquet)."""
-    eval_path: Optional[str] = None
+    eval_path: str | None = None
     """Held-out prompts for evaluation."""
     dataset: str = "file"
     """Reader of ``train_path`` / ``eval_path``: ``file`` (jsonl or parquet), or a reader a plugin
     registers / an import path: ``reader(path, **dataset_kwargs) -> list of row dicts``."""
-    dataset_kwargs: Dict[str, Any] = field(default_factory=dict)
+    dataset_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the dataset reader."""
     prompt_key: str = "question"
     """Field holding the prompt text."""
@@ -207,7 +206,7 @@ class DataConfig:
     """Prompts longer than this (after the chat template) are skipped."""
     shuffle: bool = True
     """Shuffle the prompt order every epoch (seeded by ``train.seed``)."""
-    max_eval_samples: Optional[int] = 64
+    max_eval_samples: int | None = 64
     """Evaluate on at most this many held-out prompts."""
     eval_interval: int = 0
     """Evaluate every N RL steps (0 = never); greedy decoding (``eval/accuracy``)."""
@@ -234,12 +233,12 @@ class ClusterConfig:
     """Nodes for the rollout engines (disaggregated)."""
     rollout_devices_per_node: int = 1
     """GPUs (CPU: engine ranks) per rollout node."""
-    gpu: Optional[str] = None
+    gpu: str | None = None
     """GPU model for capacity planning (`megarl.plan.gpus`): ``h100``, ``h200``, ``b200``, ``gb200``, or
     ``auto`` (this node's, by ``torch.cuda.get_device_name``); None: unknown (with ``device: cuda``
     the node's GPU is detected). When known, ``megarl validate`` refuses a layout whose trainer or
     engine ranks do not fit its memory (``megarl plan`` shows the numbers); CPU runs skip the check."""
-    ray_address: Optional[str] = None
+    ray_address: str | None = None
     """Existing Ray cluster (``auto`` or ``host:port``); None = start a local one."""
     master_port: int = 0
     """torch.distributed rendezvous port of the trainer group on rank 0's node: the first free port at
@@ -267,7 +266,7 @@ class ClusterConfig:
 class CheckpointConfig:
     """Trainer checkpoints and resume."""
 
-    save_dir: Optional[str] = None
+    save_dir: str | None = None
     """Where checkpoints go; None = ``{logging.run_dir}/checkpoints``."""
     save_interval: int = 0
     """Save every N RL steps (0 = only at the end)."""
@@ -301,7 +300,7 @@ class LoggingConfig:
     save_rollouts: bool = True
     """Write every step's trajectories (decoded prompt and response, token counts, tool calls,
     reward and its terms, policy version, group id) to ``run_dir/rollouts/step_N.jsonl``."""
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     """Peak dense TFLOP/s of one trainer device for ``perf/mfu`` (default: looked up by GPU name,
     ``megarl.launch.mfu.PEAK_TFLOPS``; a CPU or unknown GPU logs NaN)."""
     level: str = "INFO"
@@ -346,7 +345,7 @@ class MegarlConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    plugins: List[str] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
     """User modules (dotted names or ``.py`` files) imported before anything is built, in the
     driver and in every Ray worker; they register tools, rewards, agent loops and datasets."""
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 
 @dataclass
@@ -17,7 +17,7 @@ class AlgorithmConfig:
     """``gspo`` (sequence-level, default), ``gspo_token`` or ``ppo_clip`` (GRPO/DAPO token level),
     another registered loss, or an import path (``my_pkg.losses:my_loss``; slime's
     ``--custom-loss-function-path``)."""
-    policy_loss_kwargs: Dict[str, Any] = field(default_factory=dict)
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the policy loss beyond the fields its entry declares: a plugin loss's
     own hyperparameters (``megarl validate`` checks they bind to its signature)."""
     advantage_estimator: str = "grpo"
@@ -27,7 +27,7 @@ class AlgorithmConfig:
     """Lower clip range: ratios below ``1 - clip_low`` are clipped. GSPO paper: 3e-4 (PPO/GRPO: 0.2)."""
     clip_high: float = 4.0e-4
     """Upper clip range: ratios above ``1 + clip_high`` are clipped. GSPO paper: 4e-4 (DAPO: 0.28)."""
-    clip_c: Optional[float] = None
+    clip_c: float | None = None
     """Dual-clip constant for negative advantages (``ppo_clip`` only); None = off."""
     loss_aggregation: str = "seq_mean_token_mean"
     """``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum`` or ``seq_mean_token_sum_norm``."""
@@ -50,7 +50,7 @@ class AlgorithmConfig:
     which a token is dropped (decoupled)."""
     rollout_correction_low: float = 0.5
     """Lower band of masked IS / IcePop."""
-    max_behaviour_drift: Optional[float] = None
+    max_behaviour_drift: float | None = None
     """Staleness by measured drift: a trajectory whose drift between the engine that sampled it
     (``rollout_logprobs``) and the trainer at this step's weights (``old_logprobs``), measured by
     ``behaviour_drift_statistic`` over its loss tokens, exceeds this (> 0, nats per token) is dropped

@@ -4,7 +4,7 @@ the ``rollout`` section that holds them, and the ``retrieval`` service. Re-expor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
 @dataclass
@@ -19,7 +19,7 @@ class SamplingConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 512
     """Upper bound on tokens generated in one turn."""
-    stop: List[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
     """Extra stop strings."""
 
 
@@ -36,7 +36,7 @@ class AgentConfig:
     """Maximum response tokens (model and tool tokens) per trajectory."""
     max_context_tokens: int = 4096
     """Prompt + response limit; stop (truncated) before exceeding it."""
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     """System message prepended to every prompt."""
     tool_call_parser: str = "auto"
     """SGLang FunctionCallParser name (``qwen25`` covers Qwen2.5 and Qwen3, ``deepseekv3``, ``glm45``);
@@ -45,7 +45,7 @@ class AgentConfig:
     """SGLang ReasoningParser name (``qwen3``, ``deepseek-v3``, ``glm45``) splitting each turn into
     reasoning and answer (tool calls and rewards read the answer only); ``auto`` = the model
     family's; ``none`` = no separation."""
-    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to every chat-template render: the prompt, each observation suffix with its generation
     prompt, and the SFT demonstrations (e.g. ``enable_thinking: false`` for Qwen3 / GLM-4.5)."""
     max_tool_output_chars: int = 2048
@@ -74,13 +74,13 @@ class EngineConfig:
     """SGLang ``--mem-fraction-static`` (weights and KV cache, of each GPU's memory). Colocated on CUDA
     it shares the GPU with the trainer: with ``cluster.colocated_trainer_memory_fraction`` it must
     fit (``megarl validate``)."""
-    max_total_tokens: Optional[int] = None
+    max_total_tokens: int | None = None
     """SGLang ``--max-total-tokens`` (KV cache size); None = SGLang's choice."""
     startup_timeout_s: float = 300.0
     """Seconds to wait for ``/health`` after launch."""
     request_timeout_s: float = 600.0
     """Seconds before one generate request is abandoned."""
-    extra_args: List[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)
     """Extra ``sglang.launch_server`` arguments, verbatim."""
     dtype: str = "auto"
     """SGLang ``--dtype``: ``auto`` (the checkpoint's), ``bfloat16``, ``float16`` or ``float32``."""
@@ -97,7 +97,7 @@ class RolloutConfig:
 
     num_engines: int = 1
     """SGLang engines started by megarl (ignored when ``external_engine_urls`` is set)."""
-    external_engine_urls: List[str] = field(default_factory=list)
+    external_engine_urls: list[str] = field(default_factory=list)
     """Already running SGLang servers to use instead of launching engines."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Per-engine server settings."""
@@ -111,11 +111,11 @@ class RolloutConfig:
     """Sampling parameters of training rollouts."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """The agent loop."""
-    tools: Dict[str, Any] = field(default_factory=dict)
+    tools: dict[str, Any] = field(default_factory=dict)
     """Tools by registry name or import path -> their settings (``{python: {timeout_s: 5}}``)."""
     reward: str = "gsm8k"
     """Reward function, by registry name or import path (``my_pkg.tasks:ExactMatch``)."""
-    reward_kwargs: Dict[str, Any] = field(default_factory=dict)
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Settings of the reward function."""
     async_mode: bool = False
     """Overlap rollout of step k+1 with training of step k (off = on-policy)."""
@@ -132,18 +132,18 @@ class RolloutConfig:
 class RetrievalConfig:
     """The retrieval service the ``search`` tool calls (:mod:`megarl.retrieval`)."""
 
-    index: Optional[str] = None
+    index: str | None = None
     """Index directory (``megarl index build CORPUS OUT``); None = no service is started."""
     backend: str = "bm25"
     """``bm25`` (bm25s) or ``dense`` (faiss over all-MiniLM-L6-v2); must be the index's backend."""
-    corpus: Optional[str] = None
+    corpus: str | None = None
     """The corpus file the index must have been built from (SHA-256 compared at start); None = no check."""
-    url: Optional[str] = None
+    url: str | None = None
     """An already running service to use instead of starting one (then ``index`` is ignored)."""
     host: str = "auto"
     """Address the service binds: ``auto`` = 127.0.0.1, or in a Slurm job (nodes advertising
     ``megarl_node_<i>``) the address of the first rollout node, where the service is placed."""
-    port: Optional[int] = None
+    port: int | None = None
     """HTTP port; None = a free one."""
     max_batch_queries: int = 64
     """Concurrent queries coalesced into one library call."""

@@ -12,9 +12,10 @@ every command and as ``megarl validate CONFIG``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -154,7 +155,8 @@ CONFLICTS: list[Conflict] = [
     Conflict("rollout.engine.expert_parallel_size",
              "SGLang splits each engine's experts over EP and the rest of its TP (moe_tp = tp / ep): "
              "rollout.engine.expert_parallel_size must divide rollout.engine.tensor_parallel_size",
-             lambda cfg: cfg.rollout.engine.tensor_parallel_size % max(cfg.rollout.engine.expert_parallel_size, 1) != 0),
+             lambda cfg: cfg.rollout.engine.tensor_parallel_size
+             % max(cfg.rollout.engine.expert_parallel_size, 1) != 0),
     Conflict("weight_sync.pause_mode",
              "train.routing_replay=r3 with rollout.async_mode=true needs weight_sync.pause_mode=abort: a weight "
              "sync pauses requests in flight, and R3 must replay the routes they were sampled with; 'retract' "
@@ -287,7 +289,8 @@ def config_issues(cfg: DictConfig, *, check_paths: bool = True) -> list[ConfigIs
             can be checked without it.
     """
     c = Checker(cfg)
-    missing = [k for k in ("model.hf_path", "data.train_path") if OmegaConf.is_missing(_parent(cfg, k), k.split(".")[-1])]
+    missing = [k for k in ("model.hf_path", "data.train_path")
+               if OmegaConf.is_missing(_parent(cfg, k), k.split(".")[-1])]
     for key in missing:
         c.check(False, key, "required: set it in the YAML or as an override", value="???")
     if missing:

@@ -151,7 +151,8 @@ def checkpoint_architecture(shapes: dict, prefix: str) -> dict:
     qkv, q_norm = shape("decoder.layers.0.self_attention.linear_qkv.weight"), shape(
         "decoder.layers.0.self_attention.q_layernorm.weight")
     if qkv and q_norm:
-        out.update(head_dim=q_norm[0], qkv_rows=qkv[0], proj_cols=shape("decoder.layers.0.self_attention.linear_proj.weight")[1])
+        out.update(head_dim=q_norm[0], qkv_rows=qkv[0],
+                   proj_cols=shape("decoder.layers.0.self_attention.linear_proj.weight")[1])
     experts = sorted(k for k in layer_keys if ".mlp.experts." in k and k.endswith("linear_fc2.weight")
                      and len(shapes[prefix + k][0]) == 3)
     if experts:

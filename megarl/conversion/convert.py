@@ -24,7 +24,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 from megarl.config.schema import ModelConfig, ParallelConfig
 
@@ -103,9 +103,9 @@ def _hf_precision(hf_config) -> str:
 
 def hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                   expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
-                   virtual_pipeline_model_parallel_size: Optional[int] = None,
-                   make_vocab_size_divisible_by: int = 128, precision: Optional[str] = None,
+                   expert_model_parallel_size: int = 1, expert_tensor_parallel_size: int | None = None,
+                   virtual_pipeline_model_parallel_size: int | None = None,
+                   make_vocab_size_divisible_by: int = 128, precision: str | None = None,
                    overwrite: bool = False, timeout_s: float = 3600.0) -> Path:
     """Convert an HF directory into a Megatron ``dist_checkpointing`` checkpoint at a layout.
 
@@ -156,7 +156,7 @@ class ImportPlan:
         make_vocab_size_divisible_by: vocabulary padding unit. precision: ``fp32``/``bf16``/``fp16``.
     """
     hf_dir: Path
-    hf_config: object
+    hf_config: Any
     parallel: ParallelConfig
     world_size: int
     make_vocab_size_divisible_by: int
@@ -170,9 +170,9 @@ class ImportPlan:
 
 def plan_import(hf_dir: str | os.PathLike, *, tensor_model_parallel_size: int = 1,
                 pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                expert_tensor_parallel_size: Optional[int] = None,
-                virtual_pipeline_model_parallel_size: Optional[int] = None,
-                make_vocab_size_divisible_by: int = 128, precision: Optional[str] = None) -> ImportPlan:
+                expert_tensor_parallel_size: int | None = None,
+                virtual_pipeline_model_parallel_size: int | None = None,
+                make_vocab_size_divisible_by: int = 128, precision: str | None = None) -> ImportPlan:
     """Check an HF directory against its config and the layout; see :func:`hf_to_megatron`.
 
     Raises:
@@ -217,9 +217,9 @@ def finish_import(plan: ImportPlan, tmp: Path) -> None:
 
 
 def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                       hf_config_dir: str | os.PathLike | None = None, dtype: Optional[str] = None,
+                       hf_config_dir: str | os.PathLike | None = None, dtype: str | None = None,
                        max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, ranks: int = 1,
-                       timeout_s: Optional[float] = None) -> Path:
+                       timeout_s: float | None = None) -> Path:
     """Export a Megatron dist checkpoint (model weights, any saving layout) to an HF directory.
 
     Writes safetensors shards (+ ``model.safetensors.index.json`` when more than one), and copies

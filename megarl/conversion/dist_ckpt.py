@@ -18,6 +18,7 @@ import dataclasses
 import os
 import pickle
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,7 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
             or tensor.untyped_storage().nbytes() == tensor.nbytes):
         return tensor
     raw = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor.view(-1).view(torch.uint8)
-    buffer = memoryview(raw.reshape(-1).numpy())
+    buffer = memoryview(raw.reshape(-1).numpy())  # type: ignore[arg-type]  # ndarray: a buffer
     return torch.frombuffer(buffer, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
 
@@ -114,7 +115,7 @@ def _merge(into: Metadata | None, step: Metadata) -> Metadata:
         if key not in into.state_dict_metadata:
             into.state_dict_metadata[key] = meta
         elif isinstance(meta, TensorStorageMetadata):
-            have = into.state_dict_metadata[key]
+            have = cast(TensorStorageMetadata, into.state_dict_metadata[key])
             if tuple(have.size) != tuple(meta.size):
                 raise ValueError(f"{key}: global shape {tuple(meta.size)} differs from {tuple(have.size)}")
             have.chunks.extend(meta.chunks)
@@ -150,7 +151,9 @@ class StreamingCheckpointWriter:
         entries). Access integrity is validated once over all steps' chunks in :meth:`finalize`."""
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.core.dist_checkpointing.strategies.torch import (
-            _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+            _replace_state_dict_keys_with_sharded_keys,
+            mcore_to_pyt_state_dict,
+        )
         from torch.distributed.checkpoint import save as dcp_save
 
         sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
@@ -297,7 +300,7 @@ class CheckpointReader:
         Raises:
             KeyError: unknown key. ValueError: the saved chunks do not cover the region.
         """
-        meta = self.metadata.state_dict_metadata[key]
+        meta = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[key])
         for chunk in meta.chunks:  # fast path: the region is exactly one saved chunk
             if tuple(chunk.offsets) == tuple(offsets) and tuple(chunk.sizes) == tuple(sizes):
                 return self._chunk(key, chunk, out)
@@ -307,17 +310,17 @@ class CheckpointReader:
         for chunk in meta.chunks:
             lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
             hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            if any(h <= lo_d for lo_d, h in zip(lo, hi)):
                 continue
             dst = out
-            for dim, (l, h) in enumerate(zip(lo, hi)):
-                dst = dst.narrow(dim, l - offsets[dim], h - l)
+            for dim, (lo_d, h) in enumerate(zip(lo, hi)):
+                dst = dst.narrow(dim, lo_d - offsets[dim], h - lo_d)
             if tuple(lo) == tuple(chunk.offsets) and tuple(dst.shape) == tuple(chunk.sizes) and dst.is_contiguous():
                 self._chunk(key, chunk, dst)  # a whole chunk into contiguous rows: read in place
             else:
                 src = self._chunk(key, chunk)
-                for dim, (l, h) in enumerate(zip(lo, hi)):
-                    src = src.narrow(dim, l - chunk.offsets[dim], h - l)
+                for dim, (lo_d, h) in enumerate(zip(lo, hi)):
+                    src = src.narrow(dim, lo_d - chunk.offsets[dim], h - lo_d)
                 dst.copy_(src)
             covered += dst.numel()
         if covered != out.numel():

@@ -45,9 +45,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 from megarl.conversion.convert_cli import add_import_arguments  # the flags megarl convert and the tools share
 from megarl.errors import UserError
@@ -201,7 +201,7 @@ def _staged_output(rdzv: Rendezvous, args: argparse.Namespace) -> Iterator[Path]
             dist.destroy_process_group()
 
 
-def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[Path]:
+def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Path | None:
     """This rank's part of the conversion; returns the published directory on rank 0, else None.
 
     Raises:
@@ -227,15 +227,14 @@ def run_hf_to_megatron(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[P
         return _publish(tmp, Path(args.out_dir))
 
 
-def run_megatron_to_hf(args: argparse.Namespace, rdzv: Rendezvous) -> Optional[Path]:
+def run_megatron_to_hf(args: argparse.Namespace, rdzv: Rendezvous) -> Path | None:
     """This rank's share of the export; returns the published directory on rank 0, else None.
 
     Raises:
         As :func:`megarl.conversion.convert.megatron_to_hf_dir` (checked on every rank before any
         collective).
     """
-    from megarl.conversion.convert import (_checked_export_config, _publish, copy_hf_metadata,
-                                           resolve_checkpoint_dir)
+    from megarl.conversion.convert import _checked_export_config, _publish, copy_hf_metadata, resolve_checkpoint_dir
     from megarl.conversion.convert_cli import PRECISION_DTYPES
     from megarl.conversion.parallel_export import export_rank, write_merged_index
     from megarl.training.collectives import all_gather_object

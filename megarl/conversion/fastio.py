@@ -26,7 +26,7 @@ import io
 import os
 import pickle
 import struct
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -74,7 +74,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def row_plan(entry, layout, hf_rows: tuple[int, ...], rank: int, size: int) -> Optional[tuple]:
+def row_plan(entry, layout, hf_rows: tuple[int, ...], rank: int, size: int) -> tuple | None:
     """Where each row of a parameter's local shard comes from.
 
     Args:
@@ -140,7 +140,7 @@ def _preadv_all(fd: int, views: list, offset: int) -> int:
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
     if not tensor.numel():
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray: a buffer
 
 
 def read_hf_into(param: torch.Tensor, reader, names: Sequence[str], entry, layout, rank: int, size: int) -> bool:
@@ -244,7 +244,7 @@ class _FileSlice(io.RawIOBase):
         return len(data)
 
 
-def _zip_records(blob: _FileSlice, head: bytes) -> Optional[dict[str, tuple[int, int]]]:
+def _zip_records(blob: _FileSlice, head: bytes) -> dict[str, tuple[int, int]] | None:
     """``{name: (data start, size)}`` of the records of a zip, all stored (uncompressed), or None."""
     import zipfile
 
@@ -267,8 +267,8 @@ def _zip_records(blob: _FileSlice, head: bytes) -> Optional[dict[str, tuple[int,
     return records
 
 
-def read_torch_save_tensor(fd: int, offset: int, length: int, out: Optional[torch.Tensor] = None,
-                           head_bytes: int = 4096) -> Optional[torch.Tensor]:
+def read_torch_save_tensor(fd: int, offset: int, length: int, out: torch.Tensor | None = None,
+                           head_bytes: int = 4096) -> torch.Tensor | None:
     """The tensor ``torch.save`` wrote at ``[offset, offset + length)`` of a file, read with one
     ``preadv`` into ``out`` (or a new tensor), or ``None`` when the blob is not a plain contiguous
     little-endian single tensor (the caller then uses ``torch.load``)."""

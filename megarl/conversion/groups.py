@@ -144,16 +144,17 @@ def import_rank(hf_dir: str, out_dir: str, parallel_cfg, model_cfg, precision: s
     """One rank of ``hf_to_megatron``: fill and save this rank's groups step by step."""
     from megarl.conversion.dist_ckpt import StreamingCheckpointWriter
     from megarl.conversion.fastio import StoragePool
-    from megarl.models.families import get_family
     from megarl.conversion.hf_io import HFCheckpointReader
     from megarl.conversion.load_hf import load_param
+    from megarl.models.families import get_family
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
 
     ps = initialize_parallel(parallel_cfg, backend="gloo")
     hf_config = load_hf_config(hf_dir)
     chunks = build_model(hf_config, parallel_cfg, model_cfg, precision=precision, device="meta", spec="local")
-    layout = get_family(hf_config).layout(hf_config, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+    layout = get_family(hf_config).layout(hf_config,
+                                          make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
                                           tp_size=ps.tp_size)
     if any(not p.is_meta for chunk in chunks for p in chunk.parameters()):
         raise RuntimeError("the converter's model was not built on the meta device")

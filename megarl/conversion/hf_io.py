@@ -12,7 +12,8 @@ Block-FP8 checkpoints (DeepSeek-V3's and Qwen3's FP8 releases: ``config.json`` h
 of an FP8 weight reads it and its scales and returns ``q * scale_inv`` per block in the config's
 ``torch_dtype`` (:mod:`megarl.models.fp8_blocks`), one tensor at a time, stripe by stripe, so
 conversion and ``model.hf_path`` loading stream through the model as for a BF16 checkpoint; the
-``_scale_inv`` tensors are not listed by :meth:`~HFCheckpointReader.keys`. Writing: :class:`SafetensorsStreamWriter` writes the header first (names, dtypes, shapes
+``_scale_inv`` tensors are not listed by :meth:`~HFCheckpointReader.keys`. Writing: :class:`SafetensorsStreamWriter`
+writes the header first (names, dtypes, shapes
 planned in advance) and then each tensor as it is produced, so a shard is never held in memory.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -114,7 +116,8 @@ class HFCheckpointReader:
                 raise CheckpointFileError(f"{self.hf_dir}: FP8 weight {name} has no {scale}")
             want = self.quantization.scale_shape(self._entries[name][1]["shape"])
             if tuple(self._entries[scale][1]["shape"]) != want:
-                raise CheckpointFileError(f"{self.hf_dir}: {scale} has shape {tuple(self._entries[scale][1]['shape'])}, "
+                raise CheckpointFileError(f"{self.hf_dir}: {scale} has shape "
+                                          f"{tuple(self._entries[scale][1]['shape'])}, "
                                           f"expected {want} for {name} with blocks {self.quantization.block}")
             scales[name] = scale
         return scales
@@ -203,7 +206,7 @@ class HFCheckpointReader:
         begin, end = meta["data_offsets"]
         dtype = _DTYPES[meta["dtype"]]
         out = torch.empty(meta["shape"], dtype=dtype)
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]  # ndarray: a buffer
         with open(path, "rb", buffering=0) as f:
             got = os.preadv(f.fileno(), [view], start + begin) if end > begin else 0
         if got != end - begin:
@@ -226,7 +229,8 @@ def _block_fp8_settings(hf_dir: Path):
 
 
 def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, list[int]]:
-    header, sizes, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    sizes, offset = list[int](), 0
     for name, dtype, shape in entries:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
@@ -263,7 +267,7 @@ class SafetensorsStreamWriter:
             raise ValueError(f"{self.path}: expected {want_name} {dtype} {shape}, got {name} "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
         data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy() if tensor.numel() else b""
-        self._file.write(memoryview(data))
+        self._file.write(memoryview(data))  # type: ignore[arg-type]  # ndarray: a buffer
         self._next += 1
 
     def close(self) -> None:
@@ -278,7 +282,7 @@ def plan_shards(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
                 max_shard_bytes: int) -> list[list[tuple[str, torch.dtype, tuple]]]:
     """Split planned tensors into consecutive shards of at most ``max_shard_bytes`` (a single
     larger tensor gets its own shard)."""
-    shards, current, size = [], [], 0
+    shards, current, size = [], list[tuple[str, torch.dtype, tuple]](), 0
     for name, dtype, shape in entries:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if current and size + nbytes > max_shard_bytes:

@@ -46,8 +46,7 @@ def check_load_dir(load_dir: str | os.PathLike, hf_path: str | os.PathLike) -> N
             (names the field, both values and the files).
         ValueError: unreadable marker file or no model in the checkpoint.
     """
-    from megarl.conversion.config_check import (ConfigMismatchError, check_checkpoint_matches_config,
-                                                compare_configs)
+    from megarl.conversion.config_check import ConfigMismatchError, check_checkpoint_matches_config, compare_configs
     from megarl.conversion.dist_ckpt import model_prefix, tensor_shapes
     from megarl.training.model import load_hf_config
 

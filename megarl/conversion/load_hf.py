@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,10 +35,9 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | os.Pa
         ConfigMismatchError: config.json disagrees with the safetensors (names field, values, file).
         ValueError: a tensor shape that does not match the model (names both).
     """
+    from megarl.conversion.config_check import check_weights_match_config
     from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
-
-    from megarl.conversion.config_check import check_weights_match_config
 
     hf_config = load_hf_config(hf_dir)
     layout = layout or get_family(hf_config).layout(hf_config, tp_size=parallel_state.tp_size)

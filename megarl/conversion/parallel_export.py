@@ -21,9 +21,10 @@ driver's wait before the next checkpoint commit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import torch
 
@@ -161,9 +162,9 @@ class _ExportModel:
     """The TP=1 meta model of a checkpoint and its HF tensors, group by group (one export rank)."""
 
     def __init__(self, ckpt_dir: str, config_dir: str, dtype) -> None:
+        from megarl.config.schema import ModelConfig, ParallelConfig
         from megarl.conversion.dist_ckpt import model_prefix, tensor_shapes
         from megarl.conversion.groups import _local_infos, module_groups
-        from megarl.config.schema import ModelConfig, ParallelConfig
         from megarl.models.families import get_family
         from megarl.training.model import build_model, load_hf_config
         from megarl.training.parallel_state import initialize_parallel
@@ -194,7 +195,7 @@ class _ExportModel:
         index, modules = self.groups[k]
         return _group_params(self.chunks[index], [p for m in modules for p in m.parameters()])
 
-    def hf_tensors(self, k: int, named) -> list[tuple[str, torch.Tensor]]:
+    def hf_tensors(self, k: int, named) -> Iterator[tuple[str, torch.Tensor]]:
         """Group ``k``'s ``(local name, tensor)`` pairs as HF ``(name, tensor)`` pairs."""
         from megarl.models.mapping import megatron_to_hf
 
@@ -246,7 +247,8 @@ class _ShardSink:
 
     def __init__(self, out_dir: Path, files, shards):
         self._todo = iter(list(zip(files, shards)))
-        self._out_dir, self._current, self._remaining = out_dir, None, 0
+        self._out_dir, self._remaining = out_dir, 0
+        self._current: Any = None  # the SafetensorsStreamWriter of the file being written
 
     def write_all(self, items) -> None:
         from megarl.conversion.hf_io import SafetensorsStreamWriter

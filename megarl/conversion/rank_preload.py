@@ -10,7 +10,7 @@ try:
     for _model_type in {t for family in _registry().values() for t in family.model_types}:
         if _model_type in CONFIG_MAPPING:
             CONFIG_MAPPING[_model_type]  # imports the configuration module
-    import megarl.conversion.convert  # noqa: F401
+    import megarl.conversion.convert
     import megarl.training.model  # noqa: F401
 except Exception:  # noqa: BLE001 - preloading is an optimisation only
     pass

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from megarl.registry import Registry
 
@@ -102,7 +103,7 @@ def load_rows(dataset: str, path: str, **kwargs: Any) -> list[Row]:
         rows = list(reader(path, **kwargs))
     except DatasetError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's reader; reported with its key
+    except Exception as e:  # the user's reader; reported with its key
         raise DatasetError(f"data.dataset={dataset!r} failed on {path}: {type(e).__name__}: {e}") from e
     if not all(isinstance(row, dict) for row in rows):
         raise DatasetError(f"data.dataset={dataset!r} must return dict rows (got "
@@ -151,7 +152,7 @@ class PromptDataset:
     @classmethod
     def from_file(cls, path: str | os.PathLike, *, prompt_key: str = "question",
                   answer_key: str = "answer", max_rows: int | None = None, dataset: str = "file",
-                  dataset_kwargs: dict[str, Any] | None = None) -> "PromptDataset":
+                  dataset_kwargs: dict[str, Any] | None = None) -> PromptDataset:
         """Load a dataset file (see :func:`read_rows`) or the rows a ``dataset`` reader returns for
         ``path`` (see :func:`load_rows`), keeping at most ``max_rows`` rows.
 

@@ -22,7 +22,8 @@ reasoning, ``\n</think>\n\n``, then the rendered answer.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ def _render_after(template: Any, context: list[dict[str, Any]], message: dict[st
     """The template's text of ``context + [message]`` after the anchor (arguments form retried)."""
     try:
         text = template.render(context + [message])
-    except Exception as first:  # noqa: BLE001 - jinja raises TypeError / UndefinedError / TemplateError
+    except Exception as first:  # jinja raises TypeError / UndefinedError / TemplateError
         if not message.get("tool_calls"):
             raise DemonstrationError(f"the chat template cannot render {message!r}: {first}") from first
         try:

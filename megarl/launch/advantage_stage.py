@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -93,8 +94,8 @@ def build_train_batch(groups: Sequence[TrajectoryGroup], *, algorithm: Algorithm
         if len(trajs) < 2:
             dropped["small_group"] += len(trajs)
             continue
-        rewards = [t.reward for t in trajs]
-        if algorithm.filter_zero_variance_groups and max(rewards) == min(rewards):
+        group_rewards = [t.reward for t in trajs]
+        if algorithm.filter_zero_variance_groups and max(group_rewards) == min(group_rewards):
             dropped["zero_variance"] += len(trajs)
             continue
         kept_groups.append(trajs)

@@ -26,14 +26,14 @@ weight-sync transport and its verification, placement (disaggregated / colocated
 agent loop and plugins. Every change that switches a recipe's feature off (or drops a parallel
 dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
 the CLI prints them.
-"""
+"""  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
 import copy
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from megarl.config.schema import TrainConfig
 from megarl.models.families import find_family
@@ -60,7 +60,8 @@ def _tiny_model(hf_path: str) -> tuple[str, str | None]:
 
 
 def _parallel(p: DictConfig, notes: list[str]) -> None:
-    tp, pp, ep = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size), int(p.expert_model_parallel_size)
+    tp, pp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size)
+    ep = int(p.expert_model_parallel_size)
     if tp > 1:
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = WORLD_SIZE, 1
         if pp > 1:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from megarl.algorithms.pass_at_k import mean_pass_at_k
 

@@ -3,7 +3,8 @@
     megarl eval CONFIG [overrides] (--checkpoint PATH | --hf PATH) [--data PATH] [--samples N]
         [--k 1,4,...] [--out REPORT.json]
 
-1. **Model**: ``--hf`` (a directory or a hub id, :mod:`megarl.config.hub`) is served as it is. ``--checkpoint`` (a trainer's ``RUN/checkpoints/step_N``,
+1. **Model**: ``--hf`` (a directory or a hub id, :mod:`megarl.config.hub`) is served as it is. ``--checkpoint`` (a
+   trainer's ``RUN/checkpoints/step_N``,
    its ``trainer/``, a ``checkpoints/`` directory with ``latest``, or any dist checkpoint of any
    layout) is exported to an HF directory by megarl's own converter
    (:func:`megarl.conversion.convert.megatron_to_hf_dir`, as ``megarl convert megatron-to-hf`` and
@@ -84,7 +85,8 @@ def _parse_ks(text: str | None) -> tuple[int, ...] | None:
     try:
         ks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
-        raise EvalArgumentError(f"argument --k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8") from None
+        raise EvalArgumentError(
+            f"argument --k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8") from None
     if not ks or ks[0] < 1:
         raise EvalArgumentError(f"argument --k {text!r}: give comma-separated positive integers, e.g. --k 1,4,8")
     return ks
@@ -182,8 +184,8 @@ def evaluate_model(cfg: Any, rows: list[dict], log_dir: Path, policy_version: in
     import ray
     from omegaconf import OmegaConf
 
-    from megarl.cluster.ray_engines import EngineGroup
     from megarl.cluster.placement import build_placement, init_ray
+    from megarl.cluster.ray_engines import EngineGroup
     from megarl.cluster.retrieval import start_retrieval, stop_retrieval
     from megarl.launch.rollout_actor import RolloutWorker
 
@@ -264,8 +266,8 @@ def _checkpoint_config_dir(ckpt: Path) -> Path:
 
     stored = ckpt / HF_CONFIG_SUBDIR
     if not (stored / "config.json").is_file():
-        raise EvalArgumentError(f"argument --checkpoint {ckpt}: no {HF_CONFIG_SUBDIR}/config.json in it; export it with "
-                                f"`megarl convert megatron-to-hf CKPT OUT --hf-config HF_DIR` and pass --hf OUT")
+        raise EvalArgumentError(f"argument --checkpoint {ckpt}: no {HF_CONFIG_SUBDIR}/config.json in it; export it "
+                                f"with `megarl convert megatron-to-hf CKPT OUT --hf-config HF_DIR` and pass --hf OUT")
     return stored
 
 

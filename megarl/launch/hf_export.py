@@ -35,8 +35,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 logger = logging.getLogger("megarl.train")
 
@@ -46,7 +46,7 @@ MAX_EXPORT_RANKS = 8
 """Export processes at most (fewer on a machine with fewer CPUs): each reads and writes its share."""
 
 
-def export_ranks(cpu_count: Optional[int] = None) -> int:
+def export_ranks(cpu_count: int | None = None) -> int:
     """Export processes on this machine: :data:`MAX_EXPORT_RANKS`, at most one per CPU."""
     return max(1, min(MAX_EXPORT_RANKS, cpu_count or os.cpu_count() or 1))
 
@@ -77,13 +77,13 @@ class BackgroundExport:
         ranks: processes of the default export (:func:`export_ranks`).
     """
 
-    def __init__(self, export: Optional[Callable[[Path, Path], None]] = None, attempts: int = EXPORT_ATTEMPTS,
-                 ranks: Optional[int] = None) -> None:
+    def __init__(self, export: Callable[[Path, Path], None] | None = None, attempts: int = EXPORT_ATTEMPTS,
+                 ranks: int | None = None) -> None:
         self.ranks = export_ranks() if ranks is None else int(ranks)
         self._export = export or (lambda ckpt, out: _export(ckpt, out, self.ranks))
         self.attempts = int(attempts)
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self.failures: list[tuple[str, str]] = []
         """``(checkpoint name, error)`` of every export that failed all its tries."""
 
@@ -115,7 +115,7 @@ class BackgroundExport:
         self._thread = threading.Thread(target=work, name=f"hf-export-{ckpt.name}", daemon=True)
         self._thread.start()
 
-    def wait(self, *, raise_error: bool = True) -> Optional[BaseException]:
+    def wait(self, *, raise_error: bool = True) -> BaseException | None:
         """Block until the export in flight (if any) finished.
 
         Args:

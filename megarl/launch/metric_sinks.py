@@ -12,9 +12,10 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

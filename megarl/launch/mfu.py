@@ -22,8 +22,9 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # dense (no 2:4 sparsity) tensor-core peaks from the vendors' datasheets, TFLOP/s per device

@@ -4,7 +4,8 @@ A batch scheduler ends jobs: Slurm sends ``SIGUSR1`` a chosen time before the li
 (``#SBATCH --signal=B:USR1@600``), ``SIGTERM`` on preemption or ``scancel``, then ``SIGKILL``.
 :class:`StopGuard` turns the first ``SIGUSR1`` / ``SIGTERM`` into a request: the driver finishes
 the RL step in flight, saves a checkpoint, shuts its processes down and exits with
-:data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again later), which tells a wrapper (``slurm/train.sbatch``) to requeue the job. A
+:data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: try again later), which tells a wrapper (``slurm/train.sbatch``) to requeue
+the job. A
 second signal stops at once (``KeyboardInterrupt``; the run resumes from the previous checkpoint).
 ``train.max_wall_time_s`` does the same without a scheduler: the guard stops after the step whose
 successor would end past the budget (predicted from the last step's duration, evaluation and
@@ -22,8 +23,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger("megarl.train")
 
@@ -60,7 +62,7 @@ class StopGuard:
         self.reason: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> "StopGuard":
+    def install(self) -> StopGuard:
         """Handle ``SIGUSR1`` / ``SIGTERM`` (main thread only; elsewhere signals are left alone)."""
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:

@@ -11,8 +11,9 @@ module only collects. :func:`prepare_config` is what every ``megarl`` command th
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -223,7 +224,8 @@ class RolloutWorker:
             self.sampled_eval_manager.policy_version = policy_version
             sampled, sampled_trajs = await self._score(self.sampled_eval_manager, rows,
                                                        int(self.cfg.data.eval_samples_per_prompt))
-            metrics |= {"eval/sampled_reward_mean": sampled["reward_mean"], "eval/sampled_accuracy": sampled["accuracy"]}
+            metrics |= {"eval/sampled_reward_mean": sampled["reward_mean"],
+                        "eval/sampled_accuracy": sampled["accuracy"]}
         records = {"greedy": _records(trajs, rows), "sampled": _records(sampled_trajs, rows)}
         return metrics, self.describe(trajs[0]) if trajs else "", records
 

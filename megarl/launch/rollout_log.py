@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 RECORD_VERSION = 2
 """Version of a line's layout: 1 (no ``record_version`` key) without ``turns``; 2 with them."""

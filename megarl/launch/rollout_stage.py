@@ -11,7 +11,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -106,7 +107,7 @@ class RolloutStage:
                            "seeds)", step + 1, ", ".join(restarted))
             rollout = self.start(step, current.rows).wait()
         rollout.groups.sort(key=lambda g: g.group_id)  # completion order -> prompt order: a deterministic batch
-        if getattr(rollout, "sample_text", ""):
+        if rollout.sample_text:
             logger.info("step %d rollout sample: %s", step + 1, rollout.sample_text)
         rollout.metrics["engine/restarts"] = float(len(restarted))
         rollout.metrics["rollout/in_flight"] = float(len(self.in_flight))

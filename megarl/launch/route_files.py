@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import ray
 import torch

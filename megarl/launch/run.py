@@ -26,8 +26,8 @@ import ray
 from omegaconf import OmegaConf
 
 from megarl.cluster.colocated import EngineMemoryLoan, lends_engine_memory
-from megarl.cluster.ray_engines import EngineGroup, heal_engines
 from megarl.cluster.placement import build_placement, init_ray
+from megarl.cluster.ray_engines import EngineGroup, heal_engines
 from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.config.schema import DataConfig, MegarlConfig
 from megarl.data.datasets import PromptDataset

@@ -15,8 +15,9 @@ Deviation from ReTool: no separate SFT run or model; the optimizer's Adam state 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

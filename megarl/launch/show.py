@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import operator
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from megarl.errors import UserError
 

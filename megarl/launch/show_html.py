@@ -17,7 +17,8 @@ from __future__ import annotations
 import html
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _TOOL_CALL = re.compile(r"(<tool_call>.*?</tool_call>|<｜tool▁calls▁begin｜>.*?<｜tool▁calls▁end｜>)", re.S)
 
@@ -97,8 +98,8 @@ def _turn(turn: dict[str, Any], model_turn: int) -> str:
                 f'{turn["tokens"]} tokens</div>{_text(turn["text"])}</div>')
     lo, hi = turn["policy_versions"]
     reasoning = turn.get("reasoning", "").strip()
-    return (f'<div class="turn trained"><div class="label">model turn {model_turn} | trained | {turn["tokens"]} tokens | '
-            f'policy v{lo}{"" if lo == hi else f"-v{hi}"}</div>'
+    return (f'<div class="turn trained"><div class="label">model turn {model_turn} | trained | '
+            f'{turn["tokens"]} tokens | policy v{lo}{"" if lo == hi else f"-v{hi}"}</div>'
             + (f'<div class="reasoning">{_text(reasoning)}</div>' if reasoning else "")
             + _answer(turn.get("answer", turn["text"])) + "</div>")
 
@@ -114,7 +115,8 @@ def _reward(row: dict[str, Any]) -> str:
 
 def _trajectory(step: int, index: int, order: int, row: dict[str, Any], prefix: str) -> str:
     turns, model_turn, body = row.get("turns"), 0, []
-    for turn in turns if turns is not None else [{"trained": True, "text": row["response"], "tokens": row["response_tokens"],
+    for turn in turns if turns is not None else [{"trained": True, "text": row["response"],
+                                                    "tokens": row["response_tokens"],
                                                     "policy_versions": [row["policy_version"]] * 2}]:
         model_turn += bool(turn["trained"])
         body.append(_turn(turn, model_turn))
@@ -123,7 +125,8 @@ def _trajectory(step: int, index: int, order: int, row: dict[str, Any], prefix: 
     question = str(row.get("question") or prompt)
     cells = [f"step {step}", f"#{index}", f"{reward:g}", str(row.get("num_turns", model_turn)),
              f"{row.get('tool_calls', 0)} ({row.get('tool_errors', 0)} err)", row["status"], question]
-    data = (f'data-step="{step}" data-order="{order}" data-reward="{reward}" data-turns="{row.get("num_turns", model_turn)}" '
+    data = (f'data-step="{step}" data-order="{order}" data-reward="{reward}" '
+            f'data-turns="{row.get("num_turns", model_turn)}" '
             f'data-tools="{row.get("tool_calls", 0)}" data-status="{html.escape(row["status"])}" '
             f'data-question="{html.escape(question)}"')
     summary = "".join(f'<span{" class=q" if i == 6 else ""}>{html.escape(c)}</span>' for i, c in enumerate(cells))
@@ -151,7 +154,8 @@ def page(title: str, steps: dict[int, list[dict[str, Any]]], keep: Callable[[dic
     Returns:
         One HTML document (inline CSS and script; nothing loaded from elsewhere).
     """
-    rows = [(step, i, row) for step, step_rows in steps.items() for i, row in enumerate(r for r in step_rows if keep(r))]
+    rows = [(step, i, row) for step, step_rows in steps.items()
+            for i, row in enumerate(r for r in step_rows if keep(r))]
     prefix = shared_prefix([row["prompt"] for _, _, row in rows])
     items = "".join(_trajectory(step, i, order, row, prefix) for order, (step, i, row) in enumerate(rows))
     head = "".join(f'<span data-key="{k}">{t}</span>' for k, t in (

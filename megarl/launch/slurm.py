@@ -16,8 +16,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from megarl.cluster.slurm_env import Allocation, allocation_issues, missing_nodes, plan_nodes, read_plan
 
@@ -29,8 +29,8 @@ EXIT_RAY_START = 3
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Load + validate the config (megarl's validator), check it against the allocation, plan nodes."""
-    from megarl.launch.preflight import prepare_config
     from megarl.config import ConfigError, to_yaml
+    from megarl.launch.preflight import prepare_config
 
     try:
         alloc = Allocation.from_env()
@@ -93,8 +93,7 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
     """
     import signal
 
-    from megarl.cluster.external_engines import (
-        ExternalEnginesError, engine_process, rendezvous, served_engines)
+    from megarl.cluster.external_engines import ExternalEnginesError, engine_process, rendezvous, served_engines
     from megarl.config.device import use_cuda
     from megarl.launch.preflight import prepare_config
     from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
@@ -148,7 +147,7 @@ def _supervise(engines: list, host: str, stop: dict) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megarl.launch.slurm check | wait-nodes | serve-engines``, the sub-commands the
     sbatch scripts run on the allocation; returns the sub-command's exit status.
     """

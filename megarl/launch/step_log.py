@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from megarl.launch.metric_sinks import MetricsLogger
 from megarl.launch.mfu import MfuMeter

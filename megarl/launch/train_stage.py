@@ -10,7 +10,8 @@ given back -> the policy version advances by one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from megarl.cluster.colocated import EngineMemoryLoan
 from megarl.launch.advantage_stage import BatchResult

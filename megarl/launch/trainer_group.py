@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
@@ -154,8 +155,8 @@ class TrainerWorker:
         from omegaconf import OmegaConf
 
         from megarl.config.device import resolved_precision
-        from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
         from megarl.weight_sync.choice import run_transport
+        from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
         cfg = self.trainer.cfg
         ws = OmegaConf.merge(cfg.weight_sync, {"transport": run_transport(cfg)})  # auto: tensor when colocated on CUDA
@@ -178,7 +179,7 @@ class TrainerWorker:
                 logger.warning("closing the weight-sync groups: %s", e)
 
     def sync_weights(self, policy_version: int, load_proof: bool | None = None) -> dict[str, float]:
-        """Push this rank's shards to the engines (pause -> push -> flush -> version -> continue; ``load_proof``: see `WeightSynchronizer.sync`)."""
+        """Push this rank's shards (pause, push, flush, version, continue; see `WeightSynchronizer.sync`)."""
         return self.syncer.sync(dict(self.trainer.named_parameters_for_sync()), policy_version, load_proof=load_proof)
 
     def verify_weights(self, probes: Any, tolerance: float) -> dict[str, float]:
@@ -346,7 +347,8 @@ class TrainerGroup:
         Raises:
             TrainerGroupError: a rank failed or did not answer in ``cluster.trainer_call_timeout_s``.
         """
-        return self._gather([w.sync_weights.remote(policy_version, load_proof) for w in self.workers], self.timeout_s)[0]
+        return self._gather([w.sync_weights.remote(policy_version, load_proof) for w in self.workers],
+                            self.timeout_s)[0]
 
     def verify_weights(self, probes: Any, tolerance: float) -> list[dict[str, float]]:
         """Trainer logprobs of ``probes`` (a TrainBatch, put in the object store once) against every
@@ -364,7 +366,7 @@ class TrainerGroup:
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
-            except Exception:  # already dead
+            except Exception:  # noqa: BLE001 - already dead
                 pass
         self.workers = []
 

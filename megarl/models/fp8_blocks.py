@@ -35,8 +35,9 @@ stripe's size, not the tensor's.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -88,7 +89,7 @@ def _path_match(ignored: str, module: str) -> bool:
     return module == ignored or module.startswith(ignored + ".") or f".{ignored}." in f".{module}."
 
 
-def parse_quantization_config(config: Any, *, where: str = "quantization_config") -> Optional[BlockFP8]:
+def parse_quantization_config(config: Any, *, where: str = "quantization_config") -> BlockFP8 | None:
     """The :class:`BlockFP8` of a ``quantization_config`` (dict or object with ``to_dict``); None
     for no quantisation (absent or empty).
 
@@ -164,7 +165,7 @@ def quantize_blockwise(w: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK, *,
 
 
 def dequantize_blockwise(q: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK, *,
-                         dtype: torch.dtype = torch.bfloat16, out: Optional[torch.Tensor] = None,
+                         dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
                          chunk_rows: int = 32) -> torch.Tensor:
     """``w = q * scale_inv`` per block (fp32 product, then ``dtype``), stripe by stripe.
 

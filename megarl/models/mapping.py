@@ -21,7 +21,7 @@ per-rank shards (``gather_tp`` is what a weight sync applies to shards it all-ga
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -223,6 +223,8 @@ def global_name(local_name: str, *, layer_number: int | None, ep_rank: int,
     template, values = template_of(local_name)
     template = canonical_template(template)
     if "L" in values:
+        if layer_number is None:
+            raise ValueError(f"{local_name}: a layer's parameter needs its layer_number")
         values["L"] = layer_number - 1
     if "E" in values:
         values["E"] = global_expert_id(values["E"], ep_rank, num_local_experts)

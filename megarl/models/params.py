@@ -7,8 +7,8 @@ over the expert tensor-parallel group (``etp_rank``/``etp_size``), as :class:`Pa
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -56,11 +56,11 @@ def iter_global_params(model_chunks: Sequence[torch.nn.Module], parallel_state, 
     num_local_experts = max(layout.num_experts // parallel_state.ep_size, 1)
     for chunk in model_chunks:
         while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-            chunk = chunk.module
+            chunk = chunk.module  # type: ignore[assignment]  # Megatron's wrappers
         numbers = _layer_numbers(chunk)
         for name, param in chunk.named_parameters():
             local_layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
-            gname = global_name(name, layer_number=numbers.get(local_layer),
+            gname = global_name(name, layer_number=numbers.get(local_layer),  # type: ignore[arg-type]  # None: no layer
                                 ep_rank=parallel_state.ep_rank, num_local_experts=num_local_experts)
             entry, _ = lookup(table, gname)
             owner = chunk.get_submodule(name.rpartition(".")[0])

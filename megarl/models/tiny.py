@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megarl.models.chat_templates import TEMPLATE_TOKENS
 from megarl.models.families import all_families, find_family, get_family
@@ -90,7 +92,7 @@ def _randomize_constant_tensors(model, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 module.e_score_correction_bias = torch.nn.Buffer(
@@ -213,8 +215,9 @@ def parse_tiny_uri(uri: str) -> TinyModelSpec:
     for key, raw in parse_qsl(query, keep_blank_values=True):
         if key not in fields:
             raise ValueError(f"model.hf_path: unknown tiny-model field {key!r} (known: {', '.join(fields)})")
-        kind = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(
-            str(fields[key].type), str)
+        kinds: dict[str, Callable[[str], Any]] = {"int": int, "float": float,
+                                                  "bool": lambda v: v.lower() in ("1", "true", "yes")}
+        kind = kinds.get(str(fields[key].type), str)
         try:
             kwargs[key] = kind(raw)
         except ValueError as e:

@@ -12,8 +12,8 @@ shrinks here, by running fewer engines.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 SBATCH_SCRIPT = "slurm/train.sbatch"
 """The job script that starts Ray on the allocation and runs ``megarl train`` (its header)."""

@@ -8,7 +8,7 @@ fewest nodes of the GPU, and their layout, on which trainer and engines fit.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from megarl.plan.allocation import run_nodes, sbatch_command
 from megarl.plan.fit import engine_setup, plan_fit, suggest_engine, suggest_trainer
@@ -69,11 +69,11 @@ def _suggest(cfg, shape: ModelShape, setup: TrainerSetup, fit, hf_config) -> lis
                      + f"a larger GPU, or rollout.engine.extra_args=[--max-running-requests,{fit.sequences_fit}] "
                      "(what the configured engine holds; the rest wait)")
     else:
-        e, mem = engine
+        e, engine_mem = engine
         per_node_engines = max(rollout_per_node // e.tp, 1)
         nodes = -(-int(cfg.rollout.num_engines) // per_node_engines)
-        lines.append(f"suggest engines ({cfg.rollout.num_engines} engine(s) on {nodes} node(s), {mem.tokens_fit} tokens "
-                     f"of KV cache each): rollout.engine.tensor_parallel_size={e.tp} "
+        lines.append(f"suggest engines ({cfg.rollout.num_engines} engine(s) on {nodes} node(s), "
+                     f"{engine_mem.tokens_fit} tokens of KV cache each): rollout.engine.tensor_parallel_size={e.tp} "
                      f"rollout.engine.expert_parallel_size={e.ep}"
                      + (f" cluster.rollout_nodes={nodes}" if cl.placement == "disaggregated" else ""))
     return lines

@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megarl.plan.gpus import GpuSpec, detect_gpu, gpu_spec
-from megarl.plan.memory import (GB, EngineMemory, EngineSetup, RankMemory, TrainerSetup, engine_memory,
-                                trainer_memory)
+from megarl.plan.memory import GB, EngineMemory, EngineSetup, RankMemory, TrainerSetup, engine_memory, trainer_memory
 from megarl.plan.shape import ModelShape
 
 TRAINER_KEYS = {
@@ -188,12 +187,13 @@ def _colocated_problem(fit: Fit, cfg) -> str | None:
         return None
     fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
     limit, resident = fit.colocated_limit, resident_bytes(fit.trainer, fit.offloaded)
+    assert limit is not None  # colocated_fits holds without a limit
     reserved = fit.trainer.consumers["reserved"]
     kept = ", ".join(n.replace("_", " ") for n in RESIDENT[:-1] if n not in fit.offloaded)
     more = [k for k, names in OFFLOADED.items() if set(names) > set(fit.offloaded)
             and resident_bytes(fit.trainer, names) <= limit]
-    offload = (f"set cluster.colocated_offload={more[0]} (fits: {resident_bytes(fit.trainer, OFFLOADED[more[0]]) / GB:.1f}"
-               " GB), or " if more else "")
+    offload = (f"set cluster.colocated_offload={more[0]} "
+               f"(fits: {resident_bytes(fit.trainer, OFFLOADED[more[0]]) / GB:.1f} GB), or " if more else "")
     return (f"colocated: between steps a trainer rank (pipeline stage {fit.trainer.stage}) keeps "
             f"{(resident - reserved) / GB:.1f} GB ({kept}) + "
             f"{reserved / GB:.1f} GB reserved = {resident / GB:.1f} GB, more than its limit while the engines hold "

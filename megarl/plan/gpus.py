@@ -17,7 +17,7 @@ DGX boards), 4 on GB200 (an NVL72 compute tray holds 2 Grace CPUs and 4 Blackwel
 Bandwidths here are one direction (half the datasheet's bidirectional NVLink figure; a NIC's
 line rate / 8), in GB/s = 1e9 bytes/s, the unit of ``megarl plan-sync``'s ``--intra-gbps`` /
 ``--inter-gbps``. ``auto`` asks ``torch.cuda.get_device_name`` on the node it runs on.
-"""
+"""  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -83,7 +83,7 @@ class TrainerSetup:
         return self.world_size // (self.ep * self.etp * self.pp)
 
     @classmethod
-    def from_config(cls, cfg, *, precision: str) -> "TrainerSetup":
+    def from_config(cls, cfg, *, precision: str) -> TrainerSetup:
         """From a run config (``parallel``, ``train``, ``model``, ``cluster``, ``rollout`` sections).
 
         Args:
@@ -189,7 +189,7 @@ def trainer_rank_memory(shape: ModelShape, s: TrainerSetup, stage: int) -> RankM
         per_mb = len(layers) * a * shape.hidden_size + max(stored, default=0)
     else:
         per_mb = sum(stored) + (4 * shape.num_attention_heads / s.tp * len(layers) if s.recompute is None else 0)
-    in_flight = 1
+    in_flight: float = 1
     if first and s.pp > 1:
         in_flight = s.pp * (1 + (s.pp - 1) / (s.pp * s.vpp)) if s.vpp else s.pp
     activations = tokens * per_mb * in_flight

@@ -6,7 +6,8 @@ Per step, from the run config and an expected trajectory length ``S`` tokens (pr
 - tokens per step ``N = num_prompts_per_step x group_size x S``;
 - bytes the object store carries to the trainer per step (``megarl plan`` prints the data path's
   own prediction, ``megarl.launch.data_plan.plan_step_bytes``, handed in by the CLI; this is the
-  fallback): token ids (8 B), loss mask (1 B), rollout logprobs (4 B) per token, R3's routes ``L x K x 4 B`` per token (``train.routing_replay:
+  fallback): token ids (8 B), loss mask (1 B), rollout logprobs (4 B) per token, R3's routes ``L x K x 4 B`` per token
+  (``train.routing_replay:
   r3``); each trainer rank receives its data-parallel share (``/ DP``); old logprobs (4 B per token)
   are computed and kept on the ranks; the driver receives metrics only (``METRICS_BYTES`` per rank);
 - trainer seconds = FLOPs / (world x peak x MFU): ``6 x active x N`` for the training pass, ``2 x
@@ -62,7 +63,8 @@ def step_plan(cfg, shape: ModelShape, gpu: GpuSpec, setup: TrainerSetup, *, toke
         attn_dims = shape.num_attention_heads * 2 * shape.head_dim
     attention = 2 * attn_dims * tokens_per_trajectory / 2 * shape.num_layers * tokens
     passes = 1 + (float(cfg.algorithm.kl_coef) > 0)
-    flops = 6 * shape.active_params() * tokens + 3 * attention + passes * (2 * shape.active_params() * tokens + attention)
+    flops = (6 * shape.active_params() * tokens + 3 * attention
+             + passes * (2 * shape.active_params() * tokens + attention))
     peak = gpu.fp8_tflops if cfg.train.fp8 is not None else gpu.bf16_tflops
     seconds = flops / (setup.world_size * peak * 1e12 * mfu)
     return StepPlan(tokens, store, store // max(setup.dp, 1), METRICS_BYTES * setup.world_size, flops, seconds)
@@ -80,8 +82,9 @@ def _gb(nbytes: float) -> str:
 def format_trainer(fit: Fit, shape: ModelShape, setup: TrainerSetup) -> list[str]:
     """The trainer block: layout, the most loaded rank's consumers, activations per recompute setting."""
     m, s = fit.trainer, setup
-    lines = [f"trainer: world {s.world_size} = TP{s.tp} x PP{s.pp} x CP{s.cp} x DP{s.dp}; experts EP{s.ep} x ETP{s.etp} "
-             f"(expert-DP {s.expert_dp}); distributed optimizer {'on' if s.distributed_optimizer else 'off'}; "
+    lines = [f"trainer: world {s.world_size} = TP{s.tp} x PP{s.pp} x CP{s.cp} x DP{s.dp}; "
+             f"experts EP{s.ep} x ETP{s.etp} (expert-DP {s.expert_dp}); "
+             f"distributed optimizer {'on' if s.distributed_optimizer else 'off'}; "
              f"recompute {s.recompute or 'none'}; {s.tokens_per_microbatch} tokens per micro batch",
              f"  most loaded rank: pipeline stage {m.stage}, {m.params / 1e9:.2f} B parameters",
              "  consumer            GB"]

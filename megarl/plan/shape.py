@@ -68,7 +68,7 @@ class ModelShape:
     GLM-4.5: the family's :attr:`~megarl.models.families.Family.engine_unties_lm_head`)."""
 
     @classmethod
-    def from_hf_config(cls, hf) -> "ModelShape":
+    def from_hf_config(cls, hf) -> ModelShape:
         """From a ``transformers`` config (either spelling of the expert fields).
 
         Raises:
@@ -158,7 +158,8 @@ class ModelShape:
 
 
 def _moe_layers(hf, num_layers: int, experts: int) -> tuple[bool, ...]:
-    """Which layers are MoE: DeepSeek / GLM ``first_k_dense_replace``, Qwen ``mlp_only_layers`` / ``decoder_sparse_step``."""
+    """Which layers are MoE: DeepSeek / GLM ``first_k_dense_replace``, Qwen ``mlp_only_layers`` /
+    ``decoder_sparse_step``."""
     if not experts:
         return (False,) * num_layers
     first_dense = int(_first(hf, "first_k_dense_replace", default=0) or 0)

@@ -29,7 +29,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megarl.procs.ports import find_free_port
 
@@ -156,10 +157,10 @@ def _collect(procs: list, results, done: dict[int, Any], *, deadline: float, tim
                 grace_until = grace_until or time.monotonic() + 2.0
                 if time.monotonic() > grace_until:
                     raise RankError(f"rank {dead} exited with code "
-                                    f"{procs[dead].exitcode} without a result")
+                                    f"{procs[dead].exitcode} without a result") from None
             if time.monotonic() > deadline:
                 pending = [r for r in range(world_size) if r not in done]
-                raise RankError(f"ranks {pending} did not finish within {timeout_s:.0f} s")
+                raise RankError(f"ranks {pending} did not finish within {timeout_s:.0f} s") from None
             continue
         if not ok:
             raise RankError(f"rank {rank} of {world_size} raised:\n{payload}")

@@ -5,14 +5,14 @@ from megarl.logging_setup import install as _filter_known_noise
 
 _filter_known_noise()  # before Megatron's imports warn about TE/apex (megarl.logging_setup)
 
-import torch  # noqa: F401, E402
-import torch.distributed  # noqa: F401
-import torch.distributed.checkpoint  # noqa: F401
+import torch  # noqa: E402
+import torch.distributed  # noqa: E402
+import torch.distributed.checkpoint  # noqa: E402, F401
 
 try:
-    import megatron.core  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  (each conversion rank needs it)
+    import megatron.core
+    import megatron.core.models.gpt
+    import megatron.core.models.gpt.gpt_layer_specs  # each conversion rank needs it
     import megatron.core.pipeline_parallel  # noqa: F401
 except ImportError:  # pragma: no cover - megatron-core is a hard dependency
     pass

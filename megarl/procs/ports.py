@@ -20,8 +20,8 @@ import random
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 def _below_ephemeral_range() -> tuple[int, int]:

@@ -29,9 +29,10 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def _bm25_tokenizer() -> Any:
     return bm25s.tokenization.Tokenizer(lower=True, stopwords="english", stemmer=None)
 
 
-def _read_corpus(corpus: Path, out: Path, digest: "hashlib._Hash", progress: bool) -> Iterator[Passage]:
+def _read_corpus(corpus: Path, out: Path, digest: hashlib._Hash, progress: bool) -> Iterator[Passage]:
     """Yield passages while writing passages.jsonl and offsets.npy and hashing the corpus bytes."""
     from tqdm import tqdm
 

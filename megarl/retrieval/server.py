@@ -142,7 +142,7 @@ class Batcher:
         while size < self.max_batch_queries:
             try:
                 item = await asyncio.wait_for(self._queue.get(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
             batch.append(item)
             size += len(item.queries)

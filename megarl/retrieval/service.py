@@ -91,7 +91,7 @@ class RetrievalProcess:
                 cmd += [flag, str(value)]
         return cmd
 
-    def start(self) -> "RetrievalProcess":
+    def start(self) -> RetrievalProcess:
         """Launch the process; returns at once (see :meth:`wait_ready`)."""
         if self.port is None:
             self.port = free_port(self.host)
@@ -121,7 +121,7 @@ class RetrievalProcess:
         except (urllib.error.URLError, OSError, ValueError):
             return None
 
-    def wait_ready(self, timeout_s: float = 300.0) -> "RetrievalProcess":
+    def wait_ready(self, timeout_s: float = 300.0) -> RetrievalProcess:
         """Block until ``/health`` answers.
 
         Raises:
@@ -169,7 +169,7 @@ class RetrievalProcess:
         data = self.log_path.read_bytes()[-num_bytes:]
         return data.decode("utf-8", errors="replace")
 
-    def __enter__(self) -> "RetrievalProcess":
+    def __enter__(self) -> RetrievalProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -3,9 +3,11 @@
 A loop renders the prompt with the chat template once (tool schemas included), then per turn:
 generate on the engine (token ids + logprobs) -> split the turn into reasoning and answer with the
 family's SGLang reasoning parser -> parse tool calls from the answer only with SGLang's
-``FunctionCallParser`` detector of the family -> run the tools concurrently -> append the observation tokens and the chat-template tokens around
+``FunctionCallParser`` detector of the family -> run the tools concurrently -> append the observation tokens and the
+chat-template tokens around
 them (``loss_mask`` 0, ``rollout_logprobs`` 0.0). Only the appended suffix is ever tokenised (see
-:class:`~megarl.rollout.template.ChatTemplate`): the history is never re-rendered or re-tokenised, so a turn costs the same
+:class:`~megarl.rollout.template.ChatTemplate`): the history is never re-rendered or re-tokenised, so a turn costs the
+same
 at 1k and 32k tokens of history, and the model's own token ids are kept exactly as sampled.
 
 Stops, with a :class:`~megarl.rollout.types.RolloutStatus`:
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -87,7 +90,7 @@ def new_state(ctx: AgentContext, prompt_ids: list[int], sample: dict[str, Any],
 
 def _version(ctx: AgentContext, out: GenerateOutput) -> int:
     try:
-        return int(out.weight_version)
+        return int(out.weight_version)  # type: ignore[arg-type]  # None: TypeError, handled below
     except (TypeError, ValueError):
         return ctx.policy_version
 
@@ -112,7 +115,7 @@ async def _generate_turn(ctx: AgentContext, state: TrajectoryState, params: dict
     """One generate call; its model tokens are appended to the state."""
     params = {**params, "max_new_tokens": budget}
     start = time.monotonic()
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if ctx.return_routed_experts:  # only the rows not yet stitched (module docstring of _stitch_routes)
         known = 0 if state.routed_experts is None else state.routed_experts.shape[0]
         kwargs = {"return_routed_experts": True, "routed_experts_start_len": known}
@@ -237,7 +240,7 @@ async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
                 state.status = RolloutStatus.TRUNCATED  # no room for another model turn after it
                 return
             state.append(suffix, model=False, version=state.versions[-1])
-            state.in_reasoning = bool(ctx.template.reasoning) and ctx.template.reasoning.leaves_open(suffix_text)
+            state.in_reasoning = ctx.template.reasoning is not None and ctx.template.reasoning.leaves_open(suffix_text)
             state.turn_start = state.response_len
             state.pending_tools = False
         if ctx.stop_requested:
@@ -258,12 +261,12 @@ async def tool_agent(ctx: AgentContext, state: TrajectoryState) -> None:
         if out.finish_reason == "abort":
             state.status = RolloutStatus.ABORTED
             return
-        turn = state.ids[state.prompt_len + state.turn_start:]
-        _read_turn(ctx, state, turn)
+        turn_ids = state.ids[state.prompt_len + state.turn_start:]
+        _read_turn(ctx, state, turn_ids)
         if out.finish_reason == "length":  # no EOS: the turn is cut, nothing may follow it
             state.status = RolloutStatus.TRUNCATED
             return
-        state.turn_ended_with_eos = bool(turn) and turn[-1] in ctx.template.eos_token_ids
+        state.turn_ended_with_eos = bool(turn_ids) and turn_ids[-1] in ctx.template.eos_token_ids
         state.pending_tools = True
 
 

@@ -21,15 +21,25 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import aiohttp
 
-from megarl.rollout.engine_errors import (  # noqa: F401  (EngineError and the others: part of this interface)
-    EngineConnectionLost, EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError)
-from megarl.rollout.payloads import (  # noqa: F401  (re-exported)
-    REBUILD_CUDA_DEVICE_ARG, decode_routed_experts, device_uuid_args, serialize_named_tensors)
 from megarl.rollout.client_weights import WeightUpdateEndpoints
+from megarl.rollout.engine_errors import (  # noqa: F401  (EngineError and the others: part of this interface)
+    EngineConnectionLost,
+    EngineError,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
+from megarl.rollout.payloads import (  # noqa: F401  (re-exported)
+    REBUILD_CUDA_DEVICE_ARG,
+    decode_routed_experts,
+    device_uuid_args,
+    serialize_named_tensors,
+)
 from megarl.rollout.types import GenerateOutput
 
 log = logging.getLogger(__name__)
@@ -87,7 +97,7 @@ class SGLangClient(WeightUpdateEndpoints):
             await self._session.close()
         self._session = None
 
-    async def __aenter__(self) -> "SGLangClient":
+    async def __aenter__(self) -> SGLangClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -124,7 +134,7 @@ class SGLangClient(WeightUpdateEndpoints):
                 log.debug("%s: connect failed (%s); retry in %.2f s", self.engine_id, exc, delay)
                 await asyncio.sleep(delay)
                 delay *= 2
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 raise EngineTimeoutError(f"{self.engine_id}: {path} got no answer within "
                                          f"{timeout.total} s") from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
@@ -218,7 +228,7 @@ class SGLangClient(WeightUpdateEndpoints):
         async def abort() -> None:
             try:
                 await self.abort(rid)
-            except Exception as exc:  # best effort: the engine may be gone
+            except Exception as exc:  # noqa: BLE001 - best effort: the engine may be gone
                 log.debug("%s: abort of %s failed: %r", self.engine_id, rid, exc)
 
         try:
@@ -241,7 +251,7 @@ class SGLangClient(WeightUpdateEndpoints):
             async with session.get(self.url + "/health",
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def reachable(self, timeout_s: float = 5.0) -> bool:
@@ -256,7 +266,7 @@ class SGLangClient(WeightUpdateEndpoints):
             async with session.get(self.url + "/model_info",
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def model_info(self) -> dict:

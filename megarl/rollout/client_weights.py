@@ -9,7 +9,8 @@ verified with. They share the client's transport and its failure policy (module 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +26,9 @@ class WeightUpdateEndpoints:
 
     async def _post_checked(self, path: str, payload: Any, **kwargs: Any) -> dict:
         raise NotImplementedError  # SGLangClient's transport
+
+    async def flush_cache(self) -> Any:
+        raise NotImplementedError  # SGLangClient's
 
     async def begin_weight_update(self, selector: str = "all") -> dict:
         """Open a weight-update session (required around tensor / distributed updates in 0.5.23)."""

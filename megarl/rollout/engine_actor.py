@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from megarl.procs.ports import find_free_port
 from megarl.rollout.engine_process import EngineProcess

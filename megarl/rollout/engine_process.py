@@ -31,18 +31,19 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import IO
 
-from megarl.rollout import cpu_shims
-from megarl.rollout.engine_view import served_model_dir
 from megarl.procs.ports import find_free_port
+from megarl.rollout import cpu_shims
 from megarl.rollout.engine_resources import _wait_port_free, check_nodes, cpu_threads_bind, local_host, resolve_device
+from megarl.rollout.engine_view import served_model_dir
 
 log = logging.getLogger(__name__)
 
 _LOG_TAIL_BYTES = 6000
-_LIVE_ENGINES: "weakref.WeakSet[EngineProcess]" = weakref.WeakSet()
+_LIVE_ENGINES: weakref.WeakSet[EngineProcess] = weakref.WeakSet()
 
 
 class EngineStartupError(RuntimeError):
@@ -79,7 +80,8 @@ class EngineProcess:
             with the same ``tp_size`` (the whole engine's), each running the ``tp_size / nnodes``
             TP ranks ``node_rank * tp_size / nnodes ...`` of its node. ``dist_init_addr``
             (``host:port``) is where node-rank 0's TP rank 0 hosts torch.distributed's TCP store
-            (the same string on every node; may be set after construction, before :meth:`start`). Node-rank 0 serves HTTP (tokenizer, API); the others
+            (the same string on every node; may be set after construction, before :meth:`start`). Node-rank 0
+            serves HTTP (tokenizer, API); the others
             run only their schedulers and answer ``/health`` on their own ``port`` with a dummy
             server once their schedulers are ready (``entrypoints/engine.py``).
         extra_args: further ``sglang.launch_server`` arguments, verbatim.
@@ -100,7 +102,8 @@ class EngineProcess:
                  grammar_backend: str = "xgrammar", enable_return_routed_experts: bool = False,
                  custom_weight_loaders: Sequence[str] = (), sleep_on_idle: bool = True,
                  nnodes: int = 1, node_rank: int = 0, dist_init_addr: str | None = None,
-                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 log_path: str | os.PathLike | None = None,
                  engine_id: str | None = None, die_with_parent: bool = True) -> None:
         if tp_size < 1:
             raise ValueError(f"engine tp_size must be >= 1, got {tp_size}")
@@ -134,7 +137,7 @@ class EngineProcess:
         22000-29999 that nothing reserves, which two engines (or an engine and a trainer group taking
         ports from :mod:`megarl.procs.ports`) starting at once on one host can both get."""
         self._proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: IO[bytes] | None = None
 
     # ---------------------------------------------------------------- description
     @property
@@ -158,7 +161,8 @@ class EngineProcess:
         """The ``sglang.launch_server`` command line."""
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.served_path,
                "--host", self.host, "--port", str(self.port), "--tp", str(self.tp_size),
-               "--ep-size", str(self.ep_size),  # sglang 0.5.23 ServerArgs.ep_size (aliases --ep, --expert-parallel-size)
+               # sglang 0.5.23 ServerArgs.ep_size (aliases --ep, --expert-parallel-size)
+               "--ep-size", str(self.ep_size),
                "--dtype", self.dtype, "--grammar-backend", self.grammar_backend,
                "--device", self.device]
         if self.device == "cpu":
@@ -196,7 +200,7 @@ class EngineProcess:
         return env
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> "EngineProcess":
+    def start(self) -> EngineProcess:
         """Launch the server in a new process group; returns at once (see :meth:`wait_healthy`).
 
         Raises:
@@ -241,7 +245,7 @@ class EngineProcess:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> "EngineProcess":
+    def wait_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> EngineProcess:
         """Block until ``/health`` answers 200.
 
         Raises:
@@ -297,7 +301,7 @@ class EngineProcess:
             _signal_group(self._proc.pid, signal.SIGKILL)
             self._proc.wait(timeout=30)
 
-    def restart(self, timeout_s: float = 300.0) -> "EngineProcess":
+    def restart(self, timeout_s: float = 300.0) -> EngineProcess:
         """Stop (if needed), start on the same port, and wait until healthy.
 
         The restarted engine serves the weights at ``model_path``; a caller that has pushed newer
@@ -315,7 +319,7 @@ class EngineProcess:
             fh.seek(max(0, fh.seek(0, os.SEEK_END) - num_bytes))
             return fh.read().decode("utf-8", errors="replace")
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc) -> None:

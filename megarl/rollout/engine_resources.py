@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from megarl.procs.ports import find_free_port
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
-from megarl.rollout.engine_process import EngineProcess
 from megarl.procs.ports import find_free_port
+from megarl.rollout.engine_process import EngineProcess
 from megarl.rollout.engine_resources import local_host
 
 
@@ -34,7 +33,8 @@ def launch_engines(cfg, model_path: str | os.PathLike, *, device: str = "auto",
         nothing is launched and the list is empty: use the URLs directly.
 
     Raises:
-        megarl.rollout.engine_process.EngineStartupError: an engine failed to start; all engines started here are stopped.
+        megarl.rollout.engine_process.EngineStartupError: an engine failed to start; all engines started here
+            are stopped.
     """
     if cfg.external_engine_urls:
         return []

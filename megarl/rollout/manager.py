@@ -22,17 +22,17 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from megarl.rollout.agent import AgentContext, get_agent_loop, new_state, run_agent
-from megarl.rollout.trajectory_stats import throughput_metrics, trajectory_metrics
 from megarl.rollout.rewards.reward_registry import build_reward, compute_reward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.trajectory_state import TrajectoryState
-from megarl.rollout.types import (RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory,
-                                  TrajectoryGroup)
+from megarl.rollout.trajectory_stats import throughput_metrics, trajectory_metrics
+from megarl.rollout.types import RewardFn, RolloutEngine, RolloutStatus, Tool, Trajectory, TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class RolloutBatch:
 
     groups: list[TrajectoryGroup]
     metrics: dict[str, float]
+    sample_text: str = ""  # one trajectory as text, for the driver's log (set by the rollout actor)
 
 
 @dataclass(kw_only=True)
@@ -57,7 +58,7 @@ class _Group:
 
 def sampling_params_from_config(sampling: Any) -> dict[str, Any]:
     """SGLang sampling parameters from a ``SamplingConfig``."""
-    params = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
+    params: dict[str, Any] = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p),
               "top_k": int(sampling.top_k), "max_new_tokens": int(sampling.max_new_tokens)}
     if sampling.stop:
         params["stop"] = list(sampling.stop)
@@ -116,7 +117,7 @@ class RolloutManager:
         self.exclusive = True
         """No other rollout shares the engines (see :meth:`fork`)."""
 
-    def fork(self, engine: RolloutEngine | None = None, *, exclusive: bool = True) -> "RolloutManager":
+    def fork(self, engine: RolloutEngine | None = None, *, exclusive: bool = True) -> RolloutManager:
         """A manager for one more rollout, possibly running concurrently with others (async RL).
 
         The fork shares the tools, reward, chat template, group-id counter and carried-over groups
@@ -258,7 +259,7 @@ class RolloutManager:
             self._carry.append(group)
             counts["groups_carried_over"] += 1
 
-    async def _stop_excess(self, pending: set[asyncio.Future], tasks: dict[asyncio.Future, _Group],
+    async def _stop_excess(self, pending: set[asyncio.Task], tasks: dict[asyncio.Task, _Group],
                            counts: dict[str, int]) -> None:
         """End the over-sampled groups: turn-boundary stop, engine abort, then cancellation."""
         self.ctx.stop_requested = True

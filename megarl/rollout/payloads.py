@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -44,8 +44,9 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     ``CUDA_VISIBLE_DEVICES`` than this process, so a device index would name another GPU there.
     Keep the tensors alive until the update request has returned.
     """
-    import torch.multiprocessing as tmp
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
 
     if any(t.device.type == "cpu" for _, t in named_tensors):
         tmp.set_sharing_strategy("file_system")

@@ -18,6 +18,7 @@ from typing import Any
 
 from megarl.models.families import all_families, find_family
 
+
 def family_parsers() -> dict[str, tuple[str | None, str]]:
     """HF ``model_type`` (or a release's :class:`~megarl.models.families.ParserVariant` name) ->
     (reasoning parser, tool-call parser), SGLang names, as each :class:`~megarl.models.families.Family`
@@ -78,8 +79,8 @@ def resolve_parsers(tokenizer: Any, reasoning_parser: str | None = "auto",
                 f"rollout.agent.{key}: auto has no default for model family {model_type!r} "
                 f"(known: {', '.join(known)}); set rollout.agent.reasoning_parser and "
                 "rollout.agent.tool_call_parser to SGLang parser names")
-    reasoning = family[0] if reasoning_parser == "auto" else reasoning_parser
-    tools = family[1] if tool_call_parser == "auto" else tool_call_parser
+    reasoning = family[0] if family and reasoning_parser == "auto" else reasoning_parser
+    tools = family[1] if family and tool_call_parser == "auto" else tool_call_parser
     reasoning = None if reasoning in (None, "", "none") else reasoning
     if reasoning is not None:
         from sglang.srt.parser.reasoning_parser import ReasoningParser

@@ -12,7 +12,8 @@ reference type of its own: a part's ``ref`` is whatever the worker put (a Ray ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ class RoutePart:
     ref: Any
     shape: tuple[int, int, int]
 
-    def to(self, dtype: torch.dtype) -> "RoutePart":
+    def to(self, dtype: torch.dtype) -> RoutePart:
         """Itself: the worker put int32 routes (the agent loop's ``routes.to(torch.int32)``)."""
         if dtype != torch.int32:
             raise TypeError(f"RoutePart holds int32 routes, cannot convert to {dtype}")
@@ -60,7 +61,7 @@ class RouteParts:
         """Every part's reference, in order."""
         return [p.ref for p in self.parts]
 
-    def with_length(self, length: int) -> "RouteParts":
+    def with_length(self, length: int) -> RouteParts:
         """The same parts, ``length`` rows (cut or padded with -1 when assembled)."""
         return RouteParts(self.parts, int(length))
 

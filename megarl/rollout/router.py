@@ -27,11 +27,11 @@ import collections
 import itertools
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from megarl.rollout.client import (EngineError, EngineTimeoutError, EngineUnavailableError,
-                                   SGLangClient)
+from megarl.rollout.client import EngineError, EngineTimeoutError, EngineUnavailableError, SGLangClient
 from megarl.rollout.types import GenerateOutput
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,9 @@ between turns tokenised (:class:`ChatTemplate`); :func:`build_template` makes th
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, cast
 
 from megarl.rollout.reasoning import ReasoningFormat, resolve_parsers
 from megarl.rollout.tools.calls import ToolCallParser
@@ -73,7 +74,7 @@ class ChatTemplate:
         # "<|im_start|>assistant\n" or DeepSeek-R1's "<｜Assistant｜><think>\n".
         gen = self.render([{"role": "user", "content": _SENTINEL}], add_generation_prompt=True)
         self.generation_prompt = gen[gen.rindex(_SENTINEL) + len(_SENTINEL):]
-        self.prompt_opens_reasoning = bool(reasoning) and reasoning.leaves_open(self.generation_prompt)
+        self.prompt_opens_reasoning = reasoning is not None and reasoning.leaves_open(self.generation_prompt)
         """The first model turn starts inside reasoning (the generation prompt opened it)."""
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
@@ -141,7 +142,7 @@ def build_template(tokenizer: Any, agent: Any, tools: Mapping[str, Tool],
 
     reasoning, tool_parser = resolve_parsers(tokenizer, agent.reasoning_parser, agent.tool_call_parser)
     kwargs = agent.chat_template_kwargs or {}
-    kwargs = OmegaConf.to_container(kwargs) if OmegaConf.is_config(kwargs) else dict(kwargs)
+    kwargs = cast(dict, OmegaConf.to_container(kwargs)) if OmegaConf.is_config(kwargs) else dict(kwargs)
     template = ChatTemplate(tokenizer, [t.schema for t in tools.values()], agent.system_prompt,
                             eos_token_ids, chat_template_kwargs=kwargs,
                             reasoning=ReasoningFormat(reasoning) if reasoning else None)

@@ -57,7 +57,9 @@ class TrajectoryState:
         """Append model tokens (loss_mask 1, engine logprobs) or agent tokens (0, 0.0)."""
         self.ids.extend(ids)
         self.loss_mask.extend([1 if model else 0] * len(ids))
-        self.logprobs.extend(logprobs if model else [0.0] * len(ids))
+        if model and logprobs is None:
+            raise ValueError("append(model=True) needs the engine's logprobs of the tokens")
+        self.logprobs.extend(logprobs if model and logprobs is not None else [0.0] * len(ids))
         self.versions.extend([version] * len(ids))
 
     def to_trajectory(self) -> Trajectory:
@@ -70,7 +72,8 @@ class TrajectoryState:
             loss_mask=torch.tensor(self.loss_mask, dtype=torch.int64),
             rollout_logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
             status=self.status or RolloutStatus.ERROR, num_turns=self.num_turns,
-            policy_version=first_version, routed_experts=self._response_routes(),
+            policy_version=first_version,
+            routed_experts=self._response_routes(),  # type: ignore[arg-type]  # or RouteParts, assembled by launch
             group_id=self.group_id, sample=self.sample, metadata=dict(self.metadata),
             token_policy_versions=(torch.tensor(self.versions, dtype=torch.int32)
                                    if len(model_versions) > 1 else None))

@@ -7,7 +7,7 @@ Per-trajectory statistics come from the trajectories' ``metadata`` as the agent 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

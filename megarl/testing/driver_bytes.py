@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -64,8 +65,8 @@ def kept_routes(routes: list[torch.Tensor], num_workers: int) -> tuple[list[Any]
     from megarl.launch.route_workers import RouteWorker
     from megarl.rollout.route_parts import RouteParts
 
-    workers = [ray.remote(num_cpus=0)(RouteWorker).remote("http://127.0.0.1:9", f"e{j}", 60.0)
-               for j in range(num_workers)]
+    actor: Any = ray.remote(num_cpus=0)(RouteWorker)
+    workers = [actor.remote("http://127.0.0.1:9", f"e{j}", 60.0) for j in range(num_workers)]
     parts = ray.get([workers[i % num_workers].keep.remote(r) for i, r in enumerate(routes)])
     kept = [sum(r.nbytes for r in routes[j::num_workers]) for j in range(num_workers)]
     return [RouteParts((p,), p.shape[0]) for p in parts], kept, workers
@@ -99,8 +100,9 @@ def step_bytes(group: Any, batch: Any, routes: list[torch.Tensor] | None, *, glo
     from megarl.training.shard import shard_batch
 
     kept: list[int] = []
+    refs: list[Any] | None
     if routes is not None and route_workers > 0:
-        refs, kept, workers = kept_routes(routes, route_workers)  # noqa: F841  (alive until the step ends)
+        refs, kept, workers = kept_routes(routes, route_workers)  # alive until the step ends
     else:
         refs = [ray.put(r) for r in routes] if routes is not None else None
     route_size = {id(ref): r.nbytes for ref, r in zip(refs or [], routes or [])}  # payload: no per-object framing

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 
@@ -150,13 +151,14 @@ class StreamedGeneration:
             self._progress.clear()  # before the checks: asyncio runs nothing else in between
             if self.finished or (self.last is not None and self.last["meta_info"]["finish_reason"] is not None):
                 await asyncio.wait_for(self._task, 60)  # raises the stream's own error, if any
+                reason = self.last and self.last["meta_info"]["finish_reason"]
                 raise AssertionError(f"the request finished with {self.num_tokens} tokens before it was seen "
-                                     f"running with {num_tokens} ({self.last['meta_info']['finish_reason']})")
+                                     f"running with {num_tokens} ({reason})")
             if self.num_tokens >= num_tokens:
                 return
             try:
                 await asyncio.wait_for(self._progress.wait(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TimeoutError(f"{self.url}: {self.num_tokens} of {num_tokens} tokens "
                                    f"within {timeout_s} s") from None
 

@@ -32,10 +32,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     # Qwen3-30B-A3B's shape (head_dim 128, 4 KV heads, top-8 of many experts, vocab 151936), scaled to
     # ~1.0B parameters (~0.3B active per token); ``small`` is the tiny test model's shape.
     "1b": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
@@ -71,7 +72,7 @@ def _start_single_rank(device: str) -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def _config(hf_dir: str, device: str, precision: str, **train):
+def _config(hf_dir: str | Path, device: str, precision: str, **train):
     from megarl.config.schema import MegarlConfig
 
     cfg = MegarlConfig()
@@ -142,8 +143,8 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
     """
     from megarl.conversion.initial_weights import initial_weights
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
-    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
 
     _start_single_rank(device)
     hf_dir = make_tiny_model(Path(workdir) / "tiny_moe", TinyModelSpec(family="qwen3_moe"))
@@ -152,7 +153,7 @@ def check_replay(device: str, precision: str, workdir: str) -> dict:
     num_experts, topk = trainer.config.num_moe_experts, trainer.config.moe_router_topk
     batch = random_batch(trainer.vocab_size, [40, 64, 96, 128, 50, 77, 110, 33], prompt_tokens=8, seed=3)
     mask, tol = batch.loss_mask, TOLERANCE[precision]
-    out = {"spec": "te" if trainer._te_attention else "local", "device": str(trainer.device),
+    out: dict[str, Any] = {"spec": "te" if trainer._te_attention else "local", "device": str(trainer.device),
            "precision": precision, "num_tokens": batch.num_tokens, "tolerance": tol}
     _require(trainer.device.type == device, f"trainer built on {trainer.device}, expected {device}")
 
@@ -189,7 +190,8 @@ def _check_r3(trainer, batch, routes, free, *, tol: float, noise_mean: float) ->
     are refused."""
     from megarl.training.routing_replay import RoutingReplayError
 
-    out, mask, num_experts = {}, batch.loss_mask, trainer.config.num_moe_experts
+    out: dict[str, Any] = {}
+    mask, num_experts = batch.loss_mask, trainer.config.num_moe_experts
     trainer.cfg.train.routing_replay = "r3"  # the same trainer: the mode is read at every call
     replayed = trainer.compute_logprobs(batch.replace(routed_experts=routes))
     shifted = trainer.compute_logprobs(batch.replace(routed_experts=(routes + 1) % num_experts))
@@ -231,8 +233,8 @@ def check_throughput(device: str, size: str, steps: int, seq_len: int, num_seqs:
 
     from megarl.conversion.initial_weights import initial_weights
     from megarl.launch.mfu import active_params, mfu, peak_tflops
-    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
 
     _start_single_rank(device)
     hf_config = Qwen3MoeConfig(**SIZES[size], decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,

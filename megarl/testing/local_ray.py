@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import logging
+from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -27,7 +29,7 @@ def private_ray(**init_kwargs: Any) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(include_dashboard=False, logging_level="WARNING",
+        ray.init(include_dashboard=False, logging_level=logging.WARNING,
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}, **init_kwargs)
     try:
         yield

@@ -43,8 +43,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 DEFAULT_SUBNET = "10.231.0.0/24"
 """Private addresses that exist only inside the namespaces made here."""

@@ -1,7 +1,7 @@
 """Peak CPU memory of a piece of work, from torch's own allocator events (tests and benchmarks)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def peak_cpu_bytes(fn: Callable[[], object]) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -136,7 +137,7 @@ class TrainBatch:
             rewards=take(self.rewards, seq),
         )
 
-    def replace(self, **changes: Tensor | None) -> TrainBatch:
+    def replace(self, **changes: Any) -> TrainBatch:
         """A copy with some fields replaced (e.g. ``old_logprobs=...``); the original is unchanged."""
         return dataclasses.replace(self, **changes)
 
@@ -197,7 +198,7 @@ def _pack_routed_experts(trajectories: Sequence[Trajectory]) -> Tensor | None:
     if missing:
         raise ValueError(f"trajectory {missing[0]} has no routed_experts while trajectory "
                          f"{have.index(True)} has them; routing replay needs them for every trajectory")
-    shape = tuple(trajectories[have.index(True)].routed_experts.shape[1:])
+    shape = tuple(trajectories[have.index(True)].routed_experts.shape[1:])  # type: ignore[union-attr]  # have
     parts = []
     for i, traj in enumerate(trajectories):
         rows = traj.prompt_ids.numel() + traj.response_ids.numel()

@@ -183,7 +183,8 @@ def load_trainer_state(directory: str, trainer) -> None:
     common = dist_checkpointing.load_common_state_dict(directory)
     same_layout = common.get("layout") == _layout(trainer)
     if not same_layout:
-        logger.info("checkpoint layout %s differs from %s: RNG states not restored", common.get("layout"), _layout(trainer))
+        logger.info("checkpoint layout %s differs from %s: RNG states not restored", common.get("layout"),
+                    _layout(trainer))
     _prime_adam_state(trainer.optimizer)
     loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True, with_rng=same_layout), directory)
     chunks = [chunk.module if hasattr(chunk, "module") else chunk for chunk in trainer.model_chunks]

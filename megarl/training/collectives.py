@@ -17,14 +17,15 @@ own ranks) and runs on ``group`` (default: the default group).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
 def collective_device(tensor_device: torch.device, supported: Sequence[str], *,
-                      cuda_index: Optional[int] = None) -> torch.device:
+                      cuda_index: int | None = None) -> torch.device:
     """Where a tensor on ``tensor_device`` must be for a collective on a group supporting ``supported``.
 
     Args:
@@ -47,17 +48,17 @@ def collective_device(tensor_device: torch.device, supported: Sequence[str], *,
     return torch.device(supported[0])
 
 
-def group_devices(group: Optional[dist.ProcessGroup] = None) -> list[str]:
+def group_devices(group: dist.ProcessGroup | None = None) -> list[str]:
     """Device types ``group`` (default: the default group) supports, from its backends."""
     return dist.distributed_c10d._device_capability(group)
 
 
-def current_cuda_index(supported: Sequence[str]) -> Optional[int]:
+def current_cuda_index(supported: Sequence[str]) -> int | None:
     """This process's CUDA device when a group supporting ``supported`` may need it, else None."""
     return torch.cuda.current_device() if "cuda" in supported and torch.cuda.is_available() else None
 
 
-def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a new tensor for a collective on ``group`` is allocated.
 
     The CPU when the group runs there (gloo, ``cpu:gloo,cuda:nccl``): control-plane tensors stay
@@ -69,7 +70,7 @@ def group_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return collective_device(torch.device("cpu"), supported, cuda_index=current_cuda_index(supported))
 
 
-def on_group_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def on_group_device(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``tensor`` itself when ``group`` can run a collective on it, else a copy on the group's device."""
     supported = group_devices(group)
     device = collective_device(tensor.device, supported, cuda_index=current_cuda_index(supported))
@@ -125,8 +126,8 @@ def _run(tensor: torch.Tensor, group, call, *, returns_handle: bool, copy_back: 
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-               group: Optional[dist.ProcessGroup] = None, *, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               group: dist.ProcessGroup | None = None, *, async_op: bool = False):
     """All-reduce ``tensor`` over ``group`` in place on the group's device.
 
     Returns:
@@ -138,7 +139,7 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     return handle if async_op else tensor
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None, *,
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *,
               async_op: bool = False):
     """Broadcast ``tensor`` from rank ``src`` over ``group``; receivers get the result in ``tensor``.
 
@@ -149,29 +150,31 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]
                 returns_handle=async_op, copy_back=True)
 
 
-def send(tensor: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0) -> None:
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, tag: int = 0) -> None:
     """Send ``tensor`` to rank ``dst`` over ``group`` (blocking)."""
     _run(tensor, group, lambda t: dist.send(t, dst, group=group, tag=tag), returns_handle=False, copy_back=False)
 
 
-def recv(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0) -> None:
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *, tag: int = 0) -> None:
     """Receive into ``tensor`` from rank ``src`` over ``group`` (blocking)."""
     _run(tensor, group, lambda t: dist.recv(t, src, group=group, tag=tag), returns_handle=False, copy_back=True)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0):
-    """Start sending ``tensor`` to rank ``dst``; returns the handle (``tensor`` must stay unchanged until ``wait()``)."""
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, tag: int = 0):
+    """Start sending ``tensor`` to rank ``dst``; returns the handle (``tensor`` must stay unchanged until
+    ``wait()``)."""
     return _run(tensor, group, lambda t: dist.isend(t, dst, group=group, tag=tag), returns_handle=True,
                 copy_back=False)
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup] = None, *, tag: int = 0):
-    """Start receiving into ``tensor`` from rank ``src``; returns the handle (``tensor`` holds the data after ``wait()``)."""
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *, tag: int = 0):
+    """Start receiving into ``tensor`` from rank ``src``; returns the handle (``tensor`` holds the data after
+    ``wait()``)."""
     return _run(tensor, group, lambda t: dist.irecv(t, src, group=group, tag=tag), returns_handle=True,
                 copy_back=True)
 
 
-def all_gather(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> list[torch.Tensor]:
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape and dtype on every rank), in group rank order.
 
     Returns:
@@ -183,20 +186,20 @@ def all_gather(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) 
     return [p.to(tensor.device) for p in parts]
 
 
-def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Block until every rank of ``group`` reached this point (use a :func:`control_group` to
     block the host under NCCL)."""
     dist.barrier(group=group)
 
 
-def broadcast_object_list(objects: list, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
+def broadcast_object_list(objects: list, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """Broadcast picklable ``objects`` (in place) from ``src``; torch serialises them onto the
     group's device itself (``_get_object_coll_device``: CPU where the group has it, else the
     current CUDA device)."""
     dist.broadcast_object_list(objects, src=src, group=group)
 
 
-def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list:
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list:
     """Every rank's picklable ``obj``, in group rank order (device chosen by torch, as
     :func:`broadcast_object_list`)."""
     gathered: list = [None] * dist.get_world_size(group)
@@ -204,7 +207,7 @@ def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup] = None) -> li
     return gathered
 
 
-def control_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
+def control_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """A gloo group over the ranks of ``group`` for host-synchronised hand-offs (collective).
 
     Returns ``group`` itself when it already runs on the CPU; otherwise a new gloo group, so every

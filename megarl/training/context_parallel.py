@@ -116,7 +116,7 @@ def partition_indices(cu_seqlens_padded: Tensor, total_tokens: int, cp_size: int
 
 def _te_extension():
     try:
-        import transformer_engine_torch as tex  # noqa: PLC0415 - optional, CUDA only
+        import transformer_engine_torch as tex  # optional, CUDA only
     except ImportError:
         return None
     return tex if hasattr(tex, "thd_get_partitioned_indices") else None
@@ -164,6 +164,7 @@ class CPMicroBatch(PackedMicroBatch):
         for name, value in moved.items():
             if isinstance(value, Tensor):
                 moved[name] = value.to(device, non_blocking=True)
+        assert self.packed_seq_params is not None  # CP rows are always THD
         bounds = self.packed_seq_params.cu_seqlens_q.to(device)
         moved["packed_seq_params"] = dataclasses.replace(
             self.packed_seq_params, cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=bounds,
@@ -236,7 +237,8 @@ def pack_cp_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, cp_rank: int
     empty = torch.zeros(0, dtype=torch.int64)
     return CPMicroBatch(spec=spec, input_ids=input_ids[local][None], position_ids=position_ids[local][None],
                         attention_mask=None, packed_seq_params=packed, cu_seqlens=cu,
-                        flat_index=torch.cat(flat) if flat else empty, token_index=torch.cat(tokens) if tokens else empty,
+                        flat_index=torch.cat(flat) if flat else empty,
+                        token_index=torch.cat(tokens) if tokens else empty,
                         full_length=length, local_index=local, all_local_index=all_index,
                         labels=torch.roll(input_ids, -1)[local][None], cp_group=cp_group)
 

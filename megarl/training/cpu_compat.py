@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

@@ -6,10 +6,10 @@ without paying for it.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
-def select_device_index(*, visible_devices: Optional[str], assigned_gpu_ids: Sequence[str | int],
+def select_device_index(*, visible_devices: str | None, assigned_gpu_ids: Sequence[str | int],
                         local_rank: int, device_count: int) -> int:
     """The CUDA device index this process uses, from the devices it actually sees.
 

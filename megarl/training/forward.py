@@ -21,15 +21,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.algorithms import (POLICY_LOSSES, ROLLOUT_CORRECTIONS, LossNormalizer, Metric, RolloutCorrection,
-                               drift_filter, entropy_bonus_loss, kl_penalty_loss)
+from megarl.algorithms import (
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    LossNormalizer,
+    Metric,
+    RolloutCorrection,
+    drift_filter,
+    entropy_bonus_loss,
+    kl_penalty_loss,
+)
 from megarl.algorithms.corrections import mismatch_metrics
 from megarl.config.schema import AlgorithmConfig
 from megarl.training.batch import TrainBatch, packed_to_padded
 from megarl.training.collectives import all_gather_object, all_reduce
 from megarl.training.context_parallel import CPMicroBatch, cp_micro_batch_logprobs
-from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.logprobs import hand_over_logits, next_token_logprobs
+from megarl.training.micro_batch import PackedMicroBatch
 from megarl.training.parallel_state import ParallelState
 from megarl.training.routing_replay import RoutingReplay, store_routes
 

@@ -30,7 +30,7 @@ noise. The default is ``tensorwise`` (current scaling: the scale comes from the 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 from megarl.config.schema import TrainConfig
 
@@ -64,8 +64,8 @@ def _version(text: str):
     return Version(text)
 
 
-def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: Optional[str],
-                      te_version: Optional[str]) -> Optional[str]:
+def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: str | None,
+                      te_version: str | None) -> str | None:
     """Why ``recipe`` cannot run on a device, or None when it can (pure; no GPU needed).
 
     Args:
@@ -106,7 +106,7 @@ def fp8_support_error(recipe: str, *, capability: tuple[int, int], torch_cuda: O
     return None
 
 
-def installed_te_version() -> Optional[str]:
+def installed_te_version() -> str | None:
     """The installed Transformer Engine's version (package metadata), or None."""
     from importlib import metadata
 
@@ -118,13 +118,13 @@ def installed_te_version() -> Optional[str]:
     return None
 
 
-def fp8_support_error_here(recipe: str) -> Optional[str]:
+def fp8_support_error_here(recipe: str) -> str | None:
     """:func:`fp8_support_error` for this process's current CUDA device (None without a GPU: unknown)."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    return fp8_support_error(recipe, capability=tuple(torch.cuda.get_device_capability()),
+    return fp8_support_error(recipe, capability=torch.cuda.get_device_capability(),
                              torch_cuda=torch.version.cuda, te_version=installed_te_version())
 
 
@@ -141,7 +141,7 @@ def fp8_recipe_issues(train_cfg: TrainConfig, policy_loss: str, *, cuda: bool) -
         ``(key, message)`` pairs; empty when the recipe can run (an unknown recipe is the config
         domain's to report).
     """
-    recipe, issues = train_cfg.fp8_recipe, []
+    recipe, issues = train_cfg.fp8_recipe, list[tuple[str, str]]()
     if recipe not in FP8_RECIPES:
         return issues
     from megarl.algorithms.extensions import POLICY_LOSSES
@@ -203,7 +203,7 @@ def fp8_config(train_cfg: TrainConfig, *, is_moe: bool, cuda: bool) -> dict:
     error = fp8_support_error_here(train_cfg.fp8_recipe)
     if error:
         raise ValueError(f"train.fp8_recipe={train_cfg.fp8_recipe}: {error}")
-    extra = {"fp8": train_cfg.fp8, "fp8_recipe": train_cfg.fp8_recipe}
+    extra: dict[str, Any] = {"fp8": train_cfg.fp8, "fp8_recipe": train_cfg.fp8_recipe}
     if train_cfg.fp8_recipe == "delayed":
         # Megatron-LM's usual delayed-scaling settings: scale from the max amax of a long history.
         extra.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")

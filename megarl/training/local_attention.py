@@ -98,8 +98,8 @@ class LocalSDPAttention(DotProductAttention):
         if attention_mask is not None and segments is None:
             if attention_mask.dtype != torch.bool or (~attention_mask).any(-1).logical_not().any():
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
-            out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (query, key, value)),
-                                                 attn_mask=~attention_mask, scale=scale, enable_gqa=gqa)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=scale, enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
         if segments is None:  # no mask: one causal sequence per row (Megatron's default causal mask)
             if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal or query.shape[0] != key.shape[0]:
@@ -183,7 +183,7 @@ def use_local_sdpa_attention(block_spec) -> int:
         attention = getattr(layer_spec.submodules, "self_attention", None)
         if getattr(attention, "module", None) is not SelfAttention:  # MLA keeps its own (local_mla.py)
             continue
-        submodules = attention.submodules
+        submodules = attention.submodules  # type: ignore[union-attr]  # SelfAttention's spec
         if getattr(submodules, "core_attention", None) is DotProductAttention:
             submodules.core_attention = LocalSDPAttention
             changed += 1

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import divide
@@ -43,9 +42,9 @@ class LocalMLADotProductAttention(DotProductAttention):
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
         if softmax_scale is None and k_channels is not None:
             softmax_scale = 1.0 / math.sqrt(k_channels)
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,

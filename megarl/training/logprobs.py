@@ -16,7 +16,8 @@ pass runs (no log over the vocabulary, no second ``[T, V/tp]`` buffer); it is co
 asked for (the trainer asks when it logs ``loss/entropy`` or trains on the entropy).
 
 Both are `torch.autograd.Function` s with hand-written backward passes
-(``d log p(y) / d z_v = 1[v = y] - p_v``; ``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP rank holds the same
+(``d log p(y) / d z_v = 1[v = y] - p_v``; ``d H / d z_v = -p_v (z_v - E_p[z])``) that need no communication: every TP
+rank holds the same
 (replicated) loss, so each rank's gradient for its own vocabulary slice is already complete.
 
 Memory: the pass works in one fp32 ``[T, V/tp]`` buffer (the softmax, then the gradient, in place);
@@ -29,7 +30,7 @@ equals a softmax over the real vocabulary (the rollout engine's).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
+def _all_reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
     if _group_size(group) > 1:
         all_reduce(tensor, op=op, group=group)
     return tensor
@@ -118,7 +119,7 @@ def _exp_(shifted: Tensor, num_real: int, with_entropy: bool) -> tuple[Tensor, T
     shifted[:, num_real:] = 0.0  # the padding ids' exp(-inf)
     for start in range(0, shifted.shape[0], rows):
         chunk = shifted[start:start + rows, :num_real]
-        if with_entropy:
+        if scratch is not None and weighted is not None:  # with_entropy
             exp_chunk = torch.exp(chunk, out=scratch[:chunk.shape[0]])
             weighted[start:start + rows] = torch.linalg.vecdot(exp_chunk, chunk)
             chunk.copy_(exp_chunk)
@@ -142,7 +143,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
         target_z = torch.where(owned, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), torch.zeros_like(z[..., 0]))
         sum_exp, weighted = _exp_(z, num_real, with_entropy)  # z now holds exp(z - max): the softmax, for backward
-        sums = torch.stack([sum_exp, target_z] + ([weighted] if with_entropy else []))  # one all-reduce
+        sums = torch.stack([sum_exp, target_z] + ([weighted] if weighted is not None else []))  # one all-reduce
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         sum_exp, target_z = sums[0], sums[1]
         log_sum_exp = sum_exp.log()
@@ -232,7 +233,8 @@ def vocab_parallel_logprobs_and_entropy(logits: Tensor, targets: Tensor, *, voca
         ValueError: ``logits`` not ``[T, V/tp]`` or ``targets`` not ``[T]``.
     """
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"expected logits [T, V/tp] and targets [T], got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     overwrite = overwrite and logits.dtype == torch.float32 and logits.is_contiguous()
     return _VocabParallelLogprobs.apply(logits, targets, vocab_size, tp_group, with_entropy, temperature, overwrite)
 
@@ -284,7 +286,7 @@ def _next_token_pairs(logits: Tensor, input_ids: Tensor, *,
     flat_logits = logits[..., :-1, :].reshape(-1, local_vocab)
     targets = input_ids[..., 1:].reshape(-1)
 
-    def shifted(values: Tensor) -> Tensor:
+    def shifted(values: Tensor) -> Tensor:  # type: ignore[no-redef]  # one per branch
         values = values.view(*lead, length - 1)
         return torch.cat([values.new_zeros(*lead, 1), values], dim=-1)
     return flat_logits, targets, shifted

@@ -13,6 +13,7 @@ Orders used below:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ class PackedMicroBatch:
     input_ids: Tensor
     position_ids: Tensor
     attention_mask: Tensor | None
-    packed_seq_params: object | None
+    packed_seq_params: Any | None
     cu_seqlens: Tensor
     flat_index: Tensor
     token_index: Tensor
@@ -49,7 +50,7 @@ class PackedMicroBatch:
     @property
     def shape(self) -> tuple[int, int]:
         """``(R, S)``."""
-        return tuple(self.input_ids.shape)
+        return self.input_ids.shape[0], self.input_ids.shape[1]
 
     @property
     def flat_size(self) -> int:
@@ -121,7 +122,8 @@ def block_causal_mask(row_segments: list[list[int]], length: int) -> Tensor:
     return mask
 
 
-def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_params: bool = False) -> PackedMicroBatch:
+def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *,
+                     use_packed_seq_params: bool = False) -> PackedMicroBatch:
     """Build the rows of one micro batch.
 
     Args:
@@ -172,4 +174,5 @@ def pack_micro_batch(batch: TrainBatch, spec: MicroBatchSpec, *, use_packed_seq_
                                             for lens_r in row_lens], length)
     return PackedMicroBatch(spec=spec, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                             packed_seq_params=packed, cu_seqlens=cu,
-                            flat_index=torch.cat(flat) if flat else empty, token_index=torch.cat(tokens) if tokens else empty)
+                            flat_index=torch.cat(flat) if flat else empty,
+                            token_index=torch.cat(tokens) if tokens else empty)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -52,7 +52,7 @@ def _spec_backend(device: str, spec: str) -> bool:
 
 def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,
                              precision: str = "fp32", device: str = "cpu", use_te: bool = False,
-                             extra_config: Optional[dict] = None):
+                             extra_config: dict | None = None):
     """Megatron ``TransformerConfig`` for an HF model, a parallel layout and megarl's model section.
 
     Args:
@@ -107,7 +107,7 @@ def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg:
     return config
 
 
-def _layout_kwargs(p: ParallelConfig, model_cfg: ModelConfig, *, first: Optional[int], last: Optional[int],
+def _layout_kwargs(p: ParallelConfig, model_cfg: ModelConfig, *, first: int | None, last: int | None,
                    precision: str, device: str) -> dict:
     """``TransformerConfig`` fields of the parallel layout (``first`` / ``last``: layers of the first /
     last pipeline stage, None: even), the precision, dropout and initialisation on ``device``."""
@@ -167,7 +167,7 @@ def _grad_accum_kernel_available() -> bool:
 
 
 def fusion_settings(*, use_te: bool, is_moe: bool, multi_latent_attention: bool,
-                    grad_accum_kernel: bool) -> tuple[dict[str, bool], dict[str, str]]:
+                    grad_accum_kernel: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """Megatron's fusions for a layer spec, as Megatron-LM runs them on GPU: every one of
     :data:`FUSIONS` on under the Transformer Engine spec, off on the local spec (CPU), with the reason
     for each one left off.
@@ -223,8 +223,8 @@ def split_megatron_overrides(overrides: dict) -> tuple[dict, dict]:
 
 
 def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,
-                precision: str = "fp32", device: Optional[str] = None, spec: str = "auto",
-                extra_config: Optional[dict] = None) -> list:
+                precision: str = "fp32", device: str | None = None, spec: str = "auto",
+                extra_config: dict | None = None) -> list:
     """Build this rank's ``GPTModel`` chunks (one per virtual pipeline stage).
 
     Pre/post-processing (embedding / output layer) follows the rank's pipeline stage and each
@@ -281,7 +281,7 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     return chunks
 
 
-def _build_chunk(config, vp_stage: Optional[int], *, use_te: bool, vocab_size: int, device: str,
+def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int, device: str,
                  gpt_kwargs: dict) -> torch.nn.Module:
     """One ``GPTModel`` chunk (virtual pipeline stage ``vp_stage``, None without VPP) of this rank, on
     ``device``; with the local spec, megarl's local MLA and fused-SDPA attention modules."""

@@ -10,6 +10,7 @@ over data-parallel ranks; gradient-norm clipping over all model-parallel ranks) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimi
         funcs = [getattr(chunk, name) for chunk in wrapped]
         return funcs[0] if len(funcs) == 1 else funcs
 
-    config = model_chunks[0].config  # shared by every chunk
+    config: Any = model_chunks[0].config  # shared by every chunk
     config.no_sync_func = hooks("no_sync") if ddp_config.overlap_grad_reduce else None
     # Megatron-LM's --align-grad-reduce (default on; not a DDP config field in Megatron-Core 0.16.1).
     config.grad_sync_func = hooks("start_grad_sync") if ddp_config.overlap_grad_reduce else None
@@ -71,7 +72,7 @@ def build_ddp(model_chunks: Sequence[torch.nn.Module], *, use_distributed_optimi
         # The schedules call this after the last micro batch: DP (and expert-DP) gradient
         # reduction, and the TP all-reduce of sequence-parallel norm weights. Without it every
         # rank would step on its own gradient.
-        chunk.config.finalize_model_grads_func = finalize_model_grads
+        chunk.config.finalize_model_grads_func = finalize_model_grads  # type: ignore[union-attr]  # Megatron's
     return wrapped
 
 
@@ -86,7 +87,7 @@ def gather_params(ddp_chunks: Sequence[torch.nn.Module]) -> None:
     """
     for chunk in ddp_chunks:
         if getattr(chunk, "use_forward_hook", False):
-            chunk.start_param_sync(force_sync=True)
+            chunk.start_param_sync(force_sync=True)  # type: ignore[operator]  # Megatron's DDP
 
 
 def build_optimizer(train_cfg: TrainConfig, ddp_chunks: Sequence[torch.nn.Module], *,
@@ -109,7 +110,7 @@ def build_optimizer(train_cfg: TrainConfig, ddp_chunks: Sequence[torch.nn.Module
 
     if train_cfg.optimizer not in ("adam", "sgd"):
         raise ValueError(f"train.optimizer must be 'adam' or 'sgd', got {train_cfg.optimizer!r}")
-    model_config = ddp_chunks[0].config
+    model_config: Any = ddp_chunks[0].config
     if model_config.fp16:
         raise ValueError("train.precision=fp16 is not supported (use bf16: no loss scaling is needed)")
     config = OptimizerConfig(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ class ParallelState:
     tp_size: int
     pp_rank: int
     pp_size: int
-    vpp_size: Optional[int]
+    vpp_size: int | None
     """Model chunks per pipeline stage (interleaved schedule); None = no interleaving."""
     ep_rank: int
     ep_size: int
@@ -59,7 +58,7 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @classmethod
-    def from_megatron(cls, *, sequence_parallel: bool = False) -> "ParallelState":
+    def from_megatron(cls, *, sequence_parallel: bool = False) -> ParallelState:
         """Read the state of an initialised Megatron ``parallel_state``.
 
         Raises:
@@ -108,7 +107,8 @@ def initialize_parallel(parallel_cfg: ParallelConfig, *, backend: str = "auto", 
     """Initialise ``torch.distributed`` (if needed) and Megatron's model-parallel groups.
 
     On a machine without CUDA the CPU patches of :mod:`megarl.training.cpu_compat` are applied
-    first; on CUDA only ``moe_te_gemm`` (an MoE router without Transformer Engine fails there too). ``torch.distributed`` is started from the environment (``RANK``, ``WORLD_SIZE``,
+    first; on CUDA only ``moe_te_gemm`` (an MoE router without Transformer Engine fails there too).
+    ``torch.distributed`` is started from the environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``) when not already initialised. The Megatron RNG tracker is
     seeded (``model_parallel_cuda_manual_seed(seed)``; on CPU it tracks the CPU generator).
 

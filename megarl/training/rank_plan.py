@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,7 +96,7 @@ class MicroBatchPlanner:
         p, train = self.parallel, self.train
         seq_lens = batch.seq_lens.tolist() if step is None else list(step.seq_lens)
         pad_multiple = (p.tp_size if p.sequence_parallel else 1) * fp8_token_multiple(train)
-        pack = functools.partial(pack_micro_batch, batch, use_packed_seq_params=self.te_attention)
+        pack: Callable[..., Any] = functools.partial(pack_micro_batch, batch, use_packed_seq_params=self.te_attention)
         if p.cp_size > 1:  # rows hold sequences padded to 2 * CP (padding_fraction then omits that padding)
             seq_lens = [cp.cp_padded_length(n, p.cp_size) for n in seq_lens]
             pad_multiple = cp.cp_row_multiple(p.cp_size, pad_multiple)

@@ -3,7 +3,7 @@ swapped into the model for a reference forward and swapped back afterwards."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor

@@ -63,9 +63,11 @@ def validate_routed_experts(routed_experts: Tensor | None, *, num_layers: int, n
     """
     if routed_experts is None:
         raise RoutingReplayError("routing replay is on but the batch has no routed_experts "
-                                 "(R3: the engine must return routed experts; R2: let Trainer.prepare_batch record them)")
+                                 "(R3: the engine must return routed experts; "
+                                 "R2: let Trainer.prepare_batch record them)")
     if routed_experts.dim() != 3 or tuple(routed_experts.shape[1:]) != (num_layers, topk):
-        raise RoutingReplayError(f"routed_experts must be [T, L={num_layers}, K={topk}], got {tuple(routed_experts.shape)}")
+        raise RoutingReplayError(f"routed_experts must be [T, L={num_layers}, K={topk}], "
+                                 f"got {tuple(routed_experts.shape)}")
     if routed_experts.is_floating_point():
         raise RoutingReplayError(f"routed_experts must hold integer ids, got {routed_experts.dtype}")
     unset = routed_experts < 0
@@ -73,7 +75,7 @@ def validate_routed_experts(routed_experts: Tensor | None, *, num_layers: int, n
     problems = [
         ("a row mixes -1 (unrecorded) with expert ids", unset.any(dim=-1) & ~row_unset),
         (f"an expert id is >= num_moe_experts={num_experts}", (routed_experts >= num_experts).any(dim=-1)),
-        (f"an expert id is < -1", (routed_experts < -1).any(dim=-1)),
+        ("an expert id is < -1", (routed_experts < -1).any(dim=-1)),
     ]
     ids = routed_experts.sort(dim=-1).values
     duplicate = (ids[..., 1:] == ids[..., :-1]).any(dim=-1) & ~row_unset
@@ -108,7 +110,9 @@ class _RouterSlot:
         """Targets of this step's forward calls, oldest first, for recomputations (module docstring)."""
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None, group_topk: int | None = None,
-                        default_compute_topk: Callable[..., tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+                        default_compute_topk: Callable[..., tuple[Tensor, Tensor]] | None = None,
+                        ) -> tuple[Tensor, Tensor]:
+        assert default_compute_topk is not None  # Megatron's router always passes it
         probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.mode == "record":
             self.recorded.append(indices.detach().clone())

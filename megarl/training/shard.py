@@ -117,7 +117,7 @@ def shard_batch(batch: TrainBatch, *, dp_size: int, global_batch_size: int, cp_s
         raise ValueError(f"{len(route_refs)} route references for {batch.num_sequences} sequences")
     lens = batch.seq_lens.tolist()
     per_rank: list[list[int]] = [[] for _ in range(dp_size)]
-    mini_lens, mini_indices = [], [[] for _ in range(dp_size)]
+    mini_lens, mini_indices = list[list[int]](), [list[list[int]]() for _ in range(dp_size)]
     for rng in mini_batches(batch.num_sequences, global_batch_size):
         seq_lens = [lens[i] for i in rng]
         if len(seq_lens) < dp_size:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -152,7 +153,7 @@ class Trainer:
 
         Fields already set are kept. Returns a new batch; the input is unchanged.
         """
-        changes = {}
+        changes: dict[str, Any] = {}
         record = self.cfg.train.routing_replay == "r2" and batch.routed_experts is None
         if batch.old_logprobs is None or record:
             with torch.no_grad():

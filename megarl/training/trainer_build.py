@@ -8,7 +8,7 @@ benchmarks, converters).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from megarl.config.device import resolved_precision, use_cuda
 from megarl.config.model_rules import num_experts_of

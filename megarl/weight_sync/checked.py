@@ -2,7 +2,8 @@
 
 Both create one process group between the stage's senders (ranks ``0 .. n - 1``: the stage
 sender, then, for ``p2p`` with segment senders, the other trainer ranks that send segments) and
-every engine rank (NCCL on GPU, gloo on CPU: same code) inside the first sync and reuse it. Per sync the sender announces
+every engine rank (NCCL on GPU, gloo on CPU: same code) inside the first sync and reuse it. Per sync the sender
+announces
 every bucket of its stage at once, by one ticket to the custom loader
 :func:`megarl.weight_sync.receiver.receive_shards` (an upstream extension point:
 ``--custom-weight-loader`` + ``/update_weights_from_tensor``'s ``load_format``; the listings come
@@ -19,16 +20,16 @@ checkpoint knows (name, dtype, shape). They differ in what each engine rank rece
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
 from megarl.training.collectives import all_reduce, group_device, isend
 from megarl.weight_sync.engine_clients import wait_all
+from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.receiver_group import ReceiverGroupTransport
 from megarl.weight_sync.specs import torch_dtype
-from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.wire import DIGEST_CHARS, STATUS, VOTE_FIELDS, encode_sums
 
 
@@ -47,17 +48,17 @@ class CheckedTransport(ReceiverGroupTransport):
     def __init__(self, plan, engines, **kwargs) -> None:
         super().__init__(plan, engines, **kwargs)
         self.tamper = None
-        self._pending: Optional[dict] = None
-        self._failure: Optional[WeightSyncError] = None
+        self._pending: dict | None = None
+        self._failure: WeightSyncError | None = None
         self._finish_announced = False
         """This sync's stage ticket went out: the receivers join the ``finish`` vote after its last bucket."""
-        self._partial: Optional[dict] = None
+        self._partial: dict | None = None
         """The bucket being sent: its handles and the engine ranks its bytes went to (for :meth:`abort`)."""
-        self._stage: Optional[list[tuple[Bucket, list[list]]]] = None
+        self._stage: list[tuple[Bucket, list[list]]] | None = None
         """This sync's announced buckets and each engine rank's listing ``[[name, dtype, shape]]``."""
         self._next = 0
         """Index in ``_stage`` of the next bucket the receivers wait for."""
-        self._algo: Optional[str] = None
+        self._algo: str | None = None
         tp = plan.engine_layout.tp_size
         self.received = [[0] * tp for _ in range(len(engines))]
         """Bytes each engine rank reported receiving this sync ``[engine][tp_rank]`` (counted by the receiver)."""
@@ -259,7 +260,8 @@ class CheckedTransport(ReceiverGroupTransport):
                     what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"
                             if index < len(listing) else "its bucket")
                     what = what if pending["bucket"] is not None or at_bucket < 0 else f"bucket {at_bucket}: {what}"
-                    problems.append(f"engine {i} ({self.engines.urls[i]}) rank {r}: {what}: {STATUS.get(status, status)}")
+                    problems.append(f"engine {i} ({self.engines.urls[i]}) rank {r}: {what}: "
+                                    f"{STATUS.get(status, status)}")
         self.stats.engine_rank_bytes = [max(row[r] for row in self.received) for r in range(tp)]
         if problems:  # raised by drain(): the other trainer ranks must still finish their gather
             where = (f"refused at bucket {pending['bucket'].index}, no engine loaded it"

@@ -8,8 +8,8 @@ import logging
 import torch
 
 from megarl.config.device import use_cuda
-from megarl.weight_sync.engine_slices import PlanError
 from megarl.weight_sync.engine_clients import EngineClients, wait_all
+from megarl.weight_sync.engine_slices import PlanError
 from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.receiver import RECEIVER
@@ -34,7 +34,8 @@ def engines_have_receiver(engines: EngineClients, *, timeout_s: float = 60.0) ->
     return all(RECEIVER in (info.get("custom_weight_loader") or []) for info in infos)
 
 
-def resolve_auto(plan: WeightSyncPlan, engines: EngineClients, *, backend: str = "auto", timeout_s: float = 60.0) -> str:
+def resolve_auto(plan: WeightSyncPlan, engines: EngineClients, *, backend: str = "auto",
+                 timeout_s: float = 60.0) -> str:
     """``weight_sync.transport=auto`` for one sender: ``p2p`` where it applies and is not predicted
     slower, else ``distributed``.
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.weight_sync.plan import ParamTransfer
 from megarl.weight_sync.manifest_checks import WeightSyncError
+from megarl.weight_sync.plan import ParamTransfer
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Placement:
                                                      shapes)
         return pieces
 
-    @functools.lru_cache(maxsize=4096)
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - keyed on self too; bounded, so few placements are kept alive
     def _trace(self, template: str, entry, full_shape: tuple, num_shards: int, hf_shapes: tuple) -> tuple[Piece, ...]:
         from megarl.models.mapping import TPSplit, split_tp, to_hf
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class EngineClients:
@@ -59,7 +60,7 @@ class EngineClients:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
-    def __enter__(self) -> "EngineClients":
+    def __enter__(self) -> EngineClients:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,6 @@ slices read it from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megarl.errors import UserError
 from megarl.weight_sync.layout import EngineLayout
@@ -27,7 +26,7 @@ class PlanError(UserError):
 class TensorSlice:
     """Rows/columns ``[start, stop)`` along ``axis`` of an HF tensor (``axis`` None = whole tensor)."""
 
-    axis: Optional[int]
+    axis: int | None
     start: int = 0
     stop: int = 0
 

@@ -32,8 +32,8 @@ in-place updates is for a GPU run to show.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from importlib import metadata
-from typing import Optional, Sequence
 
 from megarl.models.fp8_blocks import BlockFP8, parse_quantization_config, scale_name
 from megarl.weight_sync.specs import HFTensorSpec
@@ -44,7 +44,7 @@ SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 scales, which layers are quantised) this module was written against."""
 
 
-def served_quantization(hf_config, *, source: str = "config.json") -> Optional[BlockFP8]:
+def served_quantization(hf_config, *, source: str = "config.json") -> BlockFP8 | None:
     """The engines' block-FP8 settings from their checkpoint's config, None when not quantised.
 
     Raises:
@@ -58,7 +58,7 @@ def served_quantization(hf_config, *, source: str = "config.json") -> Optional[B
     return quantization
 
 
-def check_sglang_version(version: Optional[str] = None) -> None:
+def check_sglang_version(version: str | None = None) -> None:
     """Refuse FP8 on the wire with an SGLang release this layout was not checked against.
 
     Args:

@@ -21,14 +21,15 @@ The receives of bucket ``b + 1`` are posted before bucket ``b`` is handed to the
 gathering the next bucket overlaps sending the current one. Buffers come from a ring of three:
 bucket ``b + 1`` receives into the slot of ``b - 2``, which the transport finished with (before it
 sends ``b - 1`` it waits until ``b - 2`` is broadcast, or loaded when the engines read the sender's
-memory), so no buffer is reused while the engines may still read it. A source rank has at most ``max_in_flight`` buckets of sends open.
+memory), so no buffer is reused while the engines may still read it. A source rank has at most ``max_in_flight`` buckets
+of sends open.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,9 @@ class StageGatherer:
     """
 
     def __init__(self, plan: WeightSyncPlan, rank: int, local: Mapping[str, torch.Tensor], placement: Placement,
-                 *, max_in_flight: int = 2, group: Optional[dist.ProcessGroup] = None,
-                 ring: Optional[list[Optional[torch.Tensor]]] = None, sliced: bool = False,
-                 owners: Optional[SegmentOwners] = None, cache: Optional[dict] = None) -> None:
+                 *, max_in_flight: int = 2, group: dist.ProcessGroup | None = None,
+                 ring: list[torch.Tensor | None] | None = None, sliced: bool = False,
+                 owners: SegmentOwners | None = None, cache: dict | None = None) -> None:
         if owners is not None and not sliced:
             raise ValueError("segment owners need sliced buckets")
         self.plan, self.rank, self.local, self.placement = plan, rank, local, placement
@@ -98,7 +99,7 @@ class StageGatherer:
         self.timings = GatherTimings()
         if ring is not None and len(ring) != RING_SLOTS:
             raise ValueError(f"ring must hold {RING_SLOTS} slots, got {len(ring)}")
-        self._ring: list[Optional[torch.Tensor]] = ring if ring is not None else [None] * RING_SLOTS
+        self._ring: list[torch.Tensor | None] = ring if ring is not None else [None] * RING_SLOTS
         cache = cache if cache is not None else {}
         mode = (sliced, owners.several if owners is not None else None)  # the messages depend on it
         self._layouts: dict[int, tuple] = cache.setdefault(("layouts", mode), {})  # bucket index -> sliced_layout
@@ -131,7 +132,7 @@ class StageGatherer:
             return self.owners.owners(bucket)
         return [bucket.sender_rank] * (self.plan.engine_layout.tp_size if self.sliced else 1)
 
-    def _direct(self, bucket: Bucket, hf_positions: list[int], piece, dest: int) -> Optional[int]:
+    def _direct(self, bucket: Bucket, hf_positions: list[int], piece, dest: int) -> int | None:
         """Where ``piece`` can be received by ``dest`` straight into its place: the index of the one
         target (in :meth:`_targets`' list for its HF tensor) that holds all of it contiguously,
         or None.
@@ -273,8 +274,8 @@ class StageGatherer:
                 a, n = segments[r]
                 messages[r] = [flat[a - base:a - base + n]]
             else:
-                messages[r] = [flat[o - base:o - base + n] if src is None else self._shard_bytes(src[0])[src[1]:src[1] + n]
-                               for o, n, src in runs[r]]
+                messages[r] = [flat[o - base:o - base + n] if src is None
+                               else self._shard_bytes(src[0])[src[1]:src[1] + n] for o, n, src in runs[r]]
         handed = RankSlices(parts, [flat[a - base:a - base + n] if r in ours else None
                                     for r, (a, n) in enumerate(segments)], messages)
         return flat, handed, targets
@@ -356,7 +357,7 @@ class StageGatherer:
         stages = {pp for pp in {b.pp_rank for b in self.plan.buckets} if self.rank in self.owners.senders(pp)}
         return [b for b in self.plan.buckets if b.pp_rank in stages]
 
-    def iter_hf_buckets(self) -> Iterator[tuple[Bucket, object, Optional[torch.Tensor]]]:
+    def iter_hf_buckets(self) -> Iterator[tuple[Bucket, object, torch.Tensor | None]]:
         """Yield ``(bucket, tensors, flat)`` for each of :meth:`sends_buckets`.
 
         ``tensors``: ``[(hf_name, view)]`` (wire order; views of ``flat``, which holds the bucket's

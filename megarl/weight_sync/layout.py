@@ -21,14 +21,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 
 class LayoutError(ValueError):
     """A layout that cannot hold the model (sizes that do not divide, ranks out of range)."""
 
 
-def _check_positive(owner: str, **sizes: Optional[int]) -> None:
+def _check_positive(owner: str, **sizes: int | None) -> None:
     for name, value in sizes.items():
         if value is not None and (not isinstance(value, int) or value < 1):
             raise LayoutError(f"{owner}.{name} must be a positive integer, got {value!r}")
@@ -44,17 +43,17 @@ class TrainerLayout:
     """PP: decoder layers are split into this many stages."""
     expert_model_parallel_size: int = 1
     """EP: experts are split over this many ranks."""
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: int | None = None
     """ETP: each expert is split over this many ranks; None = Megatron's default (TP)."""
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     """Model chunks per PP stage (interleaved schedule); None = 1."""
     context_parallel_size: int = 1
     """CP: sequence split; replicates weights."""
     data_parallel_size: int = 1
     """DP: replicas of the dense weights (world = TP * CP * DP * PP)."""
-    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_first_pipeline_stage: int | None = None
     """Uneven pipeline: decoder layers on the first stage (Megatron's field); None = even split."""
-    num_layers_in_last_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: int | None = None
     """Uneven pipeline: decoder layers on the last stage (Megatron's field); None = even split."""
 
     def __post_init__(self) -> None:
@@ -73,7 +72,7 @@ class TrainerLayout:
                 f"does not divide the ranks per pipeline stage ({per_stage} = TP*CP*DP)")
 
     @classmethod
-    def from_world_size(cls, world_size: int, **sizes: Optional[int]) -> "TrainerLayout":
+    def from_world_size(cls, world_size: int, **sizes: int | None) -> TrainerLayout:
         """The layout whose data-parallel size fills ``world_size`` ranks.
 
         Raises:

@@ -53,13 +53,13 @@ from __future__ import annotations
 import logging
 import re
 import weakref
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model -> ``(parameters under each module prefix (:func:`_by_ancestor`), {transformed parameter name: why})``."""
 PARAM_TRANSFORMS = {"format_ue8m0": "UE8M0 scales (DeepGEMM requant / MXFP8)",
                     "is_shuffled": "AITER pre-shuffled"}
@@ -74,7 +74,7 @@ _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def first_unwritten(model, named: Sequence[tuple[str, torch.Tensor]]) -> Optional[int]:
+def first_unwritten(model, named: Sequence[tuple[str, torch.Tensor]]) -> int | None:
     """Index in ``named`` of the first tensor found in none of ``model``'s parameters; None when
     every one is (module docstring).
 
@@ -112,7 +112,7 @@ def transformed_params(model) -> dict[str, str]:
     return out
 
 
-def _transformed_owner(transformed: dict, name: str) -> Optional[str]:
+def _transformed_owner(transformed: dict, name: str) -> str | None:
     """Why HF tensor ``name`` cannot be found: a transformed parameter of the same kind (its name
     ends like ``name``'s: ``weight`` / ``weight_scale_inv``) under its module's parent (where
     :func:`_candidates` looks: fused modules, an expert's ``experts``), or None."""

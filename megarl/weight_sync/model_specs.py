@@ -14,7 +14,8 @@ So is :func:`engine_table`: a tied checkpoint of a family whose SGLang class kee
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, ParamSpec, SpecError
 
@@ -93,7 +94,7 @@ def _tp_unit(name: str, shape: tuple[int, ...], entry, layout) -> int:
 
 def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int = 1,
                                make_vocab_size_divisible_by: int = 128,
-                               dtype: Optional[str] = None) -> list[ParamSpec]:
+                               dtype: str | None = None) -> list[ParamSpec]:
     """Every Megatron parameter of the model described by an HF config, in model order.
 
     Args:
@@ -153,7 +154,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
     return specs
 
 
-def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> Optional[str]:
+def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str | None:
     """The key of the engine load group (``Family.engine_load_groups``) one of ``hf_names`` belongs
     to: the group's first template filled with the name's layer; None when in none."""
     for group in groups:

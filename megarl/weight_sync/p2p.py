@@ -3,7 +3,7 @@ receives exactly its own slices point to point, and ``distributed`` through mega
 every engine rank receives every tensor whole by one broadcast per bucket."""
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -22,7 +22,8 @@ class P2PTransport(CheckedTransport):
     the packing and no other request follows until the stage is done. Per bucket: each engine
     rank's slices (a :class:`~megarl.weight_sync.segments.RankSlices` bucket, laid out per engine
     rank by the gatherer: each rank's segment as it is; an HF-layout bucket: packed, with no copy
-    when a rank holds every tensor whole), checksummed per tensor and sent point to point, the checksums right after the bytes; then every group rank joins a
+    when a rank holds every tensor whole), checksummed per tensor and sent point to point, the checksums right after the
+    bytes; then every group rank joins a
     vote (one all-reduce) and the engines load only if every rank received intact, expected
     tensors (:mod:`megarl.weight_sync.receiver`). Bucket ``b + 1``'s bytes leave right after
     ``b``'s vote; packing ``b + 1`` and gathering ``b + 2`` overlap the transfer of ``b``, and the
@@ -61,7 +62,8 @@ class P2PTransport(CheckedTransport):
         parts: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(self.plan.engine_layout.tp_size)]
         for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
             for rank, sl in self.plan.engine_slices_of(spec).items():
-                parts[rank].append((name, tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
+                parts[rank].append((name, tensor if sl.axis is None
+                                    else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
         return parts
 
     def _listings(self, bucket: Bucket) -> list[list]:

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional, Sequence
 
 from megarl.models.fp8_blocks import BlockFP8
 from megarl.weight_sync.engine_slices import PlanError, TensorSlice, engine_slices
@@ -116,20 +116,20 @@ class WeightSyncPlan:
     buckets: tuple[Bucket, ...]
     num_experts: int
     bucket_size_bytes: int
-    quantization: Optional[BlockFP8] = None
+    quantization: BlockFP8 | None = None
     """The served checkpoint's block-FP8 settings: the sender quantises (``Bucket.wire_tensors``)."""
     senders_per_stage: int = 1
     """Replicas of each stage that send, each to its own engines (module docstring)."""
     replica: int = 0
     """Which replica's ranks ``buckets`` name (:meth:`for_replica`)."""
-    engines: Optional[tuple[int, ...]] = None
+    engines: tuple[int, ...] | None = None
     """Indices of the engines this replica sends to; None = all ``engine_layout.num_engines``."""
 
     def replica_engines(self, replica: int) -> tuple[int, ...]:
         """The engines replica ``replica`` sends to: ``i`` with ``i % senders_per_stage == replica``."""
         return tuple(range(replica, self.engine_layout.num_engines, self.senders_per_stage))
 
-    def for_replica(self, replica: int) -> "WeightSyncPlan":
+    def for_replica(self, replica: int) -> WeightSyncPlan:
         """The plan of replica ``replica`` (``0 <= replica < senders_per_stage``): every bucket's
         sender and sources shifted by ``replica * trainer_layout.replica_block`` (ranks holding the
         same shards, :attr:`TrainerLayout.replica_block`), and its engines.
@@ -175,7 +175,7 @@ class WeightSyncPlan:
         """Bytes of :meth:`wire_tensors` (``total_bytes`` unless the engines serve FP8)."""
         return sum(b.wire_nbytes for b in self.buckets)
 
-    def engine_slice(self, tensor: HFTensorSpec, tp_rank: int) -> Optional[TensorSlice]:
+    def engine_slice(self, tensor: HFTensorSpec, tp_rank: int) -> TensorSlice | None:
         """The part of ``tensor`` that engine rank ``tp_rank`` holds; None = none (a remote expert).
 
         Raises:
@@ -261,8 +261,8 @@ def _wire_order(params: Sequence[ParamTransfer]) -> tuple[HFTensorSpec, ...]:
 
 
 def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param_specs: Sequence[ParamSpec],
-               *, bucket_size_mb: float = 512, quantization: Optional[BlockFP8] = None,
-               senders_per_stage: Optional[int] = None) -> WeightSyncPlan:
+               *, bucket_size_mb: float = 512, quantization: BlockFP8 | None = None,
+               senders_per_stage: int | None = None) -> WeightSyncPlan:
     """Plan one weight sync from metadata alone.
 
     Args:
@@ -316,7 +316,7 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
     return WeightSyncPlan(trainer_layout, engine_layout, tuple(buckets), num_experts, limit, quantization, senders)
 
 
-def _num_senders(trainer_layout: TrainerLayout, engine_layout: EngineLayout, senders_per_stage: Optional[int]) -> int:
+def _num_senders(trainer_layout: TrainerLayout, engine_layout: EngineLayout, senders_per_stage: int | None) -> int:
     """Replicas of each stage that send: at most ``senders_per_stage`` (None: no limit), the
     complete copies of a stage, and the engines.
 

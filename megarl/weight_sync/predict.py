@@ -274,12 +274,12 @@ def _engine_node_lines(p: SyncPrediction, inter_gbps: float) -> list[str]:
 def plan_from_config(cfg):
     """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
     from megarl.config.device import resolved_precision
-    from megarl.training.model import load_hf_config
     from megarl.models.fp8_blocks import parse_quantization_config
+    from megarl.training.model import load_hf_config
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-    from megarl.weight_sync.synchronizer_build import senders_per_stage
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
+    from megarl.weight_sync.synchronizer_build import senders_per_stage
 
     p, cl, engine = cfg.parallel, cfg.cluster, cfg.rollout.engine
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
@@ -312,7 +312,6 @@ def placement_from_config(cfg):
     from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.copy_instructions import Placement
-
     from megarl.weight_sync.model_specs import engine_table
 
     hf_config = load_hf_config(str(cfg.model.hf_path))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -26,7 +26,7 @@ class WireQuantizer:
             transport has finished with ``b - 2``); None: a fresh buffer per bucket.
     """
 
-    def __init__(self, quantization: BlockFP8, ring: Optional[list] = None) -> None:
+    def __init__(self, quantization: BlockFP8, ring: list | None = None) -> None:
         self.quantization, self.ring = quantization, ring
         self.quantize_s = 0.0
         """Seconds spent quantising (summed over buckets)."""

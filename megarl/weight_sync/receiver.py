@@ -14,14 +14,16 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   no HTTP hop between two buckets). Per bucket: receive this rank's bytes (in the entry's
   ``messages``, byte counts back to back, when they travel in several) from its sender (the
   bucket entry's ``source``: with several senders per stage, the trainer rank that assembled this
-  rank's segment; default 0, the stage sender) and then the sender's checksums (one more message, :func:`megarl.weight_sync.wire.encode_sums`), check
+  rank's segment; default 0, the stage sender) and then the sender's checksums (one more message,
+  :func:`megarl.weight_sync.wire.encode_sums`), check
   every tensor against its checksum and against the served checkpoint (name known, dtype equal,
   shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
   only if every rank of every engine (and the sender) is content does any rank load the bucket.
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
   ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters
-  after loading: :mod:`megarl.weight_sync.load_proof`, unless the ticket's ``proof`` is false) within the same call. The ticket's ``mode`` says
+  after loading: :mod:`megarl.weight_sync.load_proof`, unless the ticket's ``proof`` is false) within the same call. The
+  ticket's ``mode`` says
   how the bytes come: ``p2p`` (default): this rank's own slices, point to point, loaded
   pre-sharded (:func:`megarl.weight_sync.sglang_loader.load_presharded`); ``broadcast`` (the
   checked ``distributed`` transport): the whole bucket, one broadcast to every engine rank, each
@@ -42,7 +44,7 @@ from __future__ import annotations
 import logging
 import traceback
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -272,7 +274,7 @@ def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[
     return 0, 0, views
 
 
-def _manifest() -> Optional[dict]:
+def _manifest() -> dict | None:
     """The served checkpoint's tensors (``read_manifest`` of the engine's model path), cached."""
     from sglang.srt.runtime_context import get_server_args
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megarl.weight_sync.engine_clients import wait_all
+from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transport import GroupTransport
-from megarl.weight_sync.manifest_checks import WeightSyncError
 
 
 class ReceiverGroupTransport(GroupTransport):
@@ -31,7 +30,7 @@ class ReceiverGroupTransport(GroupTransport):
 
     def __init__(self, plan, engines, **kwargs) -> None:
         super().__init__(plan, engines, **kwargs)
-        self._pp_rank: Optional[int] = None
+        self._pp_rank: int | None = None
         self._requests: list = []
         self.senders: list[int] = []
         """The stage's sending trainer ranks (global), stage sender first (:meth:`set_senders`); empty: one sender."""
@@ -44,7 +43,7 @@ class ReceiverGroupTransport(GroupTransport):
         """``p2p``: the engines prove each loaded bucket is in their parameters (``weight_sync.load_proof``)."""
 
     @classmethod
-    def from_options(cls, plan, engines, options) -> "ReceiverGroupTransport":
+    def from_options(cls, plan, engines, options) -> ReceiverGroupTransport:
         """This transport for ``plan`` and ``engines`` with the group options and ``load_proof``."""
         transport = super().from_options(plan, engines, options)
         transport.load_proof = options.load_proof
@@ -81,7 +80,7 @@ class ReceiverGroupTransport(GroupTransport):
             return True
         return self._owners.owners(bucket)[rank] == self.senders[self.sender_index]
 
-    def _source(self, bucket: Optional[Bucket], rank: int) -> int:
+    def _source(self, bucket: Bucket | None, rank: int) -> int:
         """Group rank of the sender of engine rank ``rank``'s segment of ``bucket`` (None: the finish vote)."""
         if self._owners is None or bucket is None:
             return 0
@@ -107,7 +106,7 @@ class ReceiverGroupTransport(GroupTransport):
         ``end_weight_update``), after this stage's turn came (stages connect in order)."""
         self._pp_rank = pp_rank
 
-    def _handoff(self, info: Optional[dict]) -> Optional[dict]:
+    def _handoff(self, info: dict | None) -> dict | None:
         """The stage sender sends ``info`` (the group's name, address, port; ``{"failed": True}``
         when it failed before creating it) to every other sender over the control group; the
         others return what they received."""

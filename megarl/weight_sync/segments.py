@@ -12,7 +12,6 @@ sends them and announces them in its stage ticket).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -38,7 +37,7 @@ class RankSlices:
 
     parts: list
     segments: list
-    messages: Optional[list] = None
+    messages: list | None = None
 
 
 def sliced_layout(plan: WeightSyncPlan, bucket: Bucket) -> tuple[list[tuple[int, int]], list[list[tuple]]]:
@@ -79,7 +78,7 @@ def _overlap_bytes(spec, piece, sl) -> int:
     return torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
 
 
-def _own_rows(spec, sl, pieces: list, owner: int) -> Optional[tuple[str, int]]:
+def _own_rows(spec, sl, pieces: list, owner: int) -> tuple[str, int] | None:
     """``(param name, byte offset in its shard)`` when engine slice ``sl`` of HF tensor ``spec`` is
     one contiguous part of ``owner``'s own shard (see :meth:`SegmentOwners.runs`), else None.
     ``pieces``: ``[(transfer, piece)]`` of that HF tensor."""

@@ -30,7 +30,7 @@ CUSTOM_WEIGHT_LOADERS = ["megarl.weight_sync.sglang_loader.load_presharded",
                          "megarl.weight_sync.receiver.receive_shards"]
 """What an engine that may receive ``shard`` or ``p2p`` updates passes to ``--custom-weight-loader``."""
 STATS_DIR_ENV = "MEGARL_WEIGHT_SYNC_STATS_DIR"
-_PRESHARDED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PRESHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model -> its modules with a ``use_presharded_weights`` switch."""
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
 
 import torch
 
@@ -62,11 +61,11 @@ class HFTensorSpec:
     dtype: str
     """torch dtype name without ``torch.`` (``bfloat16``, ``float32``)."""
     engine_split: EngineSplit = EngineSplit.REPLICATED
-    expert: Optional[int] = None
+    expert: int | None = None
     """Global expert id for routed-expert tensors; None otherwise."""
     head_dim: int = 0
     """Rows per head (``EngineSplit.KV_HEADS`` only)."""
-    scale_of: Optional["HFTensorSpec"] = None
+    scale_of: HFTensorSpec | None = None
     """For a block-FP8 scale (``<weight>_scale_inv``): the FP8 weight it scales; each engine rank
     holds the blocks of its slice of that weight (:mod:`megarl.weight_sync.fp8_wire`)."""
     block: tuple[int, ...] = ()
@@ -110,13 +109,13 @@ class ParamSpec:
     shape: tuple[int, ...]
     """Full (unsharded) Megatron shape, vocabulary padding included."""
     dtype: str
-    tp_axis: Optional[int]
+    tp_axis: int | None
     """Axis split over TP (over ETP for expert parameters); None = replicated over TP."""
     hf: tuple[HFTensorSpec, ...]
     """The HF tensors this parameter converts to (empty: not exported, e.g. a tied output layer)."""
-    layer: Optional[int] = None
+    layer: int | None = None
     """Global decoder layer (0-based); None for embedding, final norm and output layer."""
-    expert: Optional[int] = None
+    expert: int | None = None
     """Global routed-expert id; None for dense parameters."""
     first_stage: bool = False
     """For ``layer is None``: lives on the first pipeline stage (embedding) instead of the last."""
@@ -125,7 +124,7 @@ class ParamSpec:
     ``[cat_k gate_k; cat_k up_k]``, not the plain concatenation of the shards."""
     tp_unit: int = 1
     """Shards hold whole units of this many rows/columns along ``tp_axis`` (attention heads, query groups)."""
-    load_group: Optional[str] = None
+    load_group: str | None = None
     """Parameters with the same key must reach the engines in one bucket: the engine's loader
     needs their HF tensors in one ``load_weights`` call (``Family.engine_load_groups``)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)

@@ -29,7 +29,7 @@ each group in the same order.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,10 @@ from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
 from megarl.weight_sync.engine_clients import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
+from megarl.weight_sync.manifest_checks import WeightSyncError, check_local_params, check_plan_against_manifest
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.segments import SegmentOwners
 from megarl.weight_sync.transport import Transport
-from megarl.weight_sync.manifest_checks import WeightSyncError, check_local_params, check_plan_against_manifest
 
 
 class WeightSynchronizer:
@@ -67,8 +67,8 @@ class WeightSynchronizer:
     """
 
     def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, placement,
-                 manifest: Optional[Mapping] = None, pause_mode: str = "retract",
-                 group: Optional[dist.ProcessGroup] = None, segment_senders: bool = True,
+                 manifest: Mapping | None = None, pause_mode: str = "retract",
+                 group: dist.ProcessGroup | None = None, segment_senders: bool = True,
                  **transport_kwargs) -> None:
         if pause_mode not in ("retract", "abort", "in_place"):
             raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
@@ -83,7 +83,7 @@ class WeightSynchronizer:
         self.control = control_group(group)
         self.placement = placement
         replica = plan.trainer_layout.replica_of(rank)
-        self.mine: Optional[WeightSyncPlan] = plan.for_replica(replica) if replica < plan.senders_per_stage else None
+        self.mine: WeightSyncPlan | None = plan.for_replica(replica) if replica < plan.senders_per_stage else None
         """This rank's replica's plan (its senders, sources and engines); None: the rank only joins barriers."""
         buckets = self.mine.buckets if self.mine is not None else ()
         self.stage = next((b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
@@ -91,30 +91,30 @@ class WeightSynchronizer:
         self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
         self.engines = EngineClients(engine_urls) if self.is_coordinator else None
         """Every engine (coordinator only): pause, sessions, flush, version, resume, verify."""
-        self.transport: Optional[Transport] = None
-        self._transport_engines: Optional[EngineClients] = None
+        self.transport: Transport | None = None
+        self._transport_engines: EngineClients | None = None
         if self.is_sender:
             self._transport_engines = EngineClients([engine_urls[i] for i in self.mine.engines])
             self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
         self.transport_name = transport
         self._engine_urls, self._transport_kwargs = list(engine_urls), transport_kwargs
         self.segment_senders = segment_senders
-        self.owners: Optional[SegmentOwners] = None
+        self.owners: SegmentOwners | None = None
         """Who sends each engine rank's segment, when this rank's stage has several senders (set in :meth:`connect`)."""
         self.is_helper = False
         """This rank sends segments of its stage besides the stage sender (several senders per stage)."""
         self._connected = False
         self.sliced = False
         """Buckets are laid out per engine rank (decided in :meth:`connect`, the same on every rank)."""
-        self._ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
-        self._wire_ring: list[Optional[torch.Tensor]] = [None] * RING_SLOTS  # quantised buckets (FP8 engines)
+        self._ring: list[torch.Tensor | None] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
+        self._wire_ring: list[torch.Tensor | None] = [None] * RING_SLOTS  # quantised buckets (FP8 engines)
         self._gather_cache: dict = {}  # the gatherers' metadata, kept across syncs
 
     # ------------------------------------------------------------------ helpers
     def _barrier(self) -> None:
         barrier(group=self.control)
 
-    def _senders(self, plan: Optional[WeightSyncPlan] = None) -> list[int]:
+    def _senders(self, plan: WeightSyncPlan | None = None) -> list[int]:
         """The stage senders of ``plan`` (default: this rank's replica), in stage order."""
         plan = plan or self.mine
         if plan is None:
@@ -165,7 +165,7 @@ class WeightSynchronizer:
 
     # ------------------------------------------------------------------ the sync
     def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int, *,
-             load_proof: Optional[bool] = None) -> dict[str, float]:
+             load_proof: bool | None = None) -> dict[str, float]:
         """Push ``local_params`` (this rank's shards, global names) to every engine (collective).
 
         See the module docstring for the ordering. Returns the metrics (identical on every rank).
@@ -213,7 +213,7 @@ class WeightSynchronizer:
         stats["weight_sync_s"] = time.perf_counter() - start
         return self._reduce(stats)
 
-    def _raise_if_failed(self, failure: Optional[WeightSyncError]) -> None:
+    def _raise_if_failed(self, failure: WeightSyncError | None) -> None:
         """Barrier that raises on every rank when ``failure`` is set on any (collective).
 
         The engines stay paused (and in their update session): a refused bucket was never loaded,

@@ -4,19 +4,19 @@ directory, the trainer's parallel state, the ``weight_sync`` config section and 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from megarl.models.families import get_family
 from megarl.training.model import load_hf_config
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.fp8_wire import served_quantization
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+from megarl.weight_sync.manifest_checks import read_manifest
 from megarl.weight_sync.model_specs import engine_table, param_specs_from_hf_config
-from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.sync import WeightSynchronizer
-from megarl.weight_sync.manifest_checks import read_manifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +43,7 @@ class SyncSpec:
     """Where the ``disk`` transport writes."""
     master_address: str = "127.0.0.1"
     """Address of this host as the engines reach it (group transports)."""
-    port_base: Optional[int] = None
+    port_base: int | None = None
     """Where group transports' ports start on this host (``cluster.master_port``; None: no base)."""
 
 
@@ -60,7 +60,7 @@ def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
 
 
-def senders_per_stage(cfg) -> Optional[int]:
+def senders_per_stage(cfg) -> int | None:
     """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
     per stage (``shard``, ``tensor``, ``disk``: same host or files), else the config's value."""
     if cfg.transport in ONE_SENDER_TRANSPORTS:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
 from megarl.weight_sync.engine_clients import EngineClients, wait_all
-from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.manifest_checks import WeightSyncError
+from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class TransportOptions:
     """Group transports: ``auto`` (nccl with CUDA, else gloo), ``nccl`` or ``gloo``."""
     master_address: str = "127.0.0.1"
     """Group transports: the sender's address, which the engines connect to."""
-    port_base: Optional[int] = None
+    port_base: int | None = None
     """Group transports: the group's port is the first free one at or above it on the sender's node,
     within ``megarl.procs.ports.PORT_SPAN`` (``cluster.master_port``: the range a firewalled
     trainer node opens); None: the allocator's own start below the ephemeral range."""
@@ -74,10 +74,10 @@ class Transport:
     def __init__(self, plan: WeightSyncPlan, engines: EngineClients, *, timeout_s: float = 600.0) -> None:
         self.plan, self.engines, self.timeout_s = plan, engines, timeout_s
         self.stats = TransferStats(engine_rank_bytes=[0] * plan.engine_layout.tp_size)
-        self._in_flight: Optional[tuple] = None
+        self._in_flight: tuple | None = None
 
     @classmethod
-    def from_options(cls, plan: WeightSyncPlan, engines: EngineClients, options: TransportOptions) -> "Transport":
+    def from_options(cls, plan: WeightSyncPlan, engines: EngineClients, options: TransportOptions) -> Transport:
         """This transport for ``plan`` and ``engines``, taking what it needs of ``options``."""
         return cls(plan, engines, timeout_s=options.timeout_s)
 
@@ -139,15 +139,15 @@ class GroupTransport(Transport):
     ordered_stages = True
 
     def __init__(self, plan, engines, *, backend: str = "auto", master_address: str = "127.0.0.1",
-                 port_base: Optional[int] = None, timeout_s: float = 600.0) -> None:
+                 port_base: int | None = None, timeout_s: float = 600.0) -> None:
         super().__init__(plan, engines, timeout_s=timeout_s)
         self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         self.master_address, self.port_base = master_address, port_base
         self.group = None
-        self.group_name: Optional[str] = None
+        self.group_name: str | None = None
 
     @classmethod
-    def from_options(cls, plan, engines, options: TransportOptions) -> "GroupTransport":
+    def from_options(cls, plan, engines, options: TransportOptions) -> GroupTransport:
         """This transport for ``plan`` and ``engines`` with the group's backend, address, port base and
         timeout from ``options``.
         """

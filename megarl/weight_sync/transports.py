@@ -20,7 +20,8 @@ registry that picks one by name in :mod:`megarl.weight_sync.choice`.
   exactly its slices (``plan.engine_slice``), loaded pre-sharded by the custom loader
   :func:`megarl.weight_sync.sglang_loader.load_presharded`; the tensors travel as shared memory,
   so ``shard`` is same-host only (``p2p`` is its cross-host form).
-- ``auto`` (the default): ``p2p`` where it applies, else ``distributed`` (:func:`megarl.weight_sync.choice.resolve_auto`);
+- ``auto`` (the default): ``p2p`` where it applies, else ``distributed``
+  (:func:`megarl.weight_sync.choice.resolve_auto`);
   ``tensor`` for colocated engines on CUDA (:func:`megarl.weight_sync.choice.run_transport`).
 - ``tensor``: colocated whole tensors through ``/update_weights_from_tensor`` (CUDA IPC on GPU,
   shared memory on CPU); SGLang slices them.
@@ -41,16 +42,15 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import broadcast
 from megarl.weight_sync.engine_clients import wait_all
+from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import Bucket
 from megarl.weight_sync.transport import GroupTransport, Transport, TransportOptions
-from megarl.weight_sync.manifest_checks import WeightSyncError
 
 LOADER = "megarl.weight_sync.sglang_loader.load_presharded"
 """``--custom-weight-loader`` import path of the shard transport's loader."""
@@ -63,7 +63,7 @@ class DistributedTransport(GroupTransport):
 
     def __init__(self, plan, engines, **kwargs) -> None:
         super().__init__(plan, engines, **kwargs)
-        self._broadcast: Optional[tuple] = None
+        self._broadcast: tuple | None = None
         self._requests: list = []
 
     def connect(self, pp_rank: int) -> None:
@@ -137,7 +137,7 @@ class DistributedTransport(GroupTransport):
 class _TensorPayloadTransport(Transport):
     """Shared code of ``shard`` and ``tensor``: one ``/update_weights_from_tensor`` per engine."""
 
-    load_format: Optional[str] = None
+    load_format: str | None = None
 
     def _payloads(self, bucket: Bucket, tensors) -> tuple[list[list[tuple[str, torch.Tensor]]], list[int]]:
         raise NotImplementedError
@@ -201,7 +201,7 @@ class DiskTransport(Transport):
         self.directory = Path(directory)
 
     @classmethod
-    def from_options(cls, plan, engines, options: TransportOptions) -> "DiskTransport":
+    def from_options(cls, plan, engines, options: TransportOptions) -> DiskTransport:
         """``disk`` writes into ``options.directory``.
 
         Raises:

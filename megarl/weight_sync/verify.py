@@ -10,7 +10,7 @@ fails when the mean exceeds ``tolerance`` (``weight_sync.verify_tolerance``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

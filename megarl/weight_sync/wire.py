@@ -83,7 +83,8 @@ def checksum(data: torch.Tensor, algo: str) -> str:
     Raises:
         ValueError: unknown ``algo``.
     """
-    raw = data.detach().contiguous().view(-1).view(torch.uint8) if data.numel() else data.new_empty(0, dtype=torch.uint8)
+    raw = (data.detach().contiguous().view(-1).view(torch.uint8) if data.numel()
+           else data.new_empty(0, dtype=torch.uint8))
     if algo == "xxh3":
         import xxhash
 
@@ -116,7 +117,9 @@ def encode_sums(sums: list[str], device: torch.device) -> torch.Tensor:
     """``[len(sums) * DIGEST_CHARS[algo]]`` uint8 on ``device`` (the group's): the hex checksums of
     one rank's tensors back to back, sent after its bytes."""
     raw = "".join(sums).encode("ascii")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device) if raw else torch.empty(0, dtype=torch.uint8, device=device)
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
 def decode_sums(message: torch.Tensor, algo: str) -> list[str]:
@@ -146,7 +149,8 @@ def payload(ticket: dict[str, Any]) -> str:
 VOTE_FIELDS = 4
 """One row per group rank in a vote: ``(status, tensor index, bytes received, bucket index)``."""
 STATUS = {0: "ok", 1: "checksum mismatch (corrupted on the wire)", 2: "name unknown to the engine's checkpoint",
-          3: "shape does not fit the engine checkpoint's tensor (p2p: a shard of it; distributed: equal)", 4: "dtype differs from the engine's checkpoint",
+          3: "shape does not fit the engine checkpoint's tensor (p2p: a shard of it; distributed: equal)",
+          4: "dtype differs from the engine's checkpoint",
           5: "byte count differs from its tensors'", 6: "receiver error (see the engine's log)",
           7: "loading failed on the engine (see the engine's log)",
           8: "the sender stopped mid-stage (a bucket of zeros released the receivers; its own error is raised)",

@@ -41,8 +41,8 @@ def _both(rank, world_size, hf_dir, batches):
 
 
 def _one(hf_dir, batches, mode):
-    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.training import memory_limit
     from megarl.training.trainer_build import build_trainer
 
@@ -74,9 +74,8 @@ def _one(hf_dir, batches, mode):
 
 @pytest.mark.timeout(240)
 def test_offload_frees_the_optimizer_and_grads_and_restores_them(tiny_moe_dir):
-    from transformers import AutoConfig
-
     from megarl_gpu_cases import make_batch
+    from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(tiny_moe_dir).vocab_size
     batches = [make_batch(vocab, seed=0), make_batch(vocab, seed=1)]

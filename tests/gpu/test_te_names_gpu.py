@@ -7,23 +7,23 @@ grouped-GEMM experts ``...experts.linear_fc1.weight{E}``; the first sync used to
 ``weight_sync/validate.check_local_params``.
 """
 import pytest
+from megarl_gpu_cases import needs_te
 
 from megarl.testing.multiproc import run_ranks
-from megarl_gpu_cases import needs_te
 
 pytestmark = [pytest.mark.gpu, needs_te]  # every test here builds the Transformer Engine layer spec
 
 
 def _worker(rank, world_size, hf_dir, grouped):
+    from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.models.families import get_family
     from megarl.models.params import iter_sync_params
-    from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.manifest_checks import check_local_params
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
-    from megarl.weight_sync.manifest_checks import check_local_params
 
     ps = initialize_parallel(ParallelConfig(), backend="nccl")
     chunks = build_model(hf_dir, ParallelConfig(), ModelConfig(moe_grouped_gemm=grouped), precision="bf16",

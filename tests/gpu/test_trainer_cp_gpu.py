@@ -9,9 +9,9 @@
 """
 import pytest
 import torch
+from megarl_gpu_cases import needs_te
 
 from megarl.testing.multiproc import run_ranks
-from megarl_gpu_cases import needs_te
 
 pytestmark = pytest.mark.gpu
 
@@ -47,8 +47,8 @@ def _cfg(hf_dir, cp_size):
 
 def _cp_worker(rank, world_size, hf_dir, batch):
     from megarl.conversion.initial_weights import initial_weights
-    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
 
     out = {}
     for name, cp_size in (("cp1", 1), ("cp2", 2)):
@@ -71,9 +71,8 @@ def _cp_worker(rank, world_size, hf_dir, batch):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="CP=2 vs CP=1 needs 2 GPUs")
 @pytest.mark.timeout(600)
 def test_cp2_matches_cp1(tiny_moe_dir):
-    from transformers import AutoConfig
-
     from megarl_gpu_cases import make_batch
+    from transformers import AutoConfig
 
     batch = make_batch(AutoConfig.from_pretrained(tiny_moe_dir).vocab_size)
     out = run_ranks(_cp_worker, 2, args=(str(tiny_moe_dir), batch), backend=None, timeout_s=540)

@@ -9,9 +9,9 @@
 """
 import pytest
 import torch
+from megarl_gpu_cases import needs_te
 
 from megarl.testing.multiproc import run_ranks
-from megarl_gpu_cases import needs_te
 
 pytestmark = [pytest.mark.gpu, needs_te]  # every test here builds the Transformer Engine layer spec
 
@@ -31,11 +31,11 @@ def _cfg(hf_dir, **train):
 def _trainer(cfg, spec):
     """A trainer whose model uses the given layer spec (``te`` or ``local``)."""
     from megarl.conversion.load_hf import load_hf_weights
-    from megarl.training.trainer_build import build_parallel_state
     from megarl.training.fp8 import fp8_config
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.optimizer import build_ddp, build_optimizer, build_scheduler
     from megarl.training.trainer import Trainer
+    from megarl.training.trainer_build import build_parallel_state
 
     parallel = build_parallel_state(cfg)
     hf_config = load_hf_config(cfg.model.hf_path)
@@ -49,9 +49,8 @@ def _trainer(cfg, spec):
 
 
 def _batch(hf_dir):
-    from transformers import AutoConfig
-
     from megarl_gpu_cases import make_batch
+    from transformers import AutoConfig
 
     return make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
 

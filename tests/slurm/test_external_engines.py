@@ -1,7 +1,6 @@
 """slurm/engines.sbatch: SGLang engines as their own job; a training job uses them by address."""
 import json
 import subprocess
-import time
 
 import pytest
 

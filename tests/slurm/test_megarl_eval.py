@@ -10,7 +10,6 @@ import json
 import shutil
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 

@@ -1,9 +1,16 @@
 """megarl.cluster.slurm_env without Slurm: allocation parsing, checks and the Ray resource plan."""
 import pytest
 
+from megarl.cluster.slurm_env import (
+    Allocation,
+    NodePlan,
+    allocation_issues,
+    expand_counts,
+    missing_nodes,
+    plan_nodes,
+    read_plan,
+)
 from megarl.config import load_config
-from megarl.cluster.slurm_env import (Allocation, NodePlan, allocation_issues, expand_counts, missing_nodes,
-                                     plan_nodes, read_plan)
 
 pytestmark = pytest.mark.slurm
 

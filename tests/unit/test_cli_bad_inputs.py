@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -160,7 +159,7 @@ def test_every_bad_input_is_one_line_and_exit_2(bad, monkeypatch):
     monkeypatch.chdir(REPO)  # the recipes' relative data paths
     needles = named_messages(bad)
     failures = []
-    for name, cases in corpus(bad).items():
+    for cases in corpus(bad).values():
         for argv in cases:
             status, out, err = run_cli(argv)
             # one line; an invalid config lists its problems one per line below it (all of them at once)

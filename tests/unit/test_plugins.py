@@ -4,7 +4,6 @@ name them directly; `megarl validate` imports and checks them, naming the YAML k
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest

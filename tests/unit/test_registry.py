@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, PolicyLoss,
-                               register_advantage_estimator, register_policy_loss, register_rollout_correction)
+from megarl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    PolicyLoss,
+    register_advantage_estimator,
+    register_policy_loss,
+    register_rollout_correction,
+)
 from megarl.data.datasets import DATASET_REGISTRY, register_dataset
 from megarl.data.demonstrations import DEMONSTRATION_BUILDERS, register_demonstrations
 from megarl.plugins import PluginError

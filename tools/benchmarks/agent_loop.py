@@ -33,11 +33,11 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn, tool_agent  # noqa: E402
-from megarl.rollout.client import SGLangClient  # noqa: E402
-from megarl.rollout.template import ChatTemplate  # noqa: E402
-from megarl.rollout.tools import build_tools  # noqa: E402
-from megarl.rollout.tools.calls import ToolCallParser  # noqa: E402
+from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn, tool_agent
+from megarl.rollout.client import SGLangClient
+from megarl.rollout.template import ChatTemplate
+from megarl.rollout.tools import build_tools
+from megarl.rollout.tools.calls import ToolCallParser
 
 CALL_REGEX = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": '
               r'"[1-9][0-9] \+ [1-9][0-9]"\}\}\n</tool_call>')
@@ -126,8 +126,8 @@ async def orchestration(url: str, tokenizer, history_tokens: int, turns: int, re
 
 
 def launch(model: str | None, workdir: str):
-    from megarl.rollout.engine_process import EngineProcess
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
+    from megarl.rollout.engine_process import EngineProcess
 
     if model is None:
         model = str(make_tiny_model(Path(workdir) / "tiny_moe_long",

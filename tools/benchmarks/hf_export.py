@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work / "copy")
         for ranks in rank_counts:
             out = work / f"hf_{ranks}"
-            run[f"export_{ranks}_s"] = _timed(lambda: megatron_to_hf_dir(ckpt, out, ranks=ranks))
+            run[f"export_{ranks}_s"] = _timed(lambda out=out, ranks=ranks: megatron_to_hf_dir(ckpt, out, ranks=ranks))
             size = _files_bytes(out, "*.safetensors")
             shutil.rmtree(out)
         runs.append({k: round(v, 3) for k, v in run.items()})

@@ -53,7 +53,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from itertools import cycle, islice

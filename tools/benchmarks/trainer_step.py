@@ -17,7 +17,8 @@ it (activations, logits, gradients, temporaries; `peak_step_mb`), from one extra
 Two variants: ``default`` (one GSM8K question and answer per sequence) and ``long`` (a conversation
 of ``--long-turns`` of them per sequence, ``--long-max-tokens`` budget): packing's advantage over
 padding grows with length. On a shared machine the ratio of CPU-time rates (``ratio_cpu_time``,
-``time.process_time``) is the steadier number; both are reported. Also reports the trainer's padding fraction on GSM8K-length batches
+``time.process_time``) is the steadier number; both are reported. Also reports the trainer's padding fraction on
+GSM8K-length batches
 of several sizes, data-parallel sizes and token budgets. Prints one JSON object.
 
 usage: python tools/benchmarks/trainer_step.py [--hf-dir DIR] [--num-seqs 32] [--max-tokens 4096]
@@ -80,8 +81,8 @@ def make_batch(sequences, seed: int):
 
 def megarl_trainer(hf_dir: str):
     """A world-size-1 fp32 CPU `Trainer` of the model (GSPO, the default config otherwise)."""
-    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.training.trainer_build import build_trainer
 
     cfg = MegarlConfig()
@@ -100,7 +101,8 @@ def megarl_step(trainer, batch, max_tokens: int):
     def step() -> tuple[float, float]:
         start, cpu = time.perf_counter(), time.process_time()
         metrics = trainer.train_step(prepared)
-        info.update(padding_fraction=metrics["batch/padding_fraction"], num_microbatches=metrics["batch/num_microbatches"])
+        info.update(padding_fraction=metrics["batch/padding_fraction"],
+                    num_microbatches=metrics["batch/num_microbatches"])
         return time.perf_counter() - start, time.process_time() - cpu
 
     return step, info

@@ -163,10 +163,10 @@ def bench_worker(rank: int, world_size: int, hf_dir: str, url: str, engine_pid: 
     from megarl.training.model import load_hf_config
     from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.manifest_checks import read_manifest
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.sync import WeightSynchronizer
-    from megarl.weight_sync.manifest_checks import read_manifest
 
     hf_config = load_hf_config(hf_dir)
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
@@ -241,12 +241,12 @@ def side_by_side_worker(rank: int, world_size: int, hf_dir: str, url: str, engin
 
     from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
-    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-    from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.copy_instructions import Placement
+    from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.manifest_checks import read_manifest
+    from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.sync import WeightSynchronizer
-    from megarl.weight_sync.manifest_checks import read_manifest
 
     hf_config = load_hf_config(hf_dir)
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")

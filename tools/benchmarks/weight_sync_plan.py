@@ -54,16 +54,15 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "we
 
 
 def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
+    from transformers import AutoConfig
+
+    from megarl.models.families import get_family
     from megarl.models.fp8_blocks import parse_quantization_config
+    from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.predict import predict_sync
-
-    from transformers import AutoConfig
-
-    from megarl.models.families import get_family
-    from megarl.weight_sync.copy_instructions import Placement
 
     out = []
     for name, (config, trainer, engine_tp, engine_ep) in MODELS.items():

@@ -39,7 +39,8 @@ TEMPLATE_TOKENS: dict[str, TemplateTokens] = {
     "qwen3": TemplateTokens(extra_stop=("<|endoftext|>",)),
     # DeepSeek-R1 (DeepSeek-V3 architecture): BOS and EOS written by the template, tool-call markers
     # as special tokens.
-    "deepseek_r1": TemplateTokens(special=_DEEPSEEK_SPECIAL, eos="<｜end▁of▁sentence｜>", bos="<｜begin▁of▁sentence｜>"),
+    "deepseek_r1": TemplateTokens(special=_DEEPSEEK_SPECIAL, eos="<｜end▁of▁sentence｜>",
+                                  bos="<｜begin▁of▁sentence｜>"),
     # DeepSeek-V3.1 (same architecture and markers): `thinking` switches the generation prompt between
     # "<｜Assistant｜><think>" and "<｜Assistant｜></think>"; tool calls as name<｜tool▁sep｜>{json}.
     "deepseek_v31": TemplateTokens(special=_DEEPSEEK_SPECIAL, eos="<｜end▁of▁sentence｜>",

@@ -12,8 +12,9 @@ Adding a family = a new module listed in ``_MODULES`` plus its tests and fixture
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from megarl.models.table import Entry, ModelLayout
 
@@ -152,7 +153,7 @@ def text_config_of(hf_config):
     :meth:`Family.text`, or the config itself when no family handles it. What a module that reads
     sizes from a config (``vocab_size``, ``num_hidden_layers``, ...) reads them from."""
     model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
-    family = _registry().get(model_type)
+    family = None if model_type is None else _registry().get(model_type)
     return hf_config if family is None else family.text(hf_config)
 
 

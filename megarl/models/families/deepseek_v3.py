@@ -170,7 +170,7 @@ def _yarn(hf_config, params: dict, arch: dict) -> dict:
     both = bool(mscale and mscale_all_dim)
     return dict(rotary_scaling_factor=float(factor), original_max_position_embeddings=int(original),
                 beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim or 0.0))
+                mscale=float(mscale) if both else 1.0, mscale_all_dim=float(mscale_all_dim or 0.0))  # type: ignore[arg-type]
 
 
 def check_supported(hf_config) -> None:
@@ -319,7 +319,7 @@ def tiny_config(spec, common: dict):
             "original_max_position_embeddings": spec.max_position_embeddings // 4,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     common["num_key_value_heads"] = spec.num_attention_heads  # MLA: every head has its own key and value
-    cfg = DeepseekV3Config(
+    cfg = DeepseekV3Config(  # type: ignore[call-arg]  # PretrainedConfig keeps the extra keys
         q_lora_rank=spec.hidden_size // 2, kv_lora_rank=spec.hidden_size // 2,
         qk_nope_head_dim=spec.head_dim, qk_rope_head_dim=spec.head_dim // 2, v_head_dim=spec.head_dim,
         n_group=4 if grouped else 1, topk_group=k // 2 if grouped else 1, rope_interleave=True,

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from megarl.models.families import Family, rope_settings
 from megarl.models.families import qwen3_moe as qwen
-from megarl.models.families.deepseek_v3 import (SIGMOID_MOE_TABLE, moe_layer_shapes, note_mtp_layers,
-                                                    router_architecture, router_config_kwargs, tiny_moe_kwargs)
+from megarl.models.families.deepseek_v3 import (
+    SIGMOID_MOE_TABLE,
+    moe_layer_shapes,
+    note_mtp_layers,
+    router_architecture,
+    router_config_kwargs,
+    tiny_moe_kwargs,
+)
 from megarl.models.fp8_blocks import parse_quantization_config
 from megarl.models.table import Entry, TPSplit, Transform
 
@@ -123,7 +129,7 @@ def tiny_config(spec, common: dict):
 
     moe, common = tiny_moe_kwargs(spec, common)
     rope = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.5}
-    return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,
+    return Glm4MoeConfig(head_dim=spec.head_dim, rope_parameters=rope, use_qk_norm=True,  # type: ignore[call-arg]
                          attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
 
 

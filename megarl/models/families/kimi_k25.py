@@ -49,7 +49,7 @@ def text_config(hf_config):
 
 
 def _model_type(hf_config) -> str:
-    return hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", "?")
+    return str(hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", "?"))
 
 
 def architecture(hf_config) -> dict:
@@ -98,8 +98,9 @@ def tiny_config(spec, common: dict):
     text_dict = text.to_dict()
     # as released: transformers reads kimi_k2 as deepseek_v3; SGLang's shared-expert rule reads architectures
     text_dict.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
-    cfg = Kimi_K25Config(text_config=text_dict, vision_config={**TINY_VISION, "text_hidden_size": spec.hidden_size},
-                         projection_hidden_size=TINY_VISION["hidden_size"],
+    cfg = Kimi_K25Config(  # type: ignore[call-arg]  # extra keys are kept as config attributes
+        text_config=text_dict, vision_config={**TINY_VISION, "text_hidden_size": spec.hidden_size},
+                         projection_hidden_size=int(TINY_VISION["hidden_size"]),  # type: ignore[call-overload]
                          tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=common.get("pad_token_id"),
                          language_model_only=True)
     return cfg, _tiny_model_class()

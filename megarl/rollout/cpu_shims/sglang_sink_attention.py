@@ -165,7 +165,7 @@ def patch_torch_native(module) -> bool:
             return original_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         return forward_with_sinks(self, q, k, v, layer, forward_batch, save_kv_cache, sinks, decode=True)
 
-    forward_extend._megarl_sinks = forward_decode._megarl_sinks = True
+    forward_extend._megarl_sinks = forward_decode._megarl_sinks = True  # type: ignore[attr-defined]
     cls.forward_extend, cls.forward_decode = forward_extend, forward_decode
     return True
 

@@ -79,7 +79,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             original_exec(module)
             patch(module)
 
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from megarl.rollout.rewards.keys import TERMS_KEY
 from megarl.rollout.rewards.reward_registry import build_reward, compute_reward, register_reward
@@ -116,7 +117,7 @@ class CompositeReward:
         """Term name -> weight at ``step``."""
         return {t.name: t.weight(step) for t in self.terms}
 
-    async def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    async def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         """The weighted sum; records the term values and weights in the trajectory's metadata.
 
         Raises:
@@ -148,7 +149,7 @@ class CompositeReward:
                     await result
 
 
-def reward_term_metrics(trajectories: Sequence["Trajectory"]) -> dict[str, float]:
+def reward_term_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """``reward/<term>`` (mean unweighted value) and ``reward/<term>_weight`` (mean weight) over the
     trajectories that carry composite-reward terms ({} when none does)."""
     sums: dict[str, list[float]] = {}

@@ -83,7 +83,7 @@ class Gsm8kReward:
                 self.num_workers, mp_context=multiprocessing.get_context("spawn"))
         return self._pool
 
-    async def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    async def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         """Score the trajectory's last turn against ``sample[answer_key]``.
 
         Raises:
@@ -103,7 +103,7 @@ class Gsm8kReward:
                 self._get_pool(), answers_match, text, reference)
             try:
                 correct = await asyncio.wait_for(future, self.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 correct = False
         boxed = "\\boxed{" in text
         # the terms and the gold answer, for `megarl show` (a composite reward replaces the terms with its own)

@@ -108,7 +108,7 @@ class JudgeReward:
         self.timeout_s, self.retries = float(timeout_s), int(retries)
         self.max_batch_size, self.max_wait_s = int(max_batch_size), float(max_wait_ms) / 1000
         self.max_concurrency = int(max_concurrency)
-        self.sampling = {"max_tokens": int(max_tokens), "temperature": float(temperature)}
+        self.sampling: dict[str, Any] = {"max_tokens": int(max_tokens), "temperature": float(temperature)}
         if constrain:
             hi = int(self.max_score)
             self.sampling["regex"] = f"Score: ({'|'.join(str(i) for i in range(hi, int(self.min_score) - 1, -1))})"
@@ -174,7 +174,7 @@ class JudgeReward:
             call = self._completions if self.api == "completions" else self._chat
             try:
                 texts = await call([prompts[i] for i in todo])
-            except (aiohttp.ClientError, asyncio.TimeoutError, JudgeError, KeyError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, JudgeError, KeyError, ValueError) as e:
                 for i in todo:
                     errors[i] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 continue
@@ -198,7 +198,7 @@ class JudgeReward:
                 try:
                     batch.append(await asyncio.wait_for(self._queue.get(),
                                                         max(0.0, deadline - time.monotonic())))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             asyncio.get_running_loop().create_task(self._score_batch(batch))
 
@@ -216,7 +216,7 @@ class JudgeReward:
             item.future.set_result(score)
 
     # -- reward ---------------------------------------------------------------------------------
-    def prompt_for(self, trajectory: "Trajectory", sample: dict[str, Any]) -> str:
+    def prompt_for(self, trajectory: Trajectory, sample: dict[str, Any]) -> str:
         """The judge's prompt for one trajectory: the rubric filled with the sample's question, its
         reference answer (a list joined with `` / ``) and the policy's final text.
         """
@@ -226,7 +226,7 @@ class JudgeReward:
         return self.rubric.format(question=sample.get(self.question_key, ""), reference=reference,
                                   response=trajectory.metadata.get(FINAL_TEXT_KEY, ""))
 
-    async def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    async def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         """The judge's score in [0, 1].
 
         Raises:

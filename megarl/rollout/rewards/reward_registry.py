@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from megarl.registry import Registry
 
 if TYPE_CHECKING:
     from megarl.rollout.types import RewardFn, Trajectory
 
-REWARD_REGISTRY: Registry[Callable[..., "RewardFn"]] = Registry("reward", "rollout.reward")
+REWARD_REGISTRY: Registry[Callable[..., RewardFn]] = Registry("reward", "rollout.reward")
 """Registry name -> reward class (or factory) taking ``rollout.reward_kwargs`` as keyword arguments."""
 
 
@@ -28,7 +29,7 @@ def register_reward(name: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return REWARD_REGISTRY.register(name)
 
 
-def reward_factory(name: str) -> Callable[..., "RewardFn"]:
+def reward_factory(name: str) -> Callable[..., RewardFn]:
     """What ``rollout.reward`` names, as a factory taking ``rollout.reward_kwargs``.
 
     A registry name gives its registered factory. An import path (``my_pkg.tasks:ExactMatch``)
@@ -41,10 +42,16 @@ def reward_factory(name: str) -> Callable[..., "RewardFn"]:
     obj = REWARD_REGISTRY.resolve(name)
     if name in REWARD_REGISTRY or inspect.isclass(obj):
         return obj
-    return lambda **kwargs: functools.partial(obj, **kwargs) if kwargs else obj
+
+    reward: Any = obj  # a function that is itself the reward, with reward_kwargs bound
+
+    def factory(**kwargs: Any) -> RewardFn:
+        return functools.partial(reward, **kwargs) if kwargs else reward
+
+    return factory
 
 
-def build_reward(name: str, **kwargs: Any) -> "RewardFn":
+def build_reward(name: str, **kwargs: Any) -> RewardFn:
     """Instantiate the reward named ``rollout.reward`` (registry name or import path) with
     ``rollout.reward_kwargs``.
 
@@ -58,7 +65,7 @@ def build_reward(name: str, **kwargs: Any) -> "RewardFn":
         raise ValueError(f"rollout.reward_kwargs: {e}") from e
 
 
-async def compute_reward(fn: "RewardFn", trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+async def compute_reward(fn: RewardFn, trajectory: Trajectory, sample: dict[str, Any]) -> float:
     """Call a sync or async reward and return its float value."""
     value = fn(trajectory, sample)
     if inspect.isawaitable(value):

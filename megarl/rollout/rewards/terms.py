@@ -46,7 +46,7 @@ def extract_answer(text: str, *, require_tag: bool = True) -> str | None:
     return None if require_tag else text.strip()
 
 
-def _final_text(trajectory: "Trajectory") -> str:
+def _final_text(trajectory: Trajectory) -> str:
     if FINAL_TEXT_KEY not in trajectory.metadata:
         raise KeyError(f"trajectory.metadata[{FINAL_TEXT_KEY!r}] is missing")
     return str(trajectory.metadata[FINAL_TEXT_KEY])
@@ -65,7 +65,7 @@ class ExactMatch:
         self.answer_key = answer_key
         self.require_tag = bool(require_tag)
 
-    def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         if self.answer_key not in sample:
             raise KeyError(f"exact_match: sample has no {self.answer_key!r} field (fields: {sorted(sample)})")
         refs = sample[self.answer_key]
@@ -80,7 +80,7 @@ class ExactMatch:
 class AnswerFormat:
     """1.0 when the final turn has exactly one non-empty ``<answer>...</answer>``, else 0.0."""
 
-    def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         found = _ANSWER.findall(_final_text(trajectory))
         return float(len(found) == 1 and bool(found[0].strip()))
 
@@ -92,7 +92,7 @@ class ToolSuccessRate:
     def __init__(self, *, no_calls_value: float = 0.0) -> None:
         self.no_calls_value = float(no_calls_value)
 
-    def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         calls = int(trajectory.metadata.get("tool_calls", 0))
         if calls == 0:
             return self.no_calls_value
@@ -106,7 +106,7 @@ class TurnPenalty:
     def __init__(self, *, free_turns: int = 1) -> None:
         self.free_turns = int(free_turns)
 
-    def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         return -float(max(0, trajectory.num_turns - self.free_turns))
 
 
@@ -124,7 +124,7 @@ class OverlongPenalty:
                              f"got {buffer_tokens} with max_tokens {max_tokens}")
         self.max_tokens, self.buffer_tokens = int(max_tokens), int(buffer_tokens)
 
-    def __call__(self, trajectory: "Trajectory", sample: dict[str, Any]) -> float:
+    def __call__(self, trajectory: Trajectory, sample: dict[str, Any]) -> float:
         length = trajectory.num_model_tokens
         soft = self.max_tokens - self.buffer_tokens
         if length <= soft:

@@ -51,7 +51,8 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(s):
+        return None if s is None else s.encode()
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
            f"mount {target}")
 
@@ -157,7 +158,7 @@ def _run_user_code(cfg: dict, drop_to_uid: bool) -> None:
             print(e.code, file=sys.stderr)
     except BaseException as e:  # noqa: BLE001 - everything the code raises is reported to the model
         # Drop this bootstrap's own frame from the traceback the model sees.
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        traceback.print_exception(type(e), e, e.__traceback__ and e.__traceback__.tb_next)
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,7 +5,8 @@ Parsing is SGLang's own detector of the model family (``FunctionCallParser(tools
 (``sglang.srt.function_call.function_call_parser``, ~6 s the first time). SGLang silently drops a call
 whose JSON is broken or whose function is unknown; the policy must see those mistakes, so each call
 the model opened is parsed on its own and a call SGLang rejects becomes a :class:`ToolCall` with an
-``error`` (bad JSON, unknown tool, missing end tag). Arguments are validated against the tool's JSON schema (``jsonschema``) before
+``error`` (bad JSON, unknown tool, missing end tag). Arguments are validated against the tool's JSON schema
+(``jsonschema``) before
 the tool runs; every failure, timeout or exception becomes an ``Error: ...`` observation.
 """
 from __future__ import annotations
@@ -14,8 +15,9 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import jsonschema
 
@@ -100,7 +102,8 @@ class ToolCallParser:
     Args:
         tools: the tools offered to the model (their OpenAI-style ``schema``).
         parser_name: SGLang ``FunctionCallParser`` name: ``qwen25`` (Qwen2.5 / Qwen3
-            ``<tool_call>{json}</tool_call>``), ``deepseekv3`` (DeepSeek-V3 / R1), ``deepseekv31`` (DeepSeek-V3.1), ``glm45``
+            ``<tool_call>{json}</tool_call>``), ``deepseekv3`` (DeepSeek-V3 / R1), ``deepseekv31`` (DeepSeek-V3.1),
+            ``glm45``
             (GLM-4.5 ``<arg_key>``/``<arg_value>``); other SGLang names parse, with generic errors.
 
     Raises:
@@ -193,8 +196,8 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool], *, timeout_s:
         return ToolResult(name=call.name, text=text, is_error=is_error,
                           duration_s=time.monotonic() - start)
 
-    if call.error is not None:
-        return result(f"Error: {call.error}", True)
+    if call.error is not None or call.name is None or call.arguments is None:
+        return result(f"Error: {call.error or 'malformed tool call'}", True)
     tool = tools.get(call.name)
     if tool is None:
         return result(f"Error: unknown tool {call.name!r} (available: {', '.join(tools)})", True)
@@ -204,7 +207,7 @@ async def run_tool_call(call: ToolCall, tools: Mapping[str, Tool], *, timeout_s:
         return result(f"Error: invalid arguments for {call.name}: {e.message}", True)
     try:
         text = await asyncio.wait_for(tool(call.arguments), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return result(f"Error: {call.name} timed out after {timeout_s:g} s", True)
     except Exception as e:  # noqa: BLE001 - a tool failure is an observation, not a crash
         return result(f"Error: {call.name} failed: {type(e).__name__}: {e}", True)

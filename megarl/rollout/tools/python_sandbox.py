@@ -151,7 +151,7 @@ class PythonSandboxTool:
         self.isolation: str | None = None
         """``namespaces`` or ``rlimits-only`` after the first run."""
         self.max_concurrency = int(max_concurrency)
-        self._semaphores: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = \
+        self._semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
             weakref.WeakKeyDictionary()
         self.schema: dict[str, Any] = {
             "type": "function",
@@ -211,6 +211,7 @@ class PythonSandboxTool:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             env=dict(_CLEAN_ENV), cwd=workdir, start_new_session=True, close_fds=True)
         cap_bytes = 4 * self.max_output_chars
+        assert proc.stdout is not None and proc.stdin is not None  # both are PIPEs
         reader = asyncio.ensure_future(_read_capped(proc.stdout, cap_bytes))
         timed_out = False
         try:
@@ -218,7 +219,7 @@ class PythonSandboxTool:
             await proc.stdin.drain()
             proc.stdin.close()
             await asyncio.wait_for(proc.wait(), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             _kill_group(proc.pid)  # not reaped yet, so the group id is still ours
         except BaseException:
@@ -231,7 +232,7 @@ class PythonSandboxTool:
         await proc.wait()
         try:
             data, truncated = await asyncio.wait_for(reader, 2.0)
-        except asyncio.TimeoutError:  # rlimits-only mode: an escaped descendant holds the pipe
+        except TimeoutError:  # rlimits-only mode: an escaped descendant holds the pipe
             reader.cancel()
             data, truncated = b"", False
         text = data.decode("utf-8", errors="replace")

@@ -128,7 +128,7 @@ class SearchTool:
         start = time.monotonic()
         try:
             hits = (await self.search([query.strip()]))[0]
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._errors += 1
             return f"Error: search service did not answer within {self.timeout_s:g} s"
         except (aiohttp.ClientError, RuntimeError, KeyError, ValueError) as e:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from megarl.rollout.types import Tool
 
@@ -69,7 +70,7 @@ class _SessionBound:
     """A stateful tool seen by one trajectory: ``await bound(arguments)`` creates the session on
     first use, then calls ``tool(arguments, session=...)``."""
 
-    def __init__(self, tool: Tool, sessions: "ToolSessions") -> None:
+    def __init__(self, tool: Tool, sessions: ToolSessions) -> None:
         self.tool = tool
         self.name = tool.name
         self.schema = tool.schema
@@ -77,7 +78,7 @@ class _SessionBound:
 
     async def __call__(self, arguments: dict[str, Any]) -> str:
         session = await self._sessions.session_for(self.tool)
-        return await self.tool(arguments, session=session)
+        return await self.tool(arguments, session=session)  # type: ignore[call-arg]  # a session tool takes it
 
 
 @dataclass(kw_only=True)

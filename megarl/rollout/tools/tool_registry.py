@@ -8,7 +8,8 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megarl.registry import Registry
 from megarl.rollout.types import Tool

@@ -17,8 +17,8 @@ def _save_worker(rank, world_size, hf_dir, out_dir):
 
     from megatron.core import dist_checkpointing
 
-    from megarl.conversion.load_hf import load_hf_weights
     from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.conversion.load_hf import load_hf_weights
     from megarl.training.model import build_model
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
 

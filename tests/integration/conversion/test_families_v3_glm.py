@@ -56,8 +56,8 @@ def _export(hf_dir: Path, work: Path, layout: str) -> Path:
 
 # ------------------------------------------------------------------------------------ forward
 def _forward_worker(rank, world_size, hf_dir, tokens, forced_routes):
-    from megarl.conversion.load_hf import load_hf_weights
     from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.conversion.load_hf import load_hf_weights
     from megarl.training.model import build_model
     from megarl.training.parallel_state import initialize_parallel
     from megarl.training.routing_replay import RoutingReplay

@@ -58,8 +58,8 @@ def _forward_worker(rank, world_size, hf_dir, tokens, layout):
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
 
-    from megarl.conversion.load_hf import load_hf_weights
     from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.conversion.load_hf import load_hf_weights
     from megarl.training.model import build_model
     from megarl.training.parallel_state import initialize_parallel
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.models.fp8_blocks import BlockFP8, quantize_blockwise
 from megarl.conversion.hf_io import CheckpointFileError, HFCheckpointReader
+from megarl.models.fp8_blocks import BlockFP8, quantize_blockwise
 from megarl.testing.checkpoints import load_safetensors_dir
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "unit" / "models"))
-from test_fp8_blocks import _reference_dequantize  # noqa: E402
+from test_fp8_blocks import _reference_dequantize
 
 BLOCK = (16, 16)  # the tiny model's linears span several blocks (DeepSeek-V3: 128 x 128)
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK),

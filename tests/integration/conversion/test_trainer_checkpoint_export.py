@@ -32,8 +32,8 @@ def _cfg(hf_dir, **model):
 
 def _save_worker(rank, world_size, hf_dir, directory):
     from megarl.conversion.initial_weights import initial_weights
-    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
 
     multiprocessing.current_process().daemon = False  # dist_checkpointing's writers fork processes
     cfg = _cfg(hf_dir)
@@ -105,8 +105,8 @@ def _assert_same_hf(original: Path, exported: Path):
 def test_export_of_a_step_dir_needs_no_hf_config(tiny_moe_dir, step_dir, tmp_path):
     import shutil
 
-    from megarl.conversion.convert import megatron_to_hf_dir
     from megarl.cli import main as cli_main
+    from megarl.conversion.convert import megatron_to_hf_dir
 
     assert step_dir.name == "step_000003"
     stored = step_dir / "trainer" / "hf_config"
@@ -136,8 +136,8 @@ def test_background_export_during_training(tiny_moe_dir, saved):
 
 def _params_worker(rank, world_size, hf_dir, load_dir):
     from megarl.conversion.initial_weights import initial_weights
-    from megarl.training.trainer_build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
 
     # load_dir None: the HF loader; else no HF weights read (an ignored load_dir leaves random weights)
     cfg = _cfg(hf_dir, load_dir=load_dir, load_weights=load_dir is None)

@@ -13,10 +13,10 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
-from megarl.config.schema import MegarlConfig
 from megarl.cluster.bundles import devices_per_engine
 from megarl.cluster.placement import build_placement
 from megarl.cluster.ray_engines import MEMORY_SAVER_FLAG, engine_kwargs
+from megarl.config.schema import MegarlConfig
 from megarl.launch.trainer_group import TrainerWorker
 from megarl.rollout.engine_actor import EngineActor
 from megarl.testing.local_ray import private_ray

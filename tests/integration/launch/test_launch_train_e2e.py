@@ -31,7 +31,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[3]
 MEGARL = str(Path(sys.executable).parent / "megarl")
 NUM_STEPS = 4

@@ -94,11 +94,12 @@ def test_service_refuses_an_index_of_another_corpus(corpus_and_index, tmp_path):
 
 @pytest.mark.slow  # Ray start-up: 18 s on a quiet machine, 38 s under load
 def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(corpus_and_index, tmp_path, monkeypatch):
+    from pathlib import Path
+
     import ray
 
-    from megarl.config import load_config
     from megarl.cluster.retrieval import start_retrieval, stop_retrieval
-    from pathlib import Path
+    from megarl.config import load_config
 
     corpus, index = corpus_and_index
     other = tmp_path / "other.jsonl"

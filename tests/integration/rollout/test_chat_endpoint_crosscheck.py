@@ -36,7 +36,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "unit" / "rollout"))  # the scripted engine and conversations
 
-from test_template_properties import FAMILIES, Call, Lookup, Turn, conversation_messages, run_conversation  # noqa: E402
+from test_template_properties import FAMILIES, Call, Lookup, Turn, conversation_messages, run_conversation
 
 ENGINE_STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0

@@ -7,8 +7,8 @@ import socket
 import pytest
 import torch
 
-from megarl.rollout.rewards.reward_registry import build_reward
 from megarl.rollout.rewards.judge import JudgeError, parse_score
+from megarl.rollout.rewards.reward_registry import build_reward
 from megarl.rollout.types import Trajectory
 
 pytestmark = pytest.mark.timeout(300)

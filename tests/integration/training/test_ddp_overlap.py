@@ -7,9 +7,9 @@ The parameters are read right after the optimizer step, as a weight sync does: w
 """
 import pytest
 import torch
+from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
 

@@ -8,7 +8,11 @@ from megarl.testing.multiproc import run_ranks
 def _worker(rank, world_size, vocab_size):
     import torch.distributed as dist
 
-    from megarl.training.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+    from megarl.training.logprobs import (
+        vocab_parallel_entropy,
+        vocab_parallel_logprobs,
+        vocab_parallel_logprobs_and_entropy,
+    )
 
     torch.manual_seed(0)  # same full tensors on both ranks
     full = 4 * torch.randn(9, 64, dtype=torch.float64)

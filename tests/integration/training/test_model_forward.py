@@ -43,8 +43,8 @@ def _case(case, dirs, tokens):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mps
 
-    from megarl.conversion.load_hf import load_hf_weights
     from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.conversion.load_hf import load_hf_weights
     from megarl.training.model import build_model
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
 

@@ -10,11 +10,11 @@ pytestmark = pytest.mark.gpu
 
 
 def _worker(rank, world_size, hf_dir, grouped):
+    from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.conversion.load_hf import load_hf_weights
     from megarl.models.families import get_family
     from megarl.models.mapping import megatron_to_hf
     from megarl.models.params import iter_global_params
-    from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.training.model import build_model, load_hf_config
     from megarl.training.parallel_state import destroy_parallel, initialize_parallel
 

@@ -8,9 +8,9 @@ layout (FP32: no separate main weights) must agree within 10% on every rank.
 """
 import pytest
 import torch
+from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 LAYOUTS = {
     "ep2_dp2": {"parallel.expert_model_parallel_size": 2},

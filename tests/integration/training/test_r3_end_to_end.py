@@ -167,7 +167,7 @@ def test_r3_engine_routes_replayed_token_by_token_and_lower_mismatch(sglang_engi
     batch = TrainBatch.from_trajectories(trajs, torch.linspace(-1, 1, len(trajs)))
     num_layers, topk = batch.routed_experts.shape[1:]
     free_turn_mask = torch.zeros(batch.num_tokens, dtype=torch.bool)
-    for i, (traj, state) in enumerate(zip(trajs, states)):
+    for i, (traj, _state) in enumerate(zip(trajs, states)):
         seq = traj.prompt_ids.tolist() + traj.response_ids.tolist()
         start = int(batch.cu_seqlens[i])
         own = [c for c in calls if c["input_ids"] == seq[:len(c["input_ids"])]

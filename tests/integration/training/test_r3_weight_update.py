@@ -101,7 +101,8 @@ def _context(client, tokenizer, max_new_tokens: int) -> AgentContext:
 async def _rollouts(client, tokenizer, w1_dir):
     """Short W0 trajectories, long ones interrupted by the update and resumed, then short W1 ones."""
     long_ctx, short_ctx = _context(client, tokenizer, LONG_TOKENS), _context(client, tokenizer, SHORT_TOKENS)
-    prompt = lambda i: long_ctx.template.prompt_ids([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+    def prompt(i):
+        return long_ctx.template.prompt_ids([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
     long_states = [new_state(long_ctx, prompt(i), {}, group_id=i) for i in range(NUM_LONG)]
     short_states = [new_state(short_ctx, prompt(i), {}, group_id=10 + i) for i in range(2 * NUM_SHORT)]
     async with slowed_down(client.url, FORWARD_SLEEP_S):

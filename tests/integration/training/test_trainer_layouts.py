@@ -7,9 +7,9 @@ transformers forward pass of the same HF model.
 """
 import pytest
 import torch
+from megarl_trainer_cases import LAYOUTS, build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import LAYOUTS, build, make_batch, make_cfg, teardown
 
 WIDE_CLIP = {"algorithm.clip_low": 0.9, "algorithm.clip_high": 10.0}  # no clipping: every sequence has a gradient
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from megarl_trainer_cases import LAYOUTS, build, make_batch, make_cfg, teardown
 
 from megarl.conversion.convert import MARKER_FILE, hf_to_megatron
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import LAYOUTS, build, make_batch, make_cfg, teardown
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -56,8 +56,9 @@ def _worker(rank, world_size, hf_dir, perturbed_dir, load_dir, batch):
 
 @pytest.mark.timeout(420)
 def test_trainer_starts_from_converted_checkpoint(tiny_moe_dir, perturbed_dir, converted):
-    from megarl.conversion.dist_ckpt import tensor_shapes
     from transformers import AutoConfig
+
+    from megarl.conversion.dist_ckpt import tensor_shapes
 
     assert tensor_shapes(converted)["embedding.word_embeddings.weight"][0] == (2112, 64)
     batch = make_batch(AutoConfig.from_pretrained(tiny_moe_dir).vocab_size, seed=11)

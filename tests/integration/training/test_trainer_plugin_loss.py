@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
+from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 PLUGIN = '''
 """A user's policy loss, outside megarl: REINFORCE with a per-sequence advantage (Williams 1992)."""

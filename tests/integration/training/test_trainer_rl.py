@@ -16,9 +16,9 @@ import multiprocessing
 
 import pytest
 import torch
+from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 TP2 = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True}
 RL = {"train.routing_replay": "r2", "train.lr": 2e-4, "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.2,

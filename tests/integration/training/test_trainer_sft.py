@@ -8,9 +8,9 @@ empty state) loads back to the initial weights.
 """
 import pytest
 import torch
+from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 EP2 = {"parallel.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall",
        "rollout_temperature": 0.5}

@@ -2,9 +2,9 @@
 R2 routing replay recording every layer's routes across the virtual stages."""
 import pytest
 import torch
+from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 from megarl.testing.multiproc import run_ranks
-from megarl_trainer_cases import build, make_batch, make_cfg, teardown
 
 LAYOUTS = {"tp1": {}, "pp2_vpp2": {"parallel.pipeline_model_parallel_size": 2,
                                    "parallel.virtual_pipeline_model_parallel_size": 2}}

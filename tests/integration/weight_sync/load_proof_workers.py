@@ -15,13 +15,13 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
     engine logprobs after the first sync, its number of buckets, how many groups the second plan
     split, and the second sync's error (None if it passed); without ``split_groups`` only the first.
     """
-    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
-    from megarl.training.trainer_build import build_trainer
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
     from megarl.weight_sync import model_specs
-    from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
     from megarl.weight_sync.manifest_checks import WeightSyncError
+    from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, {})
     trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))

@@ -50,9 +50,10 @@ def trainer(model: str, addr: str, urls_json: str, workdir: str, out: str, ranks
             corrupt: str = "") -> None:
     import os
 
-    from megarl.testing.multiproc import run_ranks
     import p2p_workers
     from test_weight_sync_engine import probes, train_sequences
+
+    from megarl.testing.multiproc import run_ranks
 
     faulthandler.dump_traceback_later(DUMP_EVERY_S, repeat=True)  # to stderr: the test's trainer.log
     os.environ["GLOO_SOCKET_IFNAME"] = "eth0"

@@ -7,7 +7,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 import workers
 
 
@@ -38,10 +37,10 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
             close at PP2); raised after every synchronizer was closed, unless another error is
             already propagating (then printed to stderr and the first error kept).
     """
-    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
-    from megarl.training.trainer_build import build_trainer
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.training.parallel_state import destroy_parallel
+    from megarl.training.trainer_build import build_trainer
     from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, {**workers.LAYOUTS, **workers.LAYOUTS_4}[layout])

@@ -17,8 +17,8 @@ import pytest
 from megarl.testing.multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-import load_proof_workers  # noqa: E402
-from test_weight_sync_engine import gap, probes, train_sequences  # noqa: E402
+import load_proof_workers
+from test_weight_sync_engine import gap, probes, train_sequences
 
 TOLERANCE = 1e-3
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_weight_sync_engine import gap, tp2_rank_shard_bytes  # noqa: E402
+from test_weight_sync_engine import gap, tp2_rank_shard_bytes
 
 SCRIPT = str(Path(__file__).parent / "p2p_hosts.py")
 LAYOUTS = ("tp2", "ep2", "pp2", "dp2")

@@ -14,9 +14,8 @@ import pytest
 from megarl.testing.multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-import p2p_workers  # noqa: E402
-import workers  # noqa: E402
-from test_weight_sync_engine import gap, probes, train_sequences  # noqa: E402
+import p2p_workers
+from test_weight_sync_engine import gap, probes, train_sequences
 
 
 @pytest.mark.slow

@@ -20,8 +20,8 @@ import torch
 from megarl.testing.multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-import workers  # noqa: E402
-from test_weight_sync_engine import TOLERANCE, gap, probes, train_sequences  # noqa: E402
+import workers
+from test_weight_sync_engine import TOLERANCE, gap, probes, train_sequences
 
 REPO = Path(__file__).resolve().parents[3]
 MEGARL = str(Path(sys.executable).parent / "megarl")

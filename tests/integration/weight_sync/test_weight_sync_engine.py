@@ -17,7 +17,7 @@ import torch
 from megarl.testing.multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-import workers  # noqa: E402
+import workers
 
 TOLERANCE = 1e-3
 """Mean |engine - trainer| logprob allowed after a sync (fp32 on CPU)."""
@@ -117,10 +117,10 @@ def test_sglang_ignores_a_misnamed_tensor_so_the_plan_check_refuses_it(sglang_en
 
     from megarl.weight_sync.engine_clients import EngineClients
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.manifest_checks import WeightSyncError, read_manifest
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
     from megarl.weight_sync.sync import WeightSynchronizer
-    from megarl.weight_sync.manifest_checks import WeightSyncError, read_manifest
 
     probe = probes()[:1]
     with EngineClients([sglang_engine.url]) as engines:

@@ -86,12 +86,12 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
     Returns (rank 0): ``{layout: {"trainer": [...], "before": {t: ...}, "after": {t: ...},
     "metrics": {t: {...}}}}``.
     """
-    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
-    from megarl.training.trainer_build import build_trainer
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.training.parallel_state import destroy_parallel
-    from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
+    from megarl.training.trainer_build import build_trainer
     from megarl.weight_sync.manifest_checks import WeightSyncError
+    from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
     results = {}
     for layout in layouts:

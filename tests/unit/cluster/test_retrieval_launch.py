@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
 from megarl.cluster.retrieval import RetrievalConfigError, check_retrieval, start_retrieval
+from megarl.config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.cluster.external_engines import (
-    ExternalEnginesError, engine_process, rendezvous, served_engines)
+from megarl.cluster.external_engines import ExternalEnginesError, engine_process, rendezvous, served_engines
 from megarl.config.loader import load_config
 
 REPO = Path(__file__).resolve().parents[3]

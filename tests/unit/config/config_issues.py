@@ -7,8 +7,7 @@ REPO = Path(__file__).resolve().parents[3]
 def validate_issues(overrides) -> dict[str, str]:
     """``megarl validate``'s problems with ``configs/base.yaml`` plus ``overrides``: key -> its messages
     joined by `` | `` (empty when the config is valid)."""
-    from megarl.config.loader import load_config
-    from megarl.config.loader import ConfigError
+    from megarl.config.loader import ConfigError, load_config
     from megarl.launch.preflight import preflight
 
     try:

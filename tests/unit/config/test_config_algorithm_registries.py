@@ -5,11 +5,16 @@ not load, or a function that does not fit the call protocol, is refused naming t
 import sys
 
 import pytest
-
-from megarl.algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS, register_advantage_estimator,
-                               register_policy_loss)
-from megarl.config.domains import DOMAINS
 from config_issues import validate_issues
+
+from megarl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+    register_advantage_estimator,
+    register_policy_loss,
+)
+from megarl.config.domains import DOMAINS
 
 LOSS = '''
 from megarl.algorithms import register_policy_loss

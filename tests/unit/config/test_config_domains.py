@@ -8,12 +8,12 @@ import typing
 from pathlib import Path
 
 import pytest
+from config_issues import validate_issues
 
 from megarl.cli import main as cli_main
 from megarl.config import load_config
 from megarl.config.domains import DOMAINS, REWARD_DOMAINS, TOOL_DOMAINS, Choice, Range, Registered, Text
 from megarl.config.schema import MegarlConfig
-from config_issues import validate_issues
 
 REPO = Path(__file__).resolve().parents[3]
 SCALARS = (int, float, str)

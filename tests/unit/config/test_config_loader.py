@@ -1,6 +1,7 @@
 """Loading: YAML composition with extends, overrides, error collection with file and line."""
 import pytest
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from megarl.config import ConfigError, load_config, save_resolved
 from megarl.config.schema import MegarlConfig
@@ -74,7 +75,7 @@ def test_hydra_remove_resets_a_schema_field_to_its_default(tmp_path):
     assert cfg.rollout.agent.max_turns == 4 and OmegaConf.get_type(cfg.rollout.agent).__name__ == "AgentConfig"
     assert OmegaConf.is_missing(cfg.model, "hf_path")
     cfg.train.lr = -1.0  # still typed after removal
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.train.lr = "fast"
 
 

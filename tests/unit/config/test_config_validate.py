@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main as cli_main
-from megarl.launch.preflight import prepare_config
 from megarl.config import ConfigError, load_config, validate
+from megarl.launch.preflight import prepare_config
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml"))
@@ -175,9 +175,10 @@ def test_unsupported_model_type(tmp_path, good_overrides, tiny_dense_dir):
 
 def test_parser_names_resolve_like_the_agent_loop(good_overrides):
     """``megarl validate`` accepts exactly the parser names the agent loop's own resolution accepts."""
-    from megarl.rollout.reasoning import parser_issues
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
     from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+    from megarl.rollout.reasoning import parser_issues
 
     for name in ("glm45", "deepseekv3", "qwen25"):
         assert name in FunctionCallParser.ToolCallParserEnum

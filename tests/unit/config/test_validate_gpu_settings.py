@@ -1,6 +1,5 @@
 """megarl validate: GPU-run settings and cross-feature conflicts, each error naming its key (issue 18)."""
 import pytest
-
 from config_issues import validate_issues
 
 _issues = validate_issues

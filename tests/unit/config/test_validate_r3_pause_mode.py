@@ -8,7 +8,6 @@ Without async mode nothing is in flight during a sync, so every mode is accepted
 the rule's definition above, stated per combination.
 """
 import pytest
-
 from config_issues import validate_issues
 
 KEYS = ("train.routing_replay", "weight_sync.pause_mode", "rollout.async_mode")

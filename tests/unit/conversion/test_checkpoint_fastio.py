@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megarl.conversion.fastio import StoragePool, read_hf_into, read_torch_save_tensor, row_plan
-from megarl.models.families import get_family
 from megarl.conversion.hf_io import HFCheckpointReader
+from megarl.models.families import get_family
 from megarl.models.mapping import TPSplit, hf_names, split_tp, to_megatron
 
 

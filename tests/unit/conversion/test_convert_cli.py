@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.conversion import convert
 from megarl.cli import build_parser
+from megarl.conversion import convert
 
 TOOLS = Path(__file__).resolve().parents[3] / "tools"
 DIRECTIONS = {  # megarl convert <direction>: (tool, converter function)

@@ -5,12 +5,15 @@ import shutil
 import pytest
 import torch
 
-from megarl.conversion.config_check import (ConfigMismatchError, check_weights_match_config,
-                                            compare_configs, expected_hf_shapes)
-from megarl.models.families import get_family
-from megarl.conversion.hf_io import (CheckpointFileError, HFCheckpointReader, SafetensorsStreamWriter,
-                                     plan_shards)
 from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.conversion.config_check import (
+    ConfigMismatchError,
+    check_weights_match_config,
+    compare_configs,
+    expected_hf_shapes,
+)
+from megarl.conversion.hf_io import CheckpointFileError, HFCheckpointReader, SafetensorsStreamWriter, plan_shards
+from megarl.models.families import get_family
 
 
 def _old_spelling(src, dst):

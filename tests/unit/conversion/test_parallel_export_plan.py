@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from megarl.conversion import hf_io
-from megarl.conversion.parallel_export import (RankExport, plan_rank_exports, split_groups,
-                                               write_merged_index)
+from megarl.conversion.parallel_export import RankExport, plan_rank_exports, split_groups, write_merged_index
 
 
 def _groups(seed: int, num_groups: int) -> list[list[tuple]]:

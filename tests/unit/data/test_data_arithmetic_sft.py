@@ -60,10 +60,10 @@ def test_the_recipes_import_path_builds_the_calculator_demonstrations():
     for row, messages in zip(rows, got):
         head = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": row["question"]}]
         call = {"type": "function", "function": {"name": "calculator",
-                                                 "arguments": '{"expression": "%s"}' % row["expression"]}}
+                                                 "arguments": '{"expression": "' + row["expression"] + '"}'}}
         tool = [{"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "name": "calculator", "content": row["answer"]}]
-        answer = [{"role": "assistant", "content": "\\boxed{%s}" % row["answer"]}]
+        answer = [{"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"}]
         assert messages == head + (tool if draws.random() < 0.5 else []) + answer
     assert 0 < sum(len(m) == 5 for m in got) < 40  # both kinds drawn
 
@@ -91,8 +91,8 @@ def test_sft_trajectory_matches_the_rendered_conversation(tiny_dense_dir):
             cur = []
     spans += [tok.decode(cur)] if cur else []
     assert spans == [
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call><|im_end|>'
-        % row["expression"], "\\boxed{%s}<|im_end|>" % row["answer"]]
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + row["expression"]
+        + '"}}\n</tool_call><|im_end|>', f"\\boxed{{{row['answer']}}}<|im_end|>"]
     assert traj.rollout_logprobs.abs().sum() == 0 and traj.num_turns == 2
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 import ray
 
 from megarl.cluster.ray_engines import heal_engines

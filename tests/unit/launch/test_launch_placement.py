@@ -3,9 +3,9 @@ items 8 and 12), on synthetic node / GPU tables of the shape Ray reports."""
 import pytest
 from omegaconf import OmegaConf
 
-from megarl.config.schema import MegarlConfig
 from megarl.cluster import placement as cluster
 from megarl.cluster.placement import Placement, bundle_order, check_groups_on_one_node
+from megarl.config.schema import MegarlConfig
 from megarl.launch.trainer_group import omp_threads
 
 # Ray's PACK over two 4-GPU nodes may hand out bundles interleaved (and GPUs out of order)

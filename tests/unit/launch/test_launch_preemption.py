@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from megarl.launch.preemption import (RESUME_FILE_ENV, StopGuard, record_run_dir, resume_overrides)
+from megarl.launch.preemption import RESUME_FILE_ENV, StopGuard, record_run_dir, resume_overrides
 
 
 class Clock:

@@ -5,8 +5,16 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.launch.run_state import (RunState, capture_rng, commit_checkpoint, find_latest,
-                                     load_driver_state, restore_rng, save_driver_state, step_dir)
+from megarl.launch.run_state import (
+    RunState,
+    capture_rng,
+    commit_checkpoint,
+    find_latest,
+    load_driver_state,
+    restore_rng,
+    save_driver_state,
+    step_dir,
+)
 
 
 def test_rng_restore_reproduces_the_next_draws():

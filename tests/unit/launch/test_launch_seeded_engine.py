@@ -5,8 +5,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from megarl.config.schema import MegarlConfig
 from megarl.cluster.ray_engines import DETERMINISTIC_FLAG, SEEDING_SHIM_DIR, engine_kwargs, seeding_env
+from megarl.config.schema import MegarlConfig
 from megarl.launch.rollout_actor import SeededEngine
 from megarl.launch.train_stage import mean_metrics
 from megarl.training.batch import TrainBatch

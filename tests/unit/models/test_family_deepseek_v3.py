@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from megarl.conversion.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
-from megarl.models.families import get_family
-from megarl.conversion.hf_io import HFCheckpointReader
 from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.conversion.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
+from megarl.conversion.hf_io import HFCheckpointReader
+from megarl.models.families import get_family
 from megarl.models.tiny import append_mtp_layer
 
 

@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from megarl.conversion.config_check import check_weights_match_config, expected_hf_shapes
-from megarl.models.families import get_family
-from megarl.conversion.hf_io import HFCheckpointReader
-from megarl.models.mapping import lookup, to_hf, to_megatron
 from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.conversion.config_check import check_weights_match_config, expected_hf_shapes
+from megarl.conversion.hf_io import HFCheckpointReader
+from megarl.models.families import get_family
+from megarl.models.mapping import lookup, to_hf, to_megatron
 
 
 def _config(path):

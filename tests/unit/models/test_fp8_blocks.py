@@ -6,8 +6,13 @@ import math
 import pytest
 import torch
 
-from megarl.models.fp8_blocks import (BlockFP8, dequantize_blockwise, parse_quantization_config,
-                                          quantize_blockwise, scale_name)
+from megarl.models.fp8_blocks import (
+    BlockFP8,
+    dequantize_blockwise,
+    parse_quantization_config,
+    quantize_blockwise,
+    scale_name,
+)
 
 
 def _reference_quantize(w: torch.Tensor, bn: int, bk: int):

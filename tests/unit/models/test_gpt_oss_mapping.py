@@ -13,9 +13,9 @@ import shutil
 import pytest
 import torch
 
+from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.conversion.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
 from megarl.conversion.hf_io import HFCheckpointReader
-from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.models.families import get_family
 from megarl.models.mapping import lookup, megatron_to_hf, to_megatron
 

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
+from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.conversion.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
 from megarl.conversion.hf_io import HFCheckpointReader
-from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.models.families import get_family, text_config_of
 
 

@@ -3,9 +3,21 @@ import pytest
 import torch
 
 from megarl.models.families import get_family
-from megarl.models.mapping import (ModelLayout, TPSplit, Transform, gather_tp, global_name,
-                                       hf_names_for, lookup, megatron_to_hf, padded_vocab_size,
-                                       split_tp, template_of, to_hf, to_megatron)
+from megarl.models.mapping import (
+    ModelLayout,
+    TPSplit,
+    Transform,
+    gather_tp,
+    global_name,
+    hf_names_for,
+    lookup,
+    megatron_to_hf,
+    padded_vocab_size,
+    split_tp,
+    template_of,
+    to_hf,
+    to_megatron,
+)
 
 LAYOUT = ModelLayout(family="qwen3_moe", num_layers=2, hidden_size=8, num_attention_heads=4,
                      num_query_groups=2, head_dim=3, vocab_size=10, padded_vocab_size=16,

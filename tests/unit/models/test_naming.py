@@ -13,10 +13,10 @@ real Megatron builds), which validates the walk.
 import pytest
 import torch
 
+from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.models.families import get_family
 from megarl.models.mapping import canonical_name, global_name, lookup
 from megarl.models.naming import TE_TO_CANONICAL
-from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.models.tiny import TinyModelSpec, _hf_config
 
 
@@ -127,9 +127,9 @@ CASES = [("qwen3_moe", True), ("qwen3_moe", False), ("qwen3", None), ("deepseek_
 @pytest.mark.parametrize("family,grouped", CASES)
 def test_te_spec_names_map_onto_the_weight_sync_plan(te_spec, family, grouped):
     from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+    from megarl.weight_sync.manifest_checks import check_local_params
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
     from megarl.weight_sync.plan import build_plan
-    from megarl.weight_sync.manifest_checks import check_local_params
 
     hf_config = _hf(family)
     fam = get_family(hf_config)

@@ -4,8 +4,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from megarl.models.tiny_tokenizer import default_gsm8k_dir
 from megarl.models.tiny import parse_tiny_uri
+from megarl.models.tiny_tokenizer import default_gsm8k_dir
 
 
 def test_loads_in_transformers_and_generates(tiny_moe_dir):

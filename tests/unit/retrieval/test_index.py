@@ -9,7 +9,7 @@ import pytest
 
 from megarl.retrieval.corpus import CorpusError, iter_passages
 from megarl.retrieval.index import RetrievalIndexError, Retriever, build_index, load_encoder
-from megarl.retrieval.server import check_index, parse_request, RequestError
+from megarl.retrieval.server import RequestError, check_index, parse_request
 
 PASSAGES = [
     {"id": "a", "title": "Volcano", "text": "A volcano erupts lava and ash; lava flows downhill."},

@@ -8,8 +8,8 @@ made-up logprobs. Integration tests check the same loop against a real server.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -71,7 +71,7 @@ class ScriptedEngine:
             try:
                 await asyncio.wait_for(self._abort.wait(), reply.delay_s)
                 ids, finish = ids[:len(ids) // 2], "abort"  # aborted mid-turn: a partial turn
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         limit = sampling_params["max_new_tokens"]
         if len(ids) > limit:

@@ -10,15 +10,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from rollout_scripted import Reply, ScriptedEngine
+from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 from megarl.rollout.agent import AgentContext, new_state, run_agent, single_turn, tool_agent
 from megarl.rollout.rewards.gsm8k_answer import Gsm8kReward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.types import RolloutStatus
-
-from rollout_scripted import Reply, ScriptedEngine
-from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 QUESTION = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many?"}]
 

@@ -6,15 +6,14 @@ import json
 
 import pytest
 import torch
+from rollout_scripted import Reply
+from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 from megarl.rollout.agent import AgentContext, get_agent_loop, new_state, run_agent, single_turn, tool_agent
 from megarl.rollout.template import ChatTemplate
 from megarl.rollout.tools import build_tools
 from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.types import RolloutStatus
-
-from rollout_scripted import Reply
-from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 QUESTION = [{"role": "user", "content": "Natalia sold 48 clips in April and half as many in May. How many?"}]
 

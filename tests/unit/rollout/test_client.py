@@ -15,9 +15,15 @@ import pytest
 import torch
 from aiohttp import web
 
-from megarl.rollout.client import (EngineConnectionLost, EngineRequestError, EngineTimeoutError,
-                                   EngineUnavailableError, SGLangClient, decode_routed_experts)
 from megarl.procs.ports import find_free_port
+from megarl.rollout.client import (
+    EngineConnectionLost,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    SGLangClient,
+    decode_routed_experts,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,7 @@ import asyncio
 
 import pytest
 
-from megarl.rollout.client import (EngineConnectionLost, EngineRequestError, EngineTimeoutError,
-                                   EngineUnavailableError)
+from megarl.rollout.client import EngineConnectionLost, EngineRequestError, EngineTimeoutError, EngineUnavailableError
 from megarl.rollout.router import Router
 from megarl.rollout.types import GenerateOutput, RolloutEngine
 

@@ -4,15 +4,14 @@ import json
 
 import pytest
 import torch
+from rollout_scripted import Reply
 
 from megarl.config.schema import AgentConfig, RolloutConfig, SamplingConfig
 from megarl.rollout.manager import RolloutManager
-from megarl.rollout.rewards.reward_registry import build_reward
 from megarl.rollout.rewards.composite import WeightSchedule
+from megarl.rollout.rewards.reward_registry import build_reward
 from megarl.rollout.rewards.terms import normalize_answer
 from megarl.rollout.types import Trajectory
-
-from rollout_scripted import Reply
 
 TERMS = {
     "outcome": {"fn": "exact_match", "kwargs": {"answer_key": "answer"}},

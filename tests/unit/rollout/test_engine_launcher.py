@@ -8,9 +8,9 @@ import pytest
 
 from megarl.config.schema import RolloutConfig
 from megarl.rollout import cpu_shims
+from megarl.rollout.engine_actor import EngineActor
 from megarl.rollout.engine_process import EngineProcess
 from megarl.rollout.engine_resources import cpu_threads_bind, resolve_device
-from megarl.rollout.engine_actor import EngineActor
 from megarl.rollout.local_engines import launch_engines
 
 pytestmark = pytest.mark.timeout(30)
@@ -64,7 +64,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="tp_size"):
         EngineProcess("/m", tp_size=0, device="cpu")
     with pytest.raises(RuntimeError, match="after start"):
-        EngineProcess("/m", device="cpu").url
+        _ = EngineProcess("/m", device="cpu").url
 
 
 def test_external_engines_launch_nothing():

@@ -3,12 +3,11 @@ import json
 import time
 
 import pytest
+from rollout_scripted import Reply
 
 from megarl.config.schema import AgentConfig, RolloutConfig, SamplingConfig
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.types import RolloutStatus
-
-from rollout_scripted import Reply
 
 
 def config(**overrides):

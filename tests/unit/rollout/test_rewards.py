@@ -4,8 +4,8 @@ import asyncio
 import pytest
 import torch
 
-from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY, build_reward, compute_reward
 from megarl.rollout.rewards.gsm8k_answer import gsm8k_reference
+from megarl.rollout.rewards.reward_registry import REWARD_REGISTRY, build_reward, compute_reward
 from megarl.rollout.types import Trajectory
 
 

@@ -139,11 +139,12 @@ async def test_attacks_in_one_turn_of_the_agent_loop(tokenizer, scripted_engine)
     """All attacks in one turn run concurrently; the loop gets error observations and carries on."""
     import json
 
+    from rollout_scripted import Reply
+
     from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
     from megarl.rollout.template import ChatTemplate
     from megarl.rollout.tools.calls import ToolCallParser
     from megarl.rollout.types import RolloutStatus
-    from rollout_scripted import Reply
 
     attacks = ["while True: pass", "import os\nwhile True: os.fork()", "x = bytearray(10 * 2**30)",
                "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1)",

@@ -8,13 +8,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from rollout_scripted import Reply, ScriptedEngine
 
 from megarl.data.demonstrations import DemonstrationError, demonstration_to_trajectory
 from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
-
-from rollout_scripted import Reply, ScriptedEngine
 
 SYSTEM = "Use the calculator."
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many in May?"

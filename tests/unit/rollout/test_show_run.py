@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import pytest
+from rollout_scripted import Reply, ScriptedEngine
 
 from megarl.launch.rollout_log import write_rollouts
 from megarl.launch.show import ShowError, show, step_summary
@@ -22,8 +23,6 @@ from megarl.rollout.rewards.composite import CompositeReward
 from megarl.rollout.template import build_template
 from megarl.rollout.tools import build_tools
 from megarl.rollout.types import TrajectoryGroup
-
-from rollout_scripted import Reply, ScriptedEngine
 
 QUESTION = "Natalia sold 48 clips in April and half as many in May. How many in all?"
 

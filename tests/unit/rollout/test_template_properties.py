@@ -31,14 +31,13 @@ from unittest import mock
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
+from rollout_scripted import Reply, ScriptedEngine
+from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 from megarl.rollout import agent as agent_module
 from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
 from megarl.rollout.template import build_template
 from megarl.rollout.types import RolloutStatus
-
-from rollout_scripted import Reply, ScriptedEngine
-from turn_checks import assert_engine_inputs_are_prefixes, record_outputs
 
 MAX_EXAMPLES = 100
 MAX_TOOL_OUTPUT_CHARS = 3000
@@ -193,7 +192,8 @@ class Family:
     def _malformed_deepseek(self, call: Malformed) -> str:
         head = "<｜tool▁call▁begin｜>" + ("" if self.template == "deepseek_v31" else "function<｜tool▁sep｜>")
         fence = ("<｜tool▁sep｜>{0}", "{0}") if self.template == "deepseek_v31" else ("\n```json\n{0}\n```", "{0}")
-        name_then = (lambda name, args: head + name + fence[0].format(args))
+        def name_then(name, args):
+            return head + name + fence[0].format(args)
         return {"bad_json": name_then("lookup", '{"id": ') + "<｜tool▁call▁end｜>",
                 "unknown_tool": name_then("search", '{"q": "x"}') + "<｜tool▁call▁end｜>",
                 "unterminated": name_then("lookup", '{"id": "c0"}')}[call.kind]

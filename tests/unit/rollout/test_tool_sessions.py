@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import pytest
+from rollout_scripted import Reply
 
 from megarl.config.schema import AgentConfig, RolloutConfig, SamplingConfig
 from megarl.rollout.agent import AgentContext, new_state, run_agent, tool_agent
@@ -15,8 +16,6 @@ from megarl.rollout.template import ChatTemplate
 from megarl.rollout.tools.calls import ToolCallParser
 from megarl.rollout.tools.sessions import ToolSession, ToolSessions, is_stateful
 from megarl.rollout.types import RolloutStatus
-
-from rollout_scripted import Reply
 
 
 class Counter:

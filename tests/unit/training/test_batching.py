@@ -3,11 +3,8 @@ import itertools
 import random
 
 import pytest
-import torch
 
-from megarl.training.batch import TrainBatch
 from megarl.training.batching import karmarkar_karp, plan_micro_batches
-from megarl.training.micro_batch import pack_micro_batch
 
 
 def _best_spread(weights, k):
@@ -24,7 +21,7 @@ def _best_spread(weights, k):
 @pytest.mark.timeout(60)
 def test_karmarkar_karp_is_a_partition_and_near_optimal():
     rng = random.Random(0)
-    for trial in range(30):
+    for _ in range(30):
         k = rng.choice([2, 3])
         weights = [rng.randint(1, 50) for _ in range(rng.randint(1, 7))]
         parts = karmarkar_karp(weights, k)

@@ -30,11 +30,12 @@ COLOCATED = ["cluster.placement=colocated", "rollout.engine.mem_fraction_static=
 
 @pytest.mark.timeout(120)
 def test_validate_refuses_a_trainer_over_its_colocated_fraction_naming_both_numbers():
+    from transformers import AutoConfig
+
     from megarl.config.device import resolved_precision
     from megarl.plan.gpus import GPUS
     from megarl.plan.memory import TrainerSetup, trainer_memory
     from megarl.plan.shape import ModelShape
-    from transformers import AutoConfig
 
     cfg = load_config(RECIPE_30B, [*COLOCATED, "cluster.colocated_trainer_memory_fraction=0.2"])
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(REPO / "configs" / "models" / "qwen3-30b-a3b"))

@@ -171,8 +171,8 @@ def _optimizer_state(optimizer) -> list[torch.Tensor]:
 
 
 def _offload_worker(rank, world_size, hf_dir: str, mode: str) -> dict:
-    from megarl.conversion.initial_weights import initial_weights
     from megarl.config.schema import MegarlConfig
+    from megarl.conversion.initial_weights import initial_weights
     from megarl.training.trainer_build import build_trainer
 
     cfg = MegarlConfig()

@@ -10,8 +10,7 @@ import torch
 
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import MicroBatchSpec
-from megarl.training.context_parallel import (cp_padded_length, cp_row_multiple, pack_cp_micro_batch,
-                                              partition_indices)
+from megarl.training.context_parallel import cp_padded_length, cp_row_multiple, pack_cp_micro_batch, partition_indices
 
 
 def _documented_layout(lengths, cp_size, cp_rank):

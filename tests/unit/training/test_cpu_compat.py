@@ -74,8 +74,8 @@ def _probe(name: str) -> None:
         comm = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), _config())
         comm._communicate_shapes(None, None, False, False)
     elif name == "cuda_stream":
-        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
         from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
         MoEAlltoAllTokenDispatcher(2, [0, 1], _config(moe_token_dispatcher_type="alltoall"),
                                    ProcessGroupCollection.use_mpu_process_groups())
     elif name == "moe_splits_numpy":
@@ -98,8 +98,9 @@ def _child(case: str, store: str, write_fd: int) -> None:
     result = {}
     try:
         import torch.distributed as dist
-        from megarl.training import cpu_compat
         from megatron.core import parallel_state
+
+        from megarl.training import cpu_compat
 
         names = list(cpu_compat.PATCHES)
         skipped = None if case == "control" else case
@@ -127,9 +128,10 @@ def run_cases() -> dict:
     """Fork one child per patch plus a control; return {case: {probe: None | [type, msg, tb]}}."""
     import warnings
     warnings.filterwarnings("ignore")
-    import megatron.core.optimizer  # noqa: F401 - import once, before forking
-    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.optimizer  # import once, before forking
+    import megatron.core.pipeline_parallel
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+
     from megarl.training import cpu_compat
 
     report = {}

@@ -2,8 +2,12 @@
 import pytest
 import torch
 
-from megarl.training.logprobs import (next_token_logprobs, vocab_parallel_entropy, vocab_parallel_logprobs,
-                                     vocab_parallel_logprobs_and_entropy)
+from megarl.training.logprobs import (
+    next_token_logprobs,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_entropy,
+)
 
 
 def _reference(logits, targets, vocab_size):

@@ -11,7 +11,7 @@ from megarl.testing.peak_memory import peak_cpu_bytes
 from megarl.training.batch import TrainBatch
 from megarl.training.batching import MicroBatchSpec
 from megarl.training.forward import micro_batch_logprobs
-from megarl.training.logprobs import hand_over_logits, next_token_logprobs
+from megarl.training.logprobs import hand_over_logits
 from megarl.training.micro_batch import pack_micro_batch
 
 

@@ -110,10 +110,10 @@ def _plan():
 
 def _sender(directory: str) -> dict:
     from megarl.models.families import get_family
-    from megarl.weight_sync.gather import StageGatherer
-    from megarl.weight_sync.p2p import CheckedDistributedTransport
     from megarl.weight_sync.copy_instructions import Placement
+    from megarl.weight_sync.gather import StageGatherer
     from megarl.weight_sync.manifest_checks import WeightSyncError
+    from megarl.weight_sync.p2p import CheckedDistributedTransport
 
     hf_config, plan = _plan()
     gen = torch.Generator().manual_seed(0)
@@ -237,8 +237,8 @@ def test_close_waits_for_another_stage_senders_session_then_closes_the_group(mon
     waits its turn (engine by engine) instead of failing, and fails naming the engine when the
     session never frees; either way the local group is destroyed."""
     from megarl.weight_sync import receiver_group
-    from megarl.weight_sync.p2p import CheckedDistributedTransport
     from megarl.weight_sync.manifest_checks import WeightSyncError
+    from megarl.weight_sync.p2p import CheckedDistributedTransport
 
     _, plan = _plan()
     destroyed = []

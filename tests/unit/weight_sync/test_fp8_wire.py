@@ -16,17 +16,17 @@ import torch
 
 from megarl.models.fp8_blocks import BlockFP8
 from megarl.weight_sync import receiver
-from megarl.weight_sync.fp8_wire import check_sglang_version, served_quantization, wire_specs
-from megarl.weight_sync.quantizer import WireQuantizer
-from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.engine_slices import PlanError, engine_slices
-from megarl.weight_sync.plan import build_plan
-from megarl.weight_sync.specs import EngineSplit, HFTensorSpec
+from megarl.weight_sync.fp8_wire import check_sglang_version, served_quantization, wire_specs
+from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.manifest_checks import WeightSyncError, check_plan_against_manifest, read_manifest
+from megarl.weight_sync.plan import build_plan
+from megarl.weight_sync.quantizer import WireQuantizer
+from megarl.weight_sync.specs import EngineSplit, HFTensorSpec
 from megarl.weight_sync.wire import checksum_algo
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from test_fp8_blocks import _reference_quantize  # noqa: E402
+from test_fp8_blocks import _reference_quantize
 
 TP = 2
 CONFIG = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -76,9 +76,9 @@ def test_each_engine_rank_receives_its_shard_quantised_at_half_the_bytes(tmp_pat
 
     from megarl.models.families import get_family
     from megarl.models.mapping import megatron_to_hf
+    from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
     from megarl.weight_sync.model_specs import param_specs_from_hf_config
-    from megarl.weight_sync.copy_instructions import Placement
     from megarl.weight_sync.p2p import P2PTransport
 
     hf_config = AutoConfig.for_model(**dict(CONFIG, num_key_value_heads=num_kv_heads))

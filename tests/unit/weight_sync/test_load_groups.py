@@ -95,7 +95,7 @@ def test_deepseek_v3_recipe_keeps_q_a_and_kv_a_in_one_bucket(tmp_path):
                 assert t.scale_of.name in wire, f"bucket {bucket.index}: {t.name} without its weight"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _specs(name: str, tp: int):
     return tuple(param_specs_from_hf_config(_config(name, 2), tensor_model_parallel_size=tp))
 

@@ -5,9 +5,9 @@ import torch
 
 from megarl.models.families import get_family
 from megarl.models.mapping import gather_tp, lookup, megatron_to_hf, split_tp
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.model_specs import param_specs_from_hf_config
-from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import build_plan
 
 CONFIGS = {
@@ -244,7 +244,7 @@ def test_a_bucket_with_an_fp32_router_bias_among_bf16_tensors_is_placed_by_name(
              for b in plan.buckets for t in b.params}
     expected = dict(megatron_to_hf(list(local.items()), layout))
     got = {}
-    for bucket, tensors, _ in StageGatherer(plan, 0, local, Placement(layout), sliced=sliced).iter_hf_buckets():
+    for _bucket, tensors, _ in StageGatherer(plan, 0, local, Placement(layout), sliced=sliced).iter_hf_buckets():
         if sliced:
             for r, mine in enumerate(tensors.parts):
                 got.update(((r, name), view.clone()) for name, view in mine)

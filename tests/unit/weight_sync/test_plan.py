@@ -14,19 +14,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megarl.weight_sync.engine_slices import PlanError, engine_slices, sglang_padded_vocab
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
 from megarl.weight_sync.model_specs import param_specs_from_hf_config
-from megarl.weight_sync.engine_slices import PlanError, engine_slices, sglang_padded_vocab
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.specs import EngineSplit, SpecError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from big_configs import DEEPSEEK_V3, QWEN3_235B_A22B  # noqa: E402
+from big_configs import DEEPSEEK_V3, QWEN3_235B_A22B
 
 MCORE_ORDER = "tp-cp-ep-dp-pp"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def megatron_coords(layout: TrainerLayout) -> dict[int, dict[str, int]]:
     """rank -> {tp, pp, etp, ep}: the position of the rank in each of Megatron's own groups."""
     from megatron.core.parallel_state import RankGenerator
@@ -44,7 +44,7 @@ def megatron_coords(layout: TrainerLayout) -> dict[int, dict[str, int]]:
     return coords
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def megatron_layer_ranges(layout: TrainerLayout, num_layers: int) -> dict[tuple[int, int], range]:
     """(pp_rank, vp_rank) -> global layers, from Megatron's get_transformer_layer_offset."""
     import torch
@@ -179,7 +179,7 @@ BIG = {  # config, trainer TP, layers on the first / last of 4 pipeline stages (
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def big_specs(name: str):
     return tuple(param_specs_from_hf_config(BIG[name][0], tensor_model_parallel_size=BIG[name][1]))
 

@@ -6,9 +6,9 @@ from megarl.weight_sync.model_specs import param_specs_from_hf_config
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.predict import format_prediction, predict_sync
 
-H, L, V, NH, NKV, HD, I = 64, 2, 256, 4, 2, 16, 128
+H, L, V, NH, NKV, HD, INTER = 64, 2, 256, 4, 2, 16, 128
 DENSE = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": L, "num_attention_heads": NH,
-         "num_key_value_heads": NKV, "head_dim": HD, "intermediate_size": I, "vocab_size": V,
+         "num_key_value_heads": NKV, "head_dim": HD, "intermediate_size": INTER, "vocab_size": V,
          "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
@@ -16,8 +16,8 @@ def test_bytes_per_link_and_time_match_closed_forms():
     specs = param_specs_from_hf_config(DENSE, tensor_model_parallel_size=2, dtype="bfloat16")
     plan = build_plan(TrainerLayout(tensor_model_parallel_size=2, data_parallel_size=2),
                       EngineLayout(tensor_parallel_size=2, num_engines=3), specs, senders_per_stage=1)
-    # HF elements: per layer q, o [NH*HD, H]; k, v [NKV*HD, H]; gate, up, down [I, H]; 4 norms
-    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * I * H + 2 * H + 2 * HD
+    # HF elements: per layer q, o [NH*HD, H]; k, v [NKV*HD, H]; gate, up, down [INTER, H]; 4 norms
+    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * INTER * H + 2 * H + 2 * HD
     total = 2 * (L * per_layer + 2 * V * H + H)
     replicated = 2 * (L * (2 * H + 2 * HD) + H)  # norms: every engine rank gets them whole
     shard = (total - replicated) // 2 + replicated
@@ -47,7 +47,7 @@ def test_replicas_send_side_by_side_to_their_own_engines():
     trainer = TrainerLayout(tensor_model_parallel_size=2, data_parallel_size=2)
     plan = build_plan(trainer, EngineLayout(tensor_parallel_size=2, num_engines=3), specs)
     assert plan.senders_per_stage == 2
-    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * I * H + 2 * H + 2 * HD
+    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * INTER * H + 2 * H + 2 * HD
     total = 2 * (L * per_layer + 2 * V * H + H)
     replicated = 2 * (L * (2 * H + 2 * HD) + H)
     shard = (total - replicated) // 2 + replicated
@@ -80,7 +80,7 @@ def test_segment_senders_send_each_engine_ranks_segment_from_the_trainer_rank_ho
     plan = build_plan(TrainerLayout(tensor_model_parallel_size=2), EngineLayout(tensor_parallel_size=2), specs)
     hf_config = AutoConfig.for_model(**DENSE)
     placement = Placement(get_family(hf_config).layout(hf_config, tp_size=2))
-    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * I * H + 2 * H + 2 * HD
+    per_layer = 2 * NH * HD * H + 2 * NKV * HD * H + 3 * INTER * H + 2 * H + 2 * HD
     total = 2 * (L * per_layer + 2 * V * H + H)
     replicated = 2 * (L * (2 * H + 2 * HD) + H)
     shard = (total - replicated) // 2 + replicated

@@ -8,9 +8,9 @@ import torch
 
 from megarl.models.families import get_family
 from megarl.models.mapping import lookup, megatron_to_hf, split_tp
+from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 from megarl.weight_sync.model_specs import engine_table, param_specs_from_hf_config
-from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.plan import build_plan
 from megarl.weight_sync.specs import EngineSplit
 

@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
+from megarl.weight_sync.manifest_checks import (
+    WeightSyncError,
+    check_local_params,
+    check_plan_against_manifest,
+    read_manifest,
+)
 from megarl.weight_sync.model_specs import param_specs_from_hf_config
 from megarl.weight_sync.plan import build_plan
-from megarl.weight_sync.manifest_checks import (WeightSyncError, check_local_params, check_plan_against_manifest,
-                                         read_manifest)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ receiver's per-tensor checks (name, dtype, shape, bytes) before anything is load
 from __future__ import annotations
 
 import base64
-import pickle
 import zlib
 
 import pytest

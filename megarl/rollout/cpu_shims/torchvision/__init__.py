@@ -32,7 +32,7 @@ class _Placeholder:
     def __init__(self, qualname: str) -> None:
         self._qualname = qualname
 
-    def __getattr__(self, name: str) -> "_Placeholder":
+    def __getattr__(self, name: str) -> _Placeholder:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         return _Placeholder(f"{self._qualname}.{name}")
@@ -70,7 +70,7 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__getattr__ = _module_getattr(spec.name)
+        module.__getattr__ = _module_getattr(spec.name)  # type: ignore[method-assign]
         return module
 
     def exec_module(self, module):
