@@ -40,9 +40,11 @@ from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
 from megarl.weight_sync.engines import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
+from megarl.weight_sync.owner_transport import OwnerFeed, OwnerTransport
+from megarl.weight_sync.owners import OwnerParts, check_senders
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.segments import SegmentOwners
-from megarl.weight_sync.transport import Transport
+from megarl.weight_sync.transport import Transport, TransportOptions
 from megarl.weight_sync.validate import WeightSyncError, check_local_params, check_plan_against_manifest
 
 
@@ -59,19 +61,23 @@ class WeightSynchronizer:
             None skips that check (engines on another host).
         pause_mode: ``retract``, ``abort`` or ``in_place``.
         group: the trainer's process group (default group if None).
-        segment_senders: with ``p2p`` (buckets laid out per engine rank), each engine rank's
-            segment is sent by the trainer rank of the stage holding most of it
-            (:class:`~megarl.weight_sync.segments.SegmentOwners`; ``weight_sync.segment_senders``).
+        senders: ``weight_sync.senders``: ``owner`` (``p2p`` only: every rank of a stage sends
+            the parts of the engine ranks' slices it holds, nothing gathered,
+            :mod:`~megarl.weight_sync.owners`), ``segment`` (with ``p2p``, each engine rank's
+            segment is assembled and sent by the trainer rank of the stage holding most of it,
+            :class:`~megarl.weight_sync.segments.SegmentOwners`) or ``stage`` (the stage sender
+            gathers and sends everything).
         transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s``, ``load_proof``
             (:class:`~megarl.weight_sync.transport.TransportOptions`).
     """
 
     def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, placement,
                  manifest: Optional[Mapping] = None, pause_mode: str = "retract",
-                 group: Optional[dist.ProcessGroup] = None, segment_senders: bool = True,
+                 group: Optional[dist.ProcessGroup] = None, senders: str = "segment",
                  **transport_kwargs) -> None:
         if pause_mode not in ("retract", "abort", "in_place"):
             raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
+        check_senders(senders, transport=transport, quantized=plan.quantization is not None)
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
         if transport in ONE_SENDER_TRANSPORTS and plan.senders_per_stage > 1:
@@ -82,23 +88,29 @@ class WeightSynchronizer:
         # host (under NCCL a recv returns before the token arrived). Collective: every rank builds it.
         self.control = control_group(group)
         self.placement = placement
-        replica = plan.trainer_layout.replica_of(rank)
+        replica = 0 if senders == "owner" else plan.trainer_layout.replica_of(rank)  # owner: every copy sends
         self.mine: Optional[WeightSyncPlan] = plan.for_replica(replica) if replica < plan.senders_per_stage else None
         """This rank's replica's plan (its senders, sources and engines); None: the rank only joins barriers."""
         buckets = self.mine.buckets if self.mine is not None else ()
-        self.stage = next((b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
+        self.owner = senders == "owner"
+        """Owner senders: every rank of a stage sends what it holds (:mod:`~megarl.weight_sync.owners`)."""
+        per_stage = plan.trainer_layout.world_size // plan.trainer_layout.pp_size
+        self.stage = rank // per_stage if self.owner else next(
+            (b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
         self.is_sender = any(b.sender_rank == rank for b in buckets)
         self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
         self.engines = EngineClients(engine_urls) if self.is_coordinator else None
         """Every engine (coordinator only): pause, sessions, flush, version, resume, verify."""
         self.transport: Optional[Transport] = None
         self._transport_engines: Optional[EngineClients] = None
-        if self.is_sender:
+        if self.is_sender or (self.owner and self.stage is not None):
             self._transport_engines = EngineClients([engine_urls[i] for i in self.mine.engines])
-            self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
+            self.transport = (OwnerTransport.from_options(self.mine, self._transport_engines,
+                                                          TransportOptions(**transport_kwargs)) if self.owner else
+                              make_transport(transport, self.mine, self._transport_engines, **transport_kwargs))
         self.transport_name = transport
         self._engine_urls, self._transport_kwargs = list(engine_urls), transport_kwargs
-        self.segment_senders = segment_senders
+        self.segment_senders = senders == "segment"
         self.owners: Optional[SegmentOwners] = None
         """Who sends each engine rank's segment, when this rank's stage has several senders (set in :meth:`connect`)."""
         self.is_helper = False
@@ -141,7 +153,9 @@ class WeightSynchronizer:
         flag = all_reduce(torch.tensor([1.0 if takes else 0.0], dtype=torch.float64), op=dist.ReduceOp.MIN,
                           group=self.control)
         self.sliced = bool(flag.item() > 0)
-        if self.sliced and self.stage is not None:
+        if self.owner:
+            self._connect_owner_senders()
+        elif self.sliced and self.stage is not None:
             self._connect_segment_senders()
         self._connected = True
 
@@ -162,6 +176,17 @@ class WeightSynchronizer:
             self.transport = make_transport("p2p", self.mine, self._transport_engines, **self._transport_kwargs)
             self.transport.connect(self._senders().index(senders[0]))
         self.transport.set_senders(senders, index, self.control, owners, list(self.mine.stage_buckets(self.stage)))
+
+    def _connect_owner_senders(self) -> None:
+        """Owner senders: every rank of the stage joins its group (the stage sender first); who
+        sends which part comes from the plan (:class:`~megarl.weight_sync.owners.OwnerParts`)."""
+        parts = OwnerParts(self.mine, self.placement)
+        senders = parts.senders(self.stage)
+        index = senders.index(self.rank)
+        self.is_helper = index > 0
+        if self.is_helper:
+            self.transport.connect(self.stage)
+        self.transport.set_owner_senders(senders, index, self.control, parts, list(self.mine.stage_buckets(self.stage)))
 
     # ------------------------------------------------------------------ the sync
     def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int, *,
@@ -192,7 +217,9 @@ class WeightSynchronizer:
         self._barrier()
         on_cpu = all(t.device.type == "cpu" for t in local_params.values())
         gatherer = None
-        if self.mine is not None:
+        if self.owner:  # nothing gathered: each rank sends its parts from its own shards
+            gatherer = OwnerFeed(self.mine, self.stage, local_params)
+        elif self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
                                      ring=self._ring if on_cpu else None, sliced=self.sliced, owners=self.owners,
                                      cache=self._gather_cache)

@@ -1,7 +1,7 @@
 """``megarl plan-sync`` for four MoE models on H100 clusters, on paper: bytes per link and per engine
 rank and the predicted sync time of ``p2p`` and ``distributed``, with one and with four engines,
 one sender per stage vs one per engine (``weight_sync.senders_per_stage``), BF16 and block-FP8 on
-the wire, and ``p2p`` with segment senders (``weight_sync.segment_senders``: each engine rank's
+the wire, and ``p2p`` with segment senders (``weight_sync.senders: segment``: each engine rank's
 segment from the trainer rank of the stage holding most of it; BF16 on the wire only). Metadata only (public architecture numbers below); nothing is allocated.
 
 Links: 200 GB/s NVLink and 50 GB/s network (400 Gb/s) per GPU, 8 GPUs per node (change with
@@ -91,7 +91,7 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
                         row[f"{transport}_s"] = p.seconds
                         row[f"{transport}_received_over_shard"] = max(
                             r / s for r, s in zip(p.engine_rank_bytes, p.engine_shard_bytes) if s)
-                    # segment senders (weight_sync.segment_senders; BF16 on the wire only)
+                    # segment senders (weight_sync.senders: segment; BF16 on the wire only)
                     row["p2p_segments_s"] = predict_sync(plan, "p2p", ranks_per_node=8, intra_gbps=intra_gbps,
                                                          inter_gbps=inter_gbps, placement=placement).seconds
                     out.append(row)

@@ -1,0 +1,81 @@
+"""Rank functions of the owner-sender tests (module-level: ``run_ranks`` spawns them)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import p2p_workers
+import workers
+
+LAYOUT = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
+          "parallel.expert_model_parallel_size": 2, "parallel.expert_tensor_parallel_size": 1,
+          "model.moe_token_dispatcher_type": "alltoall"}
+"""Two ranks, DeepSeek-V3's shape in small: experts spread over every rank (EP = world, ETP 1, one
+expert-data-parallel copy), the dense layers TP2 (one dense copy)."""
+
+
+def owner_sync(rank: int, world_size: int, hf_dir: str, urls: list[str], probes, engine_tp: int,
+               train_sequences) -> dict | None:
+    """Train two steps at :data:`LAYOUT`, sync with ``p2p`` + ``weight_sync.senders: owner`` (load
+    proof on), read the engine's and the trainer's probe logprobs and each rank's bytes sent; then
+    train one more step and sync with one byte flipped in the first part one trainer rank sends
+    to engine rank 1 of bucket 0: the sync must fail naming it, nothing loaded.
+
+    Returns (rank 0): ``{"trainer", "engine", "verify", "metrics", "sent", "planned", "error",
+    "tampered", "after_corrupt"}``.
+    """
+    from megarl.checkpoint.initial_weights import initial_weights
+    from megarl.config.schema import WeightSyncConfig
+    from megarl.training.build import build_trainer
+    from megarl.training.parallel_state import destroy_parallel
+    from megarl.weight_sync.build import SyncSpec, build_weight_sync
+    from megarl.weight_sync.validate import WeightSyncError
+
+    import torch
+
+    cfg = workers.make_cfg(hf_dir, LAYOUT)
+    trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
+    for step in range(2):
+        trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
+    spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, engine_tp_size=engine_tp, dtype="float32")
+    syncer = build_weight_sync(spec, trainer.parallel, WeightSyncConfig(transport="p2p", senders="owner",
+                                                                        bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
+    out: dict = {}
+    try:
+        if rank == 0:
+            workers.reset_engines(urls, hf_dir)
+        dist.barrier()
+        out["trainer"] = workers.trainer_probe_logprobs(trainer, probes)
+        out["metrics"] = syncer.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+        out["verify"] = syncer.verify(probes, [torch.tensor(t) for t in out["trainer"]], tolerance=1e-3)
+        if rank == 0:
+            out["engine"] = workers.engine_logprobs(urls, probes)
+        sent = [None] * world_size
+        dist.all_gather_object(sent, syncer.transport.stats.bytes_sent)
+        parts = syncer.transport.parts
+        out["sent"], out["planned"] = sent, [parts.sends.sent.get(r, 0) for r in range(world_size)]
+        out["engine_shard_bytes"] = syncer.plan.engine_shard_bytes()
+        trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
+        bucket = syncer.plan.buckets[0]
+        first = parts.parts(bucket, 0, 1)[0]  # engine rank 1's first part of bucket 0 and its sender
+        out["tampered"] = {"sender": first.sender, "tensor": parts.listings(bucket)[1][first.tensor][0]}
+        if rank == first.sender:
+            syncer.transport.tamper = p2p_workers.flip_one_byte((0, 1), offset=3)
+        try:
+            syncer.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+            out["error"] = None
+        except WeightSyncError as err:
+            out["error"] = str(err)
+        syncer.transport.tamper = None
+        if rank == 0:
+            with p2p_workers.workers_engines(urls) as engines:  # the failed sync left them paused in a session
+                engines.call_all("end_weight_update")
+                engines.call_all("resume")
+            out["after_corrupt"] = workers.engine_logprobs(urls, probes)
+            workers.reset_engines(urls, hf_dir)
+        dist.barrier()
+    finally:
+        try:
+            syncer.close()
+        finally:
+            destroy_parallel()
+    return out if rank == 0 else None

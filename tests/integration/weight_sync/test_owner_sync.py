@@ -1,0 +1,44 @@
+"""Owner senders (``weight_sync.senders: owner``) into a real SGLang CPU server at TP2 from a real
+Megatron-Core trainer whose experts are spread over every rank (EP2 = world, ETP1, one expert copy)
+and whose dense layers are TP2.
+
+References: the trainer's own logprobs on probe sequences (``Trainer.compute_logprobs``); the bytes
+each trainer rank handed to the engines against ``assign_senders``' plan (no rank sends bytes
+another holds: every rank's outgoing bytes are its own parts); the bytes each engine rank received,
+counted by the receiver inside the server, against its slice from the plan; a flipped byte in one
+sender's part must be refused naming engine, rank, bucket and tensor, and nothing loaded.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.testing.multiproc import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import owner_workers  # noqa: E402
+from test_weight_sync_engine import gap, probes, train_sequences  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_part(tp2_engine, tiny_moe_dir):
+    out = run_ranks(owner_workers.owner_sync, 2, timeout_s=540, args=(
+        str(tiny_moe_dir), [tp2_engine[0].url], probes(), 2, train_sequences()))[0]
+    # the engine serves the trained policy: its logprobs are the trainer's to fp32 noise, and the
+    # finish vote's load proof passed (the sync returned)
+    assert gap(out["engine"][0], out["trainer"])[1] < 1e-4, gap(out["engine"][0], out["trainer"])
+    assert out["verify"]["weight_sync/verify_logprob_diff_max"] < 1e-4
+    # every trainer rank sent exactly its planned parts, and both sent (experts spread over both)
+    assert out["sent"] == out["planned"] and all(n > 0 for n in out["sent"]), (out["sent"], out["planned"])
+    # each engine rank received exactly its own slices (counted inside the server)
+    for rank in (0, 1):
+        assert out["metrics"][f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0)
+    error, tampered = out["error"], out["tampered"]
+    assert error is not None and "checksum mismatch" in error, error
+    assert "engine 0" in error and "rank 1" in error and "bucket 0" in error and tampered["tensor"] in error, error
+    assert out["after_corrupt"] == out["engine"]  # nothing of the refused bucket was loaded
+    print(f"\nowner senders, trainer TP2 EP2 -> engine TP2: sent per trainer rank {out['sent']}; "
+          f"refused: {error[:300]}")
