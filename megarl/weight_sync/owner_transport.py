@@ -59,7 +59,6 @@ class OwnerTransport(P2PTransport):
     def _announce(self, bucket: Bucket) -> None:
         """Every bucket of the stage from ``bucket`` on; the stage sender submits each engine's
         tickets (each engine rank's slices and parts), the others only take note."""
-        from megarl.weight_sync.checked import _nbytes
         from megarl.weight_sync.receiver import RECEIVER
         from megarl.weight_sync.wire import payload
 
@@ -72,10 +71,7 @@ class OwnerTransport(P2PTransport):
         for i in range(len(self.engines)):
             tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
                         "proof": self.load_proof,
-                        "buckets": [{"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank],
-                                     "parts": [[self.senders.index(p.sender), p.tensor, p.axis, p.offset, list(p.shape)]
-                                               for p in self.parts.parts(b, i, rank)]}
-                                    for b, listings, _ in self._stage]}
+                        "buckets": [self.parts.ticket_entry(b, i, rank, self.senders) for b, _, _ in self._stage]}
                        for rank in range(self.plan.engine_layout.tp_size)]
             self._requests.append(self.engines.submit(i, "update_weights_from_tensor", [payload(t) for t in tickets],
                                                       load_format=RECEIVER, flush_cache=False))

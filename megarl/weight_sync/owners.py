@@ -16,7 +16,7 @@ arrive, ``[source group rank, tensor index, axis, offset, shape]``; each source 
 that rank in that order (each part's bytes contiguous, in the tensor's dtype), then one checksum
 per part. The receiver places each part at ``offset`` along ``axis`` of its slice (a part that is
 contiguous there is received in place; a column part is strided and is copied from a temporary)
-and checks every part's checksum before the vote (:func:`megarl.weight_sync.receiver._place_parts`).
+and checks every part's checksum before the vote (:func:`megarl.weight_sync.receiver.place_parts`).
 """
 from __future__ import annotations
 
@@ -144,6 +144,17 @@ class OwnerParts:
                 j += 1
             self._parts[key] = sorted(out, key=lambda p: p.sender)  # stable: tensor then piece order kept
         return self._parts[key]
+
+    def ticket_entry(self, bucket: Bucket, engine: int, rank: int, senders: list[int]) -> dict:
+        """Engine ``engine`` rank ``rank``'s entry of ``bucket`` in the stage ticket: its slices
+        ``tensors`` ``[[name, dtype, shape]]``, their bytes, and its ``parts`` in arrival order
+        ``[[source group rank, tensor index, axis, offset, shape]]`` (``senders``: the group's
+        trainer ranks, :meth:`senders`)."""
+        listing = self.listings(bucket)[rank]
+        nbytes = sum(torch.Size(shape).numel() * torch_dtype(dtype).itemsize for _, dtype, shape in listing)
+        return {"bucket": bucket.index, "nbytes": nbytes, "tensors": listing,
+                "parts": [[senders.index(p.sender), p.tensor, p.axis, p.offset, list(p.shape)]
+                          for p in self.parts(bucket, engine, rank)]}
 
     def mine(self, bucket: Bucket, engine: int, rank: int, sender: int) -> list[Part]:
         """The parts ``sender`` sends to engine ``engine`` rank ``rank`` of ``bucket``, in order."""

@@ -180,28 +180,20 @@ def _post_parts(state: dict, ticket: dict) -> tuple:
     :mod:`megarl.weight_sync.owners`): ``(buffer, works, bytes received, check)`` as
     :func:`_post_segment`. Each part goes straight into its place in the slice where it is
     contiguous there, else into a temporary; each source's checksums (one per part) follow its parts."""
-    from megarl.weight_sync.specs import torch_dtype
-
     buffer = _receive_buffer(state, int(ticket["nbytes"]))
-    slices, offset = [], 0
-    for name, dtype, shape in (entry[:3] for entry in ticket["tensors"]):
-        n = torch.Size(shape).numel() * torch_dtype(dtype).itemsize
-        slices.append(buffer[offset:offset + n].view(torch_dtype(dtype)).view(shape))
-        offset += n
-    works, placed, counts = [], [], {}
-    for source, j, axis, at, shape in ticket["parts"]:
-        target = slices[j].narrow(axis, at, shape[axis])
-        into = target if target.is_contiguous() else torch.empty(shape, dtype=target.dtype, device=state["device"])
-        works.append(irecv(into.reshape(-1).view(torch.uint8), int(source), group=state["group"]))
-        placed.append((int(source), j, target, into, counts.get(int(source), 0)))
-        counts[int(source)] = counts.get(int(source), 0) + 1
+    slices, placed = part_targets(buffer, ticket)
+    works = [irecv(into.reshape(-1).view(torch.uint8), source, group=state["group"])
+             for source, _, _, into, _ in placed]
+    counts: dict[int, int] = {}
+    for source, *_ in placed:
+        counts[source] = counts.get(source, 0) + 1
     width = wire.DIGEST_CHARS.get(ticket["algo"], 0)
     sums = {source: torch.empty(n * width, dtype=torch.uint8, device=state["device"]) for source, n in counts.items()}
     works += [irecv(message, source, group=state["group"]) for source, message in sums.items() if message.numel()]
     received = sum(into.numel() * into.element_size() for _, _, _, into, _ in placed)
 
     def check():
-        status, at = _place_parts(placed, {s: wire.decode_sums(m, ticket["algo"]) for s, m in sums.items()},
+        status, at = place_parts(placed, {s: wire.decode_sums(m, ticket["algo"]) for s, m in sums.items()},
                                   slices, ticket["algo"])
         if status:
             return status, at, []
@@ -209,7 +201,37 @@ def _post_parts(state: dict, ticket: dict) -> tuple:
     return buffer, works, received, check
 
 
-def _place_parts(placed: list, sums: dict, slices: list, algo: str) -> tuple[int, int]:
+def part_targets(buffer: torch.Tensor, ticket: dict) -> tuple[list, list]:
+    """Where each part of an owner-sender bucket entry goes: ``(slices, placed)``.
+
+    Args:
+        buffer: ``[nbytes]`` uint8, the engine rank's slices back to back (the entry's ``tensors``).
+        ticket: the bucket entry (``tensors`` ``[[name, dtype, shape, ...]]``, ``parts``
+            ``[[source, tensor index, axis, offset, shape]]``, :mod:`megarl.weight_sync.owners`).
+
+    Returns:
+        ``slices``: each tensor's view of ``buffer``; ``placed``: per part in arrival order
+        ``(source, tensor index, target, into, k)``: ``target`` the part's place in its slice,
+        ``into`` what receives its bytes (``target`` itself where contiguous, else a temporary of
+        the part's shape), ``k`` its position among its source's parts (its checksum's).
+    """
+    from megarl.weight_sync.specs import torch_dtype
+
+    slices, offset = [], 0
+    for name, dtype, shape in (entry[:3] for entry in ticket["tensors"]):
+        n = torch.Size(shape).numel() * torch_dtype(dtype).itemsize
+        slices.append(buffer[offset:offset + n].view(torch_dtype(dtype)).view(shape))
+        offset += n
+    placed, counts = [], {}
+    for source, j, axis, at, shape in ticket["parts"]:
+        target = slices[j].narrow(axis, at, shape[axis])
+        into = target if target.is_contiguous() else torch.empty(shape, dtype=target.dtype, device=buffer.device)
+        placed.append((int(source), j, target, into, counts.get(int(source), 0)))
+        counts[int(source)] = counts.get(int(source), 0) + 1
+    return slices, placed
+
+
+def place_parts(placed: list, sums: dict, slices: list, algo: str) -> tuple[int, int]:
     """Check each received part against its sender's checksum and put the strided ones into their
     slice: ``(status, tensor index)`` (1: a part's checksum differs; 5: the parts do not fill a slice)."""
     filled = [0] * len(slices)
