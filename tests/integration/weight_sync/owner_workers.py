@@ -6,16 +6,21 @@ import torch.distributed as dist
 import p2p_workers
 import workers
 
-LAYOUT = {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
-          "parallel.expert_model_parallel_size": 2, "parallel.expert_tensor_parallel_size": 1,
-          "model.moe_token_dispatcher_type": "alltoall"}
-"""Two ranks, DeepSeek-V3's shape in small: experts spread over every rank (EP = world, ETP 1, one
-expert-data-parallel copy), the dense layers TP2 (one dense copy)."""
+LAYOUTS = {
+    "tp2_ep2_etp1": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
+                     "parallel.expert_model_parallel_size": 2, "parallel.expert_tensor_parallel_size": 1,
+                     "model.moe_token_dispatcher_type": "alltoall"},
+    "tp2_dp2_ep4_etp1": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
+                         "parallel.expert_model_parallel_size": 4, "parallel.expert_tensor_parallel_size": 1,
+                         "model.moe_token_dispatcher_type": "alltoall"},
+}
+"""DeepSeek-V3's shape in small: experts spread over every rank (EP = world, ETP 1, one
+expert-data-parallel copy), the dense layers TP2 (one dense copy on 2 ranks, two on 4)."""
 
 
-def owner_sync(rank: int, world_size: int, hf_dir: str, urls: list[str], probes, engine_tp: int,
+def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[str], probes, engine_tp: int,
                train_sequences) -> dict | None:
-    """Train two steps at :data:`LAYOUT`, sync with ``p2p`` + ``weight_sync.senders: owner`` (load
+    """Train two steps at ``LAYOUTS[layout]``, sync with ``p2p`` + ``weight_sync.senders: owner`` (load
     proof on), read the engine's and the trainer's probe logprobs and each rank's bytes sent; then
     train one more step and sync with one byte flipped in the first part one trainer rank sends
     to engine rank 1 of bucket 0: the sync must fail naming it, nothing loaded.
@@ -32,7 +37,7 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, urls: list[str], probes,
 
     import torch
 
-    cfg = workers.make_cfg(hf_dir, LAYOUT)
+    cfg = workers.make_cfg(hf_dir, LAYOUTS[layout])
     trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))

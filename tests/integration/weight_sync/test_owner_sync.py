@@ -1,6 +1,6 @@
 """Owner senders (``weight_sync.senders: owner``) into a real SGLang CPU server at TP2 from a real
-Megatron-Core trainer whose experts are spread over every rank (EP2 = world, ETP1, one expert copy)
-and whose dense layers are TP2.
+Megatron-Core trainer whose experts are spread over every rank (EP = world, ETP1, one expert copy)
+and whose dense layers are TP2 (2 ranks: one dense copy; 4 ranks: two, which split the parts).
 
 References: the trainer's own logprobs on probe sequences (``Trainer.compute_logprobs``); the bytes
 each trainer rank handed to the engines against ``assign_senders``' plan (no rank sends bytes
@@ -23,10 +23,12 @@ from test_weight_sync_engine import gap, probes, train_sequences  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_part(tp2_engine, tiny_moe_dir):
-    out = run_ranks(owner_workers.owner_sync, 2, timeout_s=540, args=(
-        str(tiny_moe_dir), [tp2_engine[0].url], probes(), 2, train_sequences()))[0]
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout, world", [("tp2_ep2_etp1", 2), ("tp2_dp2_ep4_etp1", 4)])
+def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_part(tp2_engine, tiny_moe_dir,
+                                                                                    layout, world):
+    out = run_ranks(owner_workers.owner_sync, world, timeout_s=840, args=(
+        str(tiny_moe_dir), layout, [tp2_engine[0].url], probes(), 2, train_sequences()))[0]
     # the engine serves the trained policy: its logprobs are the trainer's to fp32 noise, and the
     # finish vote's load proof passed (the sync returned)
     assert gap(out["engine"][0], out["trainer"])[1] < 1e-4, gap(out["engine"][0], out["trainer"])
@@ -40,5 +42,5 @@ def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_
     assert error is not None and "checksum mismatch" in error, error
     assert "engine 0" in error and "rank 1" in error and "bucket 0" in error and tampered["tensor"] in error, error
     assert out["after_corrupt"] == out["engine"]  # nothing of the refused bucket was loaded
-    print(f"\nowner senders, trainer TP2 EP2 -> engine TP2: sent per trainer rank {out['sent']}; "
+    print(f"\nowner senders, trainer {layout} -> engine TP2: sent per trainer rank {out['sent']}; "
           f"refused: {error[:300]}")
