@@ -13,7 +13,7 @@ sender sends one checksum per part it sent, after its parts, since no sender kno
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -18,6 +18,10 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   every tensor against its checksum and against the served checkpoint (name known, dtype equal,
   shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
   only if every rank of every engine (and the sender) is content does any rank load the bucket.
+  With owner senders (:mod:`megarl.weight_sync.owners`) the entry lists ``parts`` instead of
+  one ``source``: each part comes from its own trainer rank, is received into its place in the
+  slice (a strided one through a temporary), and each source's checksums (one per part) follow
+  its parts; every part is checked, and the parts must fill every slice, before the vote.
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
   ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters

@@ -3,8 +3,9 @@
 Every trainer rank calls :meth:`WeightSynchronizer.sync` (a collective over the trainer group).
 Roles come from the plan: the *coordinator* (global rank 0, the sender of stage 0) drives the
 engines; each stage's *sender* gathers, converts and sends its stage's buckets; the other ranks
-holding shards of a stage send them to their sender. With several engines, ``plan.senders_per_stage``
-complete copies (replicas) of every stage do this side by side, replica ``k`` for the engines
+holding shards of a stage send them to their sender (``weight_sync.senders: owner``: every rank of
+a stage sends its own parts to the engines, nothing gathered: :mod:`megarl.weight_sync.owners`).
+With several engines, ``plan.senders_per_stage`` complete copies (replicas) of every stage do this side by side, replica ``k`` for the engines
 ``i % senders_per_stage == k`` (:meth:`WeightSyncPlan.for_replica`); the remaining data-parallel
 replicas only join barriers.
 
@@ -134,10 +135,12 @@ class WeightSynchronizer:
         return sorted({b.sender_rank for b in plan.buckets},
                       key=lambda r: next(b.pp_rank for b in plan.buckets if b.sender_rank == r))
 
-    def _token(self, send: bool, peer: int) -> None:
-        """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group."""
-        token = torch.zeros(1)
+    def _token(self, send: bool, peer: int, *, failed: bool = False) -> bool:
+        """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group;
+        the token says whether the stages before failed (``failed``; returned by the receiving side)."""
+        token = torch.tensor([1.0 if failed else 0.0])
         (send_tensor if send else recv_tensor)(token, peer, group=self.control)
+        return bool(token.item() > 0)
 
     def connect(self) -> None:
         """Create the transport's groups with the engines, stage by stage (collective; the replicas'
@@ -312,31 +315,50 @@ class WeightSynchronizer:
 
             quantizer = WireQuantizer(self.plan.quantization, self._wire_ring)
             buckets = quantizer.wrap(buckets)
-        first = next(buckets, None)
-        if ordered and index > 0:
-            self._token(False, senders[index - 1])
+        try:  # gathered while we may still wait for our turn; an error is raised after it came
+            first, early = next(buckets, None), None
+        except Exception as err:  # noqa: BLE001 - raised below, after the turn
+            first, early = None, err
+        failed = True
         try:
-            if first is not None:
-                transport.send(*first)
-                for bucket, tensors, flat in buckets:
-                    transport.send(bucket, tensors, flat)
-        except BaseException:  # a gather / conversion error mid-stage: release the engines first
-            transport.abort()
-            try:  # the stage's other ranks still send their shards of the later buckets: take them
-                for _ in buckets:
-                    pass
-            except Exception:  # noqa: BLE001 - the first error is the one to raise
-                pass
-            raise
-        transport.drain()
-        if ordered and index + 1 < len(senders):
-            self._token(True, senders[index + 1])
+            if ordered and index > 0 and self._token(False, senders[index - 1]):
+                early = early or WeightSyncError(
+                    f"trainer rank {self.rank}: an earlier pipeline stage's push failed, so stage {self.stage} "
+                    f"sent nothing (that stage's error says why)")
+            if early is not None:
+                self._release(transport, buckets)
+                raise early
+            try:
+                if first is not None:
+                    transport.send(*first)
+                    for bucket, tensors, flat in buckets:
+                        transport.send(bucket, tensors, flat)
+            except BaseException:  # a gather / conversion error mid-stage: release the engines first
+                self._release(transport, buckets)
+                raise
+            transport.drain()
+            failed = False
+        finally:  # the next stage's sender waits for its turn even when this stage failed
+            if ordered and index + 1 < len(senders):
+                self._token(True, senders[index + 1], failed=failed)
         stats.update(gather_s=gatherer.timings.gather_s, convert_s=gatherer.timings.convert_s,
                      transfer_s=transport.stats.transfer_s, engine_load_s=transport.stats.engine_load_s,
                      bytes_sent=float(transport.stats.bytes_sent),
                      quantize_s=quantizer.quantize_s if quantizer is not None else 0.0)
         self._rank_bytes = list(transport.stats.engine_rank_bytes)
         return stats
+
+    @staticmethod
+    def _release(transport: Transport, buckets) -> None:
+        """After this stage's sender failed: release the engines (:meth:`Transport.abort`), then take
+        the later buckets the stage's other ranks still send their shards of (errors dropped: the
+        first one is raised)."""
+        transport.abort()
+        try:
+            for _ in buckets:
+                pass
+        except Exception:  # noqa: BLE001 - the first error is the one to raise
+            pass
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         """Max of the times and sum of the bytes over trainer ranks; plan-level byte ratios."""

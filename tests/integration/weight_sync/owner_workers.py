@@ -1,9 +1,8 @@
 """Rank functions of the owner-sender tests (module-level: ``run_ranks`` spawns them)."""
 from __future__ import annotations
 
-import torch.distributed as dist
-
 import p2p_workers
+import torch.distributed as dist
 import workers
 
 LAYOUTS = {
@@ -13,9 +12,13 @@ LAYOUTS = {
     "tp2_dp2_ep4_etp1": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
                          "parallel.expert_model_parallel_size": 4, "parallel.expert_tensor_parallel_size": 1,
                          "model.moe_token_dispatcher_type": "alltoall"},
+    "tp2_pp2_ep2_etp1": {"parallel.tensor_model_parallel_size": 2, "parallel.sequence_parallel": True,
+                         "parallel.pipeline_model_parallel_size": 2, "parallel.expert_model_parallel_size": 2,
+                         "parallel.expert_tensor_parallel_size": 1, "model.moe_token_dispatcher_type": "alltoall"},
 }
 """DeepSeek-V3's shape in small: experts spread over every rank (EP = world, ETP 1, one
-expert-data-parallel copy), the dense layers TP2 (one dense copy on 2 ranks, two on 4)."""
+expert-data-parallel copy), the dense layers TP2 (one dense copy on 2 ranks, two on 4); and with two pipeline stages (each
+stage's ranks a group of their own, the stages one after another)."""
 
 
 def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[str], probes, engine_tp: int,
@@ -28,14 +31,14 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
     Returns (rank 0): ``{"trainer", "engine", "verify", "metrics", "sent", "planned", "error",
     "tampered", "after_corrupt"}``.
     """
+    import torch
+
     from megarl.checkpoint.initial_weights import initial_weights
     from megarl.config.schema import WeightSyncConfig
     from megarl.training.build import build_trainer
     from megarl.training.parallel_state import destroy_parallel
     from megarl.weight_sync.build import SyncSpec, build_weight_sync
     from megarl.weight_sync.validate import WeightSyncError
-
-    import torch
 
     cfg = workers.make_cfg(hf_dir, LAYOUTS[layout])
     trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))

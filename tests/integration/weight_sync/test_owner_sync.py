@@ -18,13 +18,13 @@ import pytest
 from megarl.testing.multiproc import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-import owner_workers  # noqa: E402
-from test_weight_sync_engine import gap, probes, train_sequences  # noqa: E402
+import owner_workers
+from test_weight_sync_engine import gap, probes, train_sequences
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout, world", [("tp2_ep2_etp1", 2), ("tp2_dp2_ep4_etp1", 4)])
+@pytest.mark.parametrize("layout, world", [("tp2_ep2_etp1", 2), ("tp2_dp2_ep4_etp1", 4), ("tp2_pp2_ep2_etp1", 4)])
 def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_part(tp2_engine, tiny_moe_dir,
                                                                                     layout, world):
     out = run_ranks(owner_workers.owner_sync, world, timeout_s=840, args=(

@@ -5,9 +5,9 @@ they equal the family's ``to_hf`` of the gathered parameter sliced as SGLang hol
 byte names its tensor, a missing part is refused."""
 import pytest
 import torch
+from test_owner_senders import MLA, MOE, _moe_plan
 
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
-from test_owner_senders import MLA, MOE, _moe_plan
 
 
 def _shards(plan, placement):
@@ -106,7 +106,7 @@ def test_a_flipped_part_names_its_tensor_and_a_missing_part_is_refused():
     first = parts.parts(bucket, 1, 2)[0]
     status, at, _, _ = _deliver(parts, bucket, 1, 2, local, corrupt="flip")
     assert (status, at) == (1, first.tensor)
-    status, at, _, entry = _deliver(parts, bucket, 1, 2, local, corrupt="drop")
+    status, at, _, _ = _deliver(parts, bucket, 1, 2, local, corrupt="drop")
     assert status == 5 and at == parts.parts(bucket, 1, 2)[-1].tensor
 
 
@@ -121,3 +121,23 @@ def test_owner_senders_refuse_other_transports_and_fp8_by_name():
         check_senders("owner", transport="distributed", quantized=False)
     with pytest.raises(WeightSyncError, match="does not send block FP8 yet"):
         check_senders("owner", transport="p2p", quantized=True)
+
+
+def test_plan_sync_names_the_sender_path_that_runs():
+    """``megarl plan-sync``'s owner line: with ``senders: owner`` it is what runs and leads with the
+    stages one after another (as the sync runs them); otherwise it says the ``[p2p]`` block runs."""
+    from megarl.weight_sync.predict import (
+        format_owner_prediction,
+        predict_owner_senders,
+    )
+
+    trainer = TrainerLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                            expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    plan, placement = _moe_plan(trainer, EngineLayout(tensor_parallel_size=2), MOE)
+    pred = predict_owner_senders(plan, placement, inter_gbps=50.0)
+    assert pred.staged_s >= pred.seconds  # stages one after another never beat all at once
+    owner = format_owner_prediction(plan, pred, inter_gbps=50.0, senders="owner")[1]
+    assert "what runs (weight_sync.senders=owner), stages one after another] predicted " \
+           f"{pred.staged_s:.2f} s" in owner, owner
+    other = format_owner_prediction(plan, pred, inter_gbps=50.0, senders="segment")[1]
+    assert "not selected (weight_sync.senders=segment" in other and f"predicted {pred.seconds:.2f} s" in other
