@@ -220,7 +220,8 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
              f"{inter_gbps:g} GB/s link: {p.bound_s:.2f} s",
              (f"[p2p, owner senders: what runs (weight_sync.senders=owner), stages one after another] predicted "
               f"{p.staged_s:.2f} s = {p.staged_s / p.bound_s:.2f} x the bound; all stages at once (planned, not "
-              f"built): {p.seconds:.2f} s" if senders == "owner" else
+              f"built): {p.seconds:.2f} s; the [p2p] block below is one sender per stage, for comparison"
+              if senders == "owner" else
               f"[p2p, owner senders: not selected (weight_sync.senders={senders}; the running p2p sends as the "
               f"[p2p] block below)] predicted {p.seconds:.2f} s = {p.seconds / p.bound_s:.2f} x the bound "
               f"(all stages at once); stages one after another: {p.staged_s:.2f} s")
