@@ -53,8 +53,9 @@ class CheckedTransport(ReceiverGroupTransport):
         """This sync's stage ticket went out: the receivers join the ``finish`` vote after its last bucket."""
         self._partial: Optional[dict] = None
         """The bucket being sent: its handles and the engine ranks its bytes went to (for :meth:`abort`)."""
-        self._stage: Optional[list[tuple[Bucket, list[list]]]] = None
-        """This sync's announced buckets and each engine rank's listing ``[[name, dtype, shape]]``."""
+        self._stage: Optional[list[tuple[Bucket, list[list], Optional[list[list[int]]]]]] = None
+        """This sync's announced buckets, each engine rank's listing ``[[name, dtype, shape]]`` and
+        message sizes ``[[nbytes]]`` (None with owner senders: each sender's parts)."""
         self._next = 0
         """Index in ``_stage`` of the next bucket the receivers wait for."""
         self._algo: Optional[str] = None

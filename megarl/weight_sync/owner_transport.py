@@ -90,7 +90,7 @@ class OwnerTransport(P2PTransport):
                     key = (p.name, p.shard, p.piece, p.slice)
                     if key not in done:
                         data = self.parts.part_bytes(bucket, p, local)
-                        done[key] = (data, checksum(data, self._algo))
+                        done[key] = (data, checksum(data, self._algo or checksum_algo(data.device)))
                 out.append((i, rank, [done[(p.name, p.shard, p.piece, p.slice)][0] for p in mine],
                             [done[(p.name, p.shard, p.piece, p.slice)][1] for p in mine]))
         return out
@@ -122,12 +122,14 @@ class OwnerTransport(P2PTransport):
             self._wait_vote()
             if self._failure is not None:
                 return
-        expected, listings, _ = self._stage[self._next] if self._next < len(self._stage) else (None, None, None)
+        stage = self._stage or []
+        expected, listings, _ = stage[self._next] if self._next < len(stage) else (None, None, None)
         if expected is not bucket:
             self.abort()
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
                                   f"({expected.index if expected is not None else 'none left'})")
-        works, refs = [], []
+        works: list = []
+        refs: list = []
         device = group_device(self.group)
         self._partial = {"bucket": bucket, "works": works, "done": set()}
         for i, rank, messages, sums in packed:
@@ -147,7 +149,7 @@ class OwnerTransport(P2PTransport):
     def _release(self, bucket: Bucket, listings: list, sizes, done: set) -> list:
         """:meth:`abort`'s zeros: for every engine rank this sender owes parts of ``bucket`` and has
         not sent them, zeros of each part's size and zero checksums (voted down by the sender)."""
-        works = []
+        works: list = []
         device = group_device(self.group)
         for i in range(len(self.engines)):
             for rank in range(self.plan.engine_layout.tp_size):
@@ -155,7 +157,8 @@ class OwnerTransport(P2PTransport):
                 if not mine or (i, rank) in done:
                     continue
                 zeros = [torch.zeros(p.nbytes, dtype=torch.uint8, device=device) for p in mine]
-                zeros.append(torch.zeros(len(mine) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device))
+                width = DIGEST_CHARS[self._algo or checksum_algo(device)]
+                zeros.append(torch.zeros(len(mine) * width, dtype=torch.uint8, device=device))
                 works += [isend(z, self._engine_rank(i, rank), group=self.group) for z in zeros if z.numel()]
         return works
 

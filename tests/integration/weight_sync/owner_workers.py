@@ -75,10 +75,11 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
             out["error"] = str(err)
         syncer.transport.tamper = None
         if rank == 0:
-            with p2p_workers.workers_engines(urls) as engines:  # the failed sync left them paused in a session
-                engines.call_all("end_weight_update")
-                engines.call_all("resume")
+            _release_engines(urls)
             out["after_corrupt"] = workers.engine_logprobs(urls, probes)
+        dist.barrier()
+        out.update(_abort_then_sync(rank, world_size, syncer, trainer, urls, probes, first.sender))
+        if rank == 0:
             workers.reset_engines(urls, hf_dir)
         dist.barrier()
     finally:
@@ -87,3 +88,40 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
         finally:
             destroy_parallel()
     return out if rank == 0 else None
+
+
+def _release_engines(urls) -> None:
+    """End the update session a failed sync left open and resume generation."""
+    with p2p_workers.workers_engines(urls) as engines:
+        engines.call_all("end_weight_update")
+        engines.call_all("resume")
+
+
+def _abort_then_sync(rank: int, world_size: int, syncer, trainer, urls, probes, failing: int) -> dict:
+    """Trainer rank ``failing`` raises before its bytes of bucket 0 for engine rank 1 leave: every
+    rank must raise (the others naming it), no engine may load anything, and the same groups must
+    carry the next sync (engine = trainer again). Returns ``{"abort_errors", "after_abort",
+    "engine_after", "trainer_after"}`` (the engine's on rank 0)."""
+    from megarl.weight_sync.validate import WeightSyncError
+
+    out: dict = {}
+    if rank == failing:
+        syncer.transport.tamper = p2p_workers.fail_at((0, 1))
+    try:
+        syncer.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+        error = None
+    except WeightSyncError as err:
+        error = str(err)
+    syncer.transport.tamper = None
+    out["abort_errors"] = [None] * world_size
+    dist.all_gather_object(out["abort_errors"], error)
+    if rank == 0:
+        _release_engines(urls)
+        out["after_abort"] = workers.engine_logprobs(urls, probes)
+    dist.barrier()
+    syncer.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
+    out["trainer_after"] = workers.trainer_probe_logprobs(trainer, probes)
+    if rank == 0:
+        out["engine_after"] = workers.engine_logprobs(urls, probes)
+    dist.barrier()
+    return out

@@ -6,7 +6,8 @@ References: the trainer's own logprobs on probe sequences (``Trainer.compute_log
 each trainer rank handed to the engines against ``assign_senders``' plan (no rank sends bytes
 another holds: every rank's outgoing bytes are its own parts); the bytes each engine rank received,
 counted by the receiver inside the server, against its slice from the plan; a flipped byte in one
-sender's part must be refused naming engine, rank, bucket and tensor, and nothing loaded.
+sender's part must be refused naming engine, rank, bucket and tensor, and nothing loaded; a sender
+that fails mid-bucket must leave nothing loaded and the groups usable for the next sync.
 """
 from __future__ import annotations
 
@@ -42,5 +43,16 @@ def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_
     assert error is not None and "checksum mismatch" in error, error
     assert "engine 0" in error and "rank 1" in error and "bucket 0" in error and tampered["tensor"] in error, error
     assert out["after_corrupt"] == out["engine"]  # nothing of the refused bucket was loaded
+    # a sender failing before its part for engine rank 1 leaves: its own error on its rank, the
+    # others name it as stopped (not the zeros that released the receivers), nothing loaded, and
+    # the same groups carry the next sync
+    failing, errors = tampered["sender"], out["abort_errors"]
+    assert all(e is not None for e in errors) and "injected sender failure" in errors[failing], errors
+    others = [e for r, e in enumerate(errors) if r != failing]
+    assert any(f"trainer rank {failing}" in e and "stopped mid-stage" in e for e in others), errors
+    assert not any("checksum" in e for e in others), errors
+    assert out["after_abort"] == out["engine"]
+    assert gap(out["engine_after"][0], out["trainer_after"])[1] < 1e-4
+    assert out["engine_after"] != out["engine"]  # the trainer moved on: the last sync delivered it
     print(f"\nowner senders, trainer {layout} -> engine TP2: sent per trainer rank {out['sent']}; "
           f"refused: {error[:300]}")
