@@ -141,3 +141,18 @@ def test_plan_sync_names_the_sender_path_that_runs():
            f"{pred.staged_s:.2f} s" in owner, owner
     other = format_owner_prediction(plan, pred, inter_gbps=50.0, senders="segment")[1]
     assert "not selected (weight_sync.senders=segment" in other and f"predicted {pred.seconds:.2f} s" in other
+
+
+def test_megarl_validate_names_weight_sync_senders():
+    """``weight_sync.senders`` is checked by ``megarl validate`` (``configs/base.yaml``): an unknown
+    value and ``owner`` with another transport than ``p2p`` are refused naming the key."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))
+    from config_issues import validate_issues
+
+    assert "weight_sync.senders" not in validate_issues(["weight_sync.senders=owner", "weight_sync.transport=p2p"])
+    assert "weight_sync.senders" in validate_issues(["weight_sync.senders=owners"])
+    issues = validate_issues(["weight_sync.senders=owner", "weight_sync.transport=distributed"])
+    assert "needs weight_sync.transport=p2p" in issues["weight_sync.senders"], issues
