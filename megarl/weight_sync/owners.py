@@ -102,6 +102,7 @@ class OwnerParts:
         self.sends: OwnerSends = assign_senders(plan, placement)
         self._parts: dict[tuple[int, int, int], list[Part]] = {}
         self._listings: dict[int, list[list]] = {}
+        self._transfers: dict[int, dict] = {}
 
     def senders(self, pp_rank: int) -> list[int]:
         """Every trainer rank of stage ``pp_rank``: its stage sender first, then ascending."""
@@ -167,7 +168,9 @@ class OwnerParts:
         Raises:
             WeightSyncError: this rank does not hold the shard, or it has another shape.
         """
-        transfer = next(t for t in bucket.params if t.param.name == part.name)
+        if bucket.index not in self._transfers:
+            self._transfers[bucket.index] = {t.param.name: t for t in bucket.params}
+        transfer = self._transfers[bucket.index][part.name]
         spec = transfer.param.hf[part.piece.hf_index]
         shard = local.get(part.name)
         source = transfer.sources[part.piece.shard]
