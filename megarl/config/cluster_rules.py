@@ -34,6 +34,10 @@ def check_cluster(c: Checker) -> None:
     if cfg.weight_sync.transport == "tensor":
         c.check(cl.placement == "colocated", "weight_sync.transport",
                 "the tensor transport shares memory: it needs cluster.placement=colocated")
+    if cfg.weight_sync.senders == "owner":
+        c.check(cfg.weight_sync.transport == "p2p", "weight_sync.senders",
+                f"weight_sync.senders=owner sends each engine rank its parts point to point: it needs "
+                f"weight_sync.transport=p2p, got {cfg.weight_sync.transport!r}")
     if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p"):
         nccl = cfg.weight_sync.backend == "nccl" or (cfg.weight_sync.backend == "auto" and use_cuda(cl.device))
         c.check(not nccl, "weight_sync.transport",

@@ -238,6 +238,7 @@ DOMAINS: dict[str, Domain] = {
     "weight_sync.transport": Choice(("auto", "p2p", "distributed", "shard", "tensor", "disk")),
     "weight_sync.bucket_size_mb": POSITIVE,
     "weight_sync.senders_per_stage": POSITIVE,
+    "weight_sync.senders": Choice(("owner", "segment", "stage")),
     "weight_sync.backend": Choice(("auto", "nccl", "gloo")),
     "weight_sync.pause_mode": Choice(("retract", "abort", "in_place")),
     "weight_sync.every_n_steps": POSITIVE,

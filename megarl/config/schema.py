@@ -157,10 +157,10 @@ class WeightSyncConfig:
     replicas) of each pipeline stage gather and send side by side, replica ``k`` to the engines
     ``i % senders_per_stage == k``; null = as many as there are engines and complete copies
     (``megarl.weight_sync.plan``); 1 = one sender per stage. ``shard``/``tensor``/``disk`` use 1."""
-    segment_senders: bool = True
-    """``p2p``: each engine rank's slices of a bucket are assembled and sent by the trainer rank of
-    the stage holding most of them (trainer TP2 -> engine TP2: each TP rank sends its own half),
-    instead of all by the stage sender after a gather (``megarl.weight_sync.segments.SegmentOwners``)."""
+    senders: str = "segment"
+    """Which trainer ranks send with ``p2p``: ``owner`` (every rank its own parts, nothing gathered;
+    ``transport: p2p``, BF16 wire; ``megarl.weight_sync.owners``), ``segment`` (each engine rank's
+    segment from the stage rank holding most of it; ``megarl.weight_sync.segments``), ``stage``."""
     backend: str = "auto"
     """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
     pause_mode: str = "retract"

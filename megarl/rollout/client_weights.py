@@ -28,6 +28,7 @@ class WeightUpdateEndpoints:
         raise NotImplementedError  # SGLangClient's transport
 
     async def flush_cache(self) -> Any:
+        """SGLang's ``/flush_cache`` (drop the radix cache); the server's JSON answer."""
         raise NotImplementedError  # SGLangClient's
 
     async def begin_weight_update(self, selector: str = "all") -> dict:

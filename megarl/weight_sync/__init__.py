@@ -1,7 +1,8 @@
 """Weight sync, Megatron trainer -> SGLang engines: plan (pure metadata), transports, verification.
 
 - :func:`~megarl.weight_sync.plan.build_plan`: who gathers / converts / buckets / receives what.
-- :class:`~megarl.weight_sync.sync.WeightSynchronizer` / :func:`~megarl.weight_sync.synchronizer_build.build_weight_sync`:
+- :class:`~megarl.weight_sync.sync.WeightSynchronizer` /
+  :func:`~megarl.weight_sync.synchronizer_build.build_weight_sync`:
   one sync (pause -> push -> flush -> weight_version -> continue) with one of the transports
   that :mod:`~megarl.weight_sync.choice` names (``p2p``, ``distributed``, ``shard``, ``tensor``, ``disk``).
 - :mod:`~megarl.weight_sync.sglang_loader`: the engine-side loader of pre-sharded payloads.

@@ -54,8 +54,9 @@ class CheckedTransport(ReceiverGroupTransport):
         """This sync's stage ticket went out: the receivers join the ``finish`` vote after its last bucket."""
         self._partial: dict | None = None
         """The bucket being sent: its handles and the engine ranks its bytes went to (for :meth:`abort`)."""
-        self._stage: list[tuple[Bucket, list[list]]] | None = None
-        """This sync's announced buckets and each engine rank's listing ``[[name, dtype, shape]]``."""
+        self._stage: list[tuple[Bucket, list[list], list[list[int]] | None]] | None = None
+        """This sync's announced buckets, each engine rank's listing ``[[name, dtype, shape]]`` and
+        message sizes ``[[nbytes]]`` (None with owner senders: each sender's parts)."""
         self._next = 0
         """Index in ``_stage`` of the next bucket the receivers wait for."""
         self._algo: str | None = None
@@ -200,13 +201,7 @@ class CheckedTransport(ReceiverGroupTransport):
                 return
         bucket, listings, sizes = self._stage[self._next]
         self._next = len(self._stage)
-        device = group_device(self.group)
-        for rank, listing in enumerate(listings):
-            if rank in done or not self._is_mine(bucket, rank):  # real bytes went there, or another sender's
-                continue
-            zeros = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes[rank]]
-            sums = torch.zeros(len(listing) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device)
-            works += self._transfer(rank, zeros, sums)
+        works += self._release(bucket, listings, sizes, done)
         self._open_vote(bucket, listings, list(self._requests), works, None, time.perf_counter(),
                         sender_status=8)
         try:
@@ -219,6 +214,23 @@ class CheckedTransport(ReceiverGroupTransport):
             wait_all(requests, self.timeout_s)
         except Exception:  # noqa: BLE001 - the caller's error is the one to report
             pass
+
+    def _release(self, bucket: Bucket, listings: list, sizes: list, done: set) -> list:
+        """:meth:`abort`'s zeros for every engine rank of ``bucket`` this sender owes bytes and has
+        not sent them (``done``): each announced message as zeros, zero checksums; the handles."""
+        works, device = [], group_device(self.group)
+        for rank, listing in enumerate(listings):
+            if rank in done or not self._is_mine(bucket, rank):  # real bytes went there, or another sender's
+                continue
+            zeros = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes[rank]]
+            sums = torch.zeros(len(listing) * DIGEST_CHARS[self._algo], dtype=torch.uint8, device=device)
+            works += self._transfer(rank, zeros, sums)
+        return works
+
+    def _released(self, bucket: Bucket | None, engine: int, rank: int, stopped: set) -> bool:
+        """Engine ``engine`` rank ``rank``'s bytes of ``bucket`` came (in part) from a sender in
+        ``stopped`` (group ranks that stopped mid-stage and sent zeros)."""
+        return self._source(bucket, rank) in stopped
 
     def _transfer(self, rank: int, messages: list, sums: torch.Tensor) -> list:
         """Start sending engine rank ``rank`` of every engine its bytes (``messages``, in order),
@@ -253,7 +265,7 @@ class CheckedTransport(ReceiverGroupTransport):
             for r in range(tp):
                 status, index, received, at_bucket = votes[self._engine_rank(i, r)].tolist()
                 self.received[i][r] += received
-                if status and self._source(pending["bucket"], r) in stopped:
+                if status and self._released(pending["bucket"], i, r, stopped):
                     continue  # the zeros a stopped sender released this rank with: not a second error
                 if status:
                     listing = pending["listings"][r] if pending["bucket"] is not None else self._listing(at_bucket, r)

@@ -154,6 +154,12 @@ class TrainerLayout:
         """Which copy (:attr:`replica_block`) of its stage global rank ``rank`` belongs to."""
         return (rank % (self.world_size // self.pp_size)) // self.replica_block
 
+    def stage_ranks(self, pp_rank: int) -> range:
+        """All global ranks of pipeline stage ``pp_rank`` (Megatron's rank order ``tp-cp-ep-dp-pp``: a
+        stage's ranks are consecutive)."""
+        per_stage = self.world_size // self.pp_size
+        return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
     def _chunk_sizes(self, num_layers: int) -> list[tuple[int, int, int]]:
         """``(pp_rank, vp_rank, num_layers)`` of every model chunk, in layer order.
 

@@ -15,7 +15,8 @@ With ``senders_per_stage`` R > 1 (several engines), replica ``k < R`` of every s
 buckets with every trainer rank shifted by ``k * replica_block`` (:meth:`WeightSyncPlan.for_replica`)
 for the engines ``i`` with ``i % R == k``: R senders per stage push in parallel, each over its own
 link, to disjoint engines.
-Buckets are ordered stage by stage, each stage's first and last ones smaller (:data:`RAMP_STEPS`); inside a bucket the HF tensors are ordered by decreasing element
+Buckets are ordered stage by stage, each stage's first and last ones smaller (:data:`RAMP_STEPS`);
+inside a bucket the HF tensors are ordered by decreasing element
 size so that SGLang's flattened bucket never holds a misaligned tensor.
 """
 from __future__ import annotations

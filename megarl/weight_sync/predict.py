@@ -13,7 +13,7 @@ bytes it sends to the engines, and for each engine rank the bytes it receives. T
 - stages push one after another (both transports share the engines' collectives):
   ``predicted_s = sum over stages``;
 - ``p2p``: a sender's link carries each engine rank's shard once per engine it serves
-  (``engines * sum_r shard_r``); with segment senders (``weight_sync.segment_senders``, BF16 on
+  (``engines * sum_r shard_r``); with segment senders (``weight_sync.senders: segment``, BF16 on
   the wire) each engine rank's segment of each bucket is sent by the trainer rank holding most of
   it (:class:`~megarl.weight_sync.segments.SegmentOwners`), which first gathers the rest of it from
   the ranks holding it: every sending rank of a stage has its own row (its gather, its link), and
@@ -208,17 +208,26 @@ def predict_owner_senders(plan: WeightSyncPlan, placement, *, inter_gbps: float)
                            unaligned_parts(plan, placement))
 
 
-def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_gbps: float) -> list[str]:
+def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_gbps: float,
+                            senders: str = "segment") -> list[str]:
     """The owner-sender block of ``megarl plan-sync``: the bound, the prediction, every trainer rank's
-    outgoing bytes (GB, 1e9) and its ratio to its own shard times the engines."""
+    outgoing bytes (GB, 1e9) and its ratio to its own shard times the engines. ``senders``: the
+    run's ``weight_sync.senders``; with ``owner`` the line says it is the path that runs and leads
+    with the time as it runs (the stages one after another, one update session each); else it says
+    the ``[p2p]`` block below is what runs."""
     engines = plan.engine_layout.num_engines
     ratio = max((p.sends.sent.get(h, 0) / (n * engines) for h, n in p.sends.shard.items() if n), default=0.0)
     lines = [f"physical bound: the busiest engine rank receives {p.bound_bytes / GB:.2f} GB over its own "
              f"{inter_gbps:g} GB/s link: {p.bound_s:.2f} s",
-             f"[p2p, owner senders: planned (senders.py); the running p2p sends as the [p2p] block below] "
-             f"predicted {p.seconds:.2f} s = {p.seconds / p.bound_s:.2f} x the bound; trainer rank sent "
-             f"max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x {engines} engines) {ratio:.2f}; "
-             f"stages one after another: {p.staged_s:.2f} s"]
+             (f"[p2p, owner senders: what runs (weight_sync.senders=owner), stages one after another] predicted "
+              f"{p.staged_s:.2f} s = {p.staged_s / p.bound_s:.2f} x the bound; all stages at once (planned, not "
+              f"built): {p.seconds:.2f} s; the [p2p] block below is one sender per stage, for comparison"
+              if senders == "owner" else
+              f"[p2p, owner senders: not selected (weight_sync.senders={senders}; the running p2p sends as the "
+              f"[p2p] block below)] predicted {p.seconds:.2f} s = {p.seconds / p.bound_s:.2f} x the bound "
+              f"(all stages at once); stages one after another: {p.staged_s:.2f} s")
+             + f"; trainer rank sent max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x "
+             f"{engines} engines) {ratio:.2f}"]
     if p.unaligned:
         lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): the "
                      f"holders of a straddled block share their parts of its amax, then quantise their own rows "
@@ -247,7 +256,8 @@ def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *
                      f"{max(p.engine_rank_bytes) / GB:.2f} GB (max), shard {max(p.engine_shard_bytes) / GB:.2f} GB, "
                      f"received/shard {ratio:.2f}")
         lines.extend(_engine_node_lines(p, inter_gbps))
-        lines.append("  stage  replica  sender  engines  stage_GB  gather_intra_GB  gather_inter_GB  sender_link_GB  seconds")
+        lines.append("  stage  replica  sender  engines  stage_GB  gather_intra_GB  gather_inter_GB  "
+                     "sender_link_GB  seconds")
         for s in p.stages:
             lines.append(f"  {s.pp_rank:5d}  {s.replica:7d}  {s.sender_rank:6d}  {s.engines:7d}  {s.hf_bytes / GB:8.2f}"
                          f"  {s.gather_intra_bytes / GB:15.2f}  {s.gather_inter_bytes / GB:15.2f}"
@@ -324,7 +334,7 @@ def placement_from_config(cfg):
 def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[WeightSyncPlan, list[SyncPrediction]]:
     """The sync plan of a resolved run config and its p2p / distributed predictions (module docstring)."""
     plan = plan_from_config(cfg)
-    placement = placement_from_config(cfg) if cfg.weight_sync.segment_senders else None
+    placement = placement_from_config(cfg) if cfg.weight_sync.senders == "segment" else None
     predictions = [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
                                 intra_gbps=intra_gbps, inter_gbps=inter_gbps, placement=placement)
                    for t in ("p2p", "distributed")]
@@ -371,7 +381,8 @@ def cmd_plan_sync(args, cfg) -> int:
     plan, predictions = predict_from_config(cfg, intra_gbps=intra, inter_gbps=inter)
     owners = predict_owner_senders(plan, placement_from_config(cfg), inter_gbps=inter)
     text = format_prediction(plan, predictions, intra_gbps=intra, inter_gbps=inter, links=source).split("\n")
-    print("\n".join([text[0], *format_owner_prediction(plan, owners, inter_gbps=inter), *text[1:]]))
+    print("\n".join([text[0], *format_owner_prediction(plan, owners, inter_gbps=inter, senders=cfg.weight_sync.senders),
+                     *text[1:]]))
     return 0
 
 

@@ -19,6 +19,10 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   every tensor against its checksum and against the served checkpoint (name known, dtype equal,
   shape a shard of its shape), then **vote** (an all-reduce of one status row per group rank):
   only if every rank of every engine (and the sender) is content does any rank load the bucket.
+  With owner senders (:mod:`megarl.weight_sync.owners`) the entry lists ``parts`` instead of
+  one ``source``: each part comes from its own trainer rank, is received into its place in the
+  slice (a strided one through a temporary), and each source's checksums (one per part) follow
+  its parts; every part is checked, and the parts must fill every slice, before the vote.
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
   ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters
@@ -131,28 +135,16 @@ def _bucket(model, state: dict, ticket: dict) -> bool:
     """Receive, check and vote on one bucket; True when every rank voted for it (it is then loaded,
     see :func:`_load_deferred` for when)."""
     index = int(ticket["bucket"])
-    nbytes = int(ticket["nbytes"])
     whole = ticket.get("mode", "p2p") == "broadcast"
-    # The sender's checksums follow the bytes (an unknown algorithm: none come, decode_sums refuses).
-    sums = torch.empty(len(ticket["tensors"]) * wire.DIGEST_CHARS.get(ticket["algo"], 0), dtype=torch.uint8,
-                       device=state["device"])
-    sizes = [int(n) for n in ticket.get("messages", [nbytes])]  # the segment's messages (sent without a copy)
-    # receive what the messages announce (the sender sends those); _check refuses a count that differs (5)
-    buffer = _receive_buffer(state, sum(sizes))
-    messages = list(buffer.split(sizes)) if len(sizes) > 1 else [buffer]
-    works = []
-    for message in (*messages, sums):  # all posted before loading: the sender never waits on our load
-        if message.numel():
-            works.append(broadcast(message, 0, group=state["group"], async_op=True) if whole  # one broadcast to all
-                         else irecv(message, int(ticket.get("source", 0)), group=state["group"]))
-    received = buffer.numel()  # counted from what arrives, not from the ticket
+    if ticket.get("parts") is not None:  # owner senders: parts from several trainer ranks
+        buffer, works, received, check = _post_parts(state, ticket)
+    else:
+        buffer, works, received, check = _post_segment(state, ticket, whole=whole)
     _load_deferred(model, state)  # the previous bucket loads while this one's bytes arrive
     for work in works:
         work.wait()
     try:
-        ticket = dict(ticket, tensors=[[*entry, s] for entry, s in
-                                       zip(ticket["tensors"], wire.decode_sums(sums, ticket["algo"]))])
-        status, at, named = _check(buffer, ticket, whole=whole)
+        status, at, named = check()
     except Exception:  # noqa: BLE001 - still vote, or the sender and the other ranks would wait forever
         log.error("p2p receiver: checking bucket %s failed: %s", index, traceback.format_exc())
         status, at, named = 6, 0, []
@@ -163,6 +155,100 @@ def _bucket(model, state: dict, ticket: dict) -> bool:
     if named:
         state["deferred"] = {"bucket": index, "named": named, "whole": whole, "proof": ticket["proof"]}
     return True
+
+
+def _post_segment(state: dict, ticket: dict, *, whole: bool) -> tuple:
+    """Post the receives of a bucket from one sender (its bytes in the entry's ``messages``, then
+    its checksums): ``(buffer, works, bytes received, check)``; ``check()`` after the works:
+    ``(status, tensor index, [(name, view)])``."""
+    # The sender's checksums follow the bytes (an unknown algorithm: none come, decode_sums refuses).
+    sums = torch.empty(len(ticket["tensors"]) * wire.DIGEST_CHARS.get(ticket["algo"], 0), dtype=torch.uint8,
+                       device=state["device"])
+    sizes = [int(n) for n in ticket.get("messages", [int(ticket["nbytes"])])]  # the segment's messages
+    # receive what the messages announce (the sender sends those); _check refuses a count that differs (5)
+    buffer = _receive_buffer(state, sum(sizes))
+    messages = list(buffer.split(sizes)) if len(sizes) > 1 else [buffer]
+    works = []
+    for message in (*messages, sums):  # all posted before loading: the sender never waits on our load
+        if message.numel():
+            works.append(broadcast(message, 0, group=state["group"], async_op=True) if whole  # one broadcast to all
+                         else irecv(message, int(ticket.get("source", 0)), group=state["group"]))
+
+    def check():
+        checked = dict(ticket, tensors=[[*entry, s] for entry, s in
+                                        zip(ticket["tensors"], wire.decode_sums(sums, ticket["algo"]))])
+        return _check(buffer, checked, whole=whole)
+    return buffer, works, buffer.numel(), check  # counted from what arrives, not from the ticket
+
+
+def _post_parts(state: dict, ticket: dict) -> tuple:
+    """Post the receives of a bucket whose parts come from several trainer ranks (owner senders,
+    :mod:`megarl.weight_sync.owners`): ``(buffer, works, bytes received, check)`` as
+    :func:`_post_segment`. Each part goes straight into its place in the slice where it is
+    contiguous there, else into a temporary; each source's checksums (one per part) follow its parts."""
+    buffer = _receive_buffer(state, int(ticket["nbytes"]))
+    slices, placed = part_targets(buffer, ticket)
+    works = [irecv(into.reshape(-1).view(torch.uint8), source, group=state["group"])
+             for source, _, _, into, _ in placed]
+    counts: dict[int, int] = {}
+    for source, *_ in placed:
+        counts[source] = counts.get(source, 0) + 1
+    width = wire.DIGEST_CHARS.get(ticket["algo"], 0)
+    sums = {source: torch.empty(n * width, dtype=torch.uint8, device=state["device"]) for source, n in counts.items()}
+    works += [irecv(message, source, group=state["group"]) for source, message in sums.items() if message.numel()]
+    received = sum(into.numel() * into.element_size() for _, _, _, into, _ in placed)
+
+    def check():
+        status, at = place_parts(placed, {s: wire.decode_sums(m, ticket["algo"]) for s, m in sums.items()},
+                                  slices, ticket["algo"])
+        if status:
+            return status, at, []
+        return _check(buffer, dict(ticket, tensors=[[*entry[:3], None] for entry in ticket["tensors"]]))
+    return buffer, works, received, check
+
+
+def part_targets(buffer: torch.Tensor, ticket: dict) -> tuple[list, list]:
+    """Where each part of an owner-sender bucket entry goes: ``(slices, placed)``.
+
+    Args:
+        buffer: ``[nbytes]`` uint8, the engine rank's slices back to back (the entry's ``tensors``).
+        ticket: the bucket entry (``tensors`` ``[[name, dtype, shape, ...]]``, ``parts``
+            ``[[source, tensor index, axis, offset, shape]]``, :mod:`megarl.weight_sync.owners`).
+
+    Returns:
+        ``slices``: each tensor's view of ``buffer``; ``placed``: per part in arrival order
+        ``(source, tensor index, target, into, k)``: ``target`` the part's place in its slice,
+        ``into`` what receives its bytes (``target`` itself where contiguous, else a temporary of
+        the part's shape), ``k`` its position among its source's parts (its checksum's).
+    """
+    from megarl.weight_sync.specs import torch_dtype
+
+    slices, offset = [], 0
+    for _name, dtype, shape in (entry[:3] for entry in ticket["tensors"]):
+        n = torch.Size(shape).numel() * torch_dtype(dtype).itemsize
+        slices.append(buffer[offset:offset + n].view(torch_dtype(dtype)).view(shape))
+        offset += n
+    placed, counts = [], {}
+    for source, j, axis, at, shape in ticket["parts"]:
+        target = slices[j].narrow(axis, at, shape[axis])
+        into = target if target.is_contiguous() else torch.empty(shape, dtype=target.dtype, device=buffer.device)
+        placed.append((int(source), j, target, into, counts.get(int(source), 0)))
+        counts[int(source)] = counts.get(int(source), 0) + 1
+    return slices, placed
+
+
+def place_parts(placed: list, sums: dict, slices: list, algo: str) -> tuple[int, int]:
+    """Check each received part against its sender's checksum and put the strided ones into their
+    slice: ``(status, tensor index)`` (1: a part's checksum differs; 5: the parts do not fill a slice)."""
+    filled = [0] * len(slices)
+    for source, j, target, into, k in placed:
+        if wire.checksum(into, algo) != sums[source][k]:
+            return 1, j
+        if into is not target:
+            target.copy_(into)
+        filled[j] += into.numel()
+    bad = next((j for j, (n, sl) in enumerate(zip(filled, slices)) if n != sl.numel()), None)
+    return (5, bad) if bad is not None else (0, 0)
 
 
 def _load_deferred(model, state: dict) -> None:
@@ -265,7 +351,7 @@ def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[
         if offset + size > buffer.numel():
             return 5, index, []
         raw = buffer[offset:offset + size]
-        if wire.checksum(raw, ticket["algo"]) != expected:
+        if expected is not None and wire.checksum(raw, ticket["algo"]) != expected:  # None: checked per part
             return 1, index, []
         views.append((name, raw.view(element).view(shape)))
         offset += size

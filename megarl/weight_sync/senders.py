@@ -1,4 +1,5 @@
-"""Owner senders on paper: every engine rank's slices leave from trainer ranks that hold them.
+"""Owner senders' assignment: every engine rank's slices leave from trainer ranks that hold them (sent for
+real by :mod:`megarl.weight_sync.owners` with ``weight_sync.senders: owner``; block FP8 on paper only).
 
 For each HF tensor of the plan and each engine rank, the placement's pieces (:mod:`copy_instructions`) say
 which Megatron shard holds which part of the engine rank's slice. A part is sent by one of the

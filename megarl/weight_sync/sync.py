@@ -3,8 +3,10 @@
 Every trainer rank calls :meth:`WeightSynchronizer.sync` (a collective over the trainer group).
 Roles come from the plan: the *coordinator* (global rank 0, the sender of stage 0) drives the
 engines; each stage's *sender* gathers, converts and sends its stage's buckets; the other ranks
-holding shards of a stage send them to their sender. With several engines, ``plan.senders_per_stage``
-complete copies (replicas) of every stage do this side by side, replica ``k`` for the engines
+holding shards of a stage send them to their sender (``weight_sync.senders: owner``: every rank of
+a stage sends its own parts to the engines, nothing gathered: :mod:`megarl.weight_sync.owners`).
+With several engines, ``plan.senders_per_stage`` complete copies (replicas) of every stage do this
+side by side, replica ``k`` for the engines
 ``i % senders_per_stage == k`` (:meth:`WeightSyncPlan.for_replica`); the remaining data-parallel
 replicas only join barriers.
 
@@ -41,9 +43,11 @@ from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
 from megarl.weight_sync.engine_clients import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.manifest_checks import WeightSyncError, check_local_params, check_plan_against_manifest
+from megarl.weight_sync.owner_transport import OwnerFeed, OwnerTransport
+from megarl.weight_sync.owners import OwnerParts, check_senders
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.segments import SegmentOwners
-from megarl.weight_sync.transport import Transport
+from megarl.weight_sync.transport import Transport, TransportOptions
 
 
 class WeightSynchronizer:
@@ -59,19 +63,23 @@ class WeightSynchronizer:
             None skips that check (engines on another host).
         pause_mode: ``retract``, ``abort`` or ``in_place``.
         group: the trainer's process group (default group if None).
-        segment_senders: with ``p2p`` (buckets laid out per engine rank), each engine rank's
-            segment is sent by the trainer rank of the stage holding most of it
-            (:class:`~megarl.weight_sync.segments.SegmentOwners`; ``weight_sync.segment_senders``).
+        senders: ``weight_sync.senders``: ``owner`` (``p2p`` only: every rank of a stage sends
+            the parts of the engine ranks' slices it holds, nothing gathered,
+            :mod:`~megarl.weight_sync.owners`), ``segment`` (with ``p2p``, each engine rank's
+            segment is assembled and sent by the trainer rank of the stage holding most of it,
+            :class:`~megarl.weight_sync.segments.SegmentOwners`) or ``stage`` (the stage sender
+            gathers and sends everything).
         transport_kwargs: ``backend``, ``master_address``, ``directory``, ``timeout_s``, ``load_proof``
             (:class:`~megarl.weight_sync.transport.TransportOptions`).
     """
 
     def __init__(self, plan: WeightSyncPlan, transport: str, engine_urls, *, rank: int, placement,
                  manifest: Mapping | None = None, pause_mode: str = "retract",
-                 group: dist.ProcessGroup | None = None, segment_senders: bool = True,
+                 group: dist.ProcessGroup | None = None, senders: str = "segment",
                  **transport_kwargs) -> None:
         if pause_mode not in ("retract", "abort", "in_place"):
             raise ValueError(f"weight_sync.pause_mode must be retract | abort | in_place, got {pause_mode!r}")
+        check_senders(senders, transport=transport, quantized=plan.quantization is not None)
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
         if transport in ONE_SENDER_TRANSPORTS and plan.senders_per_stage > 1:
@@ -82,23 +90,29 @@ class WeightSynchronizer:
         # host (under NCCL a recv returns before the token arrived). Collective: every rank builds it.
         self.control = control_group(group)
         self.placement = placement
-        replica = plan.trainer_layout.replica_of(rank)
+        replica = 0 if senders == "owner" else plan.trainer_layout.replica_of(rank)  # owner: every copy sends
         self.mine: WeightSyncPlan | None = plan.for_replica(replica) if replica < plan.senders_per_stage else None
         """This rank's replica's plan (its senders, sources and engines); None: the rank only joins barriers."""
         buckets = self.mine.buckets if self.mine is not None else ()
-        self.stage = next((b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
+        self.owner = senders == "owner"
+        """Owner senders: every rank of a stage sends what it holds (:mod:`~megarl.weight_sync.owners`)."""
+        per_stage = plan.trainer_layout.world_size // plan.trainer_layout.pp_size
+        self.stage = rank // per_stage if self.owner else next(
+            (b.pp_rank for b in buckets if b.sender_rank == rank or b.contributions(rank)), None)
         self.is_sender = any(b.sender_rank == rank for b in buckets)
         self.is_coordinator = rank == plan.trainer_layout.sender_rank(0)
         self.engines = EngineClients(engine_urls) if self.is_coordinator else None
         """Every engine (coordinator only): pause, sessions, flush, version, resume, verify."""
         self.transport: Transport | None = None
         self._transport_engines: EngineClients | None = None
-        if self.is_sender:
+        if self.is_sender or (self.owner and self.stage is not None):
             self._transport_engines = EngineClients([engine_urls[i] for i in self.mine.engines])
-            self.transport = make_transport(transport, self.mine, self._transport_engines, **transport_kwargs)
+            self.transport = (OwnerTransport.from_options(self.mine, self._transport_engines,
+                                                          TransportOptions(**transport_kwargs)) if self.owner else
+                              make_transport(transport, self.mine, self._transport_engines, **transport_kwargs))
         self.transport_name = transport
         self._engine_urls, self._transport_kwargs = list(engine_urls), transport_kwargs
-        self.segment_senders = segment_senders
+        self.segment_senders = senders == "segment"
         self.owners: SegmentOwners | None = None
         """Who sends each engine rank's segment, when this rank's stage has several senders (set in :meth:`connect`)."""
         self.is_helper = False
@@ -122,10 +136,12 @@ class WeightSynchronizer:
         return sorted({b.sender_rank for b in plan.buckets},
                       key=lambda r: next(b.pp_rank for b in plan.buckets if b.sender_rank == r))
 
-    def _token(self, send: bool, peer: int) -> None:
-        """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group."""
-        token = torch.zeros(1)
+    def _token(self, send: bool, peer: int, *, failed: bool = False) -> bool:
+        """Pass the push turn to / wait for it from ``peer`` (global rank) on the gloo control group;
+        the token says whether the stages before failed (``failed``; returned by the receiving side)."""
+        token = torch.tensor([1.0 if failed else 0.0])
         (send_tensor if send else recv_tensor)(token, peer, group=self.control)
+        return bool(token.item() > 0)
 
     def connect(self) -> None:
         """Create the transport's groups with the engines, stage by stage (collective; the replicas'
@@ -141,7 +157,9 @@ class WeightSynchronizer:
         flag = all_reduce(torch.tensor([1.0 if takes else 0.0], dtype=torch.float64), op=dist.ReduceOp.MIN,
                           group=self.control)
         self.sliced = bool(flag.item() > 0)
-        if self.sliced and self.stage is not None:
+        if self.owner:
+            self._connect_owner_senders()
+        elif self.sliced and self.stage is not None:
             self._connect_segment_senders()
         self._connected = True
 
@@ -162,6 +180,17 @@ class WeightSynchronizer:
             self.transport = make_transport("p2p", self.mine, self._transport_engines, **self._transport_kwargs)
             self.transport.connect(self._senders().index(senders[0]))
         self.transport.set_senders(senders, index, self.control, owners, list(self.mine.stage_buckets(self.stage)))
+
+    def _connect_owner_senders(self) -> None:
+        """Owner senders: every rank of the stage joins its group (the stage sender first); who
+        sends which part comes from the plan (:class:`~megarl.weight_sync.owners.OwnerParts`)."""
+        parts = OwnerParts(self.mine, self.placement)
+        senders = parts.senders(self.stage)
+        index = senders.index(self.rank)
+        self.is_helper = index > 0
+        if self.is_helper:
+            self.transport.connect(self.stage)
+        self.transport.set_owner_senders(senders, index, self.control, parts, list(self.mine.stage_buckets(self.stage)))
 
     # ------------------------------------------------------------------ the sync
     def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int, *,
@@ -192,7 +221,9 @@ class WeightSynchronizer:
         self._barrier()
         on_cpu = all(t.device.type == "cpu" for t in local_params.values())
         gatherer = None
-        if self.mine is not None:
+        if self.owner:  # nothing gathered: each rank sends its parts from its own shards
+            gatherer = OwnerFeed(self.mine, self.stage, local_params)
+        elif self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
                                      ring=self._ring if on_cpu else None, sliced=self.sliced, owners=self.owners,
                                      cache=self._gather_cache)
@@ -285,31 +316,50 @@ class WeightSynchronizer:
 
             quantizer = WireQuantizer(self.plan.quantization, self._wire_ring)
             buckets = quantizer.wrap(buckets)
-        first = next(buckets, None)
-        if ordered and index > 0:
-            self._token(False, senders[index - 1])
+        try:  # gathered while we may still wait for our turn; an error is raised after it came
+            first, early = next(buckets, None), None
+        except Exception as err:  # noqa: BLE001 - raised below, after the turn
+            first, early = None, err
+        failed = True
         try:
-            if first is not None:
-                transport.send(*first)
-                for bucket, tensors, flat in buckets:
-                    transport.send(bucket, tensors, flat)
-        except BaseException:  # a gather / conversion error mid-stage: release the engines first
-            transport.abort()
-            try:  # the stage's other ranks still send their shards of the later buckets: take them
-                for _ in buckets:
-                    pass
-            except Exception:  # noqa: BLE001 - the first error is the one to raise
-                pass
-            raise
-        transport.drain()
-        if ordered and index + 1 < len(senders):
-            self._token(True, senders[index + 1])
+            if ordered and index > 0 and self._token(False, senders[index - 1]):
+                early = early or WeightSyncError(
+                    f"trainer rank {self.rank}: an earlier pipeline stage's push failed, so stage {self.stage} "
+                    f"sent nothing (that stage's error says why)")
+            if early is not None:
+                self._release(transport, buckets)
+                raise early
+            try:
+                if first is not None:
+                    transport.send(*first)
+                    for bucket, tensors, flat in buckets:
+                        transport.send(bucket, tensors, flat)
+            except BaseException:  # a gather / conversion error mid-stage: release the engines first
+                self._release(transport, buckets)
+                raise
+            transport.drain()
+            failed = False
+        finally:  # the next stage's sender waits for its turn even when this stage failed
+            if ordered and index + 1 < len(senders):
+                self._token(True, senders[index + 1], failed=failed)
         stats.update(gather_s=gatherer.timings.gather_s, convert_s=gatherer.timings.convert_s,
                      transfer_s=transport.stats.transfer_s, engine_load_s=transport.stats.engine_load_s,
                      bytes_sent=float(transport.stats.bytes_sent),
                      quantize_s=quantizer.quantize_s if quantizer is not None else 0.0)
         self._rank_bytes = list(transport.stats.engine_rank_bytes)
         return stats
+
+    @staticmethod
+    def _release(transport: Transport, buckets) -> None:
+        """After this stage's sender failed: release the engines (:meth:`Transport.abort`), then take
+        the later buckets the stage's other ranks still send their shards of (errors dropped: the
+        first one is raised)."""
+        transport.abort()
+        try:
+            for _ in buckets:
+                pass
+        except Exception:  # noqa: BLE001 - the first error is the one to raise
+            pass
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         """Max of the times and sum of the bytes over trainer ranks; plan-level byte ratios."""

@@ -62,8 +62,9 @@ def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
 
 def senders_per_stage(cfg) -> int | None:
     """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
-    per stage (``shard``, ``tensor``, ``disk``: same host or files), else the config's value."""
-    if cfg.transport in ONE_SENDER_TRANSPORTS:
+    per stage (``shard``, ``tensor``, ``disk``: same host or files) and for owner senders (every
+    rank sends; ``assign_senders`` splits the engines over the copies), else the config's value."""
+    if cfg.transport in ONE_SENDER_TRANSPORTS or cfg.senders == "owner":  # owner: copies split engines themselves
         return 1
     return cfg.senders_per_stage
 
@@ -98,7 +99,7 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
     return WeightSynchronizer(plan, cfg.transport, list(spec.engine_urls), rank=parallel.rank,
                               placement=Placement(layout, engine_table(family, hf_config)),
                               manifest=read_manifest(spec.hf_dir) if spec.check_manifest else None,
-                              pause_mode=cfg.pause_mode, group=group, segment_senders=cfg.segment_senders,
+                              pause_mode=cfg.pause_mode, group=group, senders=cfg.senders,
                               backend=cfg.backend, master_address=spec.master_address, port_base=spec.port_base,
                               directory=spec.directory,
                               timeout_s=cfg.timeout_s, load_proof=cfg.load_proof != "off")

@@ -22,6 +22,11 @@ senders, :class:`megarl.weight_sync.segments.SegmentOwners`); ``messages`` (defa
 ``nbytes``): the byte counts of the messages those bytes arrive in, back to back (slices sent from
 the trainer's parameters travel as messages of their own).
 
+With owner senders (``weight_sync.senders: owner``, :mod:`megarl.weight_sync.owners`) each engine
+gets its own ticket, and a bucket entry has ``parts`` in place of ``source`` / ``messages``:
+``[[source group rank, tensor index, axis, offset, shape], ...]`` in arrival order (each source's
+parts in its order, then that source's checksums, one per part).
+
 The checksums follow each bucket's bytes over the group, one more message per rank
 (:func:`encode_sums`: the hex digests back to back, ``uint8`` on the group's device), so the
 ticket can leave before any bucket is packed and checksummed. After the last bucket the receiver

@@ -341,7 +341,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transport", default="distributed")
     parser.add_argument("--transports", default=None,
-                        help="comma-separated, e.g. p2p,distributed: side by side at --engine-tp with the raw shard transfer")
+                        help="comma-separated, e.g. p2p,distributed: side by side at --engine-tp with the raw "
+                             "shard transfer")
     parser.add_argument("--engine-tp", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--workdir", default="/tmp/megarl_ws_bench")
@@ -383,10 +384,12 @@ def main() -> None:
             "raw_broadcast_s": out["raw_s"], "sync_s": sync_s, "raw_gb_per_s": gb / raw, "sync_gb_per_s": gb / sync,
             "ratio_sync_over_raw": raw / sync,
             "cpu_s_raw_and_sync": out["cpu_s"],
-            "ratio_cpu_time": statistics.median(r for r, _ in out["cpu_s"]) / statistics.median(s for _, s in out["cpu_s"]),
+            "ratio_cpu_time": (statistics.median(r for r, _ in out["cpu_s"])
+                               / statistics.median(s for _, s in out["cpu_s"])),
             "engine_idle_cpu_fraction": out["engine_idle_cpu_fraction"],
             "split_last_sync_s": {k.split("/")[-1]: last[k] for k in (
-                "weight_sync/gather_s", "weight_sync/convert_s", "weight_sync/transfer_s", "weight_sync/engine_load_s")},
+                "weight_sync/gather_s", "weight_sync/convert_s", "weight_sync/transfer_s",
+                "weight_sync/engine_load_s")},
             "engine_rank_bytes_over_shard": last["weight_sync/engine_bytes_over_shard_max"]}
     text = json.dumps(result, indent=1)
     print(text)

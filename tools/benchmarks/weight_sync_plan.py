@@ -1,8 +1,9 @@
 """``megarl plan-sync`` for four MoE models on H100 clusters, on paper: bytes per link and per engine
 rank and the predicted sync time of ``p2p`` and ``distributed``, with one and with four engines,
 one sender per stage vs one per engine (``weight_sync.senders_per_stage``), BF16 and block-FP8 on
-the wire, and ``p2p`` with segment senders (``weight_sync.segment_senders``: each engine rank's
-segment from the trainer rank of the stage holding most of it; BF16 on the wire only). Metadata only (public architecture numbers below); nothing is allocated.
+the wire, and ``p2p`` with segment senders (``weight_sync.senders: segment``: each engine rank's
+segment from the trainer rank of the stage holding most of it; BF16 on the wire only). Metadata only (public
+architecture numbers below); nothing is allocated.
 
 Links: 200 GB/s NVLink and 50 GB/s network (400 Gb/s) per GPU, 8 GPUs per node (change with
 ``--intra-gbps`` / ``--inter-gbps``). The time model and what it leaves out:
@@ -77,7 +78,8 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
                     continue  # one engine: one sender per stage either way
                 for wire in ("bf16", "fp8"):
                     quantization = parse_quantization_config(FP8, where="FP8") if wire == "fp8" else None
-                    plan = build_plan(layout, EngineLayout(tensor_parallel_size=engine_tp, expert_parallel_size=engine_ep,
+                    plan = build_plan(layout, EngineLayout(tensor_parallel_size=engine_tp,
+                                                           expert_parallel_size=engine_ep,
                                                            num_engines=engines), specs, bucket_size_mb=1024,
                                       quantization=quantization, senders_per_stage=senders)
                     row = {"model": name, "trainer": f"TP{layout.tp_size} PP{layout.pp_size} EP{layout.ep_size} "
@@ -90,7 +92,7 @@ def rows(intra_gbps: float, inter_gbps: float) -> list[dict]:
                         row[f"{transport}_s"] = p.seconds
                         row[f"{transport}_received_over_shard"] = max(
                             r / s for r, s in zip(p.engine_rank_bytes, p.engine_shard_bytes) if s)
-                    # segment senders (weight_sync.segment_senders; BF16 on the wire only)
+                    # segment senders (weight_sync.senders: segment; BF16 on the wire only)
                     row["p2p_segments_s"] = predict_sync(plan, "p2p", ranks_per_node=8, intra_gbps=intra_gbps,
                                                          inter_gbps=inter_gbps, placement=placement).seconds
                     out.append(row)
