@@ -1,7 +1,10 @@
 """Test helpers for checkpoint directories."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -16,3 +19,18 @@ def load_safetensors_dir(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if name.endswith(".safetensors"):
             out.update(load_file(os.path.join(path, name)))
     return out
+
+
+def edited_hf_dir(src: str | os.PathLike, dst: str | os.PathLike, **changes: object) -> Path:
+    """A copy of the HF directory ``src`` at ``dst`` whose ``config.json`` has ``changes`` applied (a
+    refused or mismatched config for a test); returns ``dst``.
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+    """
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

@@ -13,6 +13,7 @@ import torch
 from megarl.conversion.config_check import ConfigMismatchError
 from megarl.conversion.convert import hf_to_megatron, megatron_to_hf_dir
 from megarl.conversion.hf_io import CheckpointFileError
+from megarl.testing.checkpoints import edited_hf_dir
 from megarl.testing.checkpoints import load_safetensors_dir as _load_all
 
 LAYOUTS = {  # name -> (TP, PP, EP, ETP)
@@ -89,17 +90,10 @@ def test_exported_model_gives_same_logprobs(tiny_moe_dir, tmp_path):
     assert torch.equal(logprobs[0], logprobs[1])
 
 
-def _edit(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
 
 @pytest.mark.timeout(300)
 def test_mismatch_and_truncation_write_nothing(tiny_moe_dir, tmp_path):
-    bad = _edit(tiny_moe_dir, tmp_path / "bad", num_hidden_layers=3)
+    bad = edited_hf_dir(tiny_moe_dir, tmp_path / "bad", num_hidden_layers=3)
     with pytest.raises(ConfigMismatchError, match="num_hidden_layers: 3 in .*bad/config.json.* 2 layers"):
         hf_to_megatron(bad, tmp_path / "out1")
     trunc = tmp_path / "trunc"
@@ -109,11 +103,11 @@ def test_mismatch_and_truncation_write_nothing(tiny_moe_dir, tmp_path):
     with pytest.raises(CheckpointFileError, match="truncated checkpoint shard .*trunc/model.safetensors"):
         hf_to_megatron(trunc, tmp_path / "out2")
     ckpt = hf_to_megatron(tiny_moe_dir, tmp_path / "ckpt")
-    other = _edit(tiny_moe_dir, tmp_path / "other", rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    other = edited_hf_dir(tiny_moe_dir, tmp_path / "other", rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
     with pytest.raises(ConfigMismatchError, match=r"rope_theta: 1000000.0 in .*ckpt/hf_config/config.json vs 10000.0 in .*other/config.json"):
         megatron_to_hf_dir(ckpt, tmp_path / "out3", hf_config_dir=other)
     shutil.rmtree(ckpt / "hf_config")
-    wide = _edit(tiny_moe_dir, tmp_path / "wide", num_key_value_heads=4)
+    wide = edited_hf_dir(tiny_moe_dir, tmp_path / "wide", num_key_value_heads=4)
     with pytest.raises(ConfigMismatchError, match=r"num_key_value_heads: 4 in .*wide/config.json, but the checkpoint .* has 2"):
         megatron_to_hf_dir(ckpt, tmp_path / "out4", hf_config_dir=wide)
     for name in ("out1", "out2", "out3", "out4"):

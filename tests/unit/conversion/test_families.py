@@ -14,6 +14,7 @@ from megarl.conversion.config_check import (
 )
 from megarl.conversion.hf_io import CheckpointFileError, HFCheckpointReader, SafetensorsStreamWriter, plan_shards
 from megarl.models.families import get_family
+from megarl.testing.checkpoints import edited_hf_dir
 
 
 def _old_spelling(src, dst):
@@ -27,13 +28,6 @@ def _old_spelling(src, dst):
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 
-
-def _edit_config(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def test_both_spellings_give_the_same_megatron_config(tiny_moe_dir, tmp_path):
@@ -84,13 +78,13 @@ def test_expected_shapes_match_real_checkpoint(fixture, request):
 
 
 def test_config_that_disagrees_with_weights_is_named(tiny_moe_dir, tmp_path):
-    bad = _edit_config(tiny_moe_dir, tmp_path / "bad", num_hidden_layers=3)
+    bad = edited_hf_dir(tiny_moe_dir, tmp_path / "bad", num_hidden_layers=3)
     with pytest.raises(ConfigMismatchError, match=rf"num_hidden_layers: 3 in {bad}/config.json, .* have 2 layers"):
         check_weights_match_config(bad)
-    bad2 = _edit_config(tiny_moe_dir, tmp_path / "bad2", num_key_value_heads=4)
+    bad2 = edited_hf_dir(tiny_moe_dir, tmp_path / "bad2", num_key_value_heads=4)
     with pytest.raises(ConfigMismatchError, match="k_proj.weight: shape .*num_key_value_heads"):
         check_weights_match_config(bad2)
-    other = _edit_config(tiny_moe_dir, tmp_path / "other", rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    other = edited_hf_dir(tiny_moe_dir, tmp_path / "other", rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
     from transformers import AutoConfig
     with pytest.raises(ConfigMismatchError, match=r"rope_theta: 1000000.0 in a\.json vs 10000.0 in b\.json"):
         compare_configs(AutoConfig.from_pretrained(tiny_moe_dir), AutoConfig.from_pretrained(other),

@@ -8,7 +8,6 @@ safetensors library), transformers' own ``GptOssExperts`` forward for one expert
 (clamp(up, -c, c) + glu_linear_offset)``) written out in the test.
 """
 import json
-import shutil
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from megarl.conversion.config_check import ConfigMismatchError, check_weights_ma
 from megarl.conversion.hf_io import HFCheckpointReader
 from megarl.models.families import get_family
 from megarl.models.mapping import lookup, megatron_to_hf, to_megatron
+from megarl.testing.checkpoints import edited_hf_dir
 
 
 def _config(path):
@@ -25,13 +25,6 @@ def _config(path):
 
     return AutoConfig.from_pretrained(path)
 
-
-def _edit_config(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def _safetensors(hf_dir) -> dict[str, torch.Tensor]:
@@ -136,7 +129,7 @@ def test_export_stacks_the_experts_back(tiny_gpt_oss_dir):
     ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types=\\['chunked_attention'\\]"),
 ])
 def test_unsupported_settings_are_refused(tiny_gpt_oss_dir, tmp_path, field, value, message):
-    edited = _edit_config(tiny_gpt_oss_dir, tmp_path / "edited", **{field: value})
+    edited = edited_hf_dir(tiny_gpt_oss_dir, tmp_path / "edited", **{field: value})
     with pytest.raises(ValueError, match=message):
         get_family("gpt_oss").architecture(_config(edited))
 
@@ -148,7 +141,7 @@ def test_unsupported_settings_are_refused(tiny_gpt_oss_dir, tmp_path, field, val
     ("num_attention_heads", 8, "model.layers.0.self_attn"),
 ])
 def test_mismatched_config_is_refused(tiny_gpt_oss_dir, tmp_path, field, value, message):
-    edited = _edit_config(tiny_gpt_oss_dir, tmp_path / "edited", **{field: value})
+    edited = edited_hf_dir(tiny_gpt_oss_dir, tmp_path / "edited", **{field: value})
     with pytest.raises(ConfigMismatchError, match=message):
         check_weights_match_config(edited)
 
