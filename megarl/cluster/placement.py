@@ -160,7 +160,10 @@ def init_ray(cfg: Any) -> bool:
     num_cpus = max(os.cpu_count() or 1, needed)
     logger.info("starting a local Ray instance (%d logical CPUs) on 127.0.0.1", num_cpus)
     with loopback_ray():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=_runtime_env(env),
+        # address="local": a new instance even where RAY_ADDRESS or the last `ray start` on this machine
+        # (/tmp/ray/ray_current_cluster: another user's, or a Slurm job's on a shared node) names a cluster,
+        # which Ray 2.60's ray.init() would join otherwise (services.canonicalize_bootstrap_address)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=_runtime_env(env),
                  log_to_driver=True, logging_level=logging.WARNING)
     return True
 

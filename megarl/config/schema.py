@@ -239,7 +239,8 @@ class ClusterConfig:
     the node's GPU is detected). When known, ``megarl validate`` refuses a layout whose trainer or
     engine ranks do not fit its memory (``megarl plan`` shows the numbers); CPU runs skip the check."""
     ray_address: str | None = None
-    """Existing Ray cluster (``auto`` or ``host:port``); None = start a local one."""
+    """Existing Ray cluster (``auto`` or ``host:port``); None = start a private local one (never one
+    that ``RAY_ADDRESS`` or an earlier ``ray start`` on the machine names: give ``auto`` for that)."""
     master_port: int = 0
     """torch.distributed rendezvous port of the trainer group on rank 0's node: the first free port at
     or above it there, within 1000 ports (the range a firewalled cluster opens); 0 (default): a free

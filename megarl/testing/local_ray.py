@@ -29,7 +29,7 @@ def private_ray(**init_kwargs: Any) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        ray.init(include_dashboard=False, logging_level=logging.WARNING,
+        ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING,  # never another's
                  runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}}, **init_kwargs)
     try:
         yield

@@ -1,4 +1,7 @@
-"""A single-host run's private Ray instance binds and advertises 127.0.0.1 only.
+"""A single-host run's private Ray instance binds and advertises 127.0.0.1 only, and is its own: a
+cluster named by ``RAY_ADDRESS`` (or by the last ``ray start`` on the machine, which Ray 2.60 reads the
+same way) is not joined when ``cluster.ray_address`` is empty (before, ``ray.init`` tried to join it
+and refused the run's ``num_cpus``; CI met it when a Slurm test's ``ray start`` ran beside it).
 
 Without megarl's switch (`megarl.cluster.placement.loopback_ray`) Ray 2.60 takes the machine's
 interface address for its node (GCS, raylet and workers listen on it, some on 0.0.0.0) and every
@@ -7,6 +10,7 @@ rendezvous megarl takes from Ray's node address (trainer group, weight sync) adv
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +44,9 @@ ray.shutdown()
 
 @pytest.mark.timeout(180)
 def test_local_ray_instance_lives_on_loopback():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=170)
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9"}  # a cluster the run must not join (nothing listens)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=170,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["driver"] == seen["worker"] == "127.0.0.1" and seen["nodes"] == ["127.0.0.1"], seen

@@ -113,7 +113,7 @@ def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(c
 
     monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")  # a single-host Ray on 127.0.0.1 (megarl.cluster.placement)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         actor = start_retrieval(cfg, tmp_path)
         try:
