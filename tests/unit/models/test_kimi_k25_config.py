@@ -6,7 +6,6 @@ renamed to the release's names by the family's tiny class).
 """
 import copy
 import json
-import shutil
 
 import pytest
 
@@ -14,6 +13,7 @@ from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.conversion.config_check import ConfigMismatchError, check_weights_match_config, expected_hf_shapes
 from megarl.conversion.hf_io import HFCheckpointReader
 from megarl.models.families import get_family, text_config_of
+from megarl.testing.checkpoints import edited_hf_dir
 
 
 def _config(path):
@@ -54,11 +54,8 @@ def test_expected_shapes_are_the_checkpoints_text_tensors(tiny_kimi_k25_dir):
     ("vocab_size", 4096, "vocab_size"),
 ])
 def test_mismatched_text_config_is_refused(tiny_kimi_k25_dir, tmp_path, field, value, match):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_kimi_k25_dir, model)
-    raw = json.loads((model / "config.json").read_text())
-    raw["text_config"][field] = value
-    (model / "config.json").write_text(json.dumps(raw))
+    text = json.loads((tiny_kimi_k25_dir / "config.json").read_text())["text_config"]
+    model = edited_hf_dir(tiny_kimi_k25_dir, tmp_path / "model", text_config={**text, field: value})
     with pytest.raises(ConfigMismatchError, match=match):
         check_weights_match_config(model)
 
