@@ -18,7 +18,10 @@ Start method: ``forkserver`` by default, with torch and Megatron-Core preloaded 
 rank function imports: the converter passes Megatron's model builder and the families' HF configs),
 imported once per calling process (~10 s on 2 busy cores) instead of once per rank and call. The
 server starts on a process's first ``forkserver`` call: that call's ``preload`` holds for the
-process. ``spawn`` is available for code that must not share the server's imports.
+process. ``spawn`` is available for code that must not share the server's imports, and is the default
+where CUDA is available: importing Megatron-Core in the server can initialise CUDA there, and every
+rank forked from it then fails its first CUDA call with "Cannot re-initialize CUDA in forked
+subprocess" (seen on an H100 in ``tools/gpu_check.sh``).
 """
 from __future__ import annotations
 
@@ -52,6 +55,14 @@ def free_port() -> int:
 
 PRELOAD = ("megarl.procs.local_ranks_preload",)
 """Modules the fork server imports first, before the caller's (see :mod:`megarl.procs.local_ranks_preload`)."""
+
+
+def default_start_method() -> str:
+    """``spawn`` where torch sees a CUDA device (a forked rank cannot use CUDA once the fork server
+    has initialised it), else ``forkserver`` (ranks share the server's preloaded imports)."""
+    import torch
+
+    return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 def _context(start_method: str, preload: Sequence[str]):
@@ -88,7 +99,7 @@ def _child(fn, rank: int, world_size: int, args: tuple, store_path: str, backend
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
               timeout_s: float = 120.0, backend: str | None = "gloo",
-              env: dict[str, str] | None = None, start_method: str = "forkserver",
+              env: dict[str, str] | None = None, start_method: str | None = None,
               preload: Sequence[str] = ()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
@@ -100,7 +111,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
         backend: ``torch.distributed`` backend initialised before ``fn`` runs (None = none).
         env: extra environment variables for the children (``OMP_NUM_THREADS`` defaults to 1;
             ``MASTER_ADDR``/``MASTER_PORT`` are set to a free local port).
-        start_method: ``forkserver`` (default; see the module docstring) or ``spawn``.
+        start_method: ``forkserver`` or ``spawn``; None (default) takes :func:`default_start_method`
+            (``spawn`` where CUDA is available, else ``forkserver``; see the module docstring).
         preload: modules (dotted names) the fork server imports once after :data:`PRELOAD`, when
             this call starts it; one that raises ImportError is skipped (the rank imports it itself).
 
@@ -111,7 +123,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *, args: Sequence = (),
         RankError: a rank raised or exited without a result (message: its traceback or exit
             code), or the run exceeded ``timeout_s`` (message: the unfinished ranks).
     """
-    ctx = _context(start_method, preload)
+    ctx = _context(start_method or default_start_method(), preload)
     child_env = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     child_env.update(env or {})
     results = ctx.Queue()
