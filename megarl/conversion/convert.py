@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ def finish_import(plan: ImportPlan, tmp: Path) -> None:
 def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                        hf_config_dir: str | os.PathLike | None = None, dtype: str | None = None,
                        max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, ranks: int = 1,
-                       timeout_s: float | None = None) -> Path:
+                       timeout_s: float | None = None, nodes: Sequence[str] = ()) -> Path:
     """Export a Megatron dist checkpoint (model weights, any saving layout) to an HF directory.
 
     Writes safetensors shards (+ ``model.safetensors.index.json`` when more than one), and copies
@@ -238,37 +239,53 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         dtype: output dtype (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's.
         max_shard_bytes: safetensors shard size limit.
         ranks: export processes (gloo ranks on this machine), each reading and writing ~1/ranks of
-            the bytes.
+            the bytes; with ``nodes``: at most this many on each node.
         timeout_s: limit for the whole export; default: sized from the checkpoint's bytes
             (:func:`~megarl.conversion.parallel_export.export_timeout_s`).
+        nodes: Ray node ids (several): the parts run on them, a few per node, each writing into
+            ``out_dir``, which like ``ckpt_dir`` must be on a filesystem every node mounts
+            (:mod:`megarl.conversion.ray_export`); empty (default): all on this machine.
 
     Raises:
         ConfigMismatchError: the configs disagree with each other or with the checkpoint's shapes.
-        FileNotFoundError: not a dist checkpoint / no HF config. FileExistsError: destination not empty.
+        FileNotFoundError: not a dist checkpoint / no HF config / (with ``nodes``) a node cannot see
+            the checkpoint or ``out_dir``. FileExistsError: destination not empty.
         ValueError: ``ranks`` < 1.
         megarl.procs.local_ranks.RankError: an export rank failed (traceback in the message) or the
-            export ran past ``timeout_s``.
+            export ran past ``timeout_s`` (with ``nodes``: raised through Ray, or a TimeoutError).
     """
-    from megarl.conversion.parallel_export import checkpoint_bytes, export_rank, export_timeout_s, write_merged_index
-    from megarl.procs.local_ranks import run_ranks
+    from megarl.conversion.parallel_export import write_merged_index
 
     if ranks < 1:
         raise ValueError(f"ranks={ranks}: the export needs at least one rank")
     ckpt_dir = resolve_checkpoint_dir(Path(ckpt_dir).resolve())
     config_dir = _checked_export_config(ckpt_dir, hf_config_dir)
-    if timeout_s is None:
-        timeout_s = export_timeout_s(checkpoint_bytes(ckpt_dir), ranks)
     tmp = _atomic_dir(Path(out_dir), overwrite)
     try:
-        parts = run_ranks(export_rank, ranks, timeout_s=timeout_s,
-                          args=(str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes),
-                          preload=RANK_PRELOAD)
+        parts = _export_parts((str(ckpt_dir), str(tmp), str(config_dir), dtype, max_shard_bytes), ranks,
+                              timeout_s, nodes)
         write_merged_index(tmp, parts)
         copy_hf_metadata(config_dir, tmp)
         return _publish(tmp, Path(out_dir))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _export_parts(args: tuple, ranks: int, timeout_s: float | None, nodes: Sequence[str]) -> list:
+    """The export's parts, run (``args``: ``export_rank``'s after the rank) on this machine's ``ranks``
+    processes, or on ``nodes`` when several (:mod:`megarl.conversion.ray_export`); their RankExports."""
+    from megarl.conversion.parallel_export import checkpoint_bytes, export_rank, export_timeout_s
+    from megarl.procs.local_ranks import run_ranks
+
+    if len(nodes) > 1:
+        from megarl.conversion.ray_export import export_parts_on_nodes
+
+        return [r.part for r in export_parts_on_nodes(nodes, *args, max_ranks_per_node=ranks, timeout_s=timeout_s,
+                                                      preload=RANK_PRELOAD)]
+    if timeout_s is None:
+        timeout_s = export_timeout_s(checkpoint_bytes(Path(args[0])), ranks)
+    return run_ranks(export_rank, ranks, timeout_s=timeout_s, args=args, preload=RANK_PRELOAD)
 
 
 def _checked_export_config(ckpt_dir: Path, hf_config_dir) -> Path:

@@ -11,6 +11,9 @@ into one ``model.safetensors.index.json`` (:func:`write_merged_index`).
 
 The tensors, dtypes and names are those of the single-rank export, byte for byte; only the cut into
 files differs (a shard never spans two ranks). With one rank the files are the single-rank export's.
+Since a part needs nothing from the others, the parts can run on different machines: the run's
+export over a Ray cluster's nodes runs each node's parts as a local group, told their global part
+indices (:mod:`megarl.conversion.ray_export`).
 
 Timeout: :func:`export_timeout_s` sizes the wall-clock limit from the bytes each rank writes and a
 floor rate far under the measured one (``tools/benchmarks/hf_export.md``), plus the ranks' start-up:

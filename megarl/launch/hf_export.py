@@ -1,13 +1,24 @@
 """HF exports during training, off the driver loop (``checkpoint.hf_export_interval``).
 
 The export of a committed checkpoint (:func:`megarl.conversion.convert.megatron_to_hf_dir`) runs
-in its own processes (:func:`export_ranks` gloo ranks on the driver's machine, fewer where its
-available memory would not hold each rank's layers in flight, spawned by
-:func:`megarl.procs.local_ranks.run_ranks`): each reads ~1/ranks of the model's layers from the
+in its own processes, split into parts: each reads ~1/parts of the model's layers from the
 checkpoint and writes its own safetensors shards, and the index is merged from what they return
-(:mod:`megarl.conversion.parallel_export`), so it takes as long as one rank reading and writing its
-share. Waited for in the driver loop, the trainer ranks sat idle meanwhile; here a daemon thread of
-the driver waits for those processes while the loop goes on (rollouts, training, weight syncs).
+(:mod:`megarl.conversion.parallel_export`), so it takes as long as one part reading and writing its
+share. Where the parts run:
+
+- Ray connected and spanning several live nodes (a multi-node run): on every node, up to
+  :func:`export_ranks` parts each (fewer where that node's available memory or CPUs hold fewer),
+  one Ray task per node pinned to it (:mod:`megarl.conversion.ray_export`), so no one node's disk
+  or NIC carries the whole model. The checkpoint and ``run_dir/hf`` must be on a filesystem every
+  node mounts (a multi-node run's run directory is); a node that cannot see them fails the export
+  with an error naming it (retried and reported below, like any failure).
+- Otherwise: :func:`export_ranks` gloo ranks on the driver's machine, fewer where its available
+  memory would not hold each rank's layers in flight, spawned by
+  :func:`megarl.procs.local_ranks.run_ranks`.
+
+Waited for in the driver loop, the trainer ranks sat idle meanwhile; here a daemon thread of the
+driver waits for those processes (or Ray tasks) while the loop goes on (rollouts, training, weight
+syncs).
 Its time limit is sized from the checkpoint's bytes (a floor rate per rank far under the measured
 one, :func:`megarl.conversion.parallel_export.export_timeout_s`): a hung export (a stalled
 filesystem) is ended and retried rather than holding up, forever, the next checkpoint's commit.
@@ -16,7 +27,8 @@ Why this is safe:
 
 - The export reads only the checkpoint directory and writes only ``run_dir/hf/step_N`` (into a
   temporary sibling, renamed at the end), nothing the trainer or the engines touch. The thread
-  itself only waits on a child process: it holds no lock the loop needs and no CUDA context.
+  itself only waits on child processes or Ray tasks (which reserve no CPU, so they never wait for
+  the run's actors): it holds no lock the loop needs and no CUDA context.
 - Checkpoint rotation (``checkpoint.keep_last``) could delete the directory being read: the driver
   waits for the export in flight before it commits the next checkpoint (:meth:`wait`), which is
   when rotation runs. One export at a time: :meth:`start` waits for the previous one.
@@ -56,7 +68,12 @@ def _export(ckpt: Path, out: Path, ranks: int = 1) -> None:
 
     from megarl.conversion.convert import HF_CONFIG_SUBDIR, megatron_to_hf_dir, resolve_checkpoint_dir
     from megarl.conversion.parallel_export import available_memory_bytes, checkpoint_bytes, ranks_within_memory
+    from megarl.conversion.ray_export import export_nodes
 
+    nodes = export_nodes()
+    if nodes:  # Ray spans several nodes: a few parts on each (each node's memory checked there)
+        megatron_to_hf_dir(ckpt, out, overwrite=True, ranks=ranks, nodes=nodes)
+        return
     model = resolve_checkpoint_dir(ckpt)
     config = model / HF_CONFIG_SUBDIR / "config.json"  # missing: megatron_to_hf_dir says what to do
     num_layers = json.loads(config.read_text())["num_hidden_layers"] if config.is_file() else 1
@@ -74,7 +91,7 @@ class BackgroundExport:
         export: ``export(ckpt_dir, out_dir)``, the blocking export (default: ``megatron_to_hf_dir``
             with the checkpoint's stored HF config, overwriting ``out_dir``, at :attr:`ranks` ranks).
         attempts: tries per export before it is reported failed.
-        ranks: processes of the default export (:func:`export_ranks`).
+        ranks: processes of the default export (:func:`export_ranks`; per node when Ray spans several).
     """
 
     def __init__(self, export: Callable[[Path, Path], None] | None = None, attempts: int = EXPORT_ATTEMPTS,
