@@ -14,7 +14,7 @@ importance ratio, clip range 3e-4 / 4e-4, no KL penalty, group-normalised advant
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from megarl.config.schema_algorithm import AlgorithmConfig
 from megarl.config.schema_rollout import AgentConfig, EngineConfig, RetrievalConfig, RolloutConfig, SamplingConfig  # noqa: F401  (part of this module's interface)
@@ -350,3 +350,19 @@ class MegarlConfig:
     """User modules (dotted names or ``.py`` files) imported before anything is built, in the
     driver and in every Ray worker; they register tools, rewards, agent loops and datasets."""
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+
+
+def as_megarl_config(cfg: Any) -> MegarlConfig:
+    """``cfg`` typed as the schema: a ``DictConfig`` with :class:`MegarlConfig`'s sections (the loader's
+    structured config, or a resolved config read back from YAML, as the Ray actors do), or a
+    ``MegarlConfig``. OmegaConf types its configs as ``DictConfig``; their attributes are the schema's.
+    ``cfg`` itself is returned: nothing is copied or validated.
+
+    Raises:
+        TypeError: ``cfg`` is neither (a ``ListConfig``, a plain dict).
+    """
+    from omegaconf import DictConfig
+
+    if not isinstance(cfg, (DictConfig, MegarlConfig)):
+        raise TypeError(f"a run config must be a DictConfig of MegarlConfig, got {type(cfg).__name__}")
+    return cast(MegarlConfig, cfg)

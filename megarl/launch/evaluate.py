@@ -34,8 +34,8 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from megarl.config.schema import MegarlConfig, as_megarl_config
 from megarl.errors import UserError
 
 logger = logging.getLogger("megarl.eval")
@@ -58,6 +58,16 @@ class EvalRequest:
     """``--samples`` (None: the recipe's ``data.eval_samples_per_prompt``, 1 when that is 0)."""
     ks: tuple[int, ...] | None
     """``--k`` (None: 1, 2, 4, ... up to n, and n)."""
+
+    def checkpoint_dir(self) -> Path:
+        """:attr:`checkpoint`, of a request without ``--hf``.
+
+        Raises:
+            EvalArgumentError: the request names neither model (:func:`check_args` makes none such).
+        """
+        if self.checkpoint is None:
+            raise EvalArgumentError("give exactly one model: --checkpoint RUN/checkpoints/step_N or --hf HF_DIR")
+        return self.checkpoint
 
     @property
     def work_dir(self) -> Path:
@@ -131,7 +141,10 @@ def _default_out(ckpt: Path | None, hf: Path | None) -> Path:
     step = _trainer_step_dir(ckpt) if ckpt is not None else None
     if step is not None:
         return step.parent.parent / "eval" / f"{step.name}.json"
-    parts = [p for p in Path(ckpt or hf).resolve().parts if p != "/"]
+    model = ckpt if ckpt is not None else hf
+    if model is None:
+        raise EvalArgumentError("give exactly one model: --checkpoint RUN/checkpoints/step_N or --hf HF_DIR")
+    parts = [p for p in model.resolve().parts if p != "/"]
     return Path("runs") / "eval" / f"{'--'.join(parts)}.json"
 
 
@@ -162,18 +175,20 @@ def export_model(request: EvalRequest) -> Path:
 
     if request.hf_dir is not None:
         return request.hf_dir
-    step = _trainer_step_dir(request.checkpoint)
+    ckpt = request.checkpoint_dir()
+    step = _trainer_step_dir(ckpt)
     if step is not None:
         done = step.parent.parent / "hf" / step.name
         if (done / "config.json").is_file():  # the run's exports are renamed into place when complete
             logger.info("serving the run's own export %s", done)
             return done
     out = request.work_dir / "hf"
-    logger.info("exporting %s to %s", request.checkpoint, out)
-    return megatron_to_hf_dir(request.checkpoint, out, overwrite=True)
+    logger.info("exporting %s to %s", ckpt, out)
+    return megatron_to_hf_dir(ckpt, out, overwrite=True)
 
 
-def evaluate_model(cfg: Any, rows: list[dict], log_dir: Path, policy_version: int = 0) -> tuple[dict, str, dict]:
+def evaluate_model(cfg: MegarlConfig, rows: list[dict], log_dir: Path,
+                   policy_version: int = 0) -> tuple[dict, str, dict]:
     """Start the run's engines on ``cfg.model.hf_path`` and the rollout actor, evaluate ``rows``
     and stop everything.
 
@@ -196,7 +211,8 @@ def evaluate_model(cfg: Any, rows: list[dict], log_dir: Path, policy_version: in
         engines = EngineGroup(cfg, placement, cfg.model.hf_path, log_dir)
         retrieval = start_retrieval(cfg, log_dir)  # sets rollout.tools.search.url
         urls = engines.wait_ready()
-        worker = RolloutWorker.options(num_cpus=0).remote(OmegaConf.to_yaml(cfg, resolve=True), urls, engines.ids)
+        worker = RolloutWorker.options(num_cpus=0).remote(  # type: ignore[attr-defined]  # a Ray actor class
+            OmegaConf.to_yaml(cfg, resolve=True), urls, engines.ids)
         return ray.get(worker.evaluate_records.remote(rows, policy_version))
     finally:
         if worker is not None:
@@ -227,8 +243,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from megarl.plugins import import_plugins
 
     request = check_args(args)
-    config_dir = request.hf_dir or _checkpoint_config_dir(request.checkpoint)
-    cfg = prepare_config(args.config, eval_overrides(request, args, config_dir), check_fit=False)
+    config_dir = request.hf_dir or _checkpoint_config_dir(request.checkpoint_dir())
+    cfg = as_megarl_config(prepare_config(args.config, eval_overrides(request, args, config_dir), check_fit=False))
     if not cfg.data.eval_path:
         raise EvalArgumentError("no evaluation data: set data.eval_path in the recipe or pass --data FILE")
     n = int(cfg.data.eval_samples_per_prompt) or 1

@@ -33,6 +33,8 @@ import numpy as np
 import ray
 import torch
 
+from megarl.config.schema import RolloutConfig, as_megarl_config
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,7 +77,7 @@ class SeededEngine:
         return getattr(self.engine, name)
 
 
-def _eval_rollout_config(rollout: Any, samples_per_prompt: int = 0) -> Any:
+def _eval_rollout_config(rollout: RolloutConfig, samples_per_prompt: int = 0) -> Any:
     """The rollout section for evaluation, no over-sampling: one greedy trajectory per prompt, or
     (``samples_per_prompt > 0``) that many trajectories sampled with the training settings."""
     from omegaconf import OmegaConf
@@ -139,12 +141,13 @@ class RolloutWorker:
         from megarl.rollout.router import Router
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        cfg = OmegaConf.create(cfg_yaml)
+        cfg = as_megarl_config(OmegaConf.create(cfg_yaml))
         import_plugins(cfg.plugins)  # the tools, reward and agent loop they register
         self.cfg = cfg
         tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         timeout = float(cfg.rollout.engine.request_timeout_s)
-        clients = [SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
+        # SGLangClients, or (R3) RoutedClients: SGLangClients by delegation (megarl.launch.route_workers)
+        clients: list[Any] = [SGLangClient(url, engine_id=eid, request_timeout_s=timeout)
                    for url, eid in zip(engine_urls, engine_ids)]
         if cfg.train.routing_replay == "r3":  # routes decoded and kept by one worker per engine
             clients = routed_clients(clients, timeout)
@@ -159,8 +162,8 @@ class RolloutWorker:
         self.manager = RolloutManager(engine, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
                                       filter_zero_variance=dynamic,
                                       return_routed_experts=cfg.train.routing_replay == "r3")
-        shared = dict(prompt_key=cfg.data.prompt_key, filter_zero_variance=False, tools=self.manager.ctx.tools,
-                      reward_fn=self.manager.reward_fn)
+        shared: dict[str, Any] = dict(prompt_key=cfg.data.prompt_key, filter_zero_variance=False,
+                                      tools=self.manager.ctx.tools, reward_fn=self.manager.reward_fn)
         self.eval_manager = RolloutManager(self.router, tokenizer, _eval_rollout_config(cfg.rollout), **shared)
         samples = int(cfg.data.eval_samples_per_prompt or 0)
         # Every evaluation draws the same seeds per prompt (common random numbers), so before/after

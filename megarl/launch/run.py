@@ -26,7 +26,7 @@ import ray
 from omegaconf import OmegaConf
 
 from megarl.cluster.colocated import EngineMemoryLoan, lends_engine_memory
-from megarl.cluster.placement import build_placement, init_ray
+from megarl.cluster.placement import Placement, build_placement, init_ray
 from megarl.cluster.ray_engines import EngineGroup, heal_engines
 from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.config.schema import DataConfig, MegarlConfig
@@ -83,14 +83,23 @@ def load_datasets(data: DataConfig) -> tuple[PromptDataset, list[dict] | None]:
     Raises:
         megarl.data.datasets.DatasetError: unreadable file or missing fields (names the file/row).
     """
-    reader = dict(dataset=data.dataset, dataset_kwargs=dict(data.dataset_kwargs or {}))
-    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key, **reader)
+    kwargs = dict(data.dataset_kwargs or {})
+    train = PromptDataset.from_file(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                                    dataset=data.dataset, dataset_kwargs=kwargs)
     eval_rows = None
     if data.eval_path:
         held = PromptDataset.from_file(data.eval_path, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                                       max_rows=data.max_eval_samples, **reader)
+                                       max_rows=data.max_eval_samples, dataset=data.dataset, dataset_kwargs=kwargs)
         eval_rows = held.rows
     return train, eval_rows
+
+
+def _plain_config(cfg: MegarlConfig) -> dict[str, Any]:
+    """``cfg`` resolved into plain dicts and lists (the metric sinks' copy of the run config)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(plain, dict):
+        raise TypeError(f"the run config is a {type(plain).__name__}, not a mapping")
+    return {str(key): value for key, value in plain.items()}
 
 
 @dataclasses.dataclass
@@ -119,7 +128,7 @@ class Run:
     run_dir: Path
     stages: Stages | None = None
     started_ray: bool = False
-    placement: Any = None
+    placement: Placement | None = None
     engines: EngineGroup | None = None
     engine_urls: list[str] = dataclasses.field(default_factory=list)
     loan: EngineMemoryLoan | None = None
@@ -144,16 +153,17 @@ class Run:
         demos = prepare_demonstrations(cfg, dataset) if resume_from is None else []
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                                      wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
-                                     config=OmegaConf.to_container(cfg, resolve=True), wandb_id=state.wandb_id)
+                                     config=_plain_config(cfg), wandb_id=state.wandb_id)
         state.wandb_id = self.metrics.wandb_id
         self._start_processes(cfg, resuming=resume_from is not None)
+        _, loan, trainer = self._started()
         stages = self._stages(cfg, dataset, eval_rows, state)
         if resume_from is not None:
             stages.checkpoint.restore(resume_from)
         else:
-            stages.sync.trained_before_rl = run_cold_start(self.trainer, cfg.sft, demos, run_dir=self.run_dir,
+            stages.sync.trained_before_rl = run_cold_start(trainer, cfg.sft, demos, run_dir=self.run_dir,
                                                            seed=int(cfg.train.seed))
-        self.loan.resume()  # colocated: lent while the trainer was built (module docstring)
+        loan.resume()  # colocated: lent while the trainer was built (module docstring)
         stages.sync.push(stages.train.policy_version)
         self.stages = stages
         return stages
@@ -166,9 +176,9 @@ class Run:
         trainer_cfg = trainer_config(cfg, resuming=resuming)
         self.started_ray = init_ray(cfg)
         link_ray_logs(self.run_dir)  # run_dir/ray_logs -> this Ray session's worker logs
-        self.placement = build_placement(cfg)
+        placement = self.placement = build_placement(cfg)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
-        self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
+        self.engines = EngineGroup(cfg, placement, cfg.model.hf_path, self.run_dir,
                                    custom_weight_loaders=engine_custom_weight_loaders(run_transport(cfg)))
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
         self.loan = EngineMemoryLoan(lends=lends_engine_memory(cfg.cluster, cfg.rollout),
@@ -178,17 +188,18 @@ class Run:
             # weights too: the first weight sync rewrites every one); resumed before that sync.
             self.engine_urls = self.loan.engine_urls = self.engines.wait_ready()
             self.loan.release(weights=True)
-        self.trainer = self.loan.trainer = TrainerGroup(trainer_cfg, self.placement)
+        self.trainer = self.loan.trainer = TrainerGroup(trainer_cfg, placement)
         if not self.loan.lends:
             self.engine_urls = self.loan.engine_urls = self.engines.wait_ready()
-        self.rollout_actor = RolloutWorker.options(num_cpus=0).remote(
+        self.rollout_actor = RolloutWorker.options(num_cpus=0).remote(  # type: ignore[attr-defined]  # a Ray actor class
             OmegaConf.to_yaml(cfg, resolve=True), self.engine_urls, self.engines.ids)
 
     def _stages(self, cfg: MegarlConfig, dataset: PromptDataset, eval_rows: list[dict] | None,
                 state: RunState) -> Stages:
         """The stages on the started processes (``state``: the driver state resumed, or a fresh one)."""
         num_steps, ro, every = int(cfg.train.num_steps), cfg.rollout, int(cfg.weight_sync.every_n_steps)
-        sync = WeightSyncStage(cfg=cfg.weight_sync, train_cfg=cfg.train, model=cfg.model, trainer=self.trainer,
+        engines, loan, trainer = self._started()
+        sync = WeightSyncStage(cfg=cfg.weight_sync, train_cfg=cfg.train, model=cfg.model, trainer=trainer,
                                engine_urls=self.engine_urls, rollout_actor=self.rollout_actor,
                                directory=self.run_dir / "weight_sync",
                                probe_prompts=[dataset.prompt(i) for i in range(min(NUM_PROBES, len(dataset)))])
@@ -196,8 +207,8 @@ class Run:
                                sampler=ResumableSampler(len(dataset), seed=int(cfg.train.seed),
                                                         shuffle=bool(cfg.data.shuffle)),
                                depth=pipeline_depth(ro.async_mode, ro.max_staleness, every), sync=sync,
-                               heal=functools.partial(heal_engines, self.engines, self.rollout_actor, sync))
-        train = TrainStage(trainer=self.trainer, loan=self.loan, global_batch_size=int(cfg.train.global_batch_size))
+                               heal=functools.partial(heal_engines, engines, self.rollout_actor, sync))
+        train = TrainStage(trainer=trainer, loan=loan, global_batch_size=int(cfg.train.global_batch_size))
         return Stages(
             rollout=rollout,
             advantages=AdvantageStage(cfg.algorithm, staleness_bound(ro.async_mode, ro.max_staleness, every)),
@@ -205,12 +216,23 @@ class Run:
             sync=sync,
             evaluation=EvalStage(rows=eval_rows, rollout_actor=self.rollout_actor,
                                  interval=int(cfg.data.eval_interval), num_steps=num_steps),
-            checkpoint=CheckpointStage(cfg=cfg.checkpoint, model=cfg.model, run_dir=self.run_dir, trainer=self.trainer,
+            checkpoint=CheckpointStage(cfg=cfg.checkpoint, model=cfg.model, run_dir=self.run_dir, trainer=trainer,
                                        rollout=rollout, train=train, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
                                        state=state),
             log=self._step_log(cfg, state.step),
             num_steps=num_steps,
             first_step=state.step)
+
+    def _started(self) -> tuple[EngineGroup, EngineMemoryLoan, TrainerGroup]:
+        """The engines, the memory loan and the trainer :meth:`_start_processes` started.
+
+        Raises:
+            RuntimeError: called before :meth:`_start_processes` (or after :meth:`close`).
+        """
+        if self.engines is None or self.loan is None or self.trainer is None:
+            raise RuntimeError("Run: the engines, loan and trainer are used before _start_processes() "
+                               "started them (or after close())")
+        return self.engines, self.loan, self.trainer
 
     def _step_log(self, cfg: MegarlConfig, first_step: int) -> StepLog:
         """The step log: metric sinks, ``perf/mfu``, the saved trajectories, the progress bar."""
@@ -219,6 +241,8 @@ class Run:
         from megarl.launch.mfu import MfuMeter
         from megarl.launch.rollout_log import RolloutWriter
 
+        if self.metrics is None:
+            raise RuntimeError("Run: the step log is built before build() made the metric sinks")
         model_dir = None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
         return StepLog(metrics=self.metrics,
                        mfu=MfuMeter(model_dir=model_dir, num_devices=trainer_world_size(cfg.cluster),

@@ -105,7 +105,7 @@ def _summary_line(step: int, rows: list[dict[str, Any]], shown: int) -> str:
     return (f"step {step}: {s['trajectories']} trajectories ({shown} shown) | reward mean {s['reward_mean']:.3f} | "
             f"truncated {s['truncated_frac']:.0%} | response tokens mean {s['response_tokens_mean']:.1f} "
             f"(trained {s['trained_tokens_mean']:.1f}) | tool calls {s['tool_calls']}, errors {s['tool_errors']} | "
-            f"policy {_span([s['policy_version_min'], s['policy_version_max']])}")
+            f"policy {_span([int(s['policy_version_min']), int(s['policy_version_max'])])}")
 
 
 def _turn_panels(row: dict[str, Any]) -> list[Any]:

@@ -13,6 +13,7 @@ The allocation, the checks against it and the node plan are :mod:`megarl.cluster
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -63,7 +64,7 @@ def cmd_wait_nodes(args: argparse.Namespace) -> int:
 
     plans = [p for p in read_plan(args.plan) if p.role != "unused" or p.index == 0]
     t0 = time.monotonic()
-    ray.init(address=args.address, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=args.address, log_to_driver=False, logging_level=logging.ERROR)
     try:
         while True:
             missing = missing_nodes(ray.nodes(), plans)

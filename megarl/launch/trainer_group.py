@@ -20,7 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+from omegaconf import OmegaConf
 
+from megarl.cluster.placement import Placement
+from megarl.config.device import use_cuda
+from megarl.config.parallel import trainer_world_size
+from megarl.config.schema import MegarlConfig, as_megarl_config
 from megarl.procs.ports import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -88,13 +93,11 @@ class TrainerWorker:
 
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
             torch.set_num_threads(num_threads)
-        from omegaconf import OmegaConf
-
         from megarl.conversion.initial_weights import initial_weights
         from megarl.plugins import import_plugins
         from megarl.training.trainer_build import build_trainer
 
-        cfg = OmegaConf.create(cfg_yaml)
+        cfg = as_megarl_config(OmegaConf.create(cfg_yaml))
         import_plugins(cfg.plugins)  # user modules, before anything is built
         # build_trainer initialises torch.distributed from RANK / WORLD_SIZE / MASTER_* (gloo on
         # CPU, nccl on CUDA), then Megatron's groups, the model (HF weights), DDP and optimizer.
@@ -152,8 +155,6 @@ class TrainerWorker:
 
     def connect_weight_sync(self, engine_urls: list[str], directory: str) -> None:
         """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
-        from omegaconf import OmegaConf
-
         from megarl.config.device import resolved_precision
         from megarl.weight_sync.choice import run_transport
         from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
@@ -205,7 +206,7 @@ class TrainerGroup:
     """All trainer ranks of a run.
 
     Args:
-        cfg: the resolved run config (DictConfig).
+        cfg: the resolved run config (a DictConfig of :class:`~megarl.config.schema.MegarlConfig`).
         placement: where the ranks go (:class:`megarl.cluster.placement.Placement`).
         env: extra environment for every rank.
         setup_timeout_s: seconds to wait for every rank to build its trainer (default
@@ -215,19 +216,14 @@ class TrainerGroup:
         TrainerGroupError: a rank failed to start.
     """
 
-    def __init__(self, cfg: Any, placement: Any, env: dict[str, str] | None = None,
+    def __init__(self, cfg: MegarlConfig, placement: Placement, env: dict[str, str] | None = None,
                  setup_timeout_s: float | None = None) -> None:
-        from omegaconf import OmegaConf
-
-        from megarl.config.device import use_cuda
-        from megarl.config.parallel import trainer_world_size
-
         self.world_size = trainer_world_size(cfg.cluster)
         self.timeout_s = float(cfg.cluster.trainer_call_timeout_s)
         self.colocated_fraction = float(cfg.cluster.colocated_trainer_memory_fraction)
         setup_timeout_s = float(cfg.cluster.trainer_setup_timeout_s if setup_timeout_s is None else setup_timeout_s)
         env = dict(env or {})
-        self.workers = [TrainerWorker.options(**placement.trainer_options(r), name=None)
+        self.workers = [TrainerWorker.options(**placement.trainer_options(r), name=None)  # type: ignore[attr-defined]  # a Ray actor class
                         .remote(r, self.world_size, env) for r in range(self.world_size)]
         # Rank 0's node hosts the rendezvous: only it takes a port (from the one allocator).
         infos = self._gather([w.node_info.remote(int(cfg.cluster.master_port) if r == 0 else None)
@@ -236,7 +232,7 @@ class TrainerGroup:
         local_ranks = _local_ranks([info[0] for info in infos])
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         logger.info("trainer group: %d ranks, rendezvous %s:%d", self.world_size, master_ip, master_port)
-        threads = [None] * self.world_size
+        threads: list[int | None] = [None] * self.world_size
         if use_cuda(cfg.cluster.device) and "OMP_NUM_THREADS" not in os.environ:
             per_node = {node: local_ranks[r] + 1 for r, (node, *_) in enumerate(infos)}  # ranks per node
             threads = [omp_threads(info[3], per_node[info[0]]) for info in infos]

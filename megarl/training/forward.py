@@ -92,13 +92,14 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
 
     Raises:
         ValueError: an unknown ``algorithm.rollout_correction`` or ``behaviour_drift_statistic``,
-            or ``max_behaviour_drift <= 0``.
+            or ``max_behaviour_drift <= 0``; a batch without ``old_logprobs``.
     """
+    old_logprobs = _old_logprobs(batch)
     loss_mask, is_weights, metrics = batch.loss_mask, None, {}
     if algo.max_behaviour_drift is not None or algo.rollout_correction != "none":
         pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
         real = pad(torch.ones(batch.num_tokens, dtype=torch.bool), pad_value=False)  # [B, T] real tokens
-        old, behaviour = pad(batch.old_logprobs), pad(batch.rollout_logprobs)
+        old, behaviour = pad(old_logprobs), pad(batch.rollout_logprobs)
         padded_mask = pad(loss_mask, pad_value=False)
         if algo.max_behaviour_drift is not None:  # drop before the correction: it weights the kept ones
             dropped = drift_filter(old, behaviour, padded_mask, max_drift=algo.max_behaviour_drift,
@@ -112,11 +113,12 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
     normalizer = LossNormalizer.from_loss_mask(packed_to_padded(loss_mask, batch.cu_seqlens, pad_value=False),
                                                max_response_tokens=float(max_response_tokens))
     if dp_group is not None:  # every rank's share of the step: exact integer counts in float64
-        counts = all_reduce(torch.stack([normalizer.num_tokens, normalizer.num_seqs]), group=dp_group)
+        counts = all_reduce(torch.stack([torch.as_tensor(normalizer.num_tokens), torch.as_tensor(normalizer.num_seqs)]),
+                            group=dp_group)
         normalizer = LossNormalizer(num_tokens=counts[0], num_seqs=counts[1],
                                     max_response_tokens=normalizer.max_response_tokens)
     to = functools.partial(torch.Tensor.to, device=device)
-    inputs = LossInputs(old_logprobs=to(batch.old_logprobs),
+    inputs = LossInputs(old_logprobs=to(old_logprobs),
                         ref_logprobs=None if batch.ref_logprobs is None else to(batch.ref_logprobs),
                         advantages=to(batch.advantages), loss_mask=to(loss_mask),
                         is_weights=None if is_weights is None else to(is_weights), normalizer=normalizer)
@@ -126,10 +128,22 @@ def loss_inputs(batch: TrainBatch, algo: AlgorithmConfig, *, device: torch.devic
 def mismatch(batch: TrainBatch) -> dict[str, Metric]:
     """``mismatch/*`` of a prepared batch: its trainer ``old_logprobs`` vs the engine's
     ``rollout_logprobs`` on its trained tokens (`megarl.algorithms.corrections.mismatch_metrics`,
-    on the sequences padded to ``[B, T_max]``)."""
+    on the sequences padded to ``[B, T_max]``).
+
+    Raises:
+        ValueError: the batch has no ``old_logprobs``.
+    """
     pad = functools.partial(packed_to_padded, cu_seqlens=batch.cu_seqlens)
-    return mismatch_metrics(pad(batch.old_logprobs.float()), pad(batch.rollout_logprobs.float()),
+    return mismatch_metrics(pad(_old_logprobs(batch).float()), pad(batch.rollout_logprobs.float()),
                             pad(batch.loss_mask, pad_value=False))
+
+
+def _old_logprobs(batch: TrainBatch) -> Tensor:
+    """``batch.old_logprobs``; raises ValueError when it has none (not prepared: `Trainer.prepare`)."""
+    if batch.old_logprobs is None:
+        raise ValueError("the batch has no old_logprobs (the trainer's logprobs at the sampling-time weights); "
+                         "prepare it first")
+    return batch.old_logprobs
 
 
 def _rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
@@ -147,8 +161,18 @@ def _rollout_correction(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mas
 def _output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
     """The output layer of a (DDP-wrapped) ``GPTModel`` chunk of the last stage, else None."""
     while not hasattr(model, "post_process") and hasattr(model, "module"):
-        model = model.module
-    return model.output_layer if getattr(model, "post_process", False) and hasattr(model, "output_layer") else None
+        model = _submodule(model, "module")
+    if getattr(model, "post_process", False) and hasattr(model, "output_layer"):
+        return _submodule(model, "output_layer")
+    return None
+
+
+def _submodule(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``model.<name>``; raises TypeError when that is not a module (a parameter or buffer)."""
+    sub = getattr(model, name)
+    if not isinstance(sub, torch.nn.Module):
+        raise TypeError(f"{type(model).__name__}.{name} is a {type(sub).__name__}, not a torch.nn.Module")
+    return sub
 
 
 def run_model(model: torch.nn.Module, mb: PackedMicroBatch, *, parallel: ParallelState,
@@ -242,14 +266,23 @@ def step_func(loss_of, *, parallel: ParallelState, replay: RoutingReplay | None,
         recorded: ``[T_total, L, K]`` int32, filled with the routes the routers chose (R2 recording,
             `megarl.training.routing_replay.store_routes`); None: nothing recorded.
         Others: as `run_model` and `micro_batch_logprobs` take them.
+
+    Raises:
+        ValueError: ``recorded`` without ``replay`` (the routers are recorded through it).
     """
+    recording: tuple[Tensor, RoutingReplay] | None = None
+    if recorded is not None:
+        if replay is None:
+            raise ValueError("step_func: recording routes (recorded) needs the model's RoutingReplay, got replay=None")
+        recording = (recorded, replay)
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        if recorded is not None:
-            replay.record(chunk=model)
+        if recording is not None:
+            recording[1].record(chunk=model)
         output = run_model(model, mb, parallel=parallel, replay=replay, routes=routes)
-        if recorded is not None:
-            store_routes(recorded, mb, replay.take_recorded(chunk=model), parallel)
+        if recording is not None:
+            store_routes(recording[0], mb, recording[1].take_recorded(chunk=model), parallel)
 
         def loss_func(output_tensor):
             logprobs, ent = micro_batch_logprobs(output_tensor, mb, vocab_size=vocab_size, tp_group=tp_group,
@@ -275,6 +308,9 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, i
     Returns:
         ``(loss, metrics)``: 0-dim loss (the caller applies Megatron's scaling, module
         docstring); metrics as ``Metric`` objects.
+
+    Raises:
+        ValueError: ``kl_coef > 0`` without ``inputs.ref_logprobs``; ``entropy_coef > 0`` without ``entropy``.
     """
     cu = mb.cu_seqlens
     if not mb.spec.seq_indices:  # padding-only micro batch: keep the graph, contribute nothing
@@ -292,11 +328,15 @@ def rl_loss(logprobs: Tensor, entropy: Tensor | None, mb: PackedMicroBatch, *, i
                                    normalizer=inputs.normalizer, is_weights=is_weights,
                                    entropy=None if ent is None else ent.detach(), **policy_loss.keywords(algo))
     if algo.kl_coef > 0:
+        if inputs.ref_logprobs is None:
+            raise ValueError("algorithm.kl_coef > 0 needs the reference logprobs (inputs.ref_logprobs is None)")
         kl_loss, kl_metrics = kl_penalty_loss(lp, padded(inputs.ref_logprobs[index]), mask, kl_coef=algo.kl_coef,
                                               estimator=algo.kl_estimator,
                                               loss_agg_mode=algo.loss_aggregation, normalizer=inputs.normalizer)
         loss, metrics = loss + kl_loss, metrics | kl_metrics
     if algo.entropy_coef > 0:
+        if ent is None:
+            raise ValueError("algorithm.entropy_coef > 0 needs the entropy (the pass ran with entropy='none')")
         bonus, bonus_metrics = entropy_bonus_loss(ent, mask, entropy_coef=algo.entropy_coef,
                                                   loss_agg_mode=algo.loss_aggregation, normalizer=inputs.normalizer)
         loss, metrics = loss + bonus, metrics | bonus_metrics

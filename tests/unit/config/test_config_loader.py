@@ -117,3 +117,18 @@ def test_override_grammar_errors():
     for text in ("+train.lr", "++", "~", "=3"):
         with pytest.raises(ConfigError, match="Hydra's grammar"):
             load_config(None, [text])
+
+
+def test_as_megarl_config_types_the_config_itself():
+    """The loader's config and a resolved one read back from YAML (as the Ray actors read it) are
+    returned as they are; what is not a mapping config is a TypeError naming its type."""
+    from megarl.config.loader import to_yaml
+    from megarl.config.schema import as_megarl_config
+
+    cfg = load_config(None, ["train.seed=7"])
+    assert as_megarl_config(cfg) is cfg
+    read_back = OmegaConf.create(to_yaml(cfg))
+    assert as_megarl_config(read_back) is read_back and read_back.train.seed == 7
+    for bad in (OmegaConf.create([1, 2]), {"train": {}}):
+        with pytest.raises(TypeError, match=f"got {type(bad).__name__}"):
+            as_megarl_config(bad)

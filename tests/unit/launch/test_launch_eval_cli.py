@@ -74,3 +74,17 @@ def test_overrides_after_options_and_what_eval_sets(monkeypatch, dirs):
     request = evaluate.check_args(args)
     assert evaluate.eval_overrides(request, args, dirs["hf"]) == [
         "a.b=1", "c.d=2", f"model.hf_path={dirs['hf']}", "model.load_dir=null", "data.eval_samples_per_prompt=3"]
+
+
+def test_a_request_without_a_model_is_an_argument_error(tmp_path):
+    """check_args never makes one; built by hand, it fails naming the arguments (before: a
+    TypeError / AttributeError from Path(None))."""
+    request = evaluate.EvalRequest(None, None, tmp_path / "r.json", None, None)
+    with pytest.raises(evaluate.EvalArgumentError, match="exactly one model"):
+        request.checkpoint_dir()
+    with pytest.raises(evaluate.EvalArgumentError, match="exactly one model"):
+        evaluate.export_model(request)
+    with pytest.raises(evaluate.EvalArgumentError, match="exactly one model"):
+        evaluate._default_out(None, None)
+    ckpt = tmp_path / "ckpt"
+    assert evaluate.EvalRequest(ckpt, None, tmp_path / "r.json", None, None).checkpoint_dir() == ckpt
