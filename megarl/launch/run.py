@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
+from megarl.cluster.bundles import bundle_shapes
 from megarl.cluster.colocated import EngineMemoryLoan, lends_engine_memory
 from megarl.cluster.placement import build_placement, init_ray
 from megarl.cluster.ray_engines import EngineGroup, heal_engines
@@ -164,12 +165,14 @@ class Run:
         from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
         trainer_cfg = trainer_config(cfg, resuming=resuming)
-        self.started_ray = init_ray(cfg)
+        shapes = bundle_shapes(cfg)  # devices resolved once; the engines and ranks read them off the placement
+        self.started_ray = init_ray(cfg, cuda=shapes.cuda)
         link_ray_logs(self.run_dir)  # run_dir/ray_logs -> this Ray session's worker logs
-        self.placement = build_placement(cfg)
+        self.placement = build_placement(cfg, shapes)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
+        loaders = engine_custom_weight_loaders(run_transport(cfg, cuda=shapes.cuda))
         self.engines = EngineGroup(cfg, self.placement, cfg.model.hf_path, self.run_dir,
-                                   custom_weight_loaders=engine_custom_weight_loaders(run_transport(cfg)))
+                                   custom_weight_loaders=loaders)
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
         self.loan = EngineMemoryLoan(lends=lends_engine_memory(cfg.cluster, cfg.rollout),
                                      weights_each_step=int(cfg.weight_sync.every_n_steps) == 1)

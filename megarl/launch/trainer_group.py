@@ -154,12 +154,13 @@ class TrainerWorker:
         """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
         from omegaconf import OmegaConf
 
-        from megarl.config.device import resolved_precision
+        from megarl.config.device import resolved_precision, use_cuda
         from megarl.weight_sync.choice import run_transport
         from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
         cfg = self.trainer.cfg
-        ws = OmegaConf.merge(cfg.weight_sync, {"transport": run_transport(cfg)})  # auto: tensor when colocated on CUDA
+        transport = run_transport(cfg, cuda=use_cuda(cfg.cluster.device))  # auto: tensor when colocated on CUDA
+        ws = OmegaConf.merge(cfg.weight_sync, {"transport": transport})
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
         spec = SyncSpec(hf_dir=cfg.model.hf_path, engine_urls=engine_urls,
                         engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
@@ -206,7 +207,7 @@ class TrainerGroup:
 
     Args:
         cfg: the resolved run config (DictConfig).
-        placement: where the ranks go (:class:`megarl.cluster.placement.Placement`).
+        placement: where the ranks go, and whether on CUDA (:class:`megarl.cluster.placement.Placement`).
         env: extra environment for every rank.
         setup_timeout_s: seconds to wait for every rank to build its trainer (default
             ``cluster.trainer_setup_timeout_s``); calls wait ``cluster.trainer_call_timeout_s``.
@@ -219,7 +220,6 @@ class TrainerGroup:
                  setup_timeout_s: float | None = None) -> None:
         from omegaconf import OmegaConf
 
-        from megarl.config.device import use_cuda
         from megarl.config.parallel import trainer_world_size
 
         self.world_size = trainer_world_size(cfg.cluster)
@@ -237,7 +237,7 @@ class TrainerGroup:
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         logger.info("trainer group: %d ranks, rendezvous %s:%d", self.world_size, master_ip, master_port)
         threads = [None] * self.world_size
-        if use_cuda(cfg.cluster.device) and "OMP_NUM_THREADS" not in os.environ:
+        if placement.cuda and "OMP_NUM_THREADS" not in os.environ:
             per_node = {node: local_ranks[r] + 1 for r, (node, *_) in enumerate(infos)}  # ranks per node
             threads = [omp_threads(info[3], per_node[info[0]]) for info in infos]
         self._gather([w.setup.remote(master_ip, master_port, lr, cfg_yaml, n)
