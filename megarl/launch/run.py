@@ -217,7 +217,6 @@ class Run:
 
     def _step_log(self, cfg: MegarlConfig, first_step: int) -> StepLog:
         """The step log: metric sinks, ``perf/mfu``, the saved trajectories, the progress bar."""
-        from megarl.config.device import use_cuda
         from megarl.config.parallel import trainer_world_size
         from megarl.launch.mfu import MfuMeter
         from megarl.launch.rollout_log import RolloutWriter
@@ -225,7 +224,7 @@ class Run:
         model_dir = None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
         return StepLog(metrics=self.metrics,
                        mfu=MfuMeter(model_dir=model_dir, num_devices=trainer_world_size(cfg.cluster),
-                                    on_cuda=use_cuda(cfg.cluster.device), peak_tflops=cfg.logging.peak_tflops),
+                                    on_cuda=self.placement.cuda, peak_tflops=cfg.logging.peak_tflops),
                        rollouts=RolloutWriter(run_dir=self.run_dir,
                                               tokenizer_path=cfg.model.tokenizer_path or model_dir,
                                               prompt_key=cfg.data.prompt_key, enabled=cfg.logging.save_rollouts),
