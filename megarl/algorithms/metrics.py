@@ -16,13 +16,14 @@ the whole global batch at once:
   items reports ``-inf`` / ``+inf`` (the identity of the reduction).
 
 `reduce_metrics` does the micro-batch combination on one rank and is the reference for what the
-data-parallel all-reduce must compute.
+data-parallel all-reduce must compute. The optimizer steps of one RL step report the plain mean of
+their already reduced values (`mean_over_steps`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -128,3 +129,13 @@ def reduce_metrics(metric_dicts: Iterable[Mapping[str, Metric]]) -> dict[str, Me
             value = values.max() if reduction == "max" else values.min()
             combined[name] = Metric(value, reduction, weights[0])
     return combined
+
+
+def mean_over_steps(per_step: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Average the metrics of several optimizer steps of one RL step (each already reduced over its
+    micro batches and ranks); a key missing in some steps is averaged over those present.
+    ``train/num_optimizer_steps`` counts the steps."""
+    keys = {k for m in per_step for k in m}
+    out = {k: float(sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step)) for k in keys}
+    out["train/num_optimizer_steps"] = float(len(per_step))
+    return out

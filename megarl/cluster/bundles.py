@@ -1,5 +1,9 @@
-"""What a run or an evaluation reserves: the placement groups' bundles, computed from the config alone
-(:func:`bundle_shapes`; :func:`megarl.cluster.placement.build_placement` creates them).
+"""What a run or an evaluation reserves: the placement groups' bundles and the device facts they follow
+from, resolved from the config once at start-up (:func:`bundle_shapes`). Ray's start
+(:func:`megarl.cluster.placement.init_ray`) and the placement
+(:func:`megarl.cluster.placement.build_placement`) take them from here, and the engines and trainer
+ranks from the :class:`~megarl.cluster.placement.Placement` made of them, instead of each asking the
+config (and ``cluster.device``) again.
 
 Training reserves one bundle per trainer rank and, disaggregated, one per engine node part.
 Evaluation (``megarl eval``, ``engines_only``) runs no trainer rank: disaggregated, it reserves the
@@ -36,7 +40,7 @@ def engine_nodes(cluster: Any, rollout: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BundleShapes:
-    """The bundles to reserve.
+    """The bundles to reserve, and the facts they follow from.
 
     Attributes:
         trainer: the trainer group's bundles, one per device (``{"CPU": 1, "GPU": 1}`` on CUDA); the
@@ -44,42 +48,45 @@ class BundleShapes:
         rollout: the disaggregated engines' bundles, one per engine node part (``{"CPU": 1, "GPU":
             devices per part}`` on CUDA); empty when colocated or without engines to start.
         colocated: ``cluster.placement == "colocated"``.
+        cuda: ``cluster.device`` resolved in this process (:func:`megarl.config.device.use_cuda`).
+        num_engines: the engines megarl starts (0 with ``rollout.external_engine_urls``).
+        devices_per_engine: :func:`devices_per_engine`.
+        engine_nodes: :func:`engine_nodes`.
+        engines_only: reserved for an evaluation (no trainer rank runs).
+        Role resources (Slurm) are not in the bundles: :func:`megarl.cluster.placement.with_roles` adds them.
     """
 
     trainer: list[dict]
     rollout: list[dict]
     colocated: bool
+    cuda: bool
+    num_engines: int
+    devices_per_engine: int
+    engine_nodes: int
+    engines_only: bool = False
 
     def gpus(self) -> float:
         """GPUs reserved in all (0 on CPU)."""
         return float(sum(b.get("GPU", 0) for b in [*self.trainer, *self.rollout]))
 
 
-def bundle_shapes(cfg: MegarlConfig, *, roles: bool, engines_only: bool = False) -> BundleShapes:
+def bundle_shapes(cfg: MegarlConfig, *, engines_only: bool = False) -> BundleShapes:
     """The bundles a run (``engines_only=False``) or an evaluation (True) reserves.
 
     Args:
         cfg: the run's config (``cluster``, ``rollout``).
-        roles: the cluster advertises ``megarl_trainer`` / ``megarl_rollout`` per node (Slurm jobs):
-            bundles ask for them, pinning trainer ranks and engines to their nodes.
         engines_only: only the engines run (evaluation): see the module docstring.
     """
-    cuda = use_cuda(cfg.cluster.device)
     colocated = cfg.cluster.placement == "colocated"
     per_engine = devices_per_engine(cfg.rollout)
+    parts = engine_nodes(cfg.cluster, cfg.rollout)
     num_engines = 0 if cfg.rollout.external_engine_urls else int(cfg.rollout.num_engines)
     world = trainer_world_size(cfg.cluster)
-    trainer_bundle = {"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
-    if roles:
-        trainer_bundle["megarl_trainer"] = 1
+    cuda = use_cuda(cfg.cluster.device)
     if engines_only:
         world = min(world, num_engines * per_engine) if colocated else 0
-    trainer = [dict(trainer_bundle) for _ in range(world)]
-    if colocated:
-        return BundleShapes(trainer, [], True)
-    parts = engine_nodes(cfg.cluster, cfg.rollout)
+    trainer = [{"CPU": 1, "GPU": 1} if cuda else {"CPU": 1} for _ in range(world)]
     per_part = per_engine // parts  # a whole node's devices when an engine spans nodes
-    engine_bundle = {"CPU": 1, "GPU": per_part} if cuda else {"CPU": 1}
-    if roles:
-        engine_bundle["megarl_rollout"] = per_part
-    return BundleShapes(trainer, [dict(engine_bundle) for _ in range(num_engines * parts)], False)
+    rollout = [] if colocated else [{"CPU": 1, "GPU": per_part} if cuda else {"CPU": 1}
+                                    for _ in range(num_engines * parts)]
+    return BundleShapes(trainer, rollout, colocated, cuda, num_engines, per_engine, parts, engines_only)

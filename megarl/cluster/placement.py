@@ -7,7 +7,7 @@ Placement (docs/architecture.md):
   group has one bundle per engine holding all of that engine's devices (``{"CPU": 1, "GPU": tp*ep}``),
   so the engine's SGLang server sees exactly its GPUs. Trainer and engines never share a device.
   An engine larger than a node (``tp > cluster.rollout_devices_per_node``, a whole multiple of it:
-  :func:`engine_nodes`) has one bundle per node part instead (``{"CPU": 1, "GPU": per_node}``);
+  :func:`megarl.cluster.bundles.engine_nodes`) has one bundle per node part instead (``{"CPU": 1, "GPU": per_node}``);
   its parts take the bundles of consecutive nodes (:func:`engine_part_bundles`), and each part's
   actor starts that node's SGLang process (``--nnodes``/``--node-rank``; node-rank 0 serves HTTP).
 - ``colocated``: one placement group (the trainer's); engine ``i`` sits in the bundle of trainer
@@ -33,8 +33,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from megarl.cluster.bundles import bundle_shapes, devices_per_engine, engine_nodes
-from megarl.config.device import use_cuda
+from megarl.cluster.bundles import BundleShapes
 from megarl.config.parallel import trainer_world_size
 
 logger = logging.getLogger(__name__)
@@ -135,8 +134,12 @@ def _ray_version() -> str:
     return ray.__version__
 
 
-def init_ray(cfg: Any) -> bool:
+def init_ray(cfg: Any, *, cuda: bool) -> bool:
     """Connect to ``cluster.ray_address`` or start a local Ray; reuse one already initialised.
+
+    Args:
+        cuda: the run uses CUDA (:attr:`megarl.cluster.bundles.BundleShapes.cuda`): the workers'
+            environment (:func:`worker_env`).
 
     Returns:
         True when this call started (and so should shut down) Ray.
@@ -146,7 +149,6 @@ def init_ray(cfg: Any) -> bool:
     if ray.is_initialized():
         logger.info("using the Ray instance already initialised in this process")
         return False
-    cuda = use_cuda(cfg.cluster.device)
     env = worker_env(cuda)
     if cfg.cluster.ray_address:
         logger.info("connecting to the Ray cluster at %s", cfg.cluster.ray_address)
@@ -190,7 +192,10 @@ class Placement:
         trainer_bundles: bundle index of each trainer rank (:func:`bundle_order`); None = rank order.
         engine_devices: colocated on CUDA: the GPU ids each engine's server sees; else empty.
         engine_parts: bundle of each node part ``[engine][node_rank]`` (one part per engine unless
-            engines span nodes: :func:`engine_nodes`); ``engine_bundles`` holds the first parts'.
+            engines span nodes: :func:`megarl.cluster.bundles.engine_nodes`); ``engine_bundles`` holds
+            the first parts'.
+        cuda: the run uses CUDA (:attr:`megarl.cluster.bundles.BundleShapes.cuda`).
+        engine_nodes: nodes one engine spans (:attr:`megarl.cluster.bundles.BundleShapes.engine_nodes`).
     """
 
     trainer_pg: Any
@@ -202,6 +207,8 @@ class Placement:
     trainer_bundles: list[int] | None = None
     engine_devices: list[list[str]] = dataclasses.field(default_factory=list)
     engine_parts: list[list[int]] = dataclasses.field(default_factory=list)
+    cuda: bool = False
+    engine_nodes: int = 1
 
     @property
     def _num_cpus(self) -> float:
@@ -294,49 +301,56 @@ def _gpu_ids() -> list[str]:
     return [str(g) for g in ray.get_gpu_ids()]
 
 
-def build_placement(cfg: Any, *, timeout_s: float = 300.0, engines_only: bool = False) -> Placement:
-    """Create the placement groups of the ``cluster`` section and wait until they are ready.
+def with_roles(shapes: BundleShapes, roles: bool) -> tuple[list[dict], list[dict]]:
+    """The trainer and rollout bundles of ``shapes``; with ``roles`` (the cluster advertises
+    ``megarl_trainer`` / ``megarl_rollout`` per node: Slurm jobs), each also asks for its role's
+    resource (``megarl_trainer``: 1, ``megarl_rollout``: the devices of one engine node part), which
+    pins trainer ranks and engines to their nodes."""
+    if not roles:
+        return shapes.trainer, shapes.rollout
+    per_part = shapes.devices_per_engine // shapes.engine_nodes
+    return ([{**b, "megarl_trainer": 1} for b in shapes.trainer],
+            [{**b, "megarl_rollout": per_part} for b in shapes.rollout])
 
-    Args:
-        engines_only: evaluation: reserve only what the engines use (:func:`megarl.cluster.bundles.bundle_shapes`).
+
+def build_placement(cfg: Any, shapes: BundleShapes, *, timeout_s: float = 300.0) -> Placement:
+    """Create the placement groups of ``shapes`` (:func:`megarl.cluster.bundles.bundle_shapes`; an
+    evaluation's with ``engines_only``) and wait until they are ready.
 
     Raises:
         TimeoutError: the cluster does not have the resources (the message lists what was asked).
+        ValueError: on CUDA, a tensor-parallel group or an engine's node parts would share or span
+            nodes (:func:`check_groups_on_one_node`, :func:`engine_part_bundles`).
     """
     import ray
     from ray.util.placement_group import placement_group
 
-    cuda = use_cuda(cfg.cluster.device)
-    per_engine = devices_per_engine(cfg.rollout)
-    shapes = bundle_shapes(cfg, roles="megarl_trainer" in ray.cluster_resources(), engines_only=engines_only)
-    trainer_pg = placement_group(shapes.trainer, strategy="PACK", name="megarl_trainer") if shapes.trainer else None
+    cuda, per_engine, parts = shapes.cuda, shapes.devices_per_engine, shapes.engine_nodes
+    trainer, rollout = with_roles(shapes, "megarl_trainer" in ray.cluster_resources())
+    trainer_pg = placement_group(trainer, strategy="PACK", name="megarl_trainer") if trainer else None
     if shapes.colocated:
-        num_engines = 0 if cfg.rollout.external_engine_urls else int(cfg.rollout.num_engines)
-        bundles = [min(i * per_engine, len(shapes.trainer) - 1) for i in range(num_engines)]
-        placement = Placement(trainer_pg, trainer_pg, bundles,
-                              COLOCATED_TRAINER_GPU if cuda else 0, COLOCATED_ENGINE_GPU if cuda else 0, True)
+        bundles = [min(i * per_engine, len(trainer) - 1) for i in range(shapes.num_engines)]
+        placement = Placement(trainer_pg, trainer_pg, bundles, COLOCATED_TRAINER_GPU if cuda else 0,
+                              COLOCATED_ENGINE_GPU if cuda else 0, True, cuda=cuda, engine_nodes=parts)
     else:
-        parts = engine_nodes(cfg.cluster, cfg.rollout)
-        rollout_pg = (placement_group(shapes.rollout, strategy="PACK", name="megarl_rollout")
-                      if shapes.rollout else trainer_pg)
+        rollout_pg = placement_group(rollout, strategy="PACK", name="megarl_rollout") if rollout else trainer_pg
         placement = Placement(trainer_pg if trainer_pg is not None else rollout_pg, rollout_pg,
-                              list(range(len(shapes.rollout) // parts)), 1 if cuda else 0,
-                              per_engine // parts if cuda else 0, False)
+                              list(range(len(rollout) // parts)), 1 if cuda else 0,
+                              per_engine // parts if cuda else 0, False, cuda=cuda, engine_nodes=parts)
     groups = list({id(pg): pg for pg in (trainer_pg, placement.rollout_pg) if pg is not None}.values())
     try:
         ray.get([pg.ready() for pg in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         raise TimeoutError(
-            f"placement groups not ready after {timeout_s:.0f}s: trainer {shapes.trainer[:1]} x "
-            f"{len(shapes.trainer)}, engines {shapes.rollout[:1]} x {len(shapes.rollout)} "
+            f"placement groups not ready after {timeout_s:.0f}s: trainer {trainer[:1]} x "
+            f"{len(trainer)}, engines {rollout[:1]} x {len(rollout)} "
             f"({cfg.cluster.placement}); cluster has {ray.cluster_resources()}") from e
     if trainer_pg is not None:
-        _order_trainer_bundles(placement, cfg, cuda=cuda, world=len(shapes.trainer), per_engine=per_engine,
-                               check_tp=not engines_only)
-    if not placement.colocated and shapes.rollout and engine_nodes(cfg.cluster, cfg.rollout) > 1:
-        parts = engine_nodes(cfg.cluster, cfg.rollout)
-        nodes, _ = _bundle_locations(placement.rollout_pg, len(shapes.rollout), False)
-        placement.engine_parts = engine_part_bundles(nodes, len(shapes.rollout) // parts, parts, cuda=cuda)
+        _order_trainer_bundles(placement, cfg, cuda=cuda, world=len(trainer), per_engine=per_engine,
+                               check_tp=not shapes.engines_only)
+    if not placement.colocated and rollout and parts > 1:
+        nodes, _ = _bundle_locations(placement.rollout_pg, len(rollout), False)
+        placement.engine_parts = engine_part_bundles(nodes, len(rollout) // parts, parts, cuda=cuda)
         placement.engine_bundles = [p[0] for p in placement.engine_parts]
     return placement
 

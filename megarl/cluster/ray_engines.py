@@ -66,7 +66,7 @@ class EngineGroup:
 
     Args:
         cfg: the resolved run config.
-        placement: :class:`megarl.cluster.placement.Placement`.
+        placement: :class:`megarl.cluster.placement.Placement` (also: CUDA or not, the nodes an engine spans).
         model_path: the HF directory the engines load at start.
         log_dir: ``engine{i}.log`` files go here.
         custom_weight_loaders, env: passed to every server (the weight-sync transport's needs).
@@ -74,8 +74,6 @@ class EngineGroup:
 
     def __init__(self, cfg: MegarlConfig, placement: Any, model_path: str, log_dir: Path, *,
                  custom_weight_loaders: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        from megarl.cluster.bundles import engine_nodes
-        from megarl.config.device import use_cuda
         from megarl.rollout.engine_actor import EngineActor
 
         self.startup_timeout_s = float(cfg.rollout.engine.startup_timeout_s)
@@ -88,10 +86,10 @@ class EngineGroup:
         if self.external:
             self.ids = [f"engine{i}" for i in range(len(self.external))]
             return
-        device = "cuda" if use_cuda(cfg.cluster.device) else "cpu"
+        device = "cuda" if placement.cuda else "cpu"
         remote_cls = ray.remote(EngineActor)
         self.ids = [f"engine{i}" for i in range(int(cfg.rollout.num_engines))]
-        nnodes = engine_nodes(cfg.cluster, cfg.rollout)
+        nnodes = placement.engine_nodes
         for i, engine_id in enumerate(self.ids):
             parts = []
             for rank in range(nnodes):

@@ -244,24 +244,14 @@ def is_demonstrations_file(source: str) -> bool:
     return source.endswith((".jsonl", ".json", ".jsonl.gz", ".parquet"))
 
 
-def resolve_builder(source: str) -> DemonstrationBuilder:
-    """The builder ``sft.demonstrations`` names: a registered name or an import path ``module:attr``
-    (``module`` dotted or a ``.py`` file, as for tools and rewards; see :mod:`megarl.plugins`).
-
-    Raises:
-        megarl.plugins.PluginError: unknown name, unimportable module or missing attribute (its key
-            is ``sft.demonstrations``).
-    """
-    return DEMONSTRATION_BUILDERS.resolve(source)
-
-
 def load_demonstrations(source: str, rows: Sequence[dict], *, system_prompt: str | None,
                         tool_fraction: float, seed: int, limit: int) -> list[list[dict[str, Any]]]:
     """Demonstrations (lists of chat messages) from a builder or a file of ``messages`` rows.
 
     Args:
         source: ``sft.demonstrations``: a jsonl/parquet path, a key of :data:`DEMONSTRATION_BUILDERS`,
-            or an import path ``module:attr`` of a builder.
+            or an import path ``module:attr`` of a builder (``module`` dotted or a ``.py`` file, as
+            for tools and rewards; see :mod:`megarl.plugins`).
         rows: the training prompt rows (builders turn them into demonstrations).
         system_prompt: prepended by builders (a file's messages are used as they are).
         tool_fraction, seed: builder settings.
@@ -285,7 +275,7 @@ def load_demonstrations(source: str, rows: Sequence[dict], *, system_prompt: str
                 raise ValueError(f"sft.demonstrations: {source} row {i} has no 'messages' list")
         demos = [row["messages"] for row in file_rows]
     else:
-        builder = resolve_builder(source)
+        builder = DEMONSTRATION_BUILDERS.resolve(source)  # a registered name or an import path
         demos = list(builder(list(rows[:limit * 2]), system_prompt=system_prompt, tool_fraction=tool_fraction,
                              seed=seed))
     if not demos:

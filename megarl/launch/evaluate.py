@@ -199,15 +199,17 @@ def evaluate_model(cfg: MegarlConfig, rows: list[dict], log_dir: Path,
     import ray
     from omegaconf import OmegaConf
 
+    from megarl.cluster.bundles import bundle_shapes
     from megarl.cluster.placement import build_placement, init_ray
     from megarl.cluster.ray_engines import EngineGroup
     from megarl.cluster.retrieval import start_retrieval, stop_retrieval
     from megarl.launch.rollout_actor import RolloutWorker
 
-    started = init_ray(cfg)
+    shapes = bundle_shapes(cfg, engines_only=True)  # no trainer rank: the engines' devices only
+    started = init_ray(cfg, cuda=shapes.cuda)
     placement = engines = worker = retrieval = None
     try:
-        placement = build_placement(cfg, engines_only=True)  # no trainer rank: the engines' devices only
+        placement = build_placement(cfg, shapes)
         engines = EngineGroup(cfg, placement, cfg.model.hf_path, log_dir)
         retrieval = start_retrieval(cfg, log_dir)  # sets rollout.tools.search.url
         urls = engines.wait_ready()

@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
+from megarl.cluster.bundles import bundle_shapes
 from megarl.cluster.colocated import EngineMemoryLoan, lends_engine_memory
 from megarl.cluster.placement import Placement, build_placement, init_ray
 from megarl.cluster.ray_engines import EngineGroup, heal_engines
@@ -174,12 +175,14 @@ class Run:
         from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
         trainer_cfg = trainer_config(cfg, resuming=resuming)
-        self.started_ray = init_ray(cfg)
+        shapes = bundle_shapes(cfg)  # devices resolved once; the engines and ranks read them off the placement
+        self.started_ray = init_ray(cfg, cuda=shapes.cuda)
         link_ray_logs(self.run_dir)  # run_dir/ray_logs -> this Ray session's worker logs
-        placement = self.placement = build_placement(cfg)
+        placement = self.placement = build_placement(cfg, shapes)
         # Engines boot (tens of seconds) while the trainer ranks build their models.
+        loaders = engine_custom_weight_loaders(run_transport(cfg, cuda=shapes.cuda))
         self.engines = EngineGroup(cfg, placement, cfg.model.hf_path, self.run_dir,
-                                   custom_weight_loaders=engine_custom_weight_loaders(run_transport(cfg)))
+                                   custom_weight_loaders=loaders)
         self.retrieval = start_retrieval(cfg, self.run_dir)  # sets rollout.tools.search.url
         self.loan = EngineMemoryLoan(lends=lends_engine_memory(cfg.cluster, cfg.rollout),
                                      weights_each_step=int(cfg.weight_sync.every_n_steps) == 1)
@@ -236,7 +239,6 @@ class Run:
 
     def _step_log(self, cfg: MegarlConfig, first_step: int) -> StepLog:
         """The step log: metric sinks, ``perf/mfu``, the saved trajectories, the progress bar."""
-        from megarl.config.device import use_cuda
         from megarl.config.parallel import trainer_world_size
         from megarl.launch.mfu import MfuMeter
         from megarl.launch.rollout_log import RolloutWriter
@@ -246,7 +248,7 @@ class Run:
         model_dir = None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
         return StepLog(metrics=self.metrics,
                        mfu=MfuMeter(model_dir=model_dir, num_devices=trainer_world_size(cfg.cluster),
-                                    on_cuda=use_cuda(cfg.cluster.device), peak_tflops=cfg.logging.peak_tflops),
+                                    on_cuda=self.placement.cuda, peak_tflops=cfg.logging.peak_tflops),
                        rollouts=RolloutWriter(run_dir=self.run_dir,
                                               tokenizer_path=cfg.model.tokenizer_path or model_dir,
                                               prompt_key=cfg.data.prompt_key, enabled=cfg.logging.save_rollouts),

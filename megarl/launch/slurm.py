@@ -110,7 +110,7 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
     except ExternalEnginesError as e:
         print(f"megarl engines: {e}", file=sys.stderr)
         return 2
-    loaders = engine_custom_weight_loaders(run_transport(cfg))  # shard / p2p receive through a loader
+    loaders = engine_custom_weight_loaders(run_transport(cfg, cuda=cuda))  # shard / p2p receive through a loader
     registry = Path(args.registry)
     registry.mkdir(parents=True, exist_ok=True)
     timeout_s = float(cfg.rollout.engine.startup_timeout_s)

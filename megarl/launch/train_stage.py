@@ -10,22 +10,13 @@ given back -> the policy version advances by one.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
+from megarl.algorithms.metrics import mean_over_steps
 from megarl.cluster.colocated import EngineMemoryLoan
 from megarl.launch.advantage_stage import BatchResult
 from megarl.launch.metric_sinks import StageTimer
 from megarl.training.shard import shard_batch
-
-
-def mean_metrics(per_step: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Average the metrics of several optimizer steps (keys missing in some steps: over those present);
-    ``train/num_optimizer_steps`` counts them."""
-    keys = {k for m in per_step for k in m}
-    out = {k: float(sum(m[k] for m in per_step if k in m) / sum(k in m for m in per_step)) for k in keys}
-    out["train/num_optimizer_steps"] = float(len(per_step))
-    return out
 
 
 @dataclasses.dataclass
@@ -57,7 +48,7 @@ class TrainStage:
         with timer("logprobs"):  # old / ref logprobs, R2 routes, mismatch: computed and kept on the ranks
             metrics = dict(self.trainer.prepare(shards))
         with timer("train"):
-            metrics.update(mean_metrics([self.trainer.train_step(m) for m in range(shards[0].num_minis)]))
+            metrics.update(mean_over_steps([self.trainer.train_step(m) for m in range(shards[0].num_minis)]))
         self.loan.resume()
         self.policy_version += 1
         return metrics

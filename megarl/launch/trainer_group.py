@@ -160,7 +160,8 @@ class TrainerWorker:
         from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
         cfg = self.trainer.cfg
-        ws = OmegaConf.merge(cfg.weight_sync, {"transport": run_transport(cfg)})  # auto: tensor when colocated on CUDA
+        transport = run_transport(cfg, cuda=use_cuda(cfg.cluster.device))  # auto: tensor when colocated on CUDA
+        ws = OmegaConf.merge(cfg.weight_sync, {"transport": transport})
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
         spec = SyncSpec(hf_dir=cfg.model.hf_path, engine_urls=engine_urls,
                         engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),
@@ -207,7 +208,7 @@ class TrainerGroup:
 
     Args:
         cfg: the resolved run config (a DictConfig of :class:`~megarl.config.schema.MegarlConfig`).
-        placement: where the ranks go (:class:`megarl.cluster.placement.Placement`).
+        placement: where the ranks go, and whether on CUDA (:class:`megarl.cluster.placement.Placement`).
         env: extra environment for every rank.
         setup_timeout_s: seconds to wait for every rank to build its trainer (default
             ``cluster.trainer_setup_timeout_s``); calls wait ``cluster.trainer_call_timeout_s``.
@@ -233,7 +234,7 @@ class TrainerGroup:
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         logger.info("trainer group: %d ranks, rendezvous %s:%d", self.world_size, master_ip, master_port)
         threads: list[int | None] = [None] * self.world_size
-        if use_cuda(cfg.cluster.device) and "OMP_NUM_THREADS" not in os.environ:
+        if placement.cuda and "OMP_NUM_THREADS" not in os.environ:
             per_node = {node: local_ranks[r] + 1 for r, (node, *_) in enumerate(infos)}  # ranks per node
             threads = [omp_threads(info[3], per_node[info[0]]) for info in infos]
         self._gather([w.setup.remote(master_ip, master_port, lr, cfg_yaml, n)

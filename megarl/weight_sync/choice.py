@@ -7,7 +7,6 @@ import logging
 
 import torch
 
-from megarl.config.device import use_cuda
 from megarl.weight_sync.engine_clients import EngineClients, wait_all
 from megarl.weight_sync.engine_slices import PlanError
 from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
@@ -89,13 +88,13 @@ def make_transport(name: str, plan: WeightSyncPlan, engines: EngineClients, **op
     return cls.from_options(plan, engines, opts)
 
 
-def run_transport(cfg) -> str:
+def run_transport(cfg, *, cuda: bool) -> str:
     """The transport a run config asks for: ``weight_sync.transport``, with ``auto`` meaning
-    ``tensor`` when trainer and engines share CUDA devices (``cluster.placement=colocated``: NCCL
-    cannot connect two ranks on one GPU); otherwise ``auto`` is resolved by the senders
-    (:func:`resolve_auto`)."""
+    ``tensor`` when trainer and engines share CUDA devices (``cluster.placement=colocated`` and
+    ``cuda``, ``cluster.device`` resolved: :func:`megarl.config.device.use_cuda`; NCCL cannot
+    connect two ranks on one GPU); otherwise ``auto`` is resolved by the senders (:func:`resolve_auto`)."""
     transport = cfg.weight_sync.transport
-    if transport == "auto" and cfg.cluster.placement == "colocated" and use_cuda(cfg.cluster.device):
+    if transport == "auto" and cfg.cluster.placement == "colocated" and cuda:
         return "tensor"
     return transport
 

@@ -59,6 +59,7 @@ def measure(hf_dir: str, num_seqs: int, global_batch: int) -> list[dict]:
     import ray
     from transformers import AutoConfig
 
+    from megarl.cluster.bundles import bundle_shapes
     from megarl.cluster.placement import build_placement, init_ray
     from megarl.launch.trainer_group import TrainerGroup
     from megarl.testing.driver_bytes import step_bytes
@@ -66,11 +67,11 @@ def measure(hf_dir: str, num_seqs: int, global_batch: int) -> list[dict]:
     hf = AutoConfig.from_pretrained(hf_dir)
     batch, routes = _batch(hf.vocab_size, num_seqs, hf.num_hidden_layers, hf.num_experts_per_tok, hf.num_experts)
     rows = []
-    started = init_ray(_cfg(hf_dir, 4, 1, global_batch))
+    started = init_ray(_cfg(hf_dir, 4, 1, global_batch), cuda=False)  # cluster.device=cpu
     try:
         for world, tp in ((2, 2), (2, 1), (4, 1)):
             cfg = _cfg(hf_dir, world, tp, global_batch)
-            placement = build_placement(cfg)
+            placement = build_placement(cfg, bundle_shapes(cfg))
             group = TrainerGroup(cfg, placement)
             try:
                 counted, metrics = step_bytes(group, batch, routes, global_batch_size=global_batch)

@@ -50,17 +50,18 @@ def test_driver_receives_metrics_only_and_each_rank_its_share(tiny_moe_dir):
     import ray
     from transformers import AutoConfig
 
+    from megarl.cluster.bundles import bundle_shapes
     from megarl.cluster.placement import build_placement, init_ray
     from megarl.launch.data_plan import METRICS_BYTES, plan_step_bytes
     from megarl.launch.trainer_group import TrainerGroup
 
     batch, routes = _batch_and_routes(AutoConfig.from_pretrained(tiny_moe_dir).vocab_size)
     results = {}
-    started = init_ray(_cfg(tiny_moe_dir, 4, 1))
+    started = init_ray(_cfg(tiny_moe_dir, 4, 1), cuda=False)  # cluster.device=cpu
     try:
         for world, tp in ((2, 2), (2, 1), (4, 1)):  # DP 1 (the two TP ranks share one shard), DP 2, DP 4
             cfg = _cfg(tiny_moe_dir, world, tp)
-            placement = build_placement(cfg)
+            placement = build_placement(cfg, bundle_shapes(cfg))
             group = TrainerGroup(cfg, placement)
             try:
                 assert group.dp_size == world // tp

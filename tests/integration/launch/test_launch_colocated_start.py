@@ -60,12 +60,13 @@ def _cfg(run_dir: Path, tiny_moe_dir: Path, *extra: str):
 def run_ray():
     """Start Ray as the run would (:func:`init_ray`), retried: on a loaded 2-core machine Ray 2.60's fixed
     30 s wait for its raylet can expire. ``Run.build`` then uses this instance; stopped here."""
+    from megarl.cluster.bundles import bundle_shapes
     from megarl.cluster.placement import init_ray
 
     def start(cfg) -> None:
         for attempt in range(3):
             try:
-                init_ray(cfg)
+                init_ray(cfg, cuda=bundle_shapes(cfg).cuda)
                 return
             except Exception:
                 ray.shutdown()

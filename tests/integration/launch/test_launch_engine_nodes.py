@@ -13,6 +13,7 @@ tests/unit/rollout/test_engine_nodes.py.)
 import pytest
 import ray
 
+from megarl.cluster.bundles import bundle_shapes
 from megarl.cluster.placement import build_placement
 from megarl.cluster.ray_engines import engine_kwargs
 from megarl.rollout.engine_actor import EngineActor
@@ -78,7 +79,7 @@ def _cfg():
 @pytest.mark.timeout(600)
 def test_engine_over_two_nodes_takes_whole_distinct_nodes(ray_nodes, tmp_path):
     cfg = _cfg()
-    layout = build_placement(cfg, timeout_s=240)
+    layout = build_placement(cfg, bundle_shapes(cfg), timeout_s=240)
     try:
         head_node = ray.get_runtime_context().get_node_id()
         remote_cls = ray.remote(_probed_actor_class())

@@ -13,7 +13,7 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
-from megarl.cluster.bundles import devices_per_engine
+from megarl.cluster.bundles import bundle_shapes, devices_per_engine
 from megarl.cluster.placement import build_placement
 from megarl.cluster.ray_engines import MEMORY_SAVER_FLAG, engine_kwargs
 from megarl.config.schema import MegarlConfig
@@ -49,7 +49,8 @@ def test_devices_each_trainer_rank_and_engine_sees(logical_gpu_ray, tmp_path, pl
     ranks = max(tp, 2)  # few actors: each one is a new worker process
     cfg = _cfg(placement, tp, ranks)
     assert devices_per_engine(cfg.rollout) == tp
-    layout = build_placement(cfg, timeout_s=60)
+    layout = build_placement(cfg, bundle_shapes(cfg), timeout_s=60)
+    assert layout.cuda and layout.engine_nodes == 1  # what EngineGroup and TrainerGroup read off it
     actors = []
     try:
         trainers = [TrainerWorker.options(**layout.trainer_options(r)).remote(r, ranks, {})

@@ -23,7 +23,7 @@ import json, os, psutil, ray
 from megarl.config import load_config
 from megarl.cluster.placement import init_ray
 
-assert init_ray(load_config("configs/cpu_gsm8k.yaml", []))
+assert init_ray(load_config("configs/cpu_gsm8k.yaml", []), cuda=False)
 
 @ray.remote
 def worker_ip():

@@ -24,6 +24,7 @@ from megarl.algorithms import (
     reduce_metrics,
 )
 from megarl.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
+from megarl.algorithms.metrics import mean_over_steps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,3 +171,10 @@ def test_empty_micro_batch_is_the_identity_of_metric_reduction():
     combined = reduce_metrics([empty_metrics, metrics, none_metrics])
     for name, metric in metrics.items():
         assert combined[name].value.item() == pytest.approx(metric.value.item(), rel=1e-14), name
+
+
+def test_optimizer_steps_report_the_mean_of_the_keys_they_have():
+    """Two optimizer steps, ``b`` only in the first: ``a`` is (1 + 3) / 2, ``b`` its one value."""
+    assert mean_over_steps([{"a": 1.0, "b": 2.0}, {"a": 3.0}]) == {"a": 2.0, "b": 2.0,
+                                                                    "train/num_optimizer_steps": 2.0}
+    assert mean_over_steps([{"x": 0.5}]) == {"x": 0.5, "train/num_optimizer_steps": 1.0}

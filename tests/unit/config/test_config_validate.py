@@ -101,15 +101,16 @@ def test_auto_transport_is_tensor_for_colocated_cuda_engines(good_overrides):
 
     colocated = ["cluster.placement=colocated", "cluster.device=cuda"]
     cfg = load_config(REPO / "configs" / "base.yaml", good_overrides + colocated)
-    assert cfg.weight_sync.transport == "auto" and run_transport(cfg) == "tensor"
+    assert cfg.weight_sync.transport == "auto" and run_transport(cfg, cuda=True) == "tensor"
+    assert run_transport(cfg, cuda=False) == "auto"  # colocated on CPU: the senders resolve it
     try:
         validate(cfg)
     except ConfigError as err:  # other checks may object to CUDA on this machine; not the transport
         assert "weight_sync.transport" not in {i.key for i in err.issues}, str(err)
     cfg = load_config(REPO / "configs" / "base.yaml", good_overrides)
-    assert run_transport(cfg) == "auto"
+    assert run_transport(cfg, cuda=True) == "auto"
     cfg = load_config(REPO / "configs" / "base.yaml", good_overrides + colocated + ["weight_sync.transport=disk"])
-    assert run_transport(cfg) == "disk"
+    assert run_transport(cfg, cuda=True) == "disk"
 
 
 def test_tied_qwen3_moe_is_accepted(good_overrides, tiny_tied_moe_dir):

@@ -4,6 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from megarl.cluster import placement as cluster
+from megarl.cluster.bundles import devices_per_engine
 from megarl.cluster.placement import Placement, bundle_order, check_groups_on_one_node
 from megarl.config.schema import MegarlConfig
 from megarl.launch.trainer_group import omp_threads
@@ -39,7 +40,7 @@ def _ordered(monkeypatch, cfg, *, colocated, num_engines):
     monkeypatch.setattr(cluster, "_bundle_locations", lambda pg, n, cuda: (NODES[:n], GPUS[:n]))
     placement = Placement("pg", "pg" if colocated else "rollout_pg", list(range(num_engines)), 0.5, 0.4, colocated)
     cluster._order_trainer_bundles(placement, cfg, cuda=True, world=8,
-                                   per_engine=cluster.devices_per_engine(cfg.rollout))
+                                   per_engine=devices_per_engine(cfg.rollout))
     return placement
 
 

@@ -8,7 +8,6 @@ from omegaconf import OmegaConf
 from megarl.cluster.ray_engines import DETERMINISTIC_FLAG, SEEDING_SHIM_DIR, engine_kwargs, seeding_env
 from megarl.config.schema import MegarlConfig
 from megarl.launch.rollout_actor import SeededEngine
-from megarl.launch.train_stage import mean_metrics
 from megarl.training.batch import TrainBatch
 from megarl.training.shard import mini_batches
 
@@ -69,7 +68,7 @@ def test_engine_kwargs_follow_the_config():
     assert kw["tp_size"] == cfg.rollout.engine.tensor_parallel_size and kw["engine_id"] == "engine0"
 
 
-def test_mini_batches_and_mean_metrics():
+def test_mini_batches():
     """A step of 5 sequences at ``train.global_batch_size`` 2 is three optimizer steps over
     consecutive sequences; the selected mini batches put the whole batch back together."""
     lens = [3, 4, 2, 5, 3]
@@ -87,5 +86,3 @@ def test_mini_batches_and_mean_metrics():
     assert mini_batches(batch.num_sequences, 8) == [range(0, 5)]
     with pytest.raises(ValueError, match="global_batch_size"):
         mini_batches(5, 0)
-    m = mean_metrics([{"a": 1.0, "b": 2.0}, {"a": 3.0}])
-    assert m == {"a": 2.0, "b": 2.0, "train/num_optimizer_steps": 2.0}
