@@ -18,7 +18,7 @@ async mode; ``decoupled`` is AReaL's objective for deeper pipelines).
 ``weight_sync.every_n_steps = n`` updates the engines after every n-th optimizer step (and always
 before an evaluation and at the end).
 
-Each stage owns its state (:class:`megarl.launch.run.Stages`): rollout (prompt sampler, rollouts in
+Each stage owns its state (:class:`megarl.launch.stages.Stages`): rollout (prompt sampler, rollouts in
 flight, engine healing), advantages (filters), train (trainer ranks, policy version), weight sync
 (connection, verification, the engines' version), evaluation, checkpoint, step log; the loop holds
 nothing but the step.
@@ -34,7 +34,8 @@ from megarl.launch.metric_sinks import StageTimer, save_plots
 from megarl.launch.pipeline import sync_due
 from megarl.launch.preemption import Preempted, StopGuard
 from megarl.launch.rollout_stage import RolloutStage
-from megarl.launch.run import Run, Stages, prepare_run_dir
+from megarl.launch.run import Run, prepare_run_dir
+from megarl.launch.stages import Stages
 from megarl.launch.step_log import StepLog
 from megarl.launch.train_stage import TrainStage
 from megarl.launch.weight_sync_stage import WeightSyncStage

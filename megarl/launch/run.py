@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 import time
 from pathlib import Path
@@ -28,23 +27,15 @@ from omegaconf import OmegaConf
 from megarl.cluster.bundles import bundle_shapes
 from megarl.cluster.colocated import EngineMemoryLoan, lends_engine_memory
 from megarl.cluster.placement import Placement, build_placement, init_ray
-from megarl.cluster.ray_engines import EngineGroup, heal_engines
+from megarl.cluster.ray_engines import EngineGroup
 from megarl.cluster.retrieval import start_retrieval, stop_retrieval
 from megarl.config.schema import DataConfig, MegarlConfig
 from megarl.data.datasets import PromptDataset
-from megarl.data.sampler import ResumableSampler
-from megarl.launch.advantage_stage import AdvantageStage
-from megarl.launch.checkpoint_stage import CheckpointStage
-from megarl.launch.eval_stage import EvalStage
 from megarl.launch.metric_sinks import MetricsLogger
-from megarl.launch.pipeline import pipeline_depth, staleness_bound
 from megarl.launch.rollout_actor import RolloutWorker
-from megarl.launch.rollout_stage import RolloutStage
-from megarl.launch.run_state import RunState, find_resume
-from megarl.launch.step_log import StepLog
-from megarl.launch.train_stage import TrainStage
+from megarl.launch.run_state import find_resume
+from megarl.launch.stages import Stages, Started, build_stages
 from megarl.launch.trainer_group import TrainerGroup
-from megarl.launch.weight_sync_stage import NUM_PROBES, WeightSyncStage
 
 logger = logging.getLogger("megarl.train")
 
@@ -104,24 +95,6 @@ def _plain_config(cfg: MegarlConfig) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class Stages:
-    """What the RL loop (:func:`megarl.launch.driver.run_loop`) calls, one call per stage, each
-    owning its state; the loop holds nothing but the step."""
-
-    rollout: RolloutStage
-    advantages: AdvantageStage
-    train: TrainStage
-    sync: WeightSyncStage
-    evaluation: EvalStage
-    checkpoint: CheckpointStage
-    log: StepLog
-    num_steps: int
-    """``train.num_steps``."""
-    first_step: int = 0
-    """RL steps completed before the loop starts (a resumed checkpoint's)."""
-
-
-@dataclasses.dataclass
 class Run:
     """A run's processes and its :class:`Stages` (see the module docstring): ``Run(prepare_run_dir(cfg))``,
     then :meth:`build`; :meth:`close` stops what it started, also after a failed build."""
@@ -151,20 +124,19 @@ class Run:
 
         dataset, eval_rows = load_datasets(cfg.data)
         resume_from, state = find_resume(cfg.checkpoint, self.run_dir)
-        demos = prepare_demonstrations(cfg, dataset) if resume_from is None else []
+        cold_start = prepare_demonstrations(cfg, dataset) if resume_from is None else None
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, jsonl=cfg.logging.jsonl,
                                      wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
                                      config=_plain_config(cfg), wandb_id=state.wandb_id)
         state.wandb_id = self.metrics.wandb_id
         self._start_processes(cfg, resuming=resume_from is not None)
-        _, loan, trainer = self._started()
-        stages = self._stages(cfg, dataset, eval_rows, state)
+        started = self._started()
+        stages = build_stages(cfg, started, dataset, eval_rows, state)
         if resume_from is not None:
             stages.checkpoint.restore(resume_from)
         else:
-            stages.sync.trained_before_rl = run_cold_start(trainer, cfg.sft, demos, run_dir=self.run_dir,
-                                                           seed=int(cfg.train.seed))
-        loan.resume()  # colocated: lent while the trainer was built (module docstring)
+            stages.sync.trained_before_rl = run_cold_start(started.trainer, cold_start, run_dir=self.run_dir)
+        started.loan.resume()  # colocated: lent while the trainer was built (module docstring)
         stages.sync.push(stages.train.policy_version)
         self.stages = stages
         return stages
@@ -197,62 +169,19 @@ class Run:
         self.rollout_actor = RolloutWorker.options(num_cpus=0).remote(  # type: ignore[attr-defined]  # a Ray actor class
             OmegaConf.to_yaml(cfg, resolve=True), self.engine_urls, self.engines.ids)
 
-    def _stages(self, cfg: MegarlConfig, dataset: PromptDataset, eval_rows: list[dict] | None,
-                state: RunState) -> Stages:
-        """The stages on the started processes (``state``: the driver state resumed, or a fresh one)."""
-        num_steps, ro, every = int(cfg.train.num_steps), cfg.rollout, int(cfg.weight_sync.every_n_steps)
-        engines, loan, trainer = self._started()
-        sync = WeightSyncStage(cfg=cfg.weight_sync, train_cfg=cfg.train, model=cfg.model, trainer=trainer,
-                               engine_urls=self.engine_urls, rollout_actor=self.rollout_actor,
-                               directory=self.run_dir / "weight_sync",
-                               probe_prompts=[dataset.prompt(i) for i in range(min(NUM_PROBES, len(dataset)))])
-        rollout = RolloutStage(rollout=ro, dataset=dataset, rollout_actor=self.rollout_actor, num_steps=num_steps,
-                               sampler=ResumableSampler(len(dataset), seed=int(cfg.train.seed),
-                                                        shuffle=bool(cfg.data.shuffle)),
-                               depth=pipeline_depth(ro.async_mode, ro.max_staleness, every), sync=sync,
-                               heal=functools.partial(heal_engines, engines, self.rollout_actor, sync))
-        train = TrainStage(trainer=trainer, loan=loan, global_batch_size=int(cfg.train.global_batch_size))
-        return Stages(
-            rollout=rollout,
-            advantages=AdvantageStage(cfg.algorithm, staleness_bound(ro.async_mode, ro.max_staleness, every)),
-            train=train,
-            sync=sync,
-            evaluation=EvalStage(rows=eval_rows, rollout_actor=self.rollout_actor,
-                                 interval=int(cfg.data.eval_interval), num_steps=num_steps),
-            checkpoint=CheckpointStage(cfg=cfg.checkpoint, model=cfg.model, run_dir=self.run_dir, trainer=trainer,
-                                       rollout=rollout, train=train, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                                       state=state),
-            log=self._step_log(cfg, state.step),
-            num_steps=num_steps,
-            first_step=state.step)
-
-    def _started(self) -> tuple[EngineGroup, EngineMemoryLoan, TrainerGroup]:
-        """The engines, the memory loan and the trainer :meth:`_start_processes` started.
+    def _started(self) -> Started:
+        """What :meth:`_start_processes` started, for :func:`~megarl.launch.stages.build_stages`.
 
         Raises:
             RuntimeError: called before :meth:`_start_processes` (or after :meth:`close`).
         """
-        if self.engines is None or self.loan is None or self.trainer is None:
+        if (self.engines is None or self.loan is None or self.trainer is None or self.placement is None
+                or self.metrics is None):
             raise RuntimeError("Run: the engines, loan and trainer are used before _start_processes() "
                                "started them (or after close())")
-        return self.engines, self.loan, self.trainer
-
-    def _step_log(self, cfg: MegarlConfig, first_step: int) -> StepLog:
-        """The step log: metric sinks, ``perf/mfu``, the saved trajectories, the progress bar."""
-        from megarl.config.parallel import trainer_world_size
-        from megarl.launch.mfu import MfuMeter
-        from megarl.launch.rollout_log import RolloutWriter
-
-        if self.metrics is None:
-            raise RuntimeError("Run: the step log is built before build() made the metric sinks")
-        model_dir = None if OmegaConf.is_missing(cfg.model, "hf_path") else str(cfg.model.hf_path)
-        return StepLog(metrics=self.metrics,
-                       mfu=MfuMeter(model_dir=model_dir, num_devices=trainer_world_size(cfg.cluster),
-                                    on_cuda=self.placement.cuda, peak_tflops=cfg.logging.peak_tflops),
-                       rollouts=RolloutWriter(run_dir=self.run_dir,
-                                              tokenizer_path=cfg.model.tokenizer_path or model_dir,
-                                              prompt_key=cfg.data.prompt_key, enabled=cfg.logging.save_rollouts),
-                       num_steps=int(cfg.train.num_steps), first_step=first_step, progress_bar=cfg.logging.progress_bar)
+        return Started(run_dir=self.run_dir, engines=self.engines, engine_urls=self.engine_urls, loan=self.loan,
+                       trainer=self.trainer, rollout_actor=self.rollout_actor, metrics=self.metrics,
+                       on_cuda=self.placement.cuda)
 
     def close(self) -> None:
         """Stop everything this run started (idempotent, best effort); an HF export in flight is

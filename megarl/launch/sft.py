@@ -15,6 +15,7 @@ Deviation from ReTool: no separate SFT run or model; the optimizer's Adam state 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,18 +73,31 @@ def sft_step(trainer: Any, batch: TrainBatch, *, lr: float) -> dict[str, float]:
     return metrics
 
 
-def demonstration_batches(trajectories: list, *, batch_size: int, num_steps: int, seed: int) -> Iterator[TrainBatch]:
-    """``num_steps`` packed batches of ``batch_size`` demonstrations, in a seeded order."""
-    from megarl.data.sampler import ResumableSampler
+@dataclasses.dataclass(frozen=True)
+class ColdStart:
+    """The SFT cold start, prepared before Ray (:func:`prepare_demonstrations`).
 
-    sampler = ResumableSampler(len(trajectories), seed=seed)
-    for _ in range(num_steps):
-        chosen = [trajectories[i] for i in sampler.next_indices(batch_size)]
-        yield TrainBatch.from_trajectories(chosen, torch.zeros(len(chosen)))
+    Attributes:
+        trajectories: the demonstrations, tokenised as the agent loop lays out rollouts.
+        order: per SFT step, the indices into ``trajectories`` of its ``sft.batch_size``
+            demonstrations (a seeded order, ``train.seed``; epochs reshuffled as the prompt sampler does).
+        sft: the ``sft`` section (``lr``, ``num_steps``, ``demonstrations`` for the log).
+    """
+
+    trajectories: list
+    order: list[list[int]]
+    sft: SFTConfig
+
+    def batches(self) -> Iterator[TrainBatch]:
+        """The packed batch of each step, in :attr:`order` (``advantages`` zero: SFT ignores them)."""
+        for indices in self.order:
+            chosen = [self.trajectories[i] for i in indices]
+            yield TrainBatch.from_trajectories(chosen, torch.zeros(len(chosen)))
 
 
-def prepare_demonstrations(cfg: MegarlConfig, dataset: Any) -> list:
-    """The SFT demonstrations as trajectories (empty when ``sft.num_steps`` is 0); runs before Ray.
+def prepare_demonstrations(cfg: MegarlConfig, dataset: Any) -> ColdStart | None:
+    """The SFT cold start: the demonstrations as trajectories and each step's choice of them (None
+    when ``sft.num_steps`` is 0); runs before Ray.
 
     Demonstrations are tokenised exactly as the agent loop lays out rollouts (same chat template,
     ``chat_template_kwargs``, system prompt and tool schemas; see :mod:`megarl.data.demonstrations`).
@@ -94,32 +108,34 @@ def prepare_demonstrations(cfg: MegarlConfig, dataset: Any) -> list:
     from transformers import AutoTokenizer
 
     from megarl.data.demonstrations import demonstration_to_trajectory, load_demonstrations
+    from megarl.data.sampler import ResumableSampler
     from megarl.rollout.template import build_template
     from megarl.rollout.tools import build_tools
 
     sft = cfg.sft
     if sft.num_steps <= 0:
-        return []
+        return None
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     tools = build_tools(dict(cfg.rollout.tools)) if cfg.rollout.agent.name != "single_turn" else {}
     template, _ = build_template(tokenizer, cfg.rollout.agent, tools)  # the rollouts' template and kwargs
     demos = load_demonstrations(sft.demonstrations, dataset.rows, system_prompt=cfg.rollout.agent.system_prompt,
                                 tool_fraction=float(sft.tool_fraction), seed=int(cfg.train.seed),
                                 limit=int(sft.max_demonstrations))
-    return [demonstration_to_trajectory(tokenizer, m, template=template) for m in demos]
+    trajectories = [demonstration_to_trajectory(tokenizer, m, template=template) for m in demos]
+    sampler = ResumableSampler(len(trajectories), seed=int(cfg.train.seed)) if trajectories else None
+    order = [sampler.next_indices(int(sft.batch_size)) for _ in range(int(sft.num_steps))] if sampler else []
+    return ColdStart(trajectories=trajectories, order=order, sft=sft)
 
 
-def run_cold_start(trainer: Any, sft: SFTConfig, trajectories: list, *, run_dir: Path, seed: int) -> bool:
-    """Run ``sft.num_steps`` SFT steps on the trainer before RL (no-op without demonstrations).
+def run_cold_start(trainer: Any, cold_start: ColdStart | None, *, run_dir: Path) -> bool:
+    """Run the prepared SFT steps on the trainer before RL (no-op without demonstrations).
 
     Progress goes to the log and to ``{run_dir}/sft_metrics.jsonl``.
 
     Args:
         trainer: the :class:`~megarl.launch.trainer_group.TrainerGroup`.
-        sft: the ``sft`` section.
-        trajectories: the demonstrations (:func:`prepare_demonstrations`).
+        cold_start: what :func:`prepare_demonstrations` returned.
         run_dir: the run directory.
-        seed: ``train.seed`` (the order of the demonstrations).
 
     Returns:
         True when SFT ran (the trainer's weights then differ from the engines' launch weights).
@@ -129,20 +145,19 @@ def run_cold_start(trainer: Any, sft: SFTConfig, trajectories: list, *, run_dir:
 
     from megarl.launch.metric_sinks import JsonlSink
 
-    if sft.num_steps <= 0 or not trajectories:
+    if cold_start is None or not cold_start.trajectories or not cold_start.order:
         return False
-    log = logging.getLogger("megarl.train")
-    log.info("SFT cold start: %d steps x %d of %d demonstrations (%s), lr %g", sft.num_steps, sft.batch_size,
-             len(trajectories), sft.demonstrations, sft.lr)
-    batches = demonstration_batches(trajectories, batch_size=int(sft.batch_size), num_steps=int(sft.num_steps),
-                                    seed=int(seed))
+    sft, log = cold_start.sft, logging.getLogger("megarl.train")
+    num_steps = len(cold_start.order)
+    log.info("SFT cold start: %d steps x %d of %d demonstrations (%s), lr %g", num_steps, sft.batch_size,
+             len(cold_start.trajectories), sft.demonstrations, sft.lr)
     sink, start = JsonlSink(Path(run_dir) / "sft_metrics.jsonl"), time.perf_counter()
     try:
-        for i, batch in enumerate(batches):
+        for i, batch in enumerate(cold_start.batches()):
             metrics = trainer.sft_step(batch, lr=float(sft.lr))
             sink.log(i, metrics)
-            if i % 20 == 0 or i == sft.num_steps - 1:
-                log.info("SFT step %d/%d: nll %.4f, grad norm %.3f (%.0fs)", i + 1, sft.num_steps,
+            if i % 20 == 0 or i == num_steps - 1:
+                log.info("SFT step %d/%d: nll %.4f, grad norm %.3f (%.0fs)", i + 1, num_steps,
                          metrics["sft/nll"], metrics["sft/grad_norm"], time.perf_counter() - start)
     finally:
         sink.close()

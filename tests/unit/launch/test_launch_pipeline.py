@@ -21,7 +21,7 @@ from megarl.launch.advantage_stage import AdvantageStage
 from megarl.launch.eval_stage import EvalStage
 from megarl.launch.pipeline import pipeline_depth, staleness_bound, sync_due
 from megarl.launch.rollout_stage import RolloutStage
-from megarl.launch.run import Stages
+from megarl.launch.stages import Stages
 from megarl.launch.train_stage import TrainStage
 from megarl.rollout.manager import RolloutBatch
 from megarl.rollout.types import Trajectory, TrajectoryGroup
