@@ -229,9 +229,9 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
              + f"; trainer rank sent max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x "
              f"{engines} engines) {ratio:.2f}"]
     if p.unaligned:
-        lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): the "
-                     f"holders of a straddled block share their parts of its amax, then quantise their own rows "
-                     f"(quantizer.quantize_rows)")
+        lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): their "
+                     f"tensors go in BF16 and each engine rank quantises its slice (senders.receiver_quantized; "
+                     f"counted above)")
     ranks = sorted(p.sends.shard)
     cells = [f"{r}: {p.sends.sent.get(r, 0) / GB:.2f}" for r in ranks]
     lines.append("  outgoing GB per trainer rank:")

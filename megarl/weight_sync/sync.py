@@ -311,7 +311,7 @@ class WeightSynchronizer:
         # Contributions of this stage are gathered while we may still wait for our turn.
         buckets = gatherer.iter_hf_buckets()
         quantizer = None
-        if self.plan.quantization is not None:  # the engines serve block FP8: send what they hold
+        if self.plan.quantization is not None and not self.owner:  # block-FP8 engines (owners quantise parts)
             from megarl.weight_sync.quantizer import WireQuantizer
 
             quantizer = WireQuantizer(self.plan.quantization, self._wire_ring)
