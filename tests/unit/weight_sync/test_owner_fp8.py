@@ -43,7 +43,19 @@ def _expected(references, plan, bucket, rank):
     return out
 
 
-def test_owner_fp8_parts_equal_the_whole_tensor_quantised_on_a_split_layout():
+def _within_block_bound(q, scale, reference):
+    """The dequantised weight against the trainer's: e4m3 keeps 3 mantissa bits, so each element is
+    within half a step of the top binade (16 in units of its block's scale) of the weight, plus the
+    fp32 rounding of the division and product (a relative 1e-3 here)."""
+    from megarl.models.fp8_blocks import dequantize_blockwise
+
+    error = (dequantize_blockwise(q, scale, BLOCK, dtype=torch.float32) - reference.float()).abs()
+    per = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:q.shape[0], :q.shape[1]]
+    return bool((error <= 16 * per * (1 + 1e-3)).all())
+
+
+def test_owner_fp8_parts_equal_the_whole_tensor_quantised_on_a_split_layout(monkeypatch):
+    from megarl.weight_sync import receiver
     from megarl.weight_sync.fp8_wire import quantize_listed
     from megarl.weight_sync.owners import OwnerParts
     from megarl.weight_sync.senders import receiver_quantized
@@ -54,6 +66,9 @@ def test_owner_fp8_parts_equal_the_whole_tensor_quantised_on_a_split_layout():
     plan, placement = _fp8_plan(trainer, engines)
     parts = OwnerParts(plan, placement)
     references, local = _shards(plan, placement)
+    # the served checkpoint's headers (what the receiver checks names, dtypes and shapes against)
+    monkeypatch.setattr(receiver, "_manifest", lambda: {w.name: (tuple(w.shape), w.dtype)
+                                                         for b in plan.buckets for w in b.wire})
     cut: dict[int, int] = {}
     kinds: dict[str, set] = {}
     for bucket in plan.buckets:
@@ -73,6 +88,16 @@ def test_owner_fp8_parts_equal_the_whole_tensor_quantised_on_a_split_layout():
                 assert sorted(got) == sorted(expected), (bucket.index, rank)
                 for name, ref in expected.items():
                     assert torch.equal(got[name], ref.contiguous().reshape(-1).view(torch.uint8)), (name, rank)
+                status, at, named = receiver._check(buffer, {"algo": "xxh3", "tensors": [[*t, None] for t in tensors]})
+                assert status == 0, (tensors[at], rank)
+                held = dict(named)  # what load_presharded would hand SGLang, against the trainer's weights
+                for name, tensor in held.items():
+                    if tensor.dtype == torch.float8_e4m3fn:
+                        spec = next(t for t in bucket.hf_tensors if t.name == name)
+                        sl = plan.engine_slices_of(spec)[rank]
+                        ref = references[name] if sl.axis is None else references[name].narrow(
+                            sl.axis, sl.start, sl.stop - sl.start)
+                        assert _within_block_bound(tensor, held[name + "_scale_inv"], ref), (name, rank)
                 for part in parts.parts(bucket, engine, rank):
                     cut[part.sender] = cut.get(part.sender, 0) + part.nbytes
                     kinds.setdefault(part.kind, set()).add(part.name)
