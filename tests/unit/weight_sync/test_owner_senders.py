@@ -130,7 +130,13 @@ def qwen3_moe_rank_bytes(c: dict, tp: int, ep: int) -> int:
 
 
 RECIPES = {"qwen3_30b_a3b_gpu": qwen3_moe_rank_bytes, "qwen3_235b_a22b_gpu": qwen3_moe_rank_bytes,
-           "glm45_gpu": None, "deepseek_v3_gpu": mla_rank_bytes, "kimi_k2_gpu": mla_rank_bytes}
+           "glm45_gpu": None, "deepseek_v3_gpu": mla_rank_bytes, "kimi_k2_gpu": mla_rank_bytes,
+           "kimi_k25_gpu": None}
+"""Every ``configs/*_gpu.yaml`` (checked below) and, where written, the bound's bytes from config.json alone."""
+
+
+def test_every_shipped_gpu_recipe_is_checked_against_the_bound():
+    assert sorted(RECIPES) == sorted(p.stem for p in (REPO / "configs").glob("*_gpu.yaml"))
 
 
 @pytest.mark.slow
