@@ -159,8 +159,10 @@ class WeightSyncConfig:
     (``megarl.weight_sync.plan``); 1 = one sender per stage. ``shard``/``tensor``/``disk`` use 1."""
     senders: str = "segment"
     """Which trainer ranks send with ``p2p``: ``owner`` (every rank its own parts, nothing gathered;
-    ``transport: p2p``, BF16 wire; ``megarl.weight_sync.owners``), ``segment`` (each engine rank's
-    segment from the stage rank holding most of it; ``megarl.weight_sync.segments``), ``stage``."""
+    ``transport: p2p``, BF16 or block-FP8 engines; ``megarl.weight_sync.owners``), ``segment`` (each
+    engine rank's segment from the stage rank holding most of it; ``megarl.weight_sync.segments``),
+    ``stage``. ``segment`` stays the default: ``owner`` needs ``p2p`` (``auto`` may resolve to
+    ``distributed``; colocated runs use ``tensor``) and is tested over gloo only (``README.md``)."""
     backend: str = "auto"
     """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
     pause_mode: str = "retract"

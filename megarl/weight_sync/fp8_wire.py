@@ -92,3 +92,35 @@ def wire_specs(hf_tensors: Sequence[HFTensorSpec], quantization: BlockFP8) -> tu
         out.append(HFTensorSpec(scale_name(t.name), quantization.scale_shape(t.shape), "float32", t.engine_split,
                                 t.expert, t.head_dim, scale_of=weight, block=quantization.block))
     return tuple(sorted(out, key=lambda t: -t.itemsize))
+
+
+def quantize_listed(slices: Sequence, tensors: Sequence, quantize: Sequence) -> tuple:
+    """An engine rank's receiver quantising the tensors owner senders sent unquantised
+    (:func:`megarl.weight_sync.senders.receiver_quantized`): each listed ``[j, bn, bk]`` slice
+    becomes its ``float8_e4m3fn`` weight and ``<name>_scale_inv`` (``quantize_blockwise``, the
+    sender's own quantiser: the bytes of the whole tensor quantised, since the engine rank's slice
+    is whole blocks), the rest is kept.
+
+    Args:
+        slices: each listed tensor's assembled slice (HF dtype); tensors: the ticket's
+            ``[[name, dtype, shape, ...]]``; quantize: the ticket's ``quantize``.
+
+    Returns:
+        ``(buffer, tensors)``: ``[nbytes]`` uint8 of the tensors back to back in decreasing element
+        size, and their ``[[name, dtype, shape]]``.
+    """
+    import torch
+
+    from megarl.models.fp8_blocks import quantize_blockwise
+
+    blocks = {int(j): (int(bn), int(bk)) for j, bn, bk in quantize}
+    out = []
+    for j, (entry, tensor) in enumerate(zip(tensors, slices)):
+        if j in blocks:
+            q, scale = quantize_blockwise(tensor, blocks[j])
+            out += [(entry[0], FP8_DTYPE, q), (scale_name(entry[0]), "float32", scale)]
+        else:
+            out.append((entry[0], entry[1], tensor))
+    out.sort(key=lambda x: -x[2].element_size())
+    buffer = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, _, t in out])
+    return buffer, [[name, dtype, list(t.shape)] for name, dtype, t in out]

@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -28,12 +29,25 @@ from megarl.weight_sync.plan import WeightSyncPlan
 Manifest = dict[str, tuple[tuple[int, ...], str]]
 """HF tensor name -> (shape, dtype name without ``torch.``)."""
 
+_T = TypeVar("_T")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
                        "F8_E4M3": "float8_e4m3fn", "I64": "int64", "I32": "int32", "U8": "uint8"}
 
 
 class WeightSyncError(RuntimeError):
     """A weight sync that must not be reported as a success (names the tensor and the problem)."""
+
+
+def required(value: _T | None, what: str) -> _T:
+    """``value``, set only on some trainer ranks (a transport on senders, the engines on the
+    coordinator), where a caller needs it.
+
+    Raises:
+        WeightSyncError: ``value`` is None (names ``what``).
+    """
+    if value is None:
+        raise WeightSyncError(f"weight sync: {what} is not set on this trainer rank")
+    return value
 
 
 def read_manifest(model_dir: str | os.PathLike) -> Manifest:

@@ -88,12 +88,12 @@ class OwnerTransport(P2PTransport):
                 if not mine:
                     continue
                 for p in mine:
-                    key = (p.name, p.shard, p.piece, p.slice)
+                    key = (p.name, p.shard, p.piece, p.slice, p.kind)
                     if key not in done:
                         data = self.parts.part_bytes(bucket, p, local)
                         done[key] = (data, checksum(data, self._algo or checksum_algo(data.device)))
-                out.append((i, rank, [done[(p.name, p.shard, p.piece, p.slice)][0] for p in mine],
-                            [done[(p.name, p.shard, p.piece, p.slice)][1] for p in mine]))
+                out.append((i, rank, [done[(p.name, p.shard, p.piece, p.slice, p.kind)][0] for p in mine],
+                            [done[(p.name, p.shard, p.piece, p.slice, p.kind)][1] for p in mine]))
         return out
 
     def send(self, bucket, tensors, flat=None) -> None:

@@ -119,7 +119,7 @@ def _sender_row(plan: WeightSyncPlan, pp_rank: int, transport: str, ranks_per_no
                 intra += nbytes
             else:
                 inter += nbytes
-    engines = len(plan.engines)
+    engines = len(plan.engines) if plan.engines is not None else plan.engine_layout.num_engines
     if transport == "p2p":
         shard = [0] * plan.engine_layout.tp_size
         for bucket in buckets:
@@ -141,7 +141,7 @@ def _segment_rows(plan: WeightSyncPlan, pp_rank: int, placement, ranks_per_node:
     from megarl.weight_sync.segments import SegmentOwners
 
     owners = SegmentOwners(plan, placement)
-    engines = len(plan.engines)
+    engines = len(plan.engines) if plan.engines is not None else plan.engine_layout.num_engines
     rows: dict[int, list[int]] = {}  # sender -> [hf bytes, gather intra, gather inter, send]
     for bucket in plan.stage_buckets(pp_rank):
         segments = owners.layout(bucket)[0]
@@ -229,9 +229,9 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
              + f"; trainer rank sent max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x "
              f"{engines} engines) {ratio:.2f}"]
     if p.unaligned:
-        lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): the "
-                     f"holders of a straddled block share their parts of its amax, then quantise their own rows "
-                     f"(quantizer.quantize_rows)")
+        lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): their "
+                     f"tensors go in BF16 and each engine rank quantises its slice (senders.receiver_quantized; "
+                     f"counted above)")
     ranks = sorted(p.sends.shard)
     cells = [f"{r}: {p.sends.sent.get(r, 0) / GB:.2f}" for r in ranks]
     lines.append("  outgoing GB per trainer rank:")
@@ -368,11 +368,13 @@ def link_speeds(cfg, *, gpu: str | None = None, intra_gbps: float | None = None,
         if spec is None:
             raise UserError("cluster.gpu: megarl plan-sync needs the links' speeds: set cluster.gpu (or pass --gpu: "
                             "h100, h200, b200, gb200), or pass both --intra-gbps and --inter-gbps")
+    if spec is None:  # looked up unless both speeds are given
+        assert intra_gbps is not None and inter_gbps is not None
+        return intra_gbps, inter_gbps, "given"
     intra = intra_gbps if intra_gbps is not None else spec.nvlink_gbps
     inter = inter_gbps if inter_gbps is not None else spec.network_gbps
-    source = "given" if spec is None else f"GPU preset {spec.name}" + (
-        "" if intra_gbps is None and inter_gbps is None else ", overridden")
-    return intra, inter, source
+    overridden = intra_gbps is not None or inter_gbps is not None
+    return intra, inter, f"GPU preset {spec.name}" + (", overridden" if overridden else "")
 
 
 def cmd_plan_sync(args, cfg) -> int:

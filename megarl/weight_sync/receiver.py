@@ -203,7 +203,12 @@ def _post_parts(state: dict, ticket: dict) -> tuple:
                                   slices, ticket["algo"])
         if status:
             return status, at, []
-        return _check(buffer, dict(ticket, tensors=[[*entry[:3], None] for entry in ticket["tensors"]]))
+        checked, tensors = buffer, ticket["tensors"]
+        if ticket.get("quantize"):  # sent unquantised (off the FP8 blocks): quantised here, fp8_wire
+            from megarl.weight_sync.fp8_wire import quantize_listed
+
+            checked, tensors = quantize_listed(slices, tensors, ticket["quantize"])
+        return _check(checked, dict(ticket, tensors=[[*entry[:3], None] for entry in tensors]))
     return buffer, works, received, check
 
 

@@ -1,5 +1,5 @@
 """Owner senders' assignment: every engine rank's slices leave from trainer ranks that hold them (sent for
-real by :mod:`megarl.weight_sync.owners` with ``weight_sync.senders: owner``; block FP8 on paper only).
+real by :mod:`megarl.weight_sync.owners` with ``weight_sync.senders: owner``, BF16 or block FP8).
 
 For each HF tensor of the plan and each engine rank, the placement's pieces (:mod:`copy_instructions`) say
 which Megatron shard holds which part of the engine rank's slice. A part is sent by one of the
@@ -15,15 +15,19 @@ first (an expert with one copy has one), larger first, each to its least-loaded 
 ties to the copy ``engine % copies`` (copies split the engines) and then to the lower rank.
 Deterministic: every trainer rank derives the same assignment from metadata.
 
-Block-FP8 engines: a holder quantises its own part; a 128 x 128 scale block is local when every
-boundary of the part along the split axis is a multiple of the block. :func:`unaligned_parts`
-lists those that are not: on the shipped FP8 recipes (trainer TP8) MLA's ``q_a_proj`` (1536 rows,
-192 per shard) and ``kv_a_proj_with_mqa`` (576, 72 per shard), every other TP-split FP8 dimension
-is a multiple of 128 (tested). Such a part still leaves its holder: the holders of a block that
-straddles shards exchange their parts of its amax (``quantizer.rows_amax``: one fp32 per block
-column, 56 per straddled block row of DeepSeek-V3) and each quantises its own rows with the block's
-whole amax (``quantizer.quantize_rows``: the bytes of quantising the gathered weight, tested).
-The exchange is not counted in the bytes here (under 1 KB per tensor).
+Block-FP8 engines: a holder quantises its own part (its FP8 bytes and its scale blocks); a 128 x 128
+scale block is local when every boundary of the part is a multiple of the block or the tensor's
+end (an EP owner's whole expert matrix with ETP 1; a TP slice whose split dimension per shard is a
+multiple of 128). :func:`unaligned_parts` lists the pieces that are not: on the shipped FP8
+recipes (trainer TP8) MLA's ``q_a_proj`` (1536 rows, 192 per shard) and ``kv_a_proj_with_mqa``
+(576, 72 per shard); every other TP-split FP8 dimension is a multiple of 128 (tested). The HF
+tensors with such a piece (:func:`receiver_quantized`) are sent unquantised, each part still from
+its holder, and every engine rank quantises its assembled slice itself
+(:func:`megarl.weight_sync.fp8_wire.quantize_listed`, the same ``quantize_blockwise``; SGLang holds
+whole blocks, so the bytes equal the whole tensor's quantised). No trainer collective, at the cost of
+the BF16 bytes of those tensors: MLA's two are replicated on every engine rank, +0.92 GB per engine
+rank on DeepSeek-V3 (85.14 -> 86.06 GB, 1.01x the bound). (An alternative, not wired: the holders of
+a straddled block exchange their parts of its amax, ``quantizer.rows_amax`` / ``quantize_rows``.)
 """
 from __future__ import annotations
 
@@ -73,39 +77,68 @@ def holders(plan: WeightSyncPlan, transfer: ParamTransfer, source: ShardSource) 
                         for c in range(t.context_parallel_size) for d in range(t.data_parallel_size)))
 
 
-def _wire_bytes(plan: WeightSyncPlan, bucket) -> dict[tuple[str, int], int]:
-    """``{(hf name, engine rank): wire bytes}`` of each engine rank's slice of each HF tensor of
-    ``bucket`` (the FP8 weight and its scale blocks where the engines serve FP8)."""
-    wire: dict[tuple[str, int], int] = defaultdict(int)
-    for w in bucket.wire:
-        base = w.scale_of.name if w.scale_of is not None else w.name
-        for rank, sl in plan.engine_slices_of(w).items():
-            wire[(base, rank)] += math.prod(sl.shape(w.shape)) * w.itemsize
-    return wire
+def part_region(spec, sl, piece) -> list[tuple[int, int]]:
+    """The rows / columns ``[(start, stop)]`` per axis of ``spec`` (an HF tensor) that ``piece``
+    fills inside the engine rank's slice ``sl`` (what :func:`owner_part` cuts; empty when they do
+    not meet along the piece's axis)."""
+    out = [(0, n) for n in spec.shape]
+    lo, hi = piece.dst
+    if sl.axis == piece.axis:
+        lo, hi = max(lo, sl.start), min(hi, sl.stop)
+    out[piece.axis] = (lo, hi)
+    if sl.axis is not None and sl.axis != piece.axis:
+        out[sl.axis] = (sl.start, sl.stop)
+    return out
+
+
+def fp8_part_bytes(region: list[tuple[int, int]], block) -> int:
+    """Wire bytes of a block-aligned region of a block-FP8 weight quantised on its own: one byte
+    per element plus 4 per scale block (``ceil(extent / block)`` blocks along each axis)."""
+    elems = math.prod(b - a for a, b in region)
+    blocks = math.prod(-(-(b - a) // k) for (a, b), k in zip(region, block))
+    return elems + 4 * blocks
+
+
+def receiver_quantized(plan: WeightSyncPlan, placement: Placement, bucket) -> frozenset[str]:
+    """The block-FP8 HF tensors of ``bucket`` that owner senders send unquantised, for the engine
+    rank's receiver to quantise (module docstring): those a Megatron shard fills only in part of a
+    scale block (a piece boundary along its axis not a multiple of the block, nor the tensor's end).
+    Empty without quantisation."""
+    q = plan.quantization
+    if q is None:
+        return frozenset()
+    out = set()
+    for transfer in bucket.params:
+        for piece in placement.pieces(transfer):
+            spec = transfer.param.hf[piece.hf_index]
+            if q.is_quantized(spec.name, spec.shape) and any(
+                    x % q.block[piece.axis] and x != spec.shape[piece.axis] for x in piece.dst):
+                out.add(spec.name)
+    return frozenset(out)
 
 
 def engine_parts(plan: WeightSyncPlan, placement: Placement) -> dict[tuple, int]:
     """``{(param name, shard index, engine tp rank): wire bytes}``: what each Megatron shard gives
-    each engine rank of one engine (an engine rank's slice of an HF tensor split over the pieces
-    filling it in proportion to their bytes, the remainder to the last one)."""
+    each engine rank of one engine (exact: a block-FP8 part counts its FP8 bytes and scale blocks,
+    :func:`fp8_part_bytes`; a receiver-quantised one, :func:`receiver_quantized`, its HF bytes)."""
     parts: dict[tuple, int] = defaultdict(int)
+    q = plan.quantization
     for bucket in plan.buckets:
-        wire = _wire_bytes(plan, bucket) if plan.quantization is not None else None
+        unquantized = receiver_quantized(plan, placement, bucket)
         by_tensor: dict[str, list] = defaultdict(list)
         for transfer in bucket.params:
             for piece in placement.pieces(transfer):
                 by_tensor[transfer.param.hf[piece.hf_index].name].append((transfer, piece))
         for spec in bucket.hf_tensors:
+            fp8 = q is not None and spec.name not in unquantized and q.is_quantized(spec.name, spec.shape)
             for rank, sl in plan.engine_slices_of(spec).items():
-                hf_bytes = math.prod(sl.shape(spec.shape)) * spec.itemsize
-                wire_bytes = hf_bytes if wire is None else wire[(spec.name, rank)]
-                over = [(t, p, n) for t, p in by_tensor[spec.name] if overlaps(sl, p)
-                        for n in [_overlap_bytes(spec, p, sl)] if n]
-                given = 0
-                for k, (t, p, n) in enumerate(over):
-                    nbytes = wire_bytes - given if k == len(over) - 1 else wire_bytes * n // hf_bytes
-                    given += nbytes
-                    parts[(t.param.name, t.sources[p.shard].shard_index, rank)] += nbytes
+                for t, p in by_tensor[spec.name]:
+                    if not overlaps(sl, p):
+                        continue
+                    n = fp8_part_bytes(part_region(spec, sl, p), q.block) if fp8 and q is not None \
+                        else _overlap_bytes(spec, p, sl)
+                    if n:
+                        parts[(t.param.name, t.sources[p.shard].shard_index, rank)] += n
     return dict(parts)
 
 

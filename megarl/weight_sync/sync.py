@@ -31,7 +31,8 @@ each group in the same order.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,17 @@ from megarl.training.collectives import send as send_tensor
 from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
 from megarl.weight_sync.engine_clients import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
-from megarl.weight_sync.manifest_checks import WeightSyncError, check_local_params, check_plan_against_manifest
+from megarl.weight_sync.manifest_checks import (
+    WeightSyncError,
+    check_local_params,
+    check_plan_against_manifest,
+    required,
+)
 from megarl.weight_sync.owner_transport import OwnerFeed, OwnerTransport
 from megarl.weight_sync.owners import OwnerParts, check_senders
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.segments import SegmentOwners
+from megarl.weight_sync.sync_metrics import reduce_sync_stats
 from megarl.weight_sync.transport import Transport, TransportOptions
 
 
@@ -105,8 +112,8 @@ class WeightSynchronizer:
         """Every engine (coordinator only): pause, sessions, flush, version, resume, verify."""
         self.transport: Transport | None = None
         self._transport_engines: EngineClients | None = None
-        if self.is_sender or (self.owner and self.stage is not None):
-            self._transport_engines = EngineClients([engine_urls[i] for i in self.mine.engines])
+        if self.mine is not None and (self.is_sender or (self.owner and self.stage is not None)):
+            self._transport_engines = EngineClients([engine_urls[i] for i in required(self.mine.engines, "engines")])
             self.transport = (OwnerTransport.from_options(self.mine, self._transport_engines,
                                                           TransportOptions(**transport_kwargs)) if self.owner else
                               make_transport(transport, self.mine, self._transport_engines, **transport_kwargs))
@@ -149,11 +156,12 @@ class WeightSynchronizer:
         mine = self._senders()
         for index in range(len(self._senders(self.plan))):
             if index < len(mine) and self.rank == mine[index]:
-                self.transport.connect(index)
+                required(self.transport, "transport").connect(index)
             self._barrier()
         # Buckets laid out per engine rank (no packing copy) only if every sender's transport takes
         # them: the stage's other ranks send their shards accordingly (transport auto resolves on senders).
-        takes = not self.is_sender or (self.transport.sliced_buckets and self.plan.quantization is None)
+        takes = not self.is_sender or (required(self.transport, "transport").sliced_buckets
+                                       and self.plan.quantization is None)
         flag = all_reduce(torch.tensor([1.0 if takes else 0.0], dtype=torch.float64), op=dist.ReduceOp.MIN,
                           group=self.control)
         self.sliced = bool(flag.item() > 0)
@@ -168,29 +176,34 @@ class WeightSynchronizer:
         owners from the plan): who sends each segment, in which messages; with several senders
         (``segment_senders``) the stage's helpers get a ``p2p`` transport of their own, and every
         sender learns the others (the group itself is made in the first sync)."""
-        owners = SegmentOwners(self.mine, self.placement, several=self.segment_senders)
-        senders = owners.senders(self.stage)
+        mine, stage = required(self.mine, "the replica's plan"), required(self.stage, "the stage")
+        owners = SegmentOwners(mine, self.placement, several=self.segment_senders)
+        senders = owners.senders(stage)
         self.owners = owners
         if self.rank not in senders:
             return
         index = senders.index(self.rank)
         if index > 0:
             self.is_helper = True
-            self._transport_engines = EngineClients([self._engine_urls[i] for i in self.mine.engines])
-            self.transport = make_transport("p2p", self.mine, self._transport_engines, **self._transport_kwargs)
+            self._transport_engines = EngineClients([self._engine_urls[i] for i in required(mine.engines, "engines")])
+            self.transport = make_transport("p2p", mine, self._transport_engines, **self._transport_kwargs)
             self.transport.connect(self._senders().index(senders[0]))
-        self.transport.set_senders(senders, index, self.control, owners, list(self.mine.stage_buckets(self.stage)))
+        transport: Any = required(self.transport, "transport")  # P2PTransport (auto resolved to p2p: sliced)
+        transport.set_senders(senders, index, self.control, owners, list(mine.stage_buckets(stage)))
 
     def _connect_owner_senders(self) -> None:
         """Owner senders: every rank of the stage joins its group (the stage sender first); who
         sends which part comes from the plan (:class:`~megarl.weight_sync.owners.OwnerParts`)."""
-        parts = OwnerParts(self.mine, self.placement)
-        senders = parts.senders(self.stage)
+        mine, stage = required(self.mine, "the replica's plan"), required(self.stage, "the stage")
+        transport = required(self.transport, "transport")
+        assert isinstance(transport, OwnerTransport)  # built so in __init__ with owner senders
+        parts = OwnerParts(mine, self.placement)
+        senders = parts.senders(stage)
         index = senders.index(self.rank)
         self.is_helper = index > 0
         if self.is_helper:
-            self.transport.connect(self.stage)
-        self.transport.set_owner_senders(senders, index, self.control, parts, list(self.mine.stage_buckets(self.stage)))
+            transport.connect(stage)
+        transport.set_owner_senders(senders, index, self.control, parts, list(mine.stage_buckets(stage)))
 
     # ------------------------------------------------------------------ the sync
     def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int, *,
@@ -208,20 +221,21 @@ class WeightSynchronizer:
         if self.mine is not None:
             check_local_params(self.mine, self.rank, local_params)
         if load_proof is not None and hasattr(self.transport, "load_proof"):  # the checked transports
-            self.transport.load_proof = load_proof
+            self.transport.load_proof = load_proof  # type: ignore[union-attr]  # hasattr: not None
         if not self._connected:
             self.connect()
         start = time.perf_counter()
         version = str(policy_version)
-        if self.is_coordinator:  # 1. pause
-            self.engines.call_all("pause", self.pause_mode)
+        engines, paused_at = self.engines, 0.0
+        if engines is not None:  # the coordinator: 1. pause
+            engines.call_all("pause", self.pause_mode)
             paused_at = time.perf_counter()
-            if self.transport.needs_session:
-                self.engines.call_all("begin_weight_update")
+            if required(self.transport, "transport").needs_session:
+                engines.call_all("begin_weight_update")
         self._barrier()
         on_cpu = all(t.device.type == "cpu" for t in local_params.values())
-        gatherer = None
-        if self.owner:  # nothing gathered: each rank sends its parts from its own shards
+        gatherer: OwnerFeed | StageGatherer | None = None
+        if self.owner and self.mine is not None and self.stage is not None:  # each rank sends its own parts
             gatherer = OwnerFeed(self.mine, self.stage, local_params)
         elif self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
@@ -232,15 +246,16 @@ class WeightSynchronizer:
         except WeightSyncError as err:  # every rank must learn it (the others finished their part)
             stats, failure = {}, err
         self._raise_if_failed(failure)
-        if self.is_coordinator:
-            self.transport.finish(version)
-            if self.transport.needs_session:
-                self.engines.call_all("end_weight_update")
+        if engines is not None:
+            transport = required(self.transport, "transport")
+            transport.finish(version)
+            if transport.needs_session:
+                engines.call_all("end_weight_update")
             self._flush()  # 3. flush
-            self.engines.call_all("update_weight_version", version)  # 4. weight_version
-            self.engines.call_all("resume")  # 5. continue
+            engines.call_all("update_weight_version", version)  # 4. weight_version
+            engines.call_all("resume")  # 5. continue
             stats["engine_paused_s"] = time.perf_counter() - paused_at  # generation stopped this long
-            stats["engine_load_s"] = self.transport.stats.engine_load_s  # includes the disk reload
+            stats["engine_load_s"] = transport.stats.engine_load_s  # includes the disk reload
         stats["weight_sync_s"] = time.perf_counter() - start
         return self._reduce(stats)
 
@@ -261,7 +276,8 @@ class WeightSynchronizer:
         from megarl.rollout.client import EngineRequestError
 
         try:
-            self.engines.call_all("flush_cache", paused=True)  # requests may be retracted, in flight
+            # requests may be retracted, in flight
+            required(self.engines, "the engines").call_all("flush_cache", paused=True)
         except EngineRequestError as err:
             raise WeightSyncError(
                 f"an engine refused to flush its prefix cache after the weight update ({err})"
@@ -285,7 +301,8 @@ class WeightSynchronizer:
         result = torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64)  # failed, mean, max
         if self.is_coordinator:
             try:
-                metrics = verify_engine_logprobs(self.engines, probes, trainer_logprobs, tolerance=tolerance)
+                metrics = verify_engine_logprobs(required(self.engines, "the engines"), probes, trainer_logprobs,
+                                                 tolerance=tolerance)
                 result[1] = metrics["weight_sync/verify_logprob_diff_mean"]
                 result[2] = metrics["weight_sync/verify_logprob_diff_max"]
             except WeightSyncError:
@@ -297,21 +314,21 @@ class WeightSynchronizer:
         return {"weight_sync/verify_logprob_diff_mean": result[1].item(),
                 "weight_sync/verify_logprob_diff_max": result[2].item()}
 
-    def _push(self, gatherer: StageGatherer, version: str) -> dict[str, float]:
+    def _push(self, gatherer: StageGatherer | OwnerFeed, version: str) -> dict[str, float]:
         stats = {"gather_s": 0.0, "convert_s": 0.0, "quantize_s": 0.0, "transfer_s": 0.0, "engine_load_s": 0.0,
                  "bytes_sent": 0.0, "gather_bytes": 0.0}
         if not self.is_sender and not self.is_helper:
             stats["gather_bytes"] = float(gatherer.send_contributions())
             return stats
-        transport = self.transport
+        transport = required(self.transport, "transport")
         transport.start_sync()
         senders = self._senders()
         index = senders.index(self.rank) if self.is_sender else 0
         ordered = transport.ordered_stages and len(senders) > 1 and self.is_sender  # helpers follow their stage sender
         # Contributions of this stage are gathered while we may still wait for our turn.
-        buckets = gatherer.iter_hf_buckets()
+        buckets: Iterator[Any] = gatherer.iter_hf_buckets()
         quantizer = None
-        if self.plan.quantization is not None:  # the engines serve block FP8: send what they hold
+        if self.plan.quantization is not None and not self.owner:  # block-FP8 engines (owners quantise parts)
             from megarl.weight_sync.quantizer import WireQuantizer
 
             quantizer = WireQuantizer(self.plan.quantization, self._wire_ring)
@@ -362,34 +379,10 @@ class WeightSynchronizer:
             pass
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
-        """Max of the times and sum of the bytes over trainer ranks; plan-level byte ratios."""
-        times = ("weight_sync_s", "engine_paused_s", "gather_s", "convert_s", "quantize_s", "transfer_s",
-                 "engine_load_s")
-        sums = ("bytes_sent", "gather_bytes")
-        tp, replicas = self.plan.engine_layout.tp_size, self.plan.senders_per_stage
-        rank_bytes = [0.0] * (replicas * tp)  # [replica][engine rank]: summed over the replica's stages
-        if self.is_sender:
-            rank_bytes[self.mine.replica * tp:(self.mine.replica + 1) * tp] = getattr(self, "_rank_bytes", [0] * tp)
-        t = torch.tensor([stats.get(k, 0.0) for k in times], dtype=torch.float64)
-        s = torch.tensor([stats.get(k, 0.0) for k in sums] + rank_bytes, dtype=torch.float64)
-        all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
-        per_replica = s[len(sums):].view(replicas, tp)
-        received = per_replica.max(dim=0).values.tolist()  # the engine rank that received the most
-        shard = self.plan.engine_shard_bytes()
-        out = {(f"timing/{k}" if k in ("weight_sync_s", "engine_paused_s") else f"weight_sync/{k}"): v
-               for k, v in zip(times, t.tolist())}
-        out.update({f"weight_sync/{k}": v for k, v in zip(sums, s[:len(sums)].tolist())})
-        out.update({"weight_sync/buckets": float(len(self.plan.buckets)),
-                    "weight_sync/hf_bytes": float(self.plan.total_bytes),
-                    "weight_sync/wire_bytes": float(self.plan.wire_bytes),
-                    "weight_sync/engine_rank_bytes_max": max(received),
-                    "weight_sync/engine_shard_bytes_max": float(max(shard)),
-                    "weight_sync/engine_bytes_over_shard_max": max(r / s for r, s in zip(received, shard) if s),
-                    "weight_sync/senders_per_stage": float(replicas)})
-        for r, (got, own) in enumerate(zip(received, shard)):
-            out[f"weight_sync/engine_rank{r}_bytes_over_shard"] = got / own if own else 0.0
-        return out
+        """Every rank's metrics reduced over the trainer group (:func:`reduce_sync_stats`)."""
+        replica = required(self.mine, "the replica's plan").replica if self.is_sender else None
+        return reduce_sync_stats(self.plan, stats, self.group, replica=replica,
+                                 rank_bytes=getattr(self, "_rank_bytes", None))
 
     def close(self) -> None:
         """Destroy the transport's groups and the HTTP sessions."""

@@ -93,9 +93,9 @@ def checksum(data: torch.Tensor, algo: str) -> str:
     if algo == "xxh3":
         import xxhash
 
-        return xxhash.xxh3_64_hexdigest(raw.cpu().numpy())
+        return xxhash.xxh3_64_hexdigest(raw.cpu().numpy().data)  # .data: the array's buffer, no copy
     if algo == "crc32":
-        return f"{zlib.crc32(raw.cpu().numpy()):08x}"
+        return f"{zlib.crc32(raw.cpu().numpy().data):08x}"
     if algo == "sum64":
         return _sum64(raw)
     raise ValueError(f"unknown checksum algorithm {algo!r} (xxh3, crc32, sum64)")
