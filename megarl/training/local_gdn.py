@@ -167,12 +167,12 @@ def gated_delta_net_spec() -> ModuleSpec:
                                                          out_proj=RowParallelLinear))
 
 
-def local_hybrid_block_spec(config, vp_stage: int | None):
+def local_hybrid_block_spec(config, vp_stage: int | None, pp_rank: int | None = None):
     """The local block spec of a gated-DeltaNet hybrid (``config.experimental_attention_variant ==
     "gated_delta_net"``, ``linear_attention_freq`` a per-layer list, 1 = DeltaNet): Megatron's local GPT
     block spec with each DeltaNet layer's ``self_attention`` replaced by :func:`gated_delta_net_spec`;
     with ``layernorm_zero_centered_gamma``, every ``WrappedTorchNorm`` (layer, q/k and final norms)
-    replaced by :class:`ZeroCenteredRMSNorm`.
+    replaced by :class:`ZeroCenteredRMSNorm`. ``pp_rank``: None = this rank's (parallel state).
 
     Raises:
         ValueError: ``linear_attention_freq`` is not a list with one entry per layer.
@@ -184,8 +184,8 @@ def local_hybrid_block_spec(config, vp_stage: int | None):
     if not isinstance(pattern, list) or len(pattern) != config.num_layers:
         raise ValueError(f"linear_attention_freq: expected a list of {config.num_layers} 0/1 entries, got {pattern!r}")
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       vp_stage=vp_stage)
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = []
     for i, layer_spec in enumerate(block.layer_specs):
         submodules = dataclasses.replace(layer_spec.submodules)
