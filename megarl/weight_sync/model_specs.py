@@ -128,6 +128,10 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         raise SpecError(f"config.json ({hf_config.model_type}): weight sync is not planned yet for HF tensors "
                         "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
                         "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
+    if any(e.transform in (Transform.QKV_GATED, Transform.GDN_IN_PROJ) for e in family.table.values()):
+        raise SpecError(f"config.json ({hf_config.model_type}): weight sync is not planned yet for gated attention's "
+                        "q_proj ([q; gate] per head) and the gated DeltaNet's per-section TP splits (their engine "
+                        "shards and copy units are not modelled); megarl plan --no-sync plans the rest")
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs, hf_shapes = [], {}  # hf_shapes: (template, shape) -> HF shapes: every layer / expert converts alike
