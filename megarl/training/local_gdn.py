@@ -48,9 +48,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         return (y * (1.0 + self.weight.float())).type_as(x)
 
 
-class _GainRMSNorm(torch.nn.Module):
+class GainRMSNorm(torch.nn.Module):
     """The DeltaNet's per-head output norm: ``weight * (x / sqrt(mean(x^2) + eps))`` (not zero-centred,
-    transformers' ``Qwen3_5MoeRMSNormGated`` before its gate); ``weight`` starts at 1."""
+    transformers' ``Qwen3_5MoeRMSNormGated`` before its gate); ``weight [hidden_size]`` starts at 1.
+    Constructor as Megatron's norms; forward ``x [..., hidden_size]`` -> same shape and dtype."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -58,6 +59,7 @@ class _GainRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
 
     def forward(self, x: Tensor) -> Tensor:
+        """``weight * rmsnorm(x)``, the norm in fp32, the product in ``x``'s dtype."""
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
@@ -163,7 +165,7 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 def gated_delta_net_spec() -> ModuleSpec:
     """The local spec of a DeltaNet layer's mixer (``self_attention``)."""
     return ModuleSpec(module=LocalGatedDeltaNet,
-                      submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=_GainRMSNorm,
+                      submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=GainRMSNorm,
                                                          out_proj=RowParallelLinear))
 
 
@@ -195,6 +197,25 @@ def local_hybrid_block_spec(config, vp_stage: int | None, pp_rank: int | None = 
     block = dataclasses.replace(block, layer_specs=layers)
     if config.layernorm_zero_centered_gamma:
         _zero_centered_norms(block)
+    return block
+
+
+def te_hybrid_block_spec(config, vp_stage: int | None, pp_rank: int | None = None):
+    """Megatron-Core 0.16.1's Transformer Engine block spec of a gated-DeltaNet hybrid
+    (``get_transformer_block_with_experimental_attention_variant_spec``) with each DeltaNet's
+    ``out_norm`` replaced by :class:`GainRMSNorm`: Megatron's is a ``TENorm``, which follows
+    ``layernorm_zero_centered_gamma`` (``extensions/transformer_engine.py`` line 450) and would compute
+    ``(1 + w) * x``, while the checkpoint's gated norm multiplies by ``w``. Needs Transformer Engine
+    and, to build the layers, ``fla`` (Megatron's ``GatedDeltaNet``)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec as hybrid_spec,
+    )
+
+    block = hybrid_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    for layer_spec in block.layer_specs:
+        mixer = layer_spec.submodules.self_attention
+        if getattr(mixer, "module", None) is GatedDeltaNet:
+            mixer.submodules = dataclasses.replace(mixer.submodules, out_norm=GainRMSNorm)
     return block
 
 

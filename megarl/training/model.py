@@ -290,16 +290,9 @@ def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if config.experimental_attention_variant == "gated_delta_net":  # Qwen3.5's hybrid layers
-        if use_te:
-            from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-                get_transformer_block_with_experimental_attention_variant_spec as hybrid_spec,
-            )
+        from megarl.training.local_gdn import local_hybrid_block_spec, te_hybrid_block_spec
 
-            block_spec = hybrid_spec(config, vp_stage=vp_stage)
-        else:
-            from megarl.training.local_gdn import local_hybrid_block_spec
-
-            block_spec = local_hybrid_block_spec(config, vp_stage)
+        block_spec = (te_hybrid_block_spec if use_te else local_hybrid_block_spec)(config, vp_stage)
     else:
         block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                 normalization="RMSNorm", vp_stage=vp_stage)

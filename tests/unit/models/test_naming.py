@@ -122,14 +122,12 @@ def _model_names(hf_config, te: bool, te_ext, grouped) -> list[str]:
     cfg = build_transformer_config(hf_config, ParallelConfig(), model_cfg, device="meta", use_te=te)
     layers = get_gpt_decoder_layer_specs(cfg, use_transformer_engine=te, normalization="RMSNorm")
     if cfg.experimental_attention_variant == "gated_delta_net":  # the hybrid spec megarl builds (training.model)
-        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-            get_transformer_block_with_experimental_attention_variant_spec as te_hybrid,
-        )
+        from megarl.training.local_gdn import GainRMSNorm, local_hybrid_block_spec, te_hybrid_block_spec
 
-        from megarl.training.local_gdn import local_hybrid_block_spec
-
-        block = te_hybrid(cfg, vp_stage=None, pp_rank=0) if te else local_hybrid_block_spec(cfg, None, pp_rank=0)
-        layers = block.layer_specs
+        layers = (te_hybrid_block_spec if te else local_hybrid_block_spec)(cfg, None, pp_rank=0).layer_specs
+        mixers = [spec.submodules.self_attention for spec in layers]  # the DeltaNet's gated norm is w * x
+        out_norms = [m.submodules.out_norm for m in mixers if hasattr(m.submodules, "out_norm")]
+        assert out_norms and set(out_norms) == {GainRMSNorm}
     names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
     for i, layer in enumerate(layers):
         names += _walk(layer, cfg, f"decoder.layers.{i}.", _leaf_params(te_ext))
