@@ -2,11 +2,12 @@
 
 Megatron-Core 0.16.1 has the pieces but not on CPU: ``GatedDeltaNet`` raises ImportError without
 the ``fla`` package (``megatron/core/ssm/gated_delta_net.py`` line 103) and makes its conv and
-``dt_bias`` / ``A_log`` on ``torch.cuda.current_device()`` (lines 163-191); the hybrid block spec
+``dt_bias`` / ``A_log`` on ``torch.cuda.current_device()`` (lines 173-196); the hybrid block spec
 (``models/gpt/experimental_attention_variant_module_specs.py`` ``_get_backend_spec_provider``)
 asserts the Transformer Engine implementation; the local spec's norm, ``WrappedTorchNorm``, refuses
 ``layernorm_zero_centered_gamma`` (``transformer/torch_norm.py`` line 27); and ``GatedDeltaNet``
-ignores the attention mask (line 292, "TODO"), so sequences packed in one row would leak state.
+ignores the attention mask (line 280, "TODO"; THD ``packed_seq_params`` raise, line 297), so
+sequences packed in one row would leak state.
 
 :class:`LocalGatedDeltaNet` subclasses ``GatedDeltaNet``: the same parameters, names and
 ``sharded_state_dict`` (dist checkpoints are interchangeable with the TE spec's), built on the
@@ -204,7 +205,7 @@ def te_hybrid_block_spec(config, vp_stage: int | None, pp_rank: int | None = Non
     """Megatron-Core 0.16.1's Transformer Engine block spec of a gated-DeltaNet hybrid
     (``get_transformer_block_with_experimental_attention_variant_spec``) with each DeltaNet's
     ``out_norm`` replaced by :class:`GainRMSNorm`: Megatron's is a ``TENorm``, which follows
-    ``layernorm_zero_centered_gamma`` (``extensions/transformer_engine.py`` line 450) and would compute
+    ``layernorm_zero_centered_gamma`` (``extensions/transformer_engine.py`` line 461, ``TENorm``) and would compute
     ``(1 + w) * x``, while the checkpoint's gated norm multiplies by ``w``. Needs Transformer Engine
     and, to build the layers, ``fla`` (Megatron's ``GatedDeltaNet``)."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
