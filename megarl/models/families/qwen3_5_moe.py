@@ -181,7 +181,8 @@ def tiny_config(spec, common: dict):
     """The ``tiny:qwen3_5_moe`` config and model class (:attr:`Family.tiny_config`): four layers per
     ``spec.num_hidden_layers // 4`` block, three DeltaNet layers then one gated attention layer as
     released (at least one of each), DeltaNet GQA (2 key heads, 4 value heads), partial RoPE 0.25,
-    one shared expert of the experts' width."""
+    one shared expert of the experts' width. The builder gives the DeltaNet's constant initial
+    ``dt_bias`` (1) and gated-norm weight (1) seeded random values, so a misplaced one changes the logits."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     common = dict(common)
@@ -196,7 +197,25 @@ def tiny_config(spec, common: dict):
         linear_value_head_dim=spec.head_dim, linear_conv_kernel_dim=4,
         moe_intermediate_size=spec.moe_intermediate_size, shared_expert_intermediate_size=spec.moe_intermediate_size,
         num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok, **common)
-    return cfg, Qwen3_5MoeForCausalLM
+    return cfg, _tiny_model_class(Qwen3_5MoeForCausalLM)
+
+
+def _tiny_model_class(base):
+    """``base`` with each DeltaNet's ``dt_bias`` and gated-norm weight drawn around 1 from the global
+    RNG (which the tiny builder seeds); same class name, so ``config.architectures`` is unchanged."""
+    import torch
+
+    class Qwen3_5MoeForCausalLM(base):  # type: ignore[valid-type, misc]  # the transformers class, given
+        def __init__(self, config):
+            super().__init__(config)
+            with torch.no_grad():
+                for name, param in self.named_parameters():
+                    if name.endswith(("linear_attn.dt_bias", "linear_attn.norm.weight")):
+                        param.copy_(1.0 + 0.1 * torch.randn_like(param))
+
+    Qwen3_5MoeForCausalLM.__qualname__ = base.__qualname__
+    Qwen3_5MoeForCausalLM.__module__ = base.__module__
+    return Qwen3_5MoeForCausalLM
 
 
 FAMILY = Family(name="qwen3_5_moe", model_types=("qwen3_5_moe_text",), table=TABLE,
