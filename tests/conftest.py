@@ -75,6 +75,17 @@ def tiny_gpt_oss_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tmp_path_factory):
+    """A tiny Qwen3.5-MoE language model HF directory (4 layers: three gated-DeltaNet layers then a
+    gated full-attention layer; DeltaNet GQA 2 key / 4 value heads, partial RoPE 0.25, 8 experts
+    top-2 and a gated shared expert, random norms; fp32), built once per session."""
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_qwen3_5_moe",
+                           TinyModelSpec(family="qwen3_5_moe", num_hidden_layers=4))
+
+
+@pytest.fixture(scope="session")
 def tiny_kimi_k25_dir(tmp_path_factory):
     """A tiny Kimi-K2.5 HF directory: the release's layout (``language_model.*`` text backbone, a
     one-block ``vision_tower.*`` and ``mm_projector.*``), its ``text_config`` the tiny DeepSeek-V3

@@ -98,7 +98,7 @@ def row_plan(entry, layout, hf_rows: tuple[int, ...], rank: int, size: int) -> t
         starts.append(total)
         total += rows
     index = [torch.arange(s, s + r, dtype=torch.int64).view(r, 1) for s, r in zip(starts, hf_rows)]
-    local = split_tp(to_megatron(entry, index, layout), entry.tp_split, rank, size)
+    local = split_tp(to_megatron(entry, index, layout), entry.tp_split, rank, size, layout)
     if local.dim() != 2 or local.shape[1] != 1:
         return None
     src = local[:, 0].contiguous()

@@ -66,7 +66,7 @@ def load_param(info: ParamInfo, param: torch.Tensor, reader: HFCheckpointReader,
     tensors = [reader.get(n) for n in names]
     if info.entry.transform.value == "vocab":
         layout = dataclasses.replace(layout, padded_vocab_size=param.shape[0] * size)
-    local = split_tp(to_megatron(info.entry, tensors, layout), info.tp_split, rank, size)
+    local = split_tp(to_megatron(info.entry, tensors, layout), info.tp_split, rank, size, layout)
     if tuple(local.shape) != tuple(param.shape):
         raise ValueError(f"{info.global_name}: shape {tuple(local.shape)} from HF {names} in "
                          f"{reader.hf_dir} does not match the model's {tuple(param.shape)}")

@@ -132,13 +132,20 @@ def to_megatron(entry: Entry, hf_tensors: Sequence[torch.Tensor], layout: ModelL
             raise ValueError(f"vocabulary rows {t.shape[0]} exceed padded size {layout.padded_vocab_size}")
         pad = t.new_zeros((layout.padded_vocab_size - t.shape[0],) + tuple(t.shape[1:]))
         return torch.cat([t, pad], dim=0)
+    if entry.transform is Transform.GDN_IN_PROJ:
+        return torch.cat(list(hf_tensors), dim=0)
     q, k, v = hf_tensors
     groups, hd = layout.num_query_groups, layout.head_dim
     per_group = layout.num_attention_heads // groups
     cols = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, per_group * hd, *cols), k.reshape(groups, hd, *cols),
-                       v.reshape(groups, hd, *cols)], dim=1)
-    return fused.reshape(groups * (per_group + 2) * hd, *cols)
+    if entry.transform is Transform.QKV_GATED:  # q_proj rows per head: [q_h; gate_h]
+        q_and_gate = q.reshape(groups, per_group, 2, hd, *cols)
+        parts = [q_and_gate[:, :, 0].reshape(groups, per_group * hd, *cols),
+                 q_and_gate[:, :, 1].reshape(groups, per_group * hd, *cols)]
+    else:
+        parts = [q.reshape(groups, per_group * hd, *cols)]
+    fused = torch.cat([*parts, k.reshape(groups, hd, *cols), v.reshape(groups, hd, *cols)], dim=1)
+    return fused.reshape(-1, *cols)
 
 
 def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.Tensor]:
@@ -154,9 +161,18 @@ def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.T
         return [interleaved.t().contiguous() if full.dim() == 2 else interleaved]
     if entry.transform is Transform.VOCAB:  # several names: one tied tensor sent under each
         return [full[: layout.vocab_size]] * len(entry.hf)
+    if entry.transform is Transform.GDN_IN_PROJ:  # [q; k; v | z | beta | alpha]
+        k_dim, v_dim, heads = layout.linear_key_dim, layout.linear_value_dim, layout.linear_value_heads
+        return list(full.split([2 * k_dim + v_dim, v_dim, heads, heads], dim=0))
     groups, hd = layout.num_query_groups, layout.head_dim
     per_group = layout.num_attention_heads // groups
     cols = full.shape[1:]
+    if entry.transform is Transform.QKV_GATED:
+        q, gate, k, v = full.reshape(groups, (2 * per_group + 2) * hd, *cols).split(
+            [per_group * hd, per_group * hd, hd, hd], dim=1)
+        q_and_gate = torch.stack([q.reshape(groups, per_group, hd, *cols), gate.reshape(groups, per_group, hd, *cols)],
+                                 dim=2)
+        return [q_and_gate.reshape(-1, *cols), k.reshape(-1, *cols), v.reshape(-1, *cols)]
     q, k, v = full.reshape(groups, (per_group + 2) * hd, *cols).split([per_group * hd, hd, hd], dim=1)
     return [q.reshape(-1, *cols), k.reshape(-1, *cols), v.reshape(-1, *cols)]
 
@@ -175,31 +191,48 @@ def embedding_as_output(table: Mapping[str, Entry]) -> dict[str, Entry]:
     return {**table, EMBEDDING: Entry(embedding.hf + output.hf, embedding.transform, embedding.tp_split)}
 
 
-def split_tp(full: torch.Tensor, split: TPSplit, rank: int, size: int) -> torch.Tensor:
+_SECTIONED = (TPSplit.GDN_IN_PROJ, TPSplit.GDN_CONV)
+
+
+def split_tp(full: torch.Tensor, split: TPSplit, rank: int, size: int,
+             layout: ModelLayout | None = None) -> torch.Tensor:
     """This TP rank's shard of a full Megatron tensor (a view where possible).
 
+    ``layout`` gives the row sections of a sectioned split (:meth:`ModelLayout.tp_sections`,
+    Gated DeltaNet); other splits ignore it.
+
     Raises:
-        ValueError: the split dimension is not divisible by ``size``.
+        ValueError: the split dimension is not divisible by ``size``; a sectioned split without ``layout``.
     """
     if split is TPSplit.NONE or size == 1:
         return full
-    if split is TPSplit.GLU:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([split_tp(gate, TPSplit.COLUMN, rank, size),
-                          split_tp(up, TPSplit.COLUMN, rank, size)], dim=0)
+    if split is TPSplit.GLU or split in _SECTIONED:
+        sections = [full.shape[0] // 2] * 2 if split is TPSplit.GLU else _sections(split, layout)
+        return torch.cat([split_tp(part, TPSplit.COLUMN, rank, size)
+                          for part in full.split(sections, dim=0)], dim=0)
     dim = 0 if split is TPSplit.COLUMN else 1
     if full.shape[dim] % size:
         raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by TP size {size}")
     return full.chunk(size, dim=dim)[rank]
 
 
-def gather_tp(shards: Sequence[torch.Tensor], split: TPSplit) -> torch.Tensor:
-    """The full Megatron tensor from all TP ranks' shards (ordered by TP rank)."""
+def _sections(split: TPSplit, layout: ModelLayout | None) -> list[int]:
+    if layout is None:
+        raise ValueError(f"TP split {split.value} needs the model layout (its row sections)")
+    return layout.tp_sections(split)
+
+
+def gather_tp(shards: Sequence[torch.Tensor], split: TPSplit, layout: ModelLayout | None = None) -> torch.Tensor:
+    """The full Megatron tensor from all TP ranks' shards (ordered by TP rank); ``layout`` as in
+    :func:`split_tp`."""
     if split is TPSplit.NONE or len(shards) == 1:
         return shards[0]
-    if split is TPSplit.GLU:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if split is TPSplit.GLU or split in _SECTIONED:
+        count = len(shards)
+        sections = ([shards[0].shape[0] // 2] * 2 if split is TPSplit.GLU
+                    else [n // count for n in _sections(split, layout)])
+        parts = [s.split(sections, dim=0) for s in shards]
+        return torch.cat([p[i] for i in range(len(sections)) for p in parts], dim=0)
     return torch.cat(list(shards), dim=0 if split is TPSplit.COLUMN else 1)
 
 

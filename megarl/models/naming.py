@@ -38,6 +38,7 @@ _L = "decoder.layers.{L}."
 TE_TO_CANONICAL: dict[str, str] = {
     _L + "self_attention.linear_qkv.layer_norm_weight": _L + "input_layernorm.weight",
     _L + "self_attention.linear_qkv.layer_norm_bias": _L + "input_layernorm.bias",
+    _L + "self_attention.in_proj.layer_norm_weight": _L + "input_layernorm.weight",  # gated DeltaNet
     _L + "mlp.linear_fc1.layer_norm_weight": _L + "pre_mlp_layernorm.weight",
     _L + "mlp.linear_fc1.layer_norm_bias": _L + "pre_mlp_layernorm.bias",
     _L + "self_attention.linear_q_up_proj.layer_norm_weight": _L + "self_attention.q_layernorm.weight",

@@ -86,6 +86,6 @@ def iter_sync_params(model_chunks: Sequence[torch.nn.Module], parallel_state,
         if info.tp_split is not info.entry.tp_split:
             rank, size = ((parallel_state.etp_rank, parallel_state.etp_size) if info.expert
                           else (parallel_state.tp_rank, parallel_state.tp_size))
-            yield info.global_name, split_tp(param, info.entry.tp_split, rank, size)
+            yield info.global_name, split_tp(param, info.entry.tp_split, rank, size, layout)
         else:
             yield info.global_name, param

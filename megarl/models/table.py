@@ -28,6 +28,14 @@ class Transform(str, enum.Enum):
     ``gate_up_proj``), or its ``[2F]`` bias, into ``linear_fc1``'s ``[gate; up]`` rows ``[2F, H]``."""
     TRANSPOSE = "transpose"
     """One HF ``[F, H]`` tensor (``x @ W`` layout, gpt-oss's ``down_proj``), transposed to ``[H, F]``."""
+    QKV_GATED = "qkv_gated"
+    """Gated attention (Qwen3.5): HF ``q_proj`` rows hold per head ``[q_h; gate_h]``, with ``k_proj``
+    and ``v_proj`` interleaved per query group into ``linear_qkv`` rows ``[q_g; gate_g; k_g; v_g]``
+    (``attention_output_gate``, Megatron-Core 0.16.1 ``attention.py`` ``get_query_key_value_tensors``)."""
+    GDN_IN_PROJ = "gdn_in_proj"
+    """Gated DeltaNet input projection (Qwen3.5): HF ``in_proj_qkv [2K+V, H]``, ``in_proj_z [V, H]``,
+    ``in_proj_b [Hv, H]``, ``in_proj_a [Hv, H]`` concatenated along rows into ``in_proj``
+    (``K``/``V``: key/value dims of all heads, ``Hv`` value heads; ``ssm/gated_delta_net.py``)."""
 
 
 class TPSplit(str, enum.Enum):
@@ -41,6 +49,11 @@ class TPSplit(str, enum.Enum):
     """Columns (dim 1) split into equal chunks (row-parallel linear)."""
     GLU = "glu"
     """Column-parallel GLU ``[gate; up]``: each rank holds ``[gate_r; up_r]``."""
+    GDN_IN_PROJ = "gdn_in_proj"
+    """Gated DeltaNet ``in_proj`` rows ``[q; k; v; z; beta; alpha]`` (sizes ``K, K, V, V, Hv, Hv`` of
+    the :class:`ModelLayout`): each rank holds ``[q_r; k_r; v_r; z_r; beta_r; alpha_r]``."""
+    GDN_CONV = "gdn_conv"
+    """Gated DeltaNet ``conv1d`` channels ``[q; k; v]`` (sizes ``K, K, V``): each rank ``[q_r; k_r; v_r]``."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,28 @@ class ModelLayout:
     moe_layers: tuple[bool, ...] = ()
     """Per layer: True = MoE MLP, False = dense MLP."""
     tie_word_embeddings: bool = False
+    linear_key_dim: int = 0
+    """Gated DeltaNet: key (and query) dim over all key heads (0: no linear-attention layers)."""
+    linear_value_dim: int = 0
+    """Gated DeltaNet: value (and output gate) dim over all value heads."""
+    linear_value_heads: int = 0
+    """Gated DeltaNet: value heads (rows of ``beta`` and ``alpha``)."""
+
+    def tp_sections(self, split: TPSplit) -> list[int]:
+        """Row sections of a sectioned split (:attr:`TPSplit.GDN_IN_PROJ`, :attr:`TPSplit.GDN_CONV`),
+        each split over TP on its own.
+
+        Raises:
+            ValueError: the layout has no linear-attention dimensions, or ``split`` is not sectioned.
+        """
+        k, v, heads = self.linear_key_dim, self.linear_value_dim, self.linear_value_heads
+        if not (k and v and heads):
+            raise ValueError(f"{self.family}: TP split {split.value} needs the layout's linear-attention dims")
+        if split is TPSplit.GDN_IN_PROJ:
+            return [k, k, v, v, heads, heads]
+        if split is TPSplit.GDN_CONV:
+            return [k, k, v]
+        raise ValueError(f"TP split {split.value} has no sections")
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:

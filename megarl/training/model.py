@@ -289,8 +289,13 @@ def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int,
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                            normalization="RMSNorm", vp_stage=vp_stage)
+    if config.experimental_attention_variant == "gated_delta_net":  # Qwen3.5's hybrid layers
+        from megarl.training.local_gdn import local_hybrid_block_spec, te_hybrid_block_spec
+
+        block_spec = (te_hybrid_block_spec if use_te else local_hybrid_block_spec)(config, vp_stage)
+    else:
+        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                normalization="RMSNorm", vp_stage=vp_stage)
     if config.multi_latent_attention and not use_te:
         from megarl.training.local_mla import use_local_mla_attention
 

@@ -93,7 +93,7 @@ class Placement:
         index = torch.arange(full_shape[0], dtype=torch.int64).view(-1, 1)
         owner = torch.empty(full_shape[0], 2, dtype=torch.int64)
         for k in range(num_shards):
-            rows = split_tp(index, entry.tp_split, k, num_shards)[:, 0]
+            rows = split_tp(index, entry.tp_split, k, num_shards, self.layout)[:, 0]
             owner[rows, 0] = k
             owner[rows, 1] = torch.arange(rows.numel())
         outputs = to_hf(entry, index, self.layout)

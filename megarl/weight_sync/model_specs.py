@@ -124,10 +124,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         shapes = family.megatron_shapes(family.architecture(hf_config))
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
-    if any(e.transform in (Transform.TRANSPOSE, Transform.GLU_INTERLEAVED_T) for e in family.table.values()):
-        raise SpecError(f"config.json ({hf_config.model_type}): weight sync is not planned yet for HF tensors "
-                        "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
-                        "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
+    _refuse_unplanned(family.table, hf_config.model_type)
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs, hf_shapes = [], {}  # hf_shapes: (template, shape) -> HF shapes: every layer / expert converts alike
@@ -152,6 +149,21 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
             gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, tuple(shape), entry, layout),
             load_group=load_group(names, family.engine_load_groups)))
     return specs
+
+
+def _refuse_unplanned(table, model_type: str) -> None:
+    """Raise :class:`SpecError` for a family whose tensors weight sync does not plan yet."""
+    from megarl.models.mapping import Transform
+
+    transforms = {e.transform for e in table.values()}
+    if transforms & {Transform.TRANSPOSE, Transform.GLU_INTERLEAVED_T}:
+        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for HF tensors "
+                        "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
+                        "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
+    if transforms & {Transform.QKV_GATED, Transform.GDN_IN_PROJ}:
+        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for gated attention's "
+                        "q_proj ([q; gate] per head) and the gated DeltaNet's per-section TP splits (their engine "
+                        "shards and copy units are not modelled); megarl plan --no-sync plans the rest")
 
 
 def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str | None:

@@ -60,7 +60,7 @@ def test_glu_and_vocab_transforms():
     assert torch.equal(to_hf(entry, padded, LAYOUT)[0], emb)
 
 
-@pytest.mark.parametrize("split", list(TPSplit))
+@pytest.mark.parametrize("split", [s for s in TPSplit if not s.value.startswith("gdn_")])  # sectioned: Qwen3.5's test
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_split_gather_roundtrip(split, size):
     full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
