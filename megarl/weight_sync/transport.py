@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 
@@ -77,7 +78,7 @@ class Transport:
         self._in_flight: tuple | None = None
 
     @classmethod
-    def from_options(cls, plan: WeightSyncPlan, engines: EngineClients, options: TransportOptions) -> Transport:
+    def from_options(cls, plan: WeightSyncPlan, engines: EngineClients, options: TransportOptions) -> Self:
         """This transport for ``plan`` and ``engines``, taking what it needs of ``options``."""
         return cls(plan, engines, timeout_s=options.timeout_s)
 
@@ -147,7 +148,7 @@ class GroupTransport(Transport):
         self.group_name: str | None = None
 
     @classmethod
-    def from_options(cls, plan, engines, options: TransportOptions) -> GroupTransport:
+    def from_options(cls, plan, engines, options: TransportOptions) -> Self:
         """This transport for ``plan`` and ``engines`` with the group's backend, address, port base and
         timeout from ``options``.
         """

@@ -42,6 +42,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -201,7 +202,7 @@ class DiskTransport(Transport):
         self.directory = Path(directory)
 
     @classmethod
-    def from_options(cls, plan, engines, options: TransportOptions) -> DiskTransport:
+    def from_options(cls, plan, engines, options: TransportOptions) -> Self:
         """``disk`` writes into ``options.directory``.
 
         Raises:
