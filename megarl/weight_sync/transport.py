@@ -2,9 +2,10 @@
 (:class:`TransportOptions`) and :class:`GroupTransport`, the base of those that send over a
 process group with the engine ranks.
 
-The transports themselves: :mod:`megarl.weight_sync.transports` (``distributed`` as SGLang does
+The transports themselves: :mod:`megarl.weight_sync.sglang_transports` (``distributed`` as SGLang does
 it, ``shard``, ``tensor``, ``disk``) and :mod:`megarl.weight_sync.p2p` (``p2p`` and the checked
-``distributed``); which one a sync uses: :mod:`megarl.weight_sync.choice`.
+``distributed``); the registry of them by name (and what each declares):
+:mod:`megarl.config.sync_transports`; which one a sync uses: :mod:`megarl.weight_sync.choice`.
 """
 from __future__ import annotations
 
