@@ -167,5 +167,6 @@ def absolute_specs(cfg: Any) -> None:
     a = cfg.algorithm
     a.policy_loss, a.advantage_estimator = _absolute(a.policy_loss), _absolute(a.advantage_estimator)
     a.rollout_correction = _absolute(a.rollout_correction)
+    cfg.weight_sync.transport = _absolute(cfg.weight_sync.transport)
     if is_import_path(str(cfg.sft.demonstrations)):  # a file of rows stays as written
         cfg.sft.demonstrations = _absolute(cfg.sft.demonstrations)

@@ -1,23 +1,23 @@
 """The one registry mechanism behind every extension point megarl selects by name from YAML.
 
 An extension point (policy losses, advantage estimators, rollout corrections, tools, rewards, agent
-loops, datasets, SFT demonstration builders) is a :class:`Registry`: a dict of registry name -> entry
-that knows what it registers (``kind``) and which config field names it (``key``). Entries register
-themselves where they are defined (``@REGISTRY.register("name")``, or a registry's own decorator
-that wraps the object in an entry declaring what validation needs: a loss's hyperparameters, an
-estimator's group size); a config value is either a registered name or an import path
+loops, datasets, SFT demonstration builders, weight-sync transports) is a :class:`Registry`: a dict
+of registry name -> entry that knows what it registers (``kind``) and which config field names it
+(``key``). Entries register themselves where they are defined (``@REGISTRY.register("name")``, or a
+registry's own decorator that wraps the object in an entry declaring what validation needs: a
+loss's hyperparameters, an estimator's group size); a config value is either a registered name or an import path
 ``module:attr`` (:mod:`megarl.plugins`), which :meth:`Registry.resolve` loads and turns into an
 entry (``entry_of``). ``megarl.config.domains`` reads a field's choices from its registry, so a name a
 plugin registers is valid without touching the config package.
 
-A new extension point (for instance weight-sync transports) adopts it as::
+A new extension point adopts it as weight-sync transports did (:mod:`megarl.config.sync_transports`)::
 
-    TRANSPORTS = Registry("transport", "weight_sync.transport", entry_of=Transport.of)
+    TRANSPORTS = Registry("weight-sync transport", "weight_sync.transport", entry_of=TransportEntry.of)
+    TRANSPORTS.add("p2p", TransportEntry("megarl.weight_sync.p2p:P2PTransport", delivers_shards=True))
 
-    @TRANSPORTS.register("p2p")              # or TRANSPORTS.add("p2p", Transport(cls, delivers_shards=True))
-    class P2PTransport: ...
-
-and its config field's domain becomes ``Registered(lambda: TRANSPORTS, also=("auto",))``.
+and its config field's domain becomes ``Registered(_transports, also=("auto",))``. A registry that
+``config`` reads lives at or below ``config``'s layer; an entry may name its object by import path
+when that object lives above (the transports do).
 """
 from __future__ import annotations
 

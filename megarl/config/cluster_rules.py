@@ -7,6 +7,7 @@ import os
 from megarl.config.checker import Checker, get_key
 from megarl.config.device import resolved_precision, use_cuda
 from megarl.config.parallel import trainer_world_size
+from megarl.config.sync_transports import transport_entry
 from megarl.plan.allocation import run_nodes, smaller_allocation
 
 COLOCATED_MEMORY_LIMIT = 0.9
@@ -31,19 +32,7 @@ def check_cluster(c: Checker) -> None:
         world = trainer_world_size(cfg.cluster)
         c.check(engine_devices <= world, "rollout.num_engines",
                 f"colocated engines need {engine_devices} devices; the trainer has {world}")
-    if cfg.weight_sync.transport == "tensor":
-        c.check(cl.placement == "colocated", "weight_sync.transport",
-                "the tensor transport shares memory: it needs cluster.placement=colocated")
-    if cfg.weight_sync.senders == "owner":
-        c.check(cfg.weight_sync.transport == "p2p", "weight_sync.senders",
-                f"weight_sync.senders=owner sends each engine rank its parts point to point: it needs "
-                f"weight_sync.transport=p2p, got {cfg.weight_sync.transport!r}")
-    if cl.placement == "colocated" and cfg.weight_sync.transport in ("distributed", "p2p"):
-        nccl = cfg.weight_sync.backend == "nccl" or (cfg.weight_sync.backend == "auto" and use_cuda(cl.device))
-        c.check(not nccl, "weight_sync.transport",
-                f"the {cfg.weight_sync.transport} transport connects trainer and engine ranks over NCCL, which "
-                "cannot connect a trainer rank to the engine rank on its own GPU (NCCL refuses two ranks on "
-                "one device); colocated runs use weight_sync.transport=tensor (CUDA IPC)")
+    _check_transport(c)
     if cl.placement == "colocated":
         engine, trainer = r.engine.mem_fraction_static, cl.colocated_trainer_memory_fraction
         c.check(not use_cuda(cl.device) or engine + trainer <= COLOCATED_MEMORY_LIMIT,
@@ -70,6 +59,27 @@ def check_cluster(c: Checker) -> None:
         for key in ("cluster.trainer_devices_per_node", "cluster.rollout_devices_per_node"):
             c.check(get_key(cfg, key) <= int(alloc_gpus), key,
                     f"more devices per node than the allocation's {alloc_gpus} (MEGARL_ALLOC_GPUS_PER_NODE)")
+
+
+def _check_transport(c: Checker) -> None:
+    """``weight_sync.transport`` against the placement and ``weight_sync.senders``, from what its registry
+    entry declares (:mod:`megarl.config.sync_transports`; ``auto`` and unknown names have none: ``auto``
+    is resolved per run, an unknown name is its domain's to report)."""
+    ws, cl = c.cfg.weight_sync, c.cfg.cluster
+    entry = transport_entry(ws.transport)
+    if entry is not None and entry.colocated_only:
+        c.check(cl.placement == "colocated", "weight_sync.transport",
+                f"the {ws.transport} transport shares memory: it needs cluster.placement=colocated")
+    if ws.senders == "owner":
+        c.check(entry is not None and entry.owner_senders, "weight_sync.senders",
+                f"weight_sync.senders=owner sends each engine rank its parts point to point: it needs "
+                f"weight_sync.transport=p2p, got {ws.transport!r}")
+    if cl.placement == "colocated" and entry is not None and entry.process_group:
+        nccl = ws.backend == "nccl" or (ws.backend == "auto" and use_cuda(cl.device))
+        c.check(not nccl, "weight_sync.transport",
+                f"the {ws.transport} transport connects trainer and engine ranks over NCCL, which "
+                "cannot connect a trainer rank to the engine rank on its own GPU (NCCL refuses two ranks on "
+                "one device); colocated runs use weight_sync.transport=tensor (CUDA IPC)")
 
 
 def _check_allocation_nodes(c: Checker) -> None:

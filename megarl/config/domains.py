@@ -2,7 +2,7 @@
 
 One table, :data:`DOMAINS`, keyed by dotted field name: an enum field names its values
 (:class:`Choice`), a field that selects an extension (policy loss, advantage estimator, rollout
-correction, reward, agent loop, dataset) its registry (:class:`Registered`: the registry's names,
+correction, reward, agent loop, dataset, weight-sync transport) its registry (:class:`Registered`: the registry's names,
 read when a value is checked, or an import path), a number its range (:class:`Range`), a free string
 what it holds and who checks it (:class:`Text`). ``megarl validate`` checks every value against its domain
 (:func:`megarl.config.validate.validate`); a test walks the schema and fails on a field missing here,
@@ -116,6 +116,11 @@ def _advantage_estimators() -> Registry:
 def _rollout_corrections() -> Registry:
     from megarl.algorithms.extensions import ROLLOUT_CORRECTIONS
     return ROLLOUT_CORRECTIONS
+
+
+def _transports() -> Registry:
+    from megarl.config.sync_transports import TRANSPORTS
+    return TRANSPORTS
 
 
 def _rewards() -> Registry:
@@ -235,7 +240,7 @@ DOMAINS: dict[str, Domain] = {
                                            "megarl.rollout.reasoning.parser_issues)"),
     "rollout.agent.max_tool_output_chars": POSITIVE,
     "rollout.agent.tool_timeout_s": SECONDS,
-    "weight_sync.transport": Choice(("auto", "p2p", "distributed", "shard", "tensor", "disk")),
+    "weight_sync.transport": Registered(_transports, also=("auto",)),
     "weight_sync.bucket_size_mb": POSITIVE,
     "weight_sync.senders_per_stage": POSITIVE,
     "weight_sync.senders": Choice(("owner", "segment", "stage")),

@@ -1,5 +1,6 @@
-"""Validation of the user code a config names: ``plugins``, tools, reward, agent loop, dataset reader
-(the algorithm's policy loss, advantage estimator and rollout correction: :mod:`megarl.config.algorithm_rules`).
+"""Validation of the user code a config names: ``plugins``, tools, reward, agent loop, dataset reader,
+weight-sync transport (the algorithm's policy loss, advantage estimator and rollout correction:
+:mod:`megarl.config.algorithm_rules`).
 
 Everything is imported and resolved in the validating process, before any process starts; each
 problem names the YAML key that caused it. Protocols are checked on the objects without building
@@ -7,8 +8,9 @@ them (no sandbox or worker pool is started): a tool is a class or factory whose 
 its signature and whose ``__call__`` is a coroutine function; a reward class takes
 ``reward_kwargs`` and is callable, a reward function takes ``(trajectory, sample, **reward_kwargs)``;
 an agent loop is ``async def loop(ctx, state)``; a dataset reader takes
-``(path, **dataset_kwargs)``; an SFT demonstration builder (``sft.demonstrations``, unless it names
-a jsonl/parquet file) takes ``(rows, *, system_prompt, tool_fraction, seed)``.
+``(path, **dataset_kwargs)``; a weight-sync transport is a registry entry or a transport class
+(:class:`megarl.config.sync_transports.TransportEntry`); an SFT demonstration builder
+(``sft.demonstrations``, unless it names a jsonl/parquet file) takes ``(rows, *, system_prompt, tool_fraction, seed)``.
 """
 from __future__ import annotations
 
@@ -99,8 +101,8 @@ def _builder_issue(builder: Any) -> str | None:
 
 
 def plugin_issues(cfg: Any) -> list[Issue]:
-    """Import ``cfg.plugins`` and check every tool, the reward, the agent loop, the dataset reader and
-    the SFT demonstration builder.
+    """Import ``cfg.plugins`` and check every tool, the reward, the agent loop, the dataset reader, the
+    weight-sync transport and the SFT demonstration builder.
 
     Returns:
         The problems found, each ``(key, message, value)``; empty when all resolve and fit.
@@ -111,6 +113,7 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     except PluginError as e:
         index = int(e.key[e.key.index("[") + 1:-1])
         return [(e.key, e.message, plugins[index])]  # the names below would only fail after it
+    from megarl.config.sync_transports import TRANSPORTS
     from megarl.data.datasets import DATASET_REGISTRY
     from megarl.data.demonstrations import DEMONSTRATION_BUILDERS, is_demonstrations_file
     from megarl.rollout.agent import AGENT_REGISTRY
@@ -142,6 +145,8 @@ def plugin_issues(cfg: Any) -> list[Issue]:
     dataset_kwargs = dict(cfg.data.dataset_kwargs or {})
     check(cfg.data.dataset, DATASET_REGISTRY, "data.dataset",
           lambda reader: _dataset_issue(reader, dataset_kwargs))
+    if cfg.weight_sync.transport != "auto":  # an import path: loads and is a transport (TransportEntry.of)
+        check(cfg.weight_sync.transport, TRANSPORTS, "weight_sync.transport", lambda entry: None)
     demonstrations = str(cfg.sft.demonstrations)
     if demonstrations and not is_demonstrations_file(demonstrations):  # a file may be made at run time
         check(demonstrations, DEMONSTRATION_BUILDERS, "sft.demonstrations", _builder_issue)

@@ -149,7 +149,8 @@ class WeightSyncConfig:
     CUDA; see ``megarl.weight_sync.choice.resolve_auto``), ``distributed`` (process group with
     the engines, every engine rank receives whole tensors), ``p2p`` (each engine rank
     receives exactly its shard over a process group, any host), ``shard`` (per-rank payloads, same
-    host), ``tensor`` (colocated, whole tensors) or ``disk`` (safetensors + reload)."""
+    host), ``tensor`` (colocated, whole tensors), ``disk`` (safetensors + reload), a name a plugin
+    registered, or an import path ``module:Class`` (``megarl.config.sync_transports``)."""
     bucket_size_mb: int = 512
     """Bucket size for flattened transfers, in MiB."""
     senders_per_stage: int | None = None

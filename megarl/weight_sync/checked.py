@@ -20,7 +20,7 @@ checkpoint knows (name, dtype, shape). They differ in what each engine rank rece
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -90,7 +90,7 @@ class CheckedTransport(ReceiverGroupTransport):
         each engine rank this sender sends, in order, packed lazily."""
         raise NotImplementedError
 
-    def send(self, bucket, tensors, flat) -> None:
+    def send(self, bucket: Bucket, tensors, flat) -> None:
         """Pack, send point to point and open the vote of one bucket; the stage's first bucket also
         announces the stage (see class docstring).
 
@@ -105,6 +105,7 @@ class CheckedTransport(ReceiverGroupTransport):
         if self._failure is not None:  # a bucket was refused: send nothing more (drain raises)
             return
         started = time.perf_counter()
+        packed: Iterable[tuple[int, list, list]]
         if self._stage is None:  # announce the stage; the first bucket's bytes leave as each rank is packed
             self._announce(bucket)
             packed = self._packed(bucket, tensors, flat)
@@ -113,12 +114,9 @@ class CheckedTransport(ReceiverGroupTransport):
             self._wait_vote()  # the previous bucket: its buffers are free, the receivers wait for this one
             if self._failure is not None:
                 return
-        expected, listings, sizes = self._stage[self._next] if self._next < len(self._stage) else (None, None, None)
-        if expected is not bucket:
-            self.abort()
-            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
-                                  f"({expected.index if expected is not None else 'none left'})")
-        works, buffers = [], []
+        listings, sizes = self._announced(bucket)
+        works: list = []
+        buffers: list = []
         device = group_device(self.group)
         self._partial = {"bucket": bucket, "works": works, "done": set()}  # abort() finishes it
         for rank, buffer, listing in packed:
@@ -146,6 +144,26 @@ class CheckedTransport(ReceiverGroupTransport):
         self.stats.bytes_sent += sum(int(b.numel()) for b in buffers) * len(self.engines)
         self._open_vote(bucket, listings, list(self._requests), works, buffers, started)
 
+    def _announced(self, bucket: Bucket) -> tuple[list[list], list[list[int]]]:
+        """The announced listings and message sizes of ``bucket``, the next bucket the receivers wait for.
+
+        Raises:
+            WeightSyncError: no stage was announced, or ``bucket`` is not the next announced one (the
+                receivers were released first), or it was announced without message sizes.
+        """
+        stage = self._stage
+        if stage is None:  # _announce sets it
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} sent before its stage was announced")
+        expected = stage[self._next][0] if self._next < len(stage) else None
+        if expected is not bucket:
+            self.abort()
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
+                                  f"({expected.index if expected is not None else 'none left'})")
+        _, listings, sizes = stage[self._next]
+        if sizes is None:  # only owner senders announce none, and they send with their own send()
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} was announced without message sizes")
+        return listings, sizes
+
     def _announce(self, bucket: Bucket) -> None:
         """Submit the stage ticket (the stage sender; the other senders only take note): every
         bucket of this stage from ``bucket`` on, each engine rank's listing without checksums
@@ -154,7 +172,8 @@ class CheckedTransport(ReceiverGroupTransport):
 
         self._algo = checksum_algo(group_device(self.group))  # the same on every sender of the stage
         stage = [b for b in self.plan.buckets if b.sender_rank == bucket.sender_rank and b.index >= bucket.index]
-        self._stage = [(b, listings, self._sizes(b, listings)) for b in stage for listings in [self._listings(b)]]
+        announced = [(b, listings, self._sizes(b, listings)) for b in stage for listings in [self._listings(b)]]
+        self._stage = list(announced)
         self._next = 0
         self._finish_announced = True
         if self.sender_index:
@@ -164,7 +183,7 @@ class CheckedTransport(ReceiverGroupTransport):
                     "buckets": [dict({"bucket": b.index, "nbytes": _nbytes(listings[rank]), "tensors": listings[rank]},
                                      **({"source": self._source(b, rank)} if self._owners is not None else {}),
                                      **({"messages": sizes[rank]} if len(sizes[rank]) > 1 else {}))
-                                for b, listings, sizes in self._stage]}
+                                for b, listings, sizes in announced]}
                    for rank in range(self.plan.engine_layout.tp_size)]
         self._submit_tickets(tickets)
 
@@ -218,7 +237,10 @@ class CheckedTransport(ReceiverGroupTransport):
     def _release(self, bucket: Bucket, listings: list, sizes: list, done: set) -> list:
         """:meth:`abort`'s zeros for every engine rank of ``bucket`` this sender owes bytes and has
         not sent them (``done``): each announced message as zeros, zero checksums; the handles."""
-        works, device = [], group_device(self.group)
+        if self._algo is None:  # _announce sets it
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} released before its stage was announced")
+        works: list = []
+        device = group_device(self.group)
         for rank, listing in enumerate(listings):
             if rank in done or not self._is_mine(bucket, rank):  # real bytes went there, or another sender's
                 continue

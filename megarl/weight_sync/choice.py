@@ -1,30 +1,22 @@
-"""Which transport a weight sync uses: the registry of transports by name, ``weight_sync.transport=auto``
+"""Which transport a weight sync uses: the one named in the transport registry
+(:data:`megarl.config.sync_transports.TRANSPORTS`, names or import paths), ``weight_sync.transport=auto``
 resolved per sender, the run-level choice for colocated CUDA engines, and what engines megarl
-starts register for it."""
+starts register for it (the entry's ``engine_loaders``)."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
+from megarl.config.sync_transports import TRANSPORTS, one_sender_per_stage
 from megarl.weight_sync.engine_clients import EngineClients, wait_all
 from megarl.weight_sync.engine_slices import PlanError
-from megarl.weight_sync.p2p import CheckedDistributedTransport, P2PTransport
+from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import WeightSyncPlan
 from megarl.weight_sync.receiver import RECEIVER
 from megarl.weight_sync.transport import Transport, TransportOptions
-from megarl.weight_sync.transports import LOADER, DiskTransport, DistributedTransport, ShardTransport, TensorTransport
 
 log = logging.getLogger(__name__)
-
-TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (
-    P2PTransport, CheckedDistributedTransport, ShardTransport, TensorTransport, DiskTransport)}
-"""``weight_sync.transport`` -> its class (``auto`` is resolved first, :func:`resolve_auto`)."""
-UNCHECKED: dict[str, type[Transport]] = {"distributed": DistributedTransport}
-"""What a transport falls back to when the engines did not register megarl's receiver loader:
-SGLang's own ``/update_weights_from_distributed``, which loads what it received unchecked."""
-ONE_SENDER_TRANSPORTS = ("shard", "tensor", "disk")
-"""Transports with one sender per pipeline stage (same host or files): ``senders_per_stage`` is 1."""
 
 
 def engines_have_receiver(engines: EngineClients, *, timeout_s: float = 60.0) -> bool:
@@ -59,33 +51,46 @@ def resolve_auto(plan: WeightSyncPlan, engines: EngineClients, *, backend: str =
 
 
 def make_transport(name: str, plan: WeightSyncPlan, engines: EngineClients, **options) -> Transport:
-    """The transport called ``name`` (``weight_sync.transport``; ``auto``: see :func:`resolve_auto`).
+    """The transport ``name`` names (``weight_sync.transport``: a registered name or an import path;
+    ``auto``: see :func:`resolve_auto`).
 
-    ``distributed`` is checked per bucket (:class:`~megarl.weight_sync.p2p.CheckedDistributedTransport`)
-    when every engine registered megarl's receiver loader, as engines megarl starts do; otherwise it
-    is SGLang's own ``/update_weights_from_distributed`` (:data:`UNCHECKED`), which loads what it
-    received unchecked (README, "A sync that checks itself"), and a warning says so.
+    A transport with an ``unchecked`` fallback (``distributed``: checked per bucket by
+    :class:`~megarl.weight_sync.p2p.CheckedDistributedTransport`) uses it when an engine did not
+    register megarl's receiver loader (engines megarl starts do): for ``distributed`` SGLang's own
+    ``/update_weights_from_distributed``, which loads what it received unchecked (README, "A sync
+    that checks itself"), and a warning says so.
 
     Args:
         options: the fields of :class:`~megarl.weight_sync.transport.TransportOptions`
             (``backend``, ``master_address``, ``directory``, ``timeout_s``).
 
     Raises:
-        ValueError: unknown name, or ``disk`` without a directory.
+        ValueError: an unknown name or an import path that does not load (``PluginError``, naming
+            ``weight_sync.transport``), or ``disk`` without a directory.
     """
     opts = TransportOptions(**options)
     if name == "auto":
         name = resolve_auto(plan, engines, backend=opts.backend, timeout_s=opts.timeout_s)
         log.info("weight_sync.transport=auto -> %s (%d engine(s) for this sender)", name, len(engines))
-    cls = TRANSPORTS.get(name)
-    if cls is None:
-        raise ValueError(f"weight_sync.transport: unknown {name!r} (auto, {', '.join(TRANSPORTS)})")
-    if name in UNCHECKED and not engines_have_receiver(engines, timeout_s=opts.timeout_s):
+    entry = TRANSPORTS.resolve(name)
+    cls: type[Transport] = entry.load()
+    if entry.unchecked is not None and not engines_have_receiver(engines, timeout_s=opts.timeout_s):
         log.warning("weight_sync.transport=%s: the engines did not register megarl's receiver "
                     "(--custom-weight-loader %s): buckets are loaded without a per-bucket checksum check",
                     name, RECEIVER)
-        cls = UNCHECKED[name]
+        cls = entry.load(unchecked=True)
     return cls.from_options(plan, engines, opts)
+
+
+def check_one_sender(transport: str, plan: WeightSyncPlan) -> None:
+    """A transport with one sender per pipeline stage (its entry's ``one_sender``) gets a plan with one.
+
+    Raises:
+        WeightSyncError: ``transport`` has one sender per stage and ``plan.senders_per_stage`` > 1.
+    """
+    if one_sender_per_stage(transport) and plan.senders_per_stage > 1:
+        raise WeightSyncError(f"weight_sync.transport={transport} has one sender per stage; the plan has "
+                              f"senders_per_stage={plan.senders_per_stage} (build it with senders_per_stage=1)")
 
 
 def run_transport(cfg, *, cuda: bool) -> str:
@@ -100,13 +105,11 @@ def run_transport(cfg, *, cuda: bool) -> str:
 
 
 def engine_custom_weight_loaders(transport: str) -> list[str]:
-    """What engines megarl starts itself register with ``--custom-weight-loader`` for ``transport``
-    (``auto`` registers the ``p2p`` receiver, so that ``auto`` resolves to ``p2p`` for them;
-    ``distributed`` registers it so that every bucket is checked before loading)."""
-    if transport == "shard":
-        return [LOADER]
-    if transport in ("auto", "p2p"):
-        return [LOADER, RECEIVER]
-    if transport == "distributed":
-        return [RECEIVER]
-    return []
+    """What engines megarl starts itself register with ``--custom-weight-loader`` for ``transport``:
+    its entry's ``engine_loaders`` (``auto``: ``p2p``'s, so that ``auto`` resolves to ``p2p`` for
+    them; ``distributed`` registers the receiver so that every bucket is checked before loading).
+
+    Raises:
+        ValueError: an unknown name or an import path that does not load (``PluginError``).
+    """
+    return list(TRANSPORTS.resolve("p2p" if transport == "auto" else transport).engine_loaders)

@@ -70,7 +70,8 @@ class EngineClients:
 def wait_all(futures: Sequence[concurrent.futures.Future], timeout_s: float | None = None) -> list[Any]:
     """Results of all futures, in order; waits for every one before re-raising the first error."""
     concurrent.futures.wait(futures, timeout=timeout_s)
-    results, error = [], None
+    results: list[Any] = []
+    error: BaseException | None = None
     for fut in futures:
         if not fut.done():
             error = error or TimeoutError(f"engine request not answered within {timeout_s} s")

@@ -65,7 +65,8 @@ def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) 
             vocab loader accepts only ``vocab_size / T`` rows per rank).
     """
     if tensor.scale_of is not None:
-        return {r: _block_slice(tensor, sl) for r, sl in engine_slices(tensor.scale_of, layout, num_experts).items()}
+        weight = tensor.scale_of
+        return {r: _block_slice(tensor, weight, sl) for r, sl in engine_slices(weight, layout, num_experts).items()}
     if tensor.expert is not None:
         moe_tp = layout.moe_tp_size
         ep_rank = tensor.expert // (num_experts // layout.ep_size)
@@ -73,12 +74,12 @@ def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) 
     return {r: _split(tensor, layout.tp_size, r) for r in range(layout.tp_size)}
 
 
-def _block_slice(scale: HFTensorSpec, weight_slice: TensorSlice) -> TensorSlice:
-    """The scale blocks of an engine rank's slice of a block-FP8 weight (SGLang's
-    ``BlockQuantScaleParameter``: the weight's split, in whole blocks)."""
+def _block_slice(scale: HFTensorSpec, weight: HFTensorSpec, weight_slice: TensorSlice) -> TensorSlice:
+    """The scale blocks of an engine rank's slice of ``weight``, the block-FP8 weight ``scale`` belongs to
+    (SGLang's ``BlockQuantScaleParameter``: the weight's split, in whole blocks)."""
     if weight_slice.axis is None:
         return weight_slice
-    axis, weight = weight_slice.axis, scale.scale_of
+    axis = weight_slice.axis
     b = scale.block[axis]
     if weight_slice.start % b or (weight_slice.stop % b and weight_slice.stop != weight.shape[axis]):
         raise PlanError(f"{weight.name}: an engine rank holds {('rows', 'columns')[axis]} [{weight_slice.start}, "

@@ -161,7 +161,8 @@ class StageGatherer:
         """The assemblers needing any of ``pieces`` (ascending)."""
         if self.owners is None:
             return [bucket.sender_rank]
-        layout, owners, dests = self._layout(bucket)[1], self.assemblers(bucket), set()
+        layout, owners = self._layout(bucket)[1], self.assemblers(bucket)
+        dests: set[int] = set()
         for piece in pieces:
             dests.update(owners[rank] for rank, sl, _ in layout[hf_positions[piece.hf_index]] if overlaps(sl, piece))
         return sorted(dests)
@@ -268,7 +269,7 @@ class StageGatherer:
                         parts[rank].append((spec.name, view))
                 mine.append((sl if sl.axis is not None else None, view))
             targets.append(mine)
-        messages = [None] * len(segments)
+        messages: list[list | None] = [None] * len(segments)
         for r in ours:
             if runs is None:
                 a, n = segments[r]
@@ -371,6 +372,8 @@ class StageGatherer:
         device = next(iter(self.local.values())).device if self.local else torch.device("cpu")
         pending = self._post(mine[0], device) if mine else None
         for i, bucket in enumerate(mine):
+            if pending is None:  # posted one bucket ahead (below)
+                raise RuntimeError(f"weight sync gather: bucket {bucket.index} was not posted before its turn")
             flat, handed, targets, works, temps = pending
             start = time.perf_counter()
             for work in works:

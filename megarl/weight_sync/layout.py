@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 class LayoutError(ValueError):
@@ -72,8 +73,9 @@ class TrainerLayout:
                 f"does not divide the ranks per pipeline stage ({per_stage} = TP*CP*DP)")
 
     @classmethod
-    def from_world_size(cls, world_size: int, **sizes: int | None) -> TrainerLayout:
-        """The layout whose data-parallel size fills ``world_size`` ranks.
+    def from_world_size(cls, world_size: int, **sizes: Any) -> TrainerLayout:
+        """The layout whose data-parallel size fills ``world_size`` ranks; ``sizes`` are the other fields
+        by name (``int``, or ``None`` where the field allows it).
 
         Raises:
             LayoutError: ``world_size`` is not a multiple of TP * CP * PP.

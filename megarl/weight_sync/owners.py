@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.config.sync_transports import transport_entry
 from megarl.models.fp8_blocks import quantize_blockwise
 from megarl.weight_sync.copy_instructions import Piece, Placement
 from megarl.weight_sync.engine_slices import TensorSlice
@@ -84,12 +85,13 @@ def check_senders(senders: str, *, transport: str, quantized: bool) -> None:
     """``weight_sync.senders`` against the transport and the served checkpoint.
 
     Raises:
-        WeightSyncError: an unknown value; ``owner`` with another transport than ``p2p``.
+        WeightSyncError: an unknown value; ``owner`` with a transport whose registry entry does not
+            declare ``owner_senders`` (``p2p`` does; ``auto`` is refused too).
             (``quantized``: engines serving block FP8; owner senders send it, module docstring.)
     """
     if senders not in SENDERS:
         raise WeightSyncError(f"weight_sync.senders must be one of {' | '.join(SENDERS)}, got {senders!r}")
-    if senders == "owner" and transport != "p2p":
+    if senders == "owner" and not getattr(transport_entry(transport), "owner_senders", False):
         raise WeightSyncError(f"weight_sync.senders=owner needs weight_sync.transport=p2p (each engine rank "
                               f"receives its parts point to point), got transport={transport!r}")
 

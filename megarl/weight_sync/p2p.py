@@ -113,10 +113,10 @@ class P2PTransport(CheckedTransport):
             listing, offset = [], 0
             for name, v in mine:
                 n = v.numel() * v.element_size()
-                key = (name, v.storage_offset(), tuple(v.shape))
-                if key not in sums:
-                    sums[key] = checksum(buffer[offset:offset + n], algo)
-                listing.append([name, str(v.dtype).removeprefix("torch."), list(v.shape), sums[key]])
+                sum_key = (name, v.storage_offset(), tuple(v.shape))
+                if sum_key not in sums:
+                    sums[sum_key] = checksum(buffer[offset:offset + n], algo)
+                listing.append([name, str(v.dtype).removeprefix("torch."), list(v.shape), sums[sum_key]])
                 offset += n
             yield rank, [buffer], listing
 
@@ -137,7 +137,7 @@ class CheckedDistributedTransport(CheckedTransport):
     mode = "broadcast"
     """The tickets' ``mode``: every engine rank joins one broadcast of the whole bucket."""
 
-    def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, list]]:
+    def _packed(self, bucket: Bucket, tensors, flat: torch.Tensor) -> Iterator[tuple[int, list, list]]:
         """The flat bucket for every engine rank, and the listing ``[[name, dtype, shape, checksum]]``."""
         from megarl.weight_sync.wire import checksum, checksum_algo
 

@@ -26,14 +26,15 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from megarl.config.sync_transports import TRANSPORTS
 from megarl.models.fp8_blocks import BlockFP8
+from megarl.plugins import PluginError
 from megarl.weight_sync.engine_slices import PlanError, TensorSlice, engine_slices
 from megarl.weight_sync.fp8_wire import wire_specs
 from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
 from megarl.weight_sync.specs import HFTensorSpec, ParamSpec
 
 MIB = 1 << 20
-TRANSPORTS = ("distributed", "p2p", "shard", "tensor", "disk")
 RAMP_STEPS = 3
 """A stage's first buckets hold at most ``bucket_size / 2**RAMP_STEPS``, then twice as much each,
 up to ``bucket_size``; towards its end a bucket holds at most half of the stage's bytes still
@@ -204,12 +205,18 @@ class WeightSyncPlan:
     def engine_rank_bytes(self, transport: str) -> list[int]:
         """Bytes each engine rank (of one engine) receives per sync with ``transport``.
 
-        ``distributed`` broadcasts and ``tensor``/``disk`` hand over whole tensors, so every rank
-        receives everything; ``shard`` and ``p2p`` deliver exactly each rank's slices.
+        A transport whose registry entry ``delivers_shards`` (``shard``, ``p2p``) delivers exactly each
+        rank's slices; the others (``distributed`` broadcasts, ``tensor``/``disk`` hand over whole
+        tensors) every tensor whole, so every rank receives everything.
+
+        Raises:
+            PlanError: ``transport`` is neither a registered transport nor an import path that loads one.
         """
-        if transport not in TRANSPORTS:
-            raise PlanError(f"unknown transport {transport!r} (known: {', '.join(TRANSPORTS)})")
-        if transport in ("shard", "p2p"):
+        try:
+            entry = TRANSPORTS.resolve(transport)
+        except PluginError as e:
+            raise PlanError(f"unknown transport {transport!r}: {e.message}") from e
+        if entry.delivers_shards:
             return self.engine_shard_bytes()
         return [self.wire_bytes] * self.engine_layout.tp_size
 

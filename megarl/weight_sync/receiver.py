@@ -88,10 +88,10 @@ def receive_shards(model, named_tensors) -> None:
             _load_deferred(model, state)
             _finish(state)
         elif op == "close":
-            state = _GROUPS.pop(ticket["group"], None)
-            if state is not None:
-                _drop_deferred(state, "the group closes")
-                dist.destroy_process_group(state["group"])
+            closing = _GROUPS.pop(ticket["group"], None)
+            if closing is not None:
+                _drop_deferred(closing, "the group closes")
+                dist.destroy_process_group(closing["group"])
         else:
             log.error("p2p receiver: unknown op %r", op)
     except Exception:  # noqa: BLE001
@@ -233,7 +233,8 @@ def part_targets(buffer: torch.Tensor, ticket: dict) -> tuple[list, list]:
         n = torch.Size(shape).numel() * torch_dtype(dtype).itemsize
         slices.append(buffer[offset:offset + n].view(torch_dtype(dtype)).view(shape))
         offset += n
-    placed, counts = [], {}
+    placed: list[tuple] = []
+    counts: dict[int, int] = {}
     for source, j, axis, at, shape in ticket["parts"]:
         target = slices[j].narrow(axis, at, shape[axis])
         into = target if target.is_contiguous() else torch.empty(shape, dtype=target.dtype, device=buffer.device)

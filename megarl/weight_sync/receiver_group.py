@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import timedelta
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ class ReceiverGroupTransport(GroupTransport):
         """``p2p``: the engines prove each loaded bucket is in their parameters (``weight_sync.load_proof``)."""
 
     @classmethod
-    def from_options(cls, plan, engines, options) -> ReceiverGroupTransport:
+    def from_options(cls, plan, engines, options) -> Self:
         """This transport for ``plan`` and ``engines`` with the group options and ``load_proof``."""
         transport = super().from_options(plan, engines, options)
         transport.load_proof = options.load_proof
@@ -132,6 +133,9 @@ class ReceiverGroupTransport(GroupTransport):
         from megarl.weight_sync.sglang_compat import init_custom_process_group
 
         info = self._handoff(None)
+        if info is None:
+            raise WeightSyncError(f"trainer rank {self.senders[self.sender_index]} got no group details from "
+                                  f"the stage sender (trainer rank {self.senders[0]})")
         if info.get("failed"):
             raise WeightSyncError(f"the stage sender (trainer rank {self.senders[0]}) failed before creating "
                                   f"the p2p group; see its error")

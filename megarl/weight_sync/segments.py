@@ -217,7 +217,9 @@ class SegmentOwners:
         then every other rank assembling a segment of any of its buckets (ascending; cached)."""
         if pp_rank not in self._senders:
             buckets = self.plan.stage_buckets(pp_rank)
-            lead = buckets[0].sender_rank if buckets else None
-            self._senders[pp_rank] = [] if not buckets else [lead] + sorted(
-                {t for b in buckets for t in self.owners(b)} - {lead})
+            if not buckets:
+                self._senders[pp_rank] = []
+            else:
+                lead = buckets[0].sender_rank
+                self._senders[pp_rank] = [lead] + sorted({t for b in buckets for t in self.owners(b)} - {lead})
         return self._senders[pp_rank]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megarl.training.collectives import all_reduce, barrier, control_group
 from megarl.training.collectives import recv as recv_tensor
 from megarl.training.collectives import send as send_tensor
-from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS, make_transport
+from megarl.weight_sync.choice import check_one_sender, make_transport
 from megarl.weight_sync.engine_clients import EngineClients
 from megarl.weight_sync.gather import RING_SLOTS, StageGatherer
 from megarl.weight_sync.manifest_checks import (
@@ -89,9 +89,7 @@ class WeightSynchronizer:
         check_senders(senders, transport=transport, quantized=plan.quantization is not None)
         if manifest is not None:
             check_plan_against_manifest(plan, manifest)
-        if transport in ONE_SENDER_TRANSPORTS and plan.senders_per_stage > 1:
-            raise WeightSyncError(f"weight_sync.transport={transport} has one sender per stage; the plan has "
-                                  f"senders_per_stage={plan.senders_per_stage} (build it with senders_per_stage=1)")
+        check_one_sender(transport, plan)
         self.plan, self.rank, self.group, self.pause_mode = plan, rank, group, pause_mode
         # Barriers and the stages' turn token are control plane: a gloo group, so that they block the
         # host (under NCCL a recv returns before the token arrived). Collective: every rank builds it.

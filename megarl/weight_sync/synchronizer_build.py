@@ -7,9 +7,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megarl.config.sync_transports import one_sender_per_stage
 from megarl.models.families import get_family
 from megarl.training.model import load_hf_config
-from megarl.weight_sync.choice import ONE_SENDER_TRANSPORTS
 from megarl.weight_sync.copy_instructions import Placement
 from megarl.weight_sync.fp8_wire import served_quantization
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
@@ -62,9 +62,10 @@ def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
 
 def senders_per_stage(cfg) -> int | None:
     """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
-    per stage (``shard``, ``tensor``, ``disk``: same host or files) and for owner senders (every
+    per stage (their registry entry's ``one_sender``: ``shard``, ``tensor``, ``disk``, same host or
+    files) and for owner senders (every
     rank sends; ``assign_senders`` splits the engines over the copies), else the config's value."""
-    if cfg.transport in ONE_SENDER_TRANSPORTS or cfg.senders == "owner":  # owner: copies split engines themselves
+    if one_sender_per_stage(cfg.transport) or cfg.senders == "owner":  # owner: copies split engines themselves
         return 1
     return cfg.senders_per_stage
 

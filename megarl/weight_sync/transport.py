@@ -2,9 +2,10 @@
 (:class:`TransportOptions`) and :class:`GroupTransport`, the base of those that send over a
 process group with the engine ranks.
 
-The transports themselves: :mod:`megarl.weight_sync.transports` (``distributed`` as SGLang does
+The transports themselves: :mod:`megarl.weight_sync.sglang_transports` (``distributed`` as SGLang does
 it, ``shard``, ``tensor``, ``disk``) and :mod:`megarl.weight_sync.p2p` (``p2p`` and the checked
-``distributed``); which one a sync uses: :mod:`megarl.weight_sync.choice`.
+``distributed``); the registry of them by name (and what each declares):
+:mod:`megarl.config.sync_transports`; which one a sync uses: :mod:`megarl.weight_sync.choice`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 
@@ -77,7 +79,7 @@ class Transport:
         self._in_flight: tuple | None = None
 
     @classmethod
-    def from_options(cls, plan: WeightSyncPlan, engines: EngineClients, options: TransportOptions) -> Transport:
+    def from_options(cls, plan: WeightSyncPlan, engines: EngineClients, options: TransportOptions) -> Self:
         """This transport for ``plan`` and ``engines``, taking what it needs of ``options``."""
         return cls(plan, engines, timeout_s=options.timeout_s)
 
@@ -147,7 +149,7 @@ class GroupTransport(Transport):
         self.group_name: str | None = None
 
     @classmethod
-    def from_options(cls, plan, engines, options: TransportOptions) -> GroupTransport:
+    def from_options(cls, plan, engines, options: TransportOptions) -> Self:
         """This transport for ``plan`` and ``engines`` with the group's backend, address, port base and
         timeout from ``options``.
         """

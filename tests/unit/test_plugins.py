@@ -201,11 +201,13 @@ def test_a_plugin_that_fails_to_import_is_reported_with_its_index(tmp_path, monk
 def test_relative_plugin_files_become_absolute(monkeypatch):
     monkeypatch.chdir(REPO)
     cfg = load_config("examples/arithmetic_tool/arithmetic_tool.yaml",
-                      ["algorithm.policy_loss=examples/losses.py:my_loss", "algorithm.advantage_estimator=my.mod:est"])
+                      ["algorithm.policy_loss=examples/losses.py:my_loss", "algorithm.advantage_estimator=my.mod:est",
+                       "weight_sync.transport=examples/sync.py:MyTransport"])
     absolute_specs(cfg)
     assert cfg.plugins == [str(REPO / "examples/arithmetic_tool/task.py")]
     assert cfg.algorithm.policy_loss == f"{REPO / 'examples/losses.py'}:my_loss"  # a file part, made absolute
     assert cfg.algorithm.advantage_estimator == "my.mod:est" and cfg.algorithm.rollout_correction == "none"
+    assert cfg.weight_sync.transport == f"{REPO / 'examples/sync.py'}:MyTransport"
     assert cfg.rollout.reward == "arithmetic_answer"  # registry names are left alone
     assert cfg.sft.demonstrations == f"{REPO / 'examples/arithmetic_tool/task.py'}:demonstrations"
     with pytest.raises(PluginError, match="rollout.reward: unknown reward 'nope'"):

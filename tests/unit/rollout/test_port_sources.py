@@ -56,16 +56,16 @@ def test_retrieval_service_port_comes_from_the_allocator():
 
 @pytest.mark.parametrize("name", ["distributed", "p2p"])
 def test_weight_sync_group_port_is_within_the_configured_base(name):
-    from megarl.weight_sync.choice import TRANSPORTS
+    from megarl.config.sync_transports import TRANSPORTS
     from megarl.weight_sync.transport import TransportOptions
 
     plan = SimpleNamespace(engine_layout=SimpleNamespace(tp_size=1))  # all a transport reads before connect()
-    based = TRANSPORTS[name].from_options(plan, [], TransportOptions(master_address="127.0.0.1", port_base=BASE))
+    based = TRANSPORTS[name].load().from_options(plan, [], TransportOptions(master_address="127.0.0.1", port_base=BASE))
     ports = {based.group_port() for _ in range(3)}
     assert len(ports) == 3
     for port in ports:
         _assert_allocated(port, BASE)
-    unbased = TRANSPORTS[name].from_options(plan, [], TransportOptions(master_address="127.0.0.1"))
+    unbased = TRANSPORTS[name].load().from_options(plan, [], TransportOptions(master_address="127.0.0.1"))
     _assert_allocated(unbased.group_port())
 
 

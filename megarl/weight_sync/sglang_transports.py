@@ -1,9 +1,10 @@
-"""Transports: how a stage sender hands converted buckets to the SGLang engines.
+"""The transports through SGLang's own weight-update endpoints: how a stage sender hands converted
+buckets to the SGLang engines without megarl's receiver loader.
 
 This module holds ``distributed`` as SGLang does it, ``shard``, ``tensor`` and ``disk``; the
 transports checked by megarl's receiver (``p2p``, checked ``distributed``) are in
 :mod:`megarl.weight_sync.p2p`, their base class in :mod:`megarl.weight_sync.transport`, and the
-registry that picks one by name in :mod:`megarl.weight_sync.choice`.
+registry that names each (and what it declares) in :mod:`megarl.config.sync_transports`.
 
 - ``distributed``: one broadcast of the flat bucket per bucket over a process group between this
   sender (group rank 0) and every engine rank (NCCL on GPU, gloo on CPU: same code). Every engine
@@ -42,6 +43,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -201,7 +203,7 @@ class DiskTransport(Transport):
         self.directory = Path(directory)
 
     @classmethod
-    def from_options(cls, plan, engines, options: TransportOptions) -> DiskTransport:
+    def from_options(cls, plan, engines, options: TransportOptions) -> Self:
         """``disk`` writes into ``options.directory``.
 
         Raises:
