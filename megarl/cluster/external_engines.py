@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.cluster.bundles import devices_per_engine
+from megarl.config.schema import MegarlConfig
 from megarl.procs.ports import find_free_port
 from megarl.rollout.engine_resources import ENGINE_PORT_STRIDE
 
@@ -52,7 +53,7 @@ class ServedEngine:
         return self.engine_id.split(".node")[0]
 
 
-def served_engines(cfg: Any, *, name: str, node_index: int, num_nodes: int, engines_per_node: int,
+def served_engines(cfg: MegarlConfig, *, name: str, node_index: int, num_nodes: int, engines_per_node: int,
                    cuda: bool, visible: Sequence[str]) -> list[ServedEngine]:
     """The engine parts node ``node_index`` of ``num_nodes`` runs.
 
@@ -117,7 +118,7 @@ def rendezvous(part: ServedEngine, *, host: str, base_port: int, registry: Path,
     return path.read_text().strip()
 
 
-def engine_process(cfg: Any, part: ServedEngine, *, host: str, device: str, registry: Path,
+def engine_process(cfg: MegarlConfig, part: ServedEngine, *, host: str, device: str, registry: Path,
                    custom_weight_loaders: Sequence[str] = (), dist_init_addr: str | None = None) -> Any:
     """The :class:`~megarl.rollout.engine_process.EngineProcess` of ``part`` (the settings engines started
     through Ray get, :func:`megarl.cluster.ray_engines.engine_kwargs`, bound to ``host``; its HTTP

@@ -35,6 +35,7 @@ from typing import Any
 
 from megarl.cluster.bundles import BundleShapes
 from megarl.config.parallel import trainer_world_size
+from megarl.config.schema import MegarlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def _ray_version() -> str:
     return ray.__version__
 
 
-def init_ray(cfg: Any, *, cuda: bool) -> bool:
+def init_ray(cfg: MegarlConfig, *, cuda: bool) -> bool:
     """Connect to ``cluster.ray_address`` or start a local Ray; reuse one already initialised.
 
     Args:
@@ -313,7 +314,7 @@ def with_roles(shapes: BundleShapes, roles: bool) -> tuple[list[dict], list[dict
             [{**b, "megarl_rollout": per_part} for b in shapes.rollout])
 
 
-def build_placement(cfg: Any, shapes: BundleShapes, *, timeout_s: float = 300.0) -> Placement:
+def build_placement(cfg: MegarlConfig, shapes: BundleShapes, *, timeout_s: float = 300.0) -> Placement:
     """Create the placement groups of ``shapes`` (:func:`megarl.cluster.bundles.bundle_shapes`; an
     evaluation's with ``engines_only``) and wait until they are ready.
 
@@ -355,7 +356,7 @@ def build_placement(cfg: Any, shapes: BundleShapes, *, timeout_s: float = 300.0)
     return placement
 
 
-def _order_trainer_bundles(placement: Placement, cfg: Any, *, cuda: bool, world: int, per_engine: int,
+def _order_trainer_bundles(placement: Placement, cfg: MegarlConfig, *, cuda: bool, world: int, per_engine: int,
                            check_tp: bool = True) -> None:
     """Rank -> bundle by node and GPU; colocated engines' bundles and GPUs follow (module docstring).
 

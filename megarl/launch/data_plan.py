@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megarl.config.schema import MegarlConfig
+
 TOKEN_BYTES = 8 + 1 + 4
 """Per token of a shard: ``input_ids`` int64, ``loss_mask`` bool, ``rollout_logprobs`` float32."""
 SEQUENCE_BYTES = 8 + 4 + 8 + 4
@@ -56,7 +58,8 @@ def _model_layers_topk(model_config: dict[str, Any]) -> tuple[int, int]:
     return int(text["num_hidden_layers"]), int(topk)
 
 
-def plan_step_bytes(cfg: Any, model_config: dict[str, Any], *, mean_seq_tokens: float | None = None) -> StepBytes:
+def plan_step_bytes(cfg: MegarlConfig, model_config: dict[str, Any], *,
+                    mean_seq_tokens: float | None = None) -> StepBytes:
     """Predict one RL step's driver, object-store and per-rank bytes.
 
     Args:

@@ -96,12 +96,13 @@ def cmd_serve_engines(args: argparse.Namespace) -> int:
 
     from megarl.cluster.external_engines import ExternalEnginesError, engine_process, rendezvous, served_engines
     from megarl.config.device import use_cuda
+    from megarl.config.schema import as_megarl_config
     from megarl.launch.preflight import prepare_config
     from megarl.weight_sync.choice import engine_custom_weight_loaders, run_transport
 
     for key in [k for k in os.environ if k.startswith("MEGARL_ALLOC_")]:
         del os.environ[key]  # this job's allocation holds engines only, not the run's trainer nodes
-    cfg = prepare_config(args.config, args.overrides)
+    cfg = as_megarl_config(prepare_config(args.config, args.overrides))
     cuda = use_cuda(cfg.cluster.device)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] if cuda else []
     try:
