@@ -35,3 +35,45 @@ def private_ray(**init_kwargs: Any) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def private_ray_cluster(head: dict[str, Any], nodes: list[dict[str, Any]]) -> Iterator[Any]:
+    """A private Ray cluster of several nodes on this machine (``ray.cluster_utils.Cluster``), every
+    raylet on 127.0.0.1, this process connected to it; shut down on exit.
+
+    Args:
+        head: the head node's ``add_node`` arguments (``num_cpus``, ``num_gpus`` logical devices,
+            ``resources``); the dashboard is off.
+        nodes: each further node's ``add_node`` arguments.
+
+    Yields:
+        The ``Cluster``.
+
+    Raises:
+        pytest.skip.Exception: a Ray instance is already running in this process.
+    """
+    import pytest
+    import ray
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already running in this process")
+    with pytest.MonkeyPatch.context() as mp:  # every raylet on 127.0.0.1 (megarl.cluster.placement)
+        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head})
+        try:
+            for node in nodes:
+                cluster.add_node(**node)
+            ray.init(address=cluster.address, logging_level="WARNING",
+                     runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()

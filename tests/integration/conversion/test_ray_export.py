@@ -20,6 +20,7 @@ from megarl.conversion.convert import hf_to_megatron, megatron_to_hf_dir
 from megarl.conversion.hf_io import INDEX_FILE
 from megarl.launch.hf_export import BackgroundExport
 from megarl.testing.checkpoints import load_safetensors_dir
+from megarl.testing.local_ray import private_ray_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # ~2 min on 2 shared cores: 2 raylets, 3 exports
 
@@ -27,27 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # ~2 min on 2 shared 
 @pytest.fixture(scope="module")
 def two_nodes():
     """The ids of a private 2-node Ray cluster's nodes (one CPU each), this process connected to it."""
-    if ray.is_initialized():
-        pytest.skip("a Ray instance is already running in this process")
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-
-    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
-
-    with pytest.MonkeyPatch.context() as mp:  # every raylet on 127.0.0.1 (megarl.cluster.placement)
-        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, include_dashboard=False))
-        try:
-            cluster.add_node(num_cpus=1)
-            ray.init(address=cluster.address, logging_level="WARNING",
-                     runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-            cluster.wait_for_nodes()
-            yield sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    with private_ray_cluster(head=dict(num_cpus=1), nodes=[dict(num_cpus=1)]):
+        yield sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from megarl.cluster.bundles import bundle_shapes
 from megarl.cluster.placement import build_placement
 from megarl.cluster.ray_engines import engine_kwargs
 from megarl.rollout.engine_actor import EngineActor
+from megarl.testing.local_ray import private_ray_cluster
 
 ROLLOUT_NODES, GPUS_PER_NODE, TP, ENGINES = 2, 2, 4, 1
 
@@ -36,30 +37,12 @@ def _probed_actor_class():
 
 @pytest.fixture(scope="module")
 def ray_nodes():
-    if ray.is_initialized():
-        pytest.skip("a Ray instance is already running in this process")
-    from ray._private import ray_constants
-    from ray.cluster_utils import Cluster
-
-    from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
-
-    with pytest.MonkeyPatch.context() as mp:  # every raylet on 127.0.0.1 (megarl.cluster.placement)
-        mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        # role resources as the Slurm job advertises them (slurm/README.md): trainer on the head
-        cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, num_gpus=1,
-                                                                   resources={"megarl_trainer": 1}))
-        try:
-            for _ in range(ROLLOUT_NODES):
-                cluster.add_node(num_cpus=2, num_gpus=GPUS_PER_NODE, resources={"megarl_rollout": GPUS_PER_NODE})
-            ray.init(address=cluster.address, logging_level="WARNING",
-                     runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-            cluster.wait_for_nodes()
-            yield cluster
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    # role resources as the Slurm job advertises them (slurm/README.md): trainer on the head
+    with private_ray_cluster(
+            head=dict(num_cpus=2, num_gpus=1, resources={"megarl_trainer": 1}),
+            nodes=[dict(num_cpus=2, num_gpus=GPUS_PER_NODE, resources={"megarl_rollout": GPUS_PER_NODE})
+                   for _ in range(ROLLOUT_NODES)]) as cluster:
+        yield cluster
 
 
 def _cfg():
