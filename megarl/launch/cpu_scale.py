@@ -25,7 +25,9 @@ rollout correction, async mode and staleness, partial rollouts, deterministic sa
 weight-sync transport and its verification, placement (disaggregated / colocated), tools, reward,
 agent loop and plugins. Every change that switches a recipe's feature off (or drops a parallel
 dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
-the CLI prints them.
+the CLI prints them. So is every structural feature of the recipe that shapes the weight sync and the
+loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: the model's MTP layers and block-FP8
+``quantization_config``, engine TP > 1, the number of expert-data-parallel copies, several buckets per stage.
 """  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from megarl.config.schema import TrainConfig
+from megarl.launch.twin_features import expert_data_parallel_copies
 from megarl.models.families import find_family
 from megarl.models.tiny import tiny_families
 
@@ -43,20 +46,31 @@ WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
 
 
-def _tiny_model(hf_path: str) -> tuple[str, str | None]:
-    """``(tiny uri, note)`` for the recipe's model (``note`` when the family had to be guessed)."""
+def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
+    """``(tiny uri, notes)`` for the recipe's model: a note when the family had to be guessed, and one
+    for each structural feature of the recipe's model that the tiny one lacks (MTP layers, block FP8)."""
     if hf_path.startswith("tiny:"):
-        return hf_path, None
+        return hf_path, []
     config = Path(hf_path) / "config.json"
     if not config.is_file():
-        return "tiny:qwen3_moe", (f"cpu-scale: model.hf_path {hf_path} has no config.json here: using tiny:qwen3_moe "
-                                  "(megarl's reference family)")
-    model_type = json.loads(config.read_text()).get("model_type")
+        return "tiny:qwen3_moe", [f"cpu-scale: model.hf_path {hf_path} has no config.json here: using "
+                                  "tiny:qwen3_moe (megarl's reference family)"]
+    hf = json.loads(config.read_text())
+    model_type = hf.get("model_type")
     family = find_family(model_type)
     if family is None or family.name not in tiny_families():
         raise ValueError(f"model.hf_path: model_type {model_type!r} has no tiny family for --cpu-scale "
                          f"(known: {', '.join(tiny_families())})")
-    return f"tiny:{family.name}", None
+    text = family.text(hf)
+    text = text if isinstance(text, dict) else hf
+    notes = []
+    if int(text.get("num_nextn_predict_layers") or 0) > 0:
+        notes.append(f"cpu-scale: num_nextn_predict_layers {text['num_nextn_predict_layers']} -> 0 (tiny:{family.name} "
+                     "has no multi-token-prediction layers to drop; the loaders' MTP skip is not exercised)")
+    if hf.get("quantization_config") or text.get("quantization_config"):
+        notes.append(f"cpu-scale: quantization_config (block FP8) -> none (tiny:{family.name} is fp32; the engine "
+                     "is sent unquantised weights, not FP8 ones with their _scale_inv)")
+    return f"tiny:{family.name}", notes
 
 
 def _parallel(p: DictConfig, notes: list[str]) -> None:
@@ -81,6 +95,15 @@ def _parallel(p: DictConfig, notes: list[str]) -> None:
         p.sequence_parallel = False
 
 
+def _expert_copies(cfg: DictConfig) -> int | None:
+    """The recipe's expert-data-parallel copies; None where its sizes are unset or invalid (validation
+    reports those, naming the field)."""
+    try:
+        return expert_data_parallel_copies(cfg)
+    except Exception:  # noqa: BLE001 - missing / non-integer / zero sizes: preflight names them
+        return None
+
+
 def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     """The recipe ``cfg`` scaled down to one CPU host (see the module docstring for every change).
 
@@ -96,10 +119,23 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     """
     cfg = copy.deepcopy(cfg)
     notes: list[str] = []
+    real_model, copies = not str(cfg.model.hf_path).startswith("tiny:"), _expert_copies(cfg)
+    ep = int(cfg.parallel.expert_model_parallel_size)
+    bucket_mb, engine_tp = int(cfg.weight_sync.bucket_size_mb), int(cfg.rollout.engine.tensor_parallel_size)
     _device_and_model(cfg, notes)
     _parallel(cfg.parallel, notes)
     _one_host(cfg)
     _one_step(cfg, notes)
+    if copies is not None and copies != expert_data_parallel_copies(cfg):
+        notes.append(f"cpu-scale: parallel.expert_model_parallel_size {ep} -> {cfg.parallel.expert_model_parallel_size}"
+                     f" on {WORLD_SIZE} ranks: {copies} expert-data-parallel copies of each expert -> "
+                     f"{expert_data_parallel_copies(cfg)} (two ranks keep expert parallelism, not a second copy)")
+    if engine_tp > 1:
+        notes.append(f"cpu-scale: rollout.engine.tensor_parallel_size {engine_tp} -> 1 (one CPU engine on one core; "
+                     "the engine-side TP split of the sync is not exercised)")
+    if real_model:
+        notes.append(f"cpu-scale: weight_sync.bucket_size_mb {bucket_mb} -> {cfg.weight_sync.bucket_size_mb} (the "
+                     "tiny model, ~2 MiB, fits one bucket per stage: no bucket boundaries inside layers)")
     return cfg, notes
 
 
@@ -109,8 +145,8 @@ def _device_and_model(cfg: DictConfig, notes: list[str]) -> None:
     if str(c.device) != "cpu":
         notes.append(f"cpu-scale: cluster.device {c.device} -> cpu (Transformer Engine layer spec -> Megatron's "
                      "local spec, CUDA kernels off)")
-    m.hf_path, note = _tiny_model(str(m.hf_path))
-    notes += [note] if note else []
+    m.hf_path, model_notes = _tiny_model(str(m.hf_path))
+    notes += model_notes
     m.tokenizer_path = None
     if m.load_dir:
         notes.append(f"cpu-scale: model.load_dir {m.load_dir} -> none (a checkpoint of the replaced model; the "
