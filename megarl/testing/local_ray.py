@@ -70,7 +70,7 @@ def private_ray_cluster(head: dict[str, Any], nodes: list[dict[str, Any]]) -> It
         try:
             for node in nodes:
                 cluster.add_node(**node)
-            ray.init(address=cluster.address, logging_level="WARNING",
+            ray.init(address=cluster.address, logging_level=logging.WARNING,
                      runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
             cluster.wait_for_nodes()
             yield cluster

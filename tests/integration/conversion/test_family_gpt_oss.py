@@ -46,41 +46,13 @@ def test_roundtrip_bit_identical(tiny_gpt_oss_dir, layout, tmp_path):
     assert json.loads((exported / "config.json").read_text()) == json.loads((tiny_gpt_oss_dir / "config.json").read_text())
 
 
-def _forward_worker(rank, world_size, hf_dir, tokens, layout):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mps
-
-    from megarl.config.schema import ModelConfig, ParallelConfig
-    from megarl.conversion.load_hf import load_hf_weights
-    from megarl.training.model import build_model
-    from megarl.training.parallel_state import initialize_parallel
-
-    parallel = ParallelConfig(**LAYOUTS.get(layout, {}), sequence_parallel=layout != "tp1")
-    state = initialize_parallel(parallel, backend="gloo")
-    chunks = build_model(hf_dir, parallel, ModelConfig(hf_path=hf_dir), device="cpu", spec="local")
-    load_hf_weights(chunks, hf_dir, state)
-    from megarl.training.micro_batch import block_causal_mask
-
-    chunks[0].eval()
-    packed = tokens.reshape(1, -1)  # both sequences in one row, each attending to itself only
-    with torch.no_grad():
-        outputs = [chunks[0](tokens, torch.arange(SEQ).expand_as(tokens), None),
-                   chunks[0](packed, torch.arange(SEQ).repeat(BATCH).view(1, -1),
-                             block_causal_mask([[SEQ] * BATCH], SEQ * BATCH)).view(BATCH, SEQ, -1)]
-    if state.tp_size > 1:
-        for i, logits in enumerate(outputs):
-            shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-            dist.all_gather(shards, logits.contiguous(), group=mps.get_tensor_model_parallel_group())
-            outputs[i] = torch.cat(shards, dim=-1)
-    return outputs
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("layout", ["tp1", "tp2_ep2_etp1"])
 def test_forward_matches_transformers(tiny_gpt_oss_dir, layout):
     from transformers import AutoModelForCausalLM
 
+    from megarl.testing.family_forward import megatron_logits
     from megarl.testing.multiproc import run_ranks
 
     config = json.loads((tiny_gpt_oss_dir / "config.json").read_text())
@@ -89,8 +61,8 @@ def test_forward_matches_transformers(tiny_gpt_oss_dir, layout):
     model = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(tokens).logits
-    ranks = run_ranks(_forward_worker, 1 if layout == "tp1" else 2, args=(str(tiny_gpt_oss_dir), tokens, layout),
-                      timeout_s=360)
+    ranks = run_ranks(megatron_logits, 1 if layout == "tp1" else 2,
+                      args=(str(tiny_gpt_oss_dir), tokens, LAYOUTS.get(layout, {}), True), timeout_s=360)
     for rank in ranks:
         for logits, what in zip(rank, ("batched", "packed")):
             diff = (logits[..., :config["vocab_size"]] - ref).abs().max().item()

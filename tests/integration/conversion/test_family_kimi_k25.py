@@ -54,29 +54,6 @@ def test_roundtrip_bit_identical(tiny_kimi_k25_dir, layout, tmp_path):
     assert json.loads((exported / "config.json").read_text()) == json.loads((tiny_kimi_k25_dir / "config.json").read_text())
 
 
-def _forward_worker(rank, world_size, hf_dir, tokens, layout):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mps
-
-    from megarl.config.schema import ModelConfig, ParallelConfig
-    from megarl.conversion.load_hf import load_hf_weights
-    from megarl.training.model import build_model
-    from megarl.training.parallel_state import initialize_parallel
-
-    parallel = ParallelConfig(**LAYOUTS.get(layout, {}), sequence_parallel=layout != "tp1")
-    state = initialize_parallel(parallel, backend="gloo")
-    chunks = build_model(hf_dir, parallel, ModelConfig(hf_path=hf_dir), device="cpu", spec="local")
-    load_hf_weights(chunks, hf_dir, state)
-    chunks[0].eval()
-    with torch.no_grad():
-        logits = chunks[0](tokens, torch.arange(SEQ).expand_as(tokens), None)
-    if state.tp_size > 1:
-        shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-        dist.all_gather(shards, logits.contiguous(), group=mps.get_tensor_model_parallel_group())
-        logits = torch.cat(shards, dim=-1)
-    return logits
-
-
 @pytest.mark.slow
 @pytest.mark.ci
 @pytest.mark.timeout(400)
@@ -84,6 +61,7 @@ def _forward_worker(rank, world_size, hf_dir, tokens, layout):
 def test_forward_matches_transformers(tiny_kimi_k25_dir, layout):
     from transformers import Kimi_K25ForConditionalGeneration
 
+    from megarl.testing.family_forward import megatron_logits
     from megarl.testing.multiproc import run_ranks
 
     vocab = json.loads((tiny_kimi_k25_dir / "config.json").read_text())["text_config"]["vocab_size"]
@@ -91,9 +69,9 @@ def test_forward_matches_transformers(tiny_kimi_k25_dir, layout):
     model = Kimi_K25ForConditionalGeneration.from_pretrained(tiny_kimi_k25_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(input_ids=tokens).logits
-    ranks = run_ranks(_forward_worker, 1 if layout == "tp1" else 2, args=(str(tiny_kimi_k25_dir), tokens, layout),
-                      timeout_s=360)
-    for logits in ranks:
+    ranks = run_ranks(megatron_logits, 1 if layout == "tp1" else 2,
+                      args=(str(tiny_kimi_k25_dir), tokens, LAYOUTS.get(layout, {})), timeout_s=360)
+    for (logits,) in ranks:
         diff = (logits[..., :vocab] - ref).abs().max().item()
         assert diff <= 1e-5, f"{layout}: max |Megatron - transformers| logit diff {diff:.3g}"
 

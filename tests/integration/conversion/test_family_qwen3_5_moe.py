@@ -43,39 +43,12 @@ def test_roundtrip_bit_identical(tiny_qwen3_5_moe_dir, layout, tmp_path):
     assert json.loads((exported / "config.json").read_text()) == config
 
 
-def _forward_worker(rank, world_size, hf_dir, tokens, layout):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mps
-
-    from megarl.config.schema import ModelConfig, ParallelConfig
-    from megarl.conversion.load_hf import load_hf_weights
-    from megarl.training.micro_batch import block_causal_mask
-    from megarl.training.model import build_model
-    from megarl.training.parallel_state import initialize_parallel
-
-    parallel = ParallelConfig(**LAYOUTS[layout], sequence_parallel=layout != "tp1")
-    state = initialize_parallel(parallel, backend="gloo")
-    chunks = build_model(hf_dir, parallel, ModelConfig(hf_path=hf_dir), device="cpu", spec="local")
-    load_hf_weights(chunks, hf_dir, state)
-    chunks[0].eval()
-    packed = tokens.reshape(1, -1)  # both sequences in one row, each attending to itself only
-    with torch.no_grad():
-        outputs = [chunks[0](tokens, torch.arange(SEQ).expand_as(tokens), None),
-                   chunks[0](packed, torch.arange(SEQ).repeat(BATCH).view(1, -1),
-                             block_causal_mask([[SEQ] * BATCH], SEQ * BATCH)).view(BATCH, SEQ, -1)]
-    if state.tp_size > 1:
-        for i, logits in enumerate(outputs):
-            shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-            dist.all_gather(shards, logits.contiguous(), group=mps.get_tensor_model_parallel_group())
-            outputs[i] = torch.cat(shards, dim=-1)
-    return outputs
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_forward_matches_transformers(tiny_qwen3_5_moe_dir, layout):
     from transformers import AutoModelForCausalLM
 
+    from megarl.testing.family_forward import megatron_logits
     from megarl.testing.multiproc import run_ranks
 
     config = json.loads((tiny_qwen3_5_moe_dir / "config.json").read_text())
@@ -84,8 +57,8 @@ def test_forward_matches_transformers(tiny_qwen3_5_moe_dir, layout):
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_moe_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(tokens).logits
-    ranks = run_ranks(_forward_worker, 1 if layout == "tp1" else 2,
-                      args=(str(tiny_qwen3_5_moe_dir), tokens, layout), timeout_s=500)
+    ranks = run_ranks(megatron_logits, 1 if layout == "tp1" else 2,
+                      args=(str(tiny_qwen3_5_moe_dir), tokens, LAYOUTS[layout], True), timeout_s=500)
     for rank in ranks:
         for logits, what in zip(rank, ("batched", "packed")):
             diff = (logits[..., :config["vocab_size"]] - ref).abs().max().item()

@@ -1,0 +1,51 @@
+"""Megatron's logits of a family's tiny HF model on CPU ranks, for the forward-vs-transformers tests.
+
+:func:`megatron_logits` is a :func:`megarl.testing.multiproc.run_ranks` rank function: it builds the
+model at the given layout (the local spec, fp32), loads the HF weights through megarl's loader and
+returns the full-vocabulary logits (all-gathered over TP), once with one sequence per row and, when
+asked, once with the rows packed into one (a block-causal mask: each sequence attends to itself).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def megatron_logits(rank: int, world_size: int, hf_dir: str, tokens: torch.Tensor, parallel_kwargs: dict[str, Any],
+                    packed: bool = False) -> list[torch.Tensor]:
+    """Logits of ``tokens`` ``[B, S]`` int64 at the layout ``parallel_kwargs`` (``ParallelConfig`` fields;
+    sequence parallelism on when TP > 1).
+
+    Returns:
+        ``[logits]`` or, with ``packed``, ``[logits, packed_logits]``: each ``[B, S, V_padded]`` fp32
+        (``packed_logits`` from the ``[1, B * S]`` row, reshaped back).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+
+    from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.conversion.load_hf import load_hf_weights
+    from megarl.training.micro_batch import block_causal_mask
+    from megarl.training.model import build_model
+    from megarl.training.parallel_state import initialize_parallel
+
+    tp = int(parallel_kwargs.get("tensor_model_parallel_size", 1))
+    parallel = ParallelConfig(**parallel_kwargs, sequence_parallel=tp > 1)
+    state = initialize_parallel(parallel, backend="gloo")
+    chunks = build_model(hf_dir, parallel, ModelConfig(hf_path=hf_dir), device="cpu", spec="local")
+    load_hf_weights(chunks, hf_dir, state)
+    chunks[0].eval()
+    batch, seq = tokens.shape
+    with torch.no_grad():
+        outputs = [chunks[0](tokens, torch.arange(seq).expand_as(tokens), None)]
+        if packed:
+            row = tokens.reshape(1, -1)
+            outputs.append(chunks[0](row, torch.arange(seq).repeat(batch).view(1, -1),
+                                     block_causal_mask([[seq] * batch], seq * batch)).view(batch, seq, -1))
+    if state.tp_size > 1:
+        for i, logits in enumerate(outputs):
+            shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
+            dist.all_gather(shards, logits.contiguous(), group=mps.get_tensor_model_parallel_group())
+            outputs[i] = torch.cat(shards, dim=-1)
+    return outputs
