@@ -27,7 +27,8 @@ agent loop and plugins. Every change that switches a recipe's feature off (or dr
 dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
 the CLI prints them. So is every structural feature of the recipe that shapes the weight sync and the
 loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: the model's MTP layers and block-FP8
-``quantization_config``, engine TP > 1, the number of expert-data-parallel copies, several buckets per stage.
+``quantization_config``, engine TP > 1, the number of expert-data-parallel copies. Kept by construction:
+several buckets per stage, cut inside layers (``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`).
 """  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ from megarl.models.tiny import tiny_families
 
 WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
+TWIN_BUCKET_MB = 2
+"""The twin's ``weight_sync.bucket_size_mb``: the tiny model (~2 MiB) then syncs in ~5 buckets per stage
+(they ramp up to it), with boundaries inside layers, as a recipe's 512-1024 MiB buckets cut a real model."""
 
 
 def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
@@ -133,9 +137,10 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     if engine_tp > 1:
         notes.append(f"cpu-scale: rollout.engine.tensor_parallel_size {engine_tp} -> 1 (one CPU engine on one core; "
                      "the engine-side TP split of the sync is not exercised)")
-    if real_model:
+    if real_model and bucket_mb != int(cfg.weight_sync.bucket_size_mb):
         notes.append(f"cpu-scale: weight_sync.bucket_size_mb {bucket_mb} -> {cfg.weight_sync.bucket_size_mb} (the "
-                     "tiny model, ~2 MiB, fits one bucket per stage: no bucket boundaries inside layers)")
+                     f"tiny model is ~2 MiB: {TWIN_BUCKET_MB} MiB buckets give each stage several, cut inside layers, "
+                     "as the recipe's buckets are)")
     return cfg, notes
 
 
@@ -208,7 +213,7 @@ def _one_step(cfg: DictConfig, notes: list[str]) -> None:
                      "rarely vary within a group of 2; the first step must still train)")
         cfg.algorithm.filter_zero_variance_groups = False
     cfg.checkpoint.save_interval, cfg.checkpoint.hf_export_interval = 0, 0
-    cfg.weight_sync.bucket_size_mb = min(int(cfg.weight_sync.bucket_size_mb), 64)
+    cfg.weight_sync.bucket_size_mb = min(int(cfg.weight_sync.bucket_size_mb), TWIN_BUCKET_MB)
     lg = cfg.logging
     lg.progress_bar, lg.wandb, lg.plots = False, False, False
 
