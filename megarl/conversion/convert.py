@@ -220,7 +220,7 @@ def finish_import(plan: ImportPlan, tmp: Path) -> None:
 def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                        hf_config_dir: str | os.PathLike | None = None, dtype: str | None = None,
                        max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, ranks: int = 1,
-                       timeout_s: float | None = None, nodes: Sequence[str] = ()) -> Path:
+                       timeout_s: float | None = None) -> Path:
     """Export a Megatron dist checkpoint (model weights, any saving layout) to an HF directory.
 
     Writes safetensors shards (+ ``model.safetensors.index.json`` when more than one), and copies
@@ -239,20 +239,39 @@ def megatron_to_hf_dir(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         dtype: output dtype (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's.
         max_shard_bytes: safetensors shard size limit.
         ranks: export processes (gloo ranks on this machine), each reading and writing ~1/ranks of
-            the bytes; with ``nodes``: at most this many on each node.
+            the bytes.
         timeout_s: limit for the whole export; default: sized from the checkpoint's bytes
             (:func:`~megarl.conversion.parallel_export.export_timeout_s`).
-        nodes: Ray node ids (several): the parts run on them, a few per node, each writing into
-            ``out_dir``, which like ``ckpt_dir`` must be on a filesystem every node mounts
-            (:mod:`megarl.conversion.ray_export`); empty (default): all on this machine.
 
     Raises:
         ConfigMismatchError: the configs disagree with each other or with the checkpoint's shapes.
-        FileNotFoundError: not a dist checkpoint / no HF config / (with ``nodes``) a node cannot see
-            the checkpoint or ``out_dir``. FileExistsError: destination not empty.
+        FileNotFoundError: not a dist checkpoint / no HF config. FileExistsError: destination not empty.
         ValueError: ``ranks`` < 1.
         megarl.procs.local_ranks.RankError: an export rank failed (traceback in the message) or the
-            export ran past ``timeout_s`` (with ``nodes``: raised through Ray, or a TimeoutError).
+            export ran past ``timeout_s``.
+    """
+    return megatron_to_hf_dir_on_nodes(ckpt_dir, out_dir, (), hf_config_dir=hf_config_dir, dtype=dtype,
+                                       max_shard_bytes=max_shard_bytes, overwrite=overwrite, ranks=ranks,
+                                       timeout_s=timeout_s)
+
+
+def megatron_to_hf_dir_on_nodes(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, nodes: Sequence[str], *,
+                                hf_config_dir: str | os.PathLike | None = None, dtype: str | None = None,
+                                max_shard_bytes: int = 5 * 2**30, overwrite: bool = False, ranks: int = 1,
+                                timeout_s: float | None = None) -> Path:
+    """:func:`megatron_to_hf_dir` with its parts spread over a Ray cluster's ``nodes`` (the run's
+    background HF export, :mod:`megarl.launch.hf_export`; no command-line form: it needs the run's Ray).
+
+    Args:
+        nodes: Ray node ids; with several, the parts run on them, at most ``ranks`` on each node, each
+            writing into ``out_dir``, which like ``ckpt_dir`` must be on a filesystem every node mounts
+            (:mod:`megarl.conversion.ray_export`); with fewer than two, all on this machine.
+        The others: as :func:`megatron_to_hf_dir`'s.
+
+    Raises:
+        What :func:`megatron_to_hf_dir` raises; FileNotFoundError also when a node cannot see the
+        checkpoint or ``out_dir``, and a TimeoutError (or the part's error, through Ray) when the
+        parts on the nodes run past ``timeout_s``.
     """
     from megarl.conversion.parallel_export import write_merged_index
 

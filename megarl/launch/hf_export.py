@@ -66,13 +66,18 @@ def export_ranks(cpu_count: int | None = None) -> int:
 def _export(ckpt: Path, out: Path, ranks: int = 1) -> None:
     import json
 
-    from megarl.conversion.convert import HF_CONFIG_SUBDIR, megatron_to_hf_dir, resolve_checkpoint_dir
+    from megarl.conversion.convert import (
+        HF_CONFIG_SUBDIR,
+        megatron_to_hf_dir,
+        megatron_to_hf_dir_on_nodes,
+        resolve_checkpoint_dir,
+    )
     from megarl.conversion.parallel_export import available_memory_bytes, checkpoint_bytes, ranks_within_memory
     from megarl.conversion.ray_export import export_nodes
 
     nodes = export_nodes()
     if nodes:  # Ray spans several nodes: a few parts on each (each node's memory checked there)
-        megatron_to_hf_dir(ckpt, out, overwrite=True, ranks=ranks, nodes=nodes)
+        megatron_to_hf_dir_on_nodes(ckpt, out, nodes, overwrite=True, ranks=ranks)
         return
     model = resolve_checkpoint_dir(ckpt)
     config = model / HF_CONFIG_SUBDIR / "config.json"  # missing: megatron_to_hf_dir says what to do

@@ -21,11 +21,11 @@ def megatron_logits(rank: int, world_size: int, hf_dir: str, tokens: torch.Tenso
         ``[logits]`` or, with ``packed``, ``[logits, packed_logits]``: each ``[B, S, V_padded]`` fp32
         (``packed_logits`` from the ``[1, B * S]`` row, reshaped back).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as mps
 
     from megarl.config.schema import ModelConfig, ParallelConfig
     from megarl.conversion.load_hf import load_hf_weights
+    from megarl.training import collectives
     from megarl.training.micro_batch import block_causal_mask
     from megarl.training.model import build_model
     from megarl.training.parallel_state import initialize_parallel
@@ -44,8 +44,6 @@ def megatron_logits(rank: int, world_size: int, hf_dir: str, tokens: torch.Tenso
             outputs.append(chunks[0](row, torch.arange(seq).repeat(batch).view(1, -1),
                                      block_causal_mask([[seq] * batch], seq * batch)).view(batch, seq, -1))
     if state.tp_size > 1:
-        for i, logits in enumerate(outputs):
-            shards = [torch.empty_like(logits) for _ in range(state.tp_size)]
-            dist.all_gather(shards, logits.contiguous(), group=mps.get_tensor_model_parallel_group())
-            outputs[i] = torch.cat(shards, dim=-1)
+        group = mps.get_tensor_model_parallel_group()
+        outputs = [torch.cat(collectives.all_gather(logits.contiguous(), group=group), dim=-1) for logits in outputs]
     return outputs
