@@ -181,7 +181,11 @@ def _one_host(cfg: DictConfig) -> None:
     r.num_engines, r.external_engine_urls = 1, []
     e = r.engine
     e.tensor_parallel_size, e.expert_parallel_size, e.dtype = 1, 1, "float32"
-    e.mem_fraction_static, e.max_total_tokens, e.host = 0.05, 16384, "127.0.0.1"
+    # The KV pool is max_total_tokens (SGLang caps its profiled capacity by it); the fraction is the
+    # slack SGLang's CPU memory profile allows for what other processes allocate while the engine
+    # loads: 0.05 left ~1 GB, and an engine beside a starting trainer was refused at start-up
+    # ("Loaded weights leave no GPU memory for the KV cache"; kv_cache_configurator.py:2990-3007).
+    e.mem_fraction_static, e.max_total_tokens, e.host = 0.2, 16384, "127.0.0.1"
     r.num_prompts_per_step, r.group_size, r.over_sample_prompts = 2, 2, min(int(r.over_sample_prompts), 1)
     r.sampling.max_new_tokens = min(int(r.sampling.max_new_tokens), 32)
     a = r.agent
