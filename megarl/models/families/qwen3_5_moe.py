@@ -25,7 +25,7 @@ Multi-token-prediction tensors (``mtp.*``, ``mtp_num_hidden_layers``) are not im
 from __future__ import annotations
 
 from megarl.models.families import Family, hf_get, rope_settings
-from megarl.models.families.qwen3_moe import GLOBAL_TABLE, MOE_TABLE
+from megarl.models.families.qwen3_moe import GLOBAL_TABLE, MOE_TABLE, common_transformer_config_kwargs
 from megarl.models.table import Entry, TPSplit, Transform
 
 C, G = Transform.COPY, Transform.GLU
@@ -119,16 +119,10 @@ def architecture(hf_config) -> dict:
 
 
 def transformer_config_kwargs(arch: dict) -> dict:
-    """``TransformerConfig`` architecture arguments of Qwen3.5-MoE."""
-    import torch.nn.functional as F
-
+    """``TransformerConfig`` architecture arguments of Qwen3.5-MoE: the Qwen3 families' common ones,
+    with zero-centred norms, the gated attention output, the gated-DeltaNet layers and the MoE."""
     return dict(
-        num_layers=arch["num_hidden_layers"], hidden_size=arch["hidden_size"],
-        ffn_hidden_size=arch["intermediate_size"], num_attention_heads=arch["num_attention_heads"],
-        num_query_groups=arch["num_key_value_heads"], kv_channels=arch["head_dim"],
-        normalization="RMSNorm", layernorm_epsilon=arch["rms_norm_eps"], layernorm_zero_centered_gamma=True,
-        qk_layernorm=True, attention_output_gate=True, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=False, init_method_std=arch["initializer_range"],
+        common_transformer_config_kwargs(arch), layernorm_zero_centered_gamma=True, attention_output_gate=True,
         experimental_attention_variant="gated_delta_net",
         linear_attention_freq=[int(x) for x in arch["linear_layers"]],
         linear_conv_kernel_dim=arch["linear_conv_kernel_dim"], linear_key_head_dim=arch["linear_key_head_dim"],
