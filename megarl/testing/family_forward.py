@@ -13,13 +13,14 @@ import torch
 
 
 def megatron_logits(rank: int, world_size: int, hf_dir: str, tokens: torch.Tensor, parallel_kwargs: dict[str, Any],
-                    packed: bool = False) -> list[torch.Tensor]:
+                    packed: bool = False, device: str = "cpu") -> list[torch.Tensor]:
     """Logits of ``tokens`` ``[B, S]`` int64 at the layout ``parallel_kwargs`` (``ParallelConfig`` fields;
-    sequence parallelism on when TP > 1).
+    sequence parallelism on when TP > 1), the model on ``device`` (``cpu``: gloo; ``cuda``: NCCL, this
+    rank's current CUDA device).
 
     Returns:
-        ``[logits]`` or, with ``packed``, ``[logits, packed_logits]``: each ``[B, S, V_padded]`` fp32
-        (``packed_logits`` from the ``[1, B * S]`` row, reshaped back).
+        ``[logits]`` or, with ``packed``, ``[logits, packed_logits]``: each ``[B, S, V_padded]`` fp32 on
+        the CPU (``packed_logits`` from the ``[1, B * S]`` row, reshaped back).
     """
     from megatron.core import parallel_state as mps
 
@@ -32,18 +33,20 @@ def megatron_logits(rank: int, world_size: int, hf_dir: str, tokens: torch.Tenso
 
     tp = int(parallel_kwargs.get("tensor_model_parallel_size", 1))
     parallel = ParallelConfig(**parallel_kwargs, sequence_parallel=tp > 1)
-    state = initialize_parallel(parallel, backend="gloo")
-    chunks = build_model(hf_dir, parallel, ModelConfig(hf_path=hf_dir), device="cpu", spec="local")
+    state = initialize_parallel(parallel, backend="nccl" if device == "cuda" else "gloo")
+    chunks = build_model(hf_dir, parallel, ModelConfig(hf_path=hf_dir), device=device, spec="local")
     load_hf_weights(chunks, hf_dir, state)
     chunks[0].eval()
+    tokens = tokens.to(chunks[0].embedding.word_embeddings.weight.device)
     batch, seq = tokens.shape
     with torch.no_grad():
-        outputs = [chunks[0](tokens, torch.arange(seq).expand_as(tokens), None)]
+        positions = torch.arange(seq, device=tokens.device)
+        outputs = [chunks[0](tokens, positions.expand_as(tokens), None)]
         if packed:
             row = tokens.reshape(1, -1)
-            outputs.append(chunks[0](row, torch.arange(seq).repeat(batch).view(1, -1),
-                                     block_causal_mask([[seq] * batch], seq * batch)).view(batch, seq, -1))
+            mask = block_causal_mask([[seq] * batch], seq * batch).to(tokens.device)
+            outputs.append(chunks[0](row, positions.repeat(batch).view(1, -1), mask).view(batch, seq, -1))
     if state.tp_size > 1:
         group = mps.get_tensor_model_parallel_group()
         outputs = [torch.cat(collectives.all_gather(logits.contiguous(), group=group), dim=-1) for logits in outputs]
-    return outputs
+    return [logits.float().cpu() for logits in outputs]
