@@ -7,6 +7,24 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def one_auth_mode() -> str:
+    """Fix Ray's authentication mode for this process (``RAY_AUTH_MODE``, ``disabled`` unless already
+    set) before it starts or joins an instance, and never change it afterwards; returns the mode.
+
+    Ray 2.60 reads the mode twice: its C++ config caches it in the driver (``Config.initialize``), and
+    each GCS it starts reads its own environment. A ``ray.init`` that starts an instance with the
+    variable unset sets it to ``token`` in ``os.environ`` when ``~/.ray/auth_token`` exists
+    (``authentication_token_setup.enable_token_auth_by_default``); a helper that set ``disabled`` for
+    one cluster and restored ``token`` after left the next instance's GCS requiring a token the
+    driver, cached ``disabled``, never sent (``AuthenticationError: InvalidAuthToken``) in one long
+    pytest process. One value for the whole process, as :func:`megarl.cluster.placement.init_ray`
+    keeps (``setdefault``), makes driver and servers agree.
+    """
+    import os
+
+    return os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
 @contextlib.contextmanager
 def private_ray(**init_kwargs: Any) -> Iterator[None]:
     """Start Ray on 127.0.0.1 (megarl's loopback switch, `megarl.cluster.placement.LOCAL_RAY_LOOPBACK_ENV`),
@@ -26,6 +44,7 @@ def private_ray(**init_kwargs: Any) -> Iterator[None]:
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process")
+    one_auth_mode()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
@@ -62,9 +81,9 @@ def private_ray_cluster(head: dict[str, Any], nodes: list[dict[str, Any]]) -> It
 
     if ray.is_initialized():
         pytest.skip("a Ray instance is already running in this process")
+    one_auth_mode()
     with pytest.MonkeyPatch.context() as mp:  # every raylet on 127.0.0.1 (megarl.cluster.placement)
         mp.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")
-        mp.setenv("RAY_AUTH_MODE", "disabled")
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
         cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head})
         try:

@@ -110,9 +110,11 @@ def test_launcher_starts_the_service_as_a_ray_actor_and_refuses_another_corpus(c
     from ray._private import ray_constants
 
     from megarl.cluster.placement import LOCAL_RAY_LOOPBACK_ENV
+    from megarl.testing.local_ray import one_auth_mode
 
     monkeypatch.setenv(LOCAL_RAY_LOOPBACK_ENV, "0")  # a single-host Ray on 127.0.0.1 (megarl.cluster.placement)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+    one_auth_mode()  # as the run's own start (init_ray): one mode for the whole pytest process
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         actor = start_retrieval(cfg, tmp_path)
