@@ -86,6 +86,16 @@ def tiny_qwen3_5_moe_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_minimax_m2_dir(tmp_path_factory):
+    """A tiny MiniMax-M2 HF directory (2 layers, both MoE: q/k RMSNorm over all heads, partial RoPE
+    (rotary_dim 8 of 16), 8 experts top-2 under a sigmoid router with random expert bias, random
+    norms; fp32), built once per session."""
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_minimax_m2", TinyModelSpec(family="minimax_m2"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kimi_k25_dir(tmp_path_factory):
     """A tiny Kimi-K2.5 HF directory: the release's layout (``language_model.*`` text backbone, a
     one-block ``vision_tower.*`` and ``mm_projector.*``), its ``text_config`` the tiny DeepSeek-V3

@@ -86,7 +86,9 @@ def check_weights_match_config(hf_dir: str | os.PathLike, hf_config=None,
         raise _mismatch("tie_word_embeddings", False, "no lm_head.weight", config_file, "(tied?)")
     if arch.get("num_experts"):
         moe_layer = next(i for i, m in enumerate(arch["moe_layers"]) if m)
-        prefix = f"{pre}model.layers.{moe_layer}.mlp.experts."
+        # the experts' HF module from the table (``mlp.experts.``; MiniMax-M2: ``block_sparse_moe.experts.``)
+        template = next(t for e in family.table.values() if e.expert for t in e.hf)
+        prefix = template[:template.index("experts.") + len("experts.")].format(L=moe_layer)
         heads = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
         # per-expert tensors (experts.E.*), else one tensor stacking the experts (gpt-oss)
         experts = len({h for h in heads if h.isdigit()}) or max((reader.shape(prefix + h)[0] for h in heads), default=0)
@@ -151,7 +153,7 @@ def checkpoint_architecture(shapes: dict, prefix: str) -> dict:
     qkv, q_norm = shape("decoder.layers.0.self_attention.linear_qkv.weight"), shape(
         "decoder.layers.0.self_attention.q_layernorm.weight")
     if qkv and q_norm:
-        out.update(head_dim=q_norm[0], qkv_rows=qkv[0],
+        out.update(q_norm_rows=q_norm[0], qkv_rows=qkv[0],
                    proj_cols=shape("decoder.layers.0.self_attention.linear_proj.weight")[1])
     experts = sorted(k for k in layer_keys if ".mlp.experts." in k and k.endswith("linear_fc2.weight")
                      and len(shapes[prefix + k][0]) == 3)
@@ -176,6 +178,9 @@ def check_checkpoint_matches_config(shapes: dict, prefix: str, hf_config, config
         raise ConfigMismatchError(f"{field}: {config_value!r} in {config_file}, but the checkpoint "
                                   f"{ckpt_dir} has {ckpt_value!r}")
 
+    norm = get_family(hf_config).megatron_shapes(arch).get("decoder.layers.0.self_attention.q_layernorm.weight")
+    if "q_norm_rows" in ckpt and norm in (None, (arch["head_dim"],)):  # a per-head q norm: head_dim rows
+        ckpt["head_dim"] = ckpt["q_norm_rows"]  # (MiniMax-M2's spans every head: qkv_rows / proj_cols check it)
     for field in ("num_hidden_layers", "hidden_size", "head_dim", "num_experts", "moe_intermediate_size"):
         if field in ckpt and arch.get(field, 0) != ckpt[field]:
             fail(field, arch.get(field, 0), ckpt[field])

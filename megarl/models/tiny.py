@@ -34,8 +34,9 @@ class TinyModelSpec:
     sigmoid router), ``gpt_oss`` (GptOssForCausalLM: sinks, sliding/full layers, YaRN, biased
     experts with clamped SwiGLU) or ``kimi_k25`` (Kimi-K2.5's layout: the ``deepseek_v3`` tiny model
     as ``text_config`` under ``language_model.``, a one-block vision tower) or ``qwen3_5_moe``
-    (Qwen3_5MoeForCausalLM: gated-DeltaNet and gated-attention layers 3:1, gated shared expert);
-    each family's module builds its config."""
+    (Qwen3_5MoeForCausalLM: gated-DeltaNet and gated-attention layers 3:1, gated shared expert) or
+    ``minimax_m2`` (MiniMaxM2ForCausalLM: q/k norms over all heads, partial RoPE, sigmoid router with
+    expert bias); each family's module builds its config."""
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 4

@@ -271,7 +271,7 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     chunks = []
     for vp_stage in (range(vpp) if vpp else [None]):
         model = _build_chunk(config, vp_stage, use_te=use_te, vocab_size=vocab, device=device,
-                             gpt_kwargs=gpt_kwargs)
+                             gpt_kwargs=gpt_kwargs, qk_norm_over_heads=family.qk_norm_over_heads)
         _mapped_buffers_to_parameters(model, family.table)
         if model_cfg.moe_router_freeze:
             for name, param in model.named_parameters():
@@ -282,9 +282,10 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
 
 
 def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int, device: str,
-                 gpt_kwargs: dict) -> torch.nn.Module:
+                 gpt_kwargs: dict, qk_norm_over_heads: bool = False) -> torch.nn.Module:
     """One ``GPTModel`` chunk (virtual pipeline stage ``vp_stage``, None without VPP) of this rank, on
-    ``device``; with the local spec, megarl's local MLA and fused-SDPA attention modules."""
+    ``device``; with the local spec, megarl's local MLA and fused-SDPA attention modules; with
+    ``qk_norm_over_heads`` (the family's), q/k norms over all heads on either spec."""
     from megatron.core import parallel_state as mps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -296,6 +297,10 @@ def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int,
     else:
         block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                 normalization="RMSNorm", vp_stage=vp_stage)
+    if qk_norm_over_heads:
+        from megarl.training.full_head_qk_norm import use_full_head_qk_norm
+
+        use_full_head_qk_norm(block_spec)  # MiniMax-M2: Megatron-Core's q/k norms are per head only
     if config.multi_latent_attention and not use_te:
         from megarl.training.local_mla import use_local_mla_attention
 

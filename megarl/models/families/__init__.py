@@ -21,7 +21,7 @@ from megarl.models.table import Entry, ModelLayout
 _MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
             "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe",
             "megarl.models.families.gpt_oss", "megarl.models.families.kimi_k25",
-            "megarl.models.families.qwen3_5_moe")
+            "megarl.models.families.qwen3_5_moe", "megarl.models.families.minimax_m2")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,10 @@ class Family:
     served through an untied view (:mod:`megarl.rollout.engine_view`) and the engine holds a second
     vocabulary matrix (:mod:`megarl.plan.shape`). False: the class shares ``embed_tokens`` when tied.
     ``tests/unit/models/test_family_rules.py`` checks it against the installed SGLang class."""
+    qk_norm_over_heads: bool = False
+    """True where the q/k RMSNorms normalise all heads of a token together (MiniMax-M2's ``q_norm
+    [heads * head_dim]``) instead of each head: Megatron-Core has only the per-head norm, and
+    :mod:`megarl.training.model` then builds ``megarl.training.full_head_qk_norm``'s in its place."""
     tiny_config: Callable[[Any, dict], tuple[Any, type]] | None = None
     """``(TinyModelSpec, common HF config kwargs) -> (HF config, transformers model class)``: the
     family's ``tiny:`` model (:mod:`megarl.models.tiny`), shaped like its released models, scaled
