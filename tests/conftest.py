@@ -96,6 +96,18 @@ def tiny_minimax_m2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v32_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3.2 HF directory: the tiny DeepSeek-V3 (2 layers: dense then MoE; MLA, YaRN,
+    8 experts in 4 groups, top-2, a shared expert, random router bias and norms) with a lightning
+    indexer in each layer (8 heads of 16, rope on 8 dims, top 8 keys, random key norm); fp32, built
+    once per session."""
+    from megarl.models.tiny import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_deepseek_v32",
+                           TinyModelSpec(family="deepseek_v32"))
+
+
+@pytest.fixture(scope="session")
 def tiny_kimi_k25_dir(tmp_path_factory):
     """A tiny Kimi-K2.5 HF directory: the release's layout (``language_model.*`` text backbone, a
     one-block ``vision_tower.*`` and ``mm_projector.*``), its ``text_config`` the tiny DeepSeek-V3

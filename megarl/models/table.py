@@ -36,6 +36,14 @@ class Transform(str, enum.Enum):
     """Gated DeltaNet input projection (Qwen3.5): HF ``in_proj_qkv [2K+V, H]``, ``in_proj_z [V, H]``,
     ``in_proj_b [Hv, H]``, ``in_proj_a [Hv, H]`` concatenated along rows into ``in_proj``
     (``K``/``V``: key/value dims of all heads, ``Hv`` value heads; ``ssm/gated_delta_net.py``)."""
+    DSA_INDEXER_ROPE = "dsa_indexer_rope"
+    """The DSA lightning indexer's query/key rows (DeepSeek-V3.2): rows per indexer head of
+    ``index_head_dim`` D, the first ``index_rope_dim`` r of them rotated. HF rows per head
+    ``[rope (half-split pairs i, i + r/2); pass]`` (transformers' ``DeepseekV32Indexer``) become
+    Megatron's ``[pass; rope (interleaved pairs 2i, 2i + 1)]`` (Megatron-Core 0.16.1 ``dsa.py``
+    ``DSAIndexer._apply_rope``: nope first, MLA's de-interleaving rope): the same vectors after
+    rope, permuted alike for queries and keys, so every q . k is unchanged. Applies to ``wq_b``
+    rows, ``wk`` rows and the key LayerNorm's weight and bias (a LayerNorm commutes with a permutation)."""
 
 
 class TPSplit(str, enum.Enum):
@@ -96,6 +104,10 @@ class ModelLayout:
     """Gated DeltaNet: value (and output gate) dim over all value heads."""
     linear_value_heads: int = 0
     """Gated DeltaNet: value heads (rows of ``beta`` and ``alpha``)."""
+    index_head_dim: int = 0
+    """DSA indexer: head dim of its queries and key (0: no indexer)."""
+    index_rope_dim: int = 0
+    """DSA indexer: rotated dims of each head (the model's ``qk_rope_head_dim``)."""
 
     def tp_sections(self, split: TPSplit) -> list[int]:
         """Row sections of a sectioned split (:attr:`TPSplit.GDN_IN_PROJ`, :attr:`TPSplit.GDN_CONV`),

@@ -18,4 +18,6 @@ Modules:
 - ``checkpointing``: ``dist_checkpointing`` save / load at any layout; ``fp8``: FP8 settings.
 - ``model``, ``parallel_state``, ``cpu_compat``, ``local_mla``: the model, parallel state and
   CPU compatibility (see their docstrings).
+- ``local_attention``, ``local_gdn``, ``local_dsa``: local-spec core attention (fused SDPA per packed
+  sequence), Qwen3.5's gated DeltaNet, DeepSeek-V3.2's sparse attention (DSA).
 """

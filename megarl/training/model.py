@@ -50,6 +50,22 @@ def _spec_backend(device: str, spec: str) -> bool:
     return spec == "te"
 
 
+def _has_te_spec(family, hf_config, spec: str) -> bool:
+    """False for an architecture megarl builds on the local spec only (DeepSeek Sparse Attention:
+    ``spec='auto'`` then takes the local spec on CUDA too).
+
+    Raises:
+        ValueError: ``spec='te'`` for such an architecture.
+    """
+    arch = family.transformer_config_kwargs(family.architecture(hf_config))
+    if arch.get("experimental_attention_variant") != "dsa":
+        return True
+    if spec == "te":
+        raise ValueError(f"spec='te': {hf_config.model_type}'s sparse attention (DSA) has no Transformer Engine "
+                         "spec megarl can build on Megatron-Core 0.16.1 (megarl/training/local_dsa.py); use 'local'")
+    return False
+
+
 def build_transformer_config(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig, *,
                              precision: str = "fp32", device: str = "cpu", use_te: bool = False,
                              extra_config: dict | None = None):
@@ -257,13 +273,13 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
         raise RuntimeError("build_model needs Megatron's parallel state: call initialize_parallel() first")
     hf_config = load_hf_config(hf_config)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    use_te = _spec_backend("cuda" if device == "cuda" else "cpu", spec)
+    family = get_family(hf_config)
+    use_te = _spec_backend("cuda" if device == "cuda" else "cpu", spec) and _has_te_spec(family, hf_config, spec)
     if parallel_cfg.context_parallel_size > 1 and not use_te and device != "meta":
         raise ValueError(f"parallel.context_parallel_size={parallel_cfg.context_parallel_size} needs the Transformer "
                          "Engine layer spec on CUDA (Megatron-Core's local attention supports 1 only)")
     config = build_transformer_config(hf_config, parallel_cfg, model_cfg, precision=precision,
                                       device=device, use_te=use_te, extra_config=extra_config)
-    family = get_family(hf_config)
     gpt_kwargs = family.gpt_model_kwargs(family.architecture(hf_config))
     vocab = padded_vocab_size(family.text(hf_config).vocab_size, model_cfg.make_vocab_size_divisible_by,
                               parallel_cfg.tensor_model_parallel_size)
@@ -305,6 +321,10 @@ def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int,
         from megarl.training.local_mla import use_local_mla_attention
 
         use_local_mla_attention(block_spec)  # Megatron-Core 0.16.1's local MLA spec cannot build
+    if config.experimental_attention_variant == "dsa":  # DeepSeek-V3.2's sparse attention
+        from megarl.training.local_dsa import use_local_dsa_attention
+
+        use_local_dsa_attention(block_spec)
     if not use_te:
         from megarl.training.local_attention import use_local_sdpa_attention
 

@@ -164,6 +164,11 @@ def _refuse_unplanned(table, model_type: str) -> None:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for gated attention's "
                         "q_proj ([q; gate] per head) and the gated DeltaNet's per-section TP splits (their engine "
                         "shards and copy units are not modelled); megarl plan --no-sync plans the rest")
+    if Transform.DSA_INDEXER_ROPE in transforms:
+        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for DeepSeek Sparse Attention's "
+                        "indexer (its wq_b / wk / k_norm rows are permuted per head on conversion, and SGLang "
+                        "0.5.23 serves the indexer with CUDA-only kernels: no CPU load proof); megarl plan --no-sync "
+                        "plans the rest")
 
 
 def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str | None:

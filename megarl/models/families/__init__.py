@@ -21,7 +21,8 @@ from megarl.models.table import Entry, ModelLayout
 _MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
             "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe",
             "megarl.models.families.gpt_oss", "megarl.models.families.kimi_k25",
-            "megarl.models.families.qwen3_5_moe", "megarl.models.families.minimax_m2")
+            "megarl.models.families.qwen3_5_moe", "megarl.models.families.minimax_m2",
+            "megarl.models.families.deepseek_v32")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class Family:
             padded_vocab_size=padded_vocab_size(arch["vocab_size"], make_vocab_size_divisible_by, tp_size),
             num_experts=arch.get("num_experts", 0), moe_layers=tuple(arch.get("moe_layers", ())),
             tie_word_embeddings=arch["tie_word_embeddings"], linear_key_dim=arch.get("linear_key_dim", 0),
-            linear_value_dim=arch.get("linear_value_dim", 0), linear_value_heads=arch.get("linear_num_value_heads", 0))
+            linear_value_dim=arch.get("linear_value_dim", 0), linear_value_heads=arch.get("linear_num_value_heads", 0),
+            index_head_dim=arch.get("index_head_dim", 0), index_rope_dim=arch.get("index_rope_dim", 0))
 
 
 def _registry() -> dict[str, Family]:
