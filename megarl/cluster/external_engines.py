@@ -14,6 +14,7 @@ would start a TP16 engine on 8 visible GPUs: ``gpu_id = base_gpu_id + tp_rank % 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -118,17 +119,37 @@ def rendezvous(part: ServedEngine, *, host: str, base_port: int, registry: Path,
     return path.read_text().strip()
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of this host's network interface that holds IP address ``addr`` (``eth0``), or None
+    when none does (a host name, ``0.0.0.0``)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None
+
+
 def engine_process(cfg: MegarlConfig, part: ServedEngine, *, host: str, device: str, registry: Path,
                    custom_weight_loaders: Sequence[str] = (), dist_init_addr: str | None = None) -> Any:
     """The :class:`~megarl.rollout.engine_process.EngineProcess` of ``part`` (the settings engines started
     through Ray get, :func:`megarl.cluster.ray_engines.engine_kwargs`, bound to ``host``; its HTTP
-    port from megarl's allocator at or above ``base_port + 10 * index``), not started."""
+    port from megarl's allocator at or above ``base_port + 10 * index``), not started. A part of an
+    engine spanning nodes also gets ``SGLANG_HOST_IP=host`` and ``GLOO_SOCKET_IFNAME`` (the one set,
+    else :func:`interface_of` ``host``)."""
     from megarl.cluster.ray_engines import engine_kwargs
     from megarl.rollout.engine_process import EngineProcess
 
     env = {"CUDA_VISIBLE_DEVICES": ",".join(part.devices)} if part.devices else {}
     if part.nnodes > 1:  # SGLang's cross-node queue advertises this address (as EngineActor pins it)
         env["SGLANG_HOST_IP"] = host
+        # Its gloo groups bind that address's interface, as on Ray nodes (slurm/lib/ray_node.sh);
+        # otherwise torch's gloo binds what the host name resolves to, or loopback when that is none
+        # of the host's addresses (/etc/hosts often maps the name to 127.0.0.1), out of the other
+        # nodes' reach.
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(host)
+        if ifname:
+            env["GLOO_SOCKET_IFNAME"] = ifname
     kwargs = engine_kwargs(cfg, device=device, log_path=str(registry / f"{part.engine_id}.log"),
                            engine_id=part.engine_id, custom_weight_loaders=custom_weight_loaders, env=env)
     kwargs["host"] = host

@@ -3,7 +3,8 @@
 The cluster: 2 emulated nodes (node1, node2) x 4 CPUs, 2 fake GPUs each (GRES backed by placeholder
 files: Slurm accounts for them, nothing can use them), each node an emulated host with its own
 network namespace, loopback and address on a private bridge (node1 10.231.0.1, node2 10.231.0.2,
-slurmctld on a third host; :mod:`megarl.testing.netns`), with a private munged. Jobs find each
+slurmctld on a third host; :mod:`megarl.testing.netns`) and its own ``/dev/shm`` (each slurmd in a
+private mount namespace), with a private munged. Jobs find each
 node's address on its ``eth0`` (``MEGARL_NODE_IFNAME``), so Ray, the trainer ranks and the engines
 on different nodes reach each other only across the bridge. Started by ``tools/local_slurm/start.sh`` (which installs Debian's
 Slurm when missing) and stopped by ``stop.sh`` at the end of the session. When the tests run under

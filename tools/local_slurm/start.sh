@@ -21,6 +21,13 @@
 #         to the machine's network, and there is no route out.
 #       single namespace (LOCAL_SLURM_MULTIHOST=0): node1..nodeN all on 127.0.0.1 (one port
 #         each) in one namespace $NETNS that has only loopback.
+#     Each slurmd also gets its own /dev/shm (LOCAL_SLURM_PRIVATE_SHM): it starts in a new mount
+#     namespace (`unshare --mount`, private propagation) with a fresh tmpfs on /dev/shm, which its
+#     job steps inherit. Network namespaces alone share the machine's /dev/shm, and SGLang takes a
+#     rank's opening another's shared-memory segment as proof that both sit on one node
+#     (parallel_state.in_the_same_node_as): an engine spanning two emulated nodes then waited on
+#     its own loopback. The tmpfs goes with the last process of that mount namespace (slurmd and
+#     whatever its jobs left; stop.sh kills both by PID): nothing to unmount.
 #   - PATH wrappers $LOCAL_SLURM_DIR/bin/{sbatch,srun,salloc,squeue,scancel,sinfo,scontrol,sacct}
 #     that enter the controller's namespace when called from outside the cluster (and run the
 #     command as it is inside a node), so scripts run unchanged: `source $LOCAL_SLURM_DIR/env.sh`
@@ -39,6 +46,10 @@
 #   LOCAL_SLURM_MEM_MB   RealMemory declared per node [8192]
 #   LOCAL_SLURM_GPUS     fake GPUs per node (GRES gpu:N backed by placeholder files, so jobs
 #                        may request --gpus-per-node; no CUDA device exists) [0]
+#   LOCAL_SLURM_PRIVATE_SHM  1 = each slurmd (and its jobs) on its own tmpfs /dev/shm; 0 = the
+#                        machine's [1]
+#   LOCAL_SLURM_SHM_MB   size limit of each node's /dev/shm (pages are used only when written)
+#                        [the tmpfs default: half the machine's memory]
 #   LOCAL_SLURM_INSTALL  1 = apt-get install the packages when missing [1]
 #   LOCAL_SLURM_READY_TIMEOUT_S  seconds to wait for every node to be idle [60]
 set -euo pipefail
@@ -51,6 +62,8 @@ MEM_MB=${LOCAL_SLURM_MEM_MB:-8192}
 GPUS=${LOCAL_SLURM_GPUS:-0}
 INSTALL=${LOCAL_SLURM_INSTALL:-1}
 READY_TIMEOUT_S=${LOCAL_SLURM_READY_TIMEOUT_S:-60}
+PRIVATE_SHM=${LOCAL_SLURM_PRIVATE_SHM:-1}
+SHM_MB=${LOCAL_SLURM_SHM_MB:-}
 MULTIHOST=${LOCAL_SLURM_MULTIHOST:-1}
 SUBNET=${LOCAL_SLURM_SUBNET:-10.231.0.0/24}
 CTLD_PORT=6817
@@ -213,6 +226,20 @@ WRAP_EOF
   if ((MULTIHOST)); then echo "export MEGARL_NODE_IFNAME=eth0" >>"$D/env.sh"; fi
 }
 
+start_slurmd() {  # NODE NETNS: one slurmd in the node's network namespace (and /dev/shm)
+  local node=$1 netns=$2 opts=mode=1777
+  local cmd=(/usr/sbin/slurmd -f "$CONF" -N "$node")
+  if ((PRIVATE_SHM)); then
+    [[ -z $SHM_MB ]] || opts+=,size=${SHM_MB}m
+    # slurmd daemonizes inside the new mount namespace; the tmpfs is mounted before it starts.
+    # shellcheck disable=SC2016  # $0 and $@ belong to the inner sh
+    cmd=(unshare --mount --propagation private sh -c 'mount -t tmpfs -o "$0" tmpfs /dev/shm && exec "$@"'
+      "$opts" "${cmd[@]}")
+  fi
+  nsenter "--net=/run/netns/$netns" "${cmd[@]}" ||
+    die "slurmd $node did not start (private /dev/shm: LOCAL_SLURM_PRIVATE_SHM=$PRIVATE_SHM; logs: $D/log)"
+}
+
 wait_idle() {
   local deadline=$((SECONDS + READY_TIMEOUT_S)) nidle=0
   while ((SECONDS < deadline)); do
@@ -243,11 +270,11 @@ main() {
   local i
   for ((i = 1; i <= NODES; i++)); do
     mkdir -p "$D/spool/node$i"
-    nsenter "--net=/run/netns/${NODE_NETNS[node$i]}" /usr/sbin/slurmd -f "$CONF" -N "node$i"
+    start_slurmd "node$i" "${NODE_NETNS[node$i]}"
   done
   wait_idle
   trap - EXIT
-  log "ready: $NODES nodes x $CPUS CPUs (${GPUS} fake GPUs); use: source $D/env.sh"
+  log "ready: $NODES nodes x $CPUS CPUs (${GPUS} fake GPUs; private /dev/shm: $PRIVATE_SHM); use: source $D/env.sh"
 }
 
 main "$@"

@@ -113,3 +113,22 @@ def test_sglangs_own_parser_reads_the_node_parts(tmp_path):
     for tp, nnodes, rank, _, base in parsed:  # SGLang's gpu_id = base_gpu_id + tp_rank % tp_size_per_node
         assert {base + r % (tp // nnodes) for r in range(rank * tp // nnodes, (rank + 1) * tp // nnodes)} \
             == set(range(len(GPUS)))
+
+
+def test_spanning_parts_bind_gloo_to_the_interface_of_their_address(tmp_path, monkeypatch):
+    # Reference: the interface `ip` names for 127.0.0.1 (loopback), independent of psutil.
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    loopback = next(line.split()[1] for line in out.splitlines() if " 127.0.0.1/" in line)
+    cfg = load_config(REPO / "configs" / "kimi_k2_gpu.yaml")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    for _, engine in _commands(cfg, 2, tmp_path):  # host 127.0.0.1 on both nodes
+        assert engine.environment(base={})["GLOO_SOCKET_IFNAME"] == loopback
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # one the job sets is kept
+    (tmp_path / "set").mkdir()
+    for _, engine in _commands(cfg, 2, tmp_path / "set"):
+        assert engine.environment(base={})["GLOO_SOCKET_IFNAME"] == "ib0"
+    one_node = load_config(REPO / "configs" / "deepseek_v3_gpu.yaml")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    (tmp_path / "one").mkdir()
+    for _, engine in _commands(one_node, 1, tmp_path / "one"):  # nothing crosses nodes: left alone
+        assert "GLOO_SOCKET_IFNAME" not in engine.environment(base={})
