@@ -98,7 +98,9 @@ class LocalDSAIndexer(DSAIndexer):
         q, _ = self.linear_wq_b(qr)
         q = self._apply_rope(q.reshape(seqlen, bsz, self.index_n_heads, self.index_head_dim), rotary, mscale)
         k, _ = self.linear_wk(x)
-        k = self._apply_rope(self.k_norm(k).reshape(seqlen, bsz, 1, self.index_head_dim), rotary, mscale)
+        # the key norm in its weight's dtype (a LayerNorm refuses bf16 input against fp32 weights), cast back
+        k = self.k_norm(k.to(self.k_norm.weight.dtype)).to(k.dtype)
+        k = self._apply_rope(k.reshape(seqlen, bsz, 1, self.index_head_dim), rotary, mscale)
         weights, _ = self.linear_weights_proj(x)
         weights = weights * (self.index_n_heads ** -0.5) * self.softmax_scale
         index_scores = self._compute_index_scores(q, weights, k.reshape(seqlen, bsz, self.index_head_dim))
