@@ -6,7 +6,7 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 
 | section | becomes | why |
 |---|---|---|
-| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``) | same architecture family, seconds to build |
+| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``), with one MTP layer where the recipe model has them | same architecture family, seconds to build |
 | ``model.tokenizer_path`` | the tiny model's | it belongs to the replaced model |
 | ``model.load_dir`` | none | a checkpoint of the replaced model |
 | ``model.moe_grouped_gemm`` | off | grouped GEMM kernels are CUDA-only |
@@ -26,9 +26,11 @@ weight-sync transport and its verification, placement (disaggregated / colocated
 agent loop and plugins. Every change that switches a recipe's feature off (or drops a parallel
 dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
 the CLI prints them. So is every structural feature of the recipe that shapes the weight sync and the
-loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: the model's MTP layers and block-FP8
-``quantization_config``, engine TP > 1, the number of expert-data-parallel copies. Kept by construction:
-several buckets per stage, cut inside layers (``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`).
+loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: the model's block-FP8
+``quantization_config``, MTP layers beyond one (or of a family without a tiny MTP layer), engine TP > 1, the
+number of expert-data-parallel copies. Kept by construction: several buckets per stage, cut inside layers
+(``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`); the model's MTP layer (the trainer's import drops
+it, SGLang's loader skips it and the engines' manifest leaves it out, as for the recipe's checkpoint).
 """  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from omegaconf import DictConfig
 from megarl.config.schema import TrainConfig
 from megarl.launch.twin_features import expert_data_parallel_copies
 from megarl.models.families import find_family
-from megarl.models.tiny import tiny_families
+from megarl.models.tiny import MTP_FAMILIES, tiny_families
 
 WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
@@ -52,7 +54,9 @@ TWIN_BUCKET_MB = 2
 
 def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
     """``(tiny uri, notes)`` for the recipe's model: a note when the family had to be guessed, and one
-    for each structural feature of the recipe's model that the tiny one lacks (MTP layers, block FP8)."""
+    for each structural feature of the recipe's model that the tiny one lacks (block FP8; MTP layers where
+    the family has no tiny MTP layer). A model with MTP layers gets a tiny one with one MTP layer
+    (``mtp_layers=1``), dropped by the trainer's import and skipped by SGLang's loader as the recipe's are."""
     if hf_path.startswith("tiny:"):
         return hf_path, []
     config = Path(hf_path) / "config.json"
@@ -67,14 +71,19 @@ def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
                          f"(known: {', '.join(tiny_families())})")
     text = family.text(hf)
     text = text if isinstance(text, dict) else hf
-    notes = []
-    if int(text.get("num_nextn_predict_layers") or 0) > 0:
-        notes.append(f"cpu-scale: num_nextn_predict_layers {text['num_nextn_predict_layers']} -> 0 (tiny:{family.name} "
-                     "has no multi-token-prediction layers to drop; the loaders' MTP skip is not exercised)")
+    notes, query = [], []
+    mtp = int(text.get("num_nextn_predict_layers") or 0)
+    if mtp > 0 and family.name in MTP_FAMILIES:  # the checkpoint carries them; trainer and engine skip them
+        query.append("mtp_layers=1")
+        if mtp > 1:
+            notes.append(f"cpu-scale: num_nextn_predict_layers {mtp} -> 1 (tiny:{family.name} carries one MTP layer)")
+    elif mtp > 0:
+        notes.append(f"cpu-scale: num_nextn_predict_layers {mtp} -> 0 (tiny:{family.name} has no "
+                     "multi-token-prediction layers to drop; the loaders' MTP skip is not exercised)")
     if hf.get("quantization_config") or text.get("quantization_config"):
         notes.append(f"cpu-scale: quantization_config (block FP8) -> none (tiny:{family.name} is fp32; the engine "
                      "is sent unquantised weights, not FP8 ones with their _scale_inv)")
-    return f"tiny:{family.name}", notes
+    return f"tiny:{family.name}" + (f"?{'&'.join(query)}" if query else ""), notes
 
 
 def _parallel(p: DictConfig, notes: list[str]) -> None:

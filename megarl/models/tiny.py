@@ -56,6 +56,9 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 8192
+    mtp_layers: int = 0
+    """Multi-token-prediction layers appended as the released checkpoints carry them (0 or 1;
+    ``deepseek_v3`` and ``glm4_moe``: :func:`append_mtp_layer`)."""
     dtype: str = "float32"
     """``float32`` or ``bfloat16`` weights."""
     seed: int = 0
@@ -103,6 +106,18 @@ def _randomize_constant_tensors(model, seed: int) -> None:
                 module.weight.copy_(1.0 + 0.1 * noise.to(module.weight.dtype))
 
 
+def _check_checkpoint_options(spec: TinyModelSpec) -> None:
+    """Raises ValueError: ``mtp_layers`` other than 0 or 1 (1 only for :data:`MTP_FAMILIES`)."""
+    if spec.mtp_layers not in (0, 1) or (spec.mtp_layers and spec.family not in MTP_FAMILIES):
+        raise ValueError(f"mtp_layers: {spec.mtp_layers} for tiny:{spec.family}; 0, or 1 for {', '.join(MTP_FAMILIES)}")
+
+
+def _release_layout(hf_dir: Path, spec: TinyModelSpec) -> None:
+    """The saved checkpoint as the release carries it: its MTP layer (``spec``)."""
+    if spec.mtp_layers:
+        append_mtp_layer(hf_dir, seed=spec.seed)
+
+
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
                     gsm8k_dir: str | os.PathLike | None = None, *, overwrite: bool = True) -> Path:
     """Write a tiny random-init HF model directory (config, safetensors, tokenizer, chat template).
@@ -118,7 +133,8 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         The output directory.
 
     Raises:
-        ValueError: unknown family.
+        ValueError: unknown family, or ``mtp_layers`` other than 0 or 1 (1: ``deepseek_v3`` and
+            ``glm4_moe`` only).
         FileNotFoundError: GSM8K not found.
     """
     import shutil
@@ -127,6 +143,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     import torch
 
     spec = spec or TinyModelSpec()
+    _check_checkpoint_options(spec)
     out = Path(out_dir)
     tok = tiny_tokenizer(spec.vocab_size, gsm8k_dir, spec.chat_template)
     eos_id = tok.eos_token_id
@@ -147,6 +164,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         # transformers 5 keeps MoE experts fused in memory but saves checkpoint-style per-expert
         # names through its conversion mapping; verified by tests/unit/models/test_tiny_model.py.
         model.save_pretrained(tmp, safe_serialization=True)
+        _release_layout(tmp, spec)
         if out.exists() and overwrite:
             shutil.rmtree(out)
         try:
@@ -161,11 +179,15 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     return out
 
 
-def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True) -> Path:
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
+"""Tiny families :func:`append_mtp_layer` applies to (``TinyModelSpec.mtp_layers``)."""
+
+
+def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True, seed: int = 0) -> Path:
     """Add a multi-token-prediction layer to a tiny DeepSeek-V3 / GLM-4.5 directory, in place, as
     the released checkpoints carry one: tensors ``model.layers.{num_hidden_layers}.*`` (a copy of
-    the last decoder layer plus ``eh_proj``, ``enorm``, ``hnorm``) in a second safetensors shard with
-    an index, and ``num_nextn_predict_layers = 1`` in config.json when ``declare``.
+    the last decoder layer plus ``eh_proj`` (random, from ``seed``), ``enorm``, ``hnorm``) in a second
+    safetensors shard with an index, and ``num_nextn_predict_layers = 1`` in config.json when ``declare``.
 
     Returns:
         The directory.
@@ -182,7 +204,8 @@ def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True) -> Path
     base = load_file(hf_dir / "model.safetensors")
     last, mtp_prefix = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
     mtp = {k.replace(last, mtp_prefix): v.clone() for k, v in base.items() if k.startswith(last)}
-    mtp.update({mtp_prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
+    gen = torch.Generator().manual_seed(seed + 2)
+    mtp.update({mtp_prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen),
                 mtp_prefix + "enorm.weight": torch.ones(hidden), mtp_prefix + "hnorm.weight": torch.ones(hidden)})
     shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
     (hf_dir / "model.safetensors").rename(hf_dir / shards[0])
@@ -246,8 +269,9 @@ def resolve_model_path(hf_path: str) -> str:
         return hf_path
     spec = parse_tiny_uri(hf_path)
     fields = dataclasses.asdict(spec)
-    if fields["chat_template"] == "tiny":  # keys of models built before the field existed stay valid
-        del fields["chat_template"]
+    for name, default in (("chat_template", "tiny"), ("mtp_layers", 0)):
+        if fields[name] == default:  # keys of models built before the field existed stay valid
+            del fields[name]
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     out = _cache_root() / "tiny" / f"{spec.family}-{key}"
     if not (out / "config.json").is_file():
