@@ -6,7 +6,7 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 
 | section | becomes | why |
 |---|---|---|
-| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``), with one MTP layer where the recipe model has them | same architecture family, seconds to build |
+| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``), with one MTP layer where the recipe model has them, block FP8 (:data:`TWIN_FP8_BLOCK`) where it is | same architecture family, seconds to build |
 | ``model.tokenizer_path`` | the tiny model's | it belongs to the replaced model |
 | ``model.load_dir`` | none | a checkpoint of the replaced model |
 | ``model.moe_grouped_gemm`` | off | grouped GEMM kernels are CUDA-only |
@@ -26,13 +26,16 @@ weight-sync transport and its verification, placement (disaggregated / colocated
 agent loop and plugins. Every change that switches a recipe's feature off (or drops a parallel
 dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
 the CLI prints them. So is every structural feature of the recipe that shapes the weight sync and the
-loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: the model's block-FP8
-``quantization_config``, MTP layers beyond one (or of a family without a tiny MTP layer), the number of
-expert-data-parallel copies, engine TP > 1 of a family not in :data:`ENGINE_TP2_FAMILIES`. Kept by construction:
-several buckets per stage, cut inside layers (``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`); engine
-TP > 1 of the other families (:data:`TWIN_ENGINE_TP`: the sync's engine-side split, each engine rank its own
-slice); the model's MTP layer (the trainer's import drops it, SGLang's loader skips it and the engines' manifest
-leaves it out, as for the recipe's checkpoint).
+loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: MTP layers beyond one (or of a
+family without a tiny MTP layer), the number of expert-data-parallel copies, engine TP > 1 of a family not in
+:data:`ENGINE_TP2_FAMILIES`. Kept by construction: several buckets per stage, cut inside layers
+(``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`); engine TP > 1 of the other families
+(:data:`TWIN_ENGINE_TP`: the sync's engine-side split, each engine rank its own slice); the model's MTP layer
+(the trainer's import drops it, SGLang's loader skips it and the engines' manifest leaves it out, as for the
+recipe's checkpoint); block FP8 on the wire (the sender quantises, each engine rank receives its FP8 slice and
+scale blocks, checked against the checkpoint; SGLang on CPU cannot run FP8 linears without Intel AMX, so the
+engine serves the checkpoint's dequantisation and its receiver dequantises each slice before loading:
+:mod:`megarl.rollout.dequantized_view`).
 """  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
@@ -52,6 +55,10 @@ WORLD_SIZE = 2
 TWIN_BUCKET_MB = 2
 """The twin's ``weight_sync.bucket_size_mb``: the tiny model (~2 MiB) then syncs in ~5 buckets per stage
 (they ramp up to it), with boundaries inside layers, as a recipe's 512-1024 MiB buckets cut a real model."""
+TWIN_FP8_BLOCK = 16
+"""The twin's ``weight_block_size`` edge where the recipe serves block FP8 (128 x 128 in DeepSeek-V3's release):
+the tiny model's 32-128-row linears then span several blocks, and its TP 2 splits (trainer and engine) fall on
+block boundaries as the recipe's do on 128."""
 TWIN_ENGINE_TP = 2
 """The twin engine's TP where the recipe's engines have TP > 1 and its family is in :data:`ENGINE_TP2_FAMILIES`:
 two SGLang CPU ranks, one core each (``SGLANG_CPU_OMP_THREADS_BIND``,
@@ -66,9 +73,10 @@ GLM-4.5's and Kimi-K2.5's were not run at TP 2. Their twins keep engine TP 1 and
 
 def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
     """``(tiny uri, notes)`` for the recipe's model: a note when the family had to be guessed, and one
-    for each structural feature of the recipe's model that the tiny one lacks (block FP8; MTP layers where
-    the family has no tiny MTP layer). A model with MTP layers gets a tiny one with one MTP layer
-    (``mtp_layers=1``), dropped by the trainer's import and skipped by SGLang's loader as the recipe's are."""
+    for each structural feature of the recipe's model that the tiny one lacks (MTP layers where the family
+    has no tiny MTP layer). A model with MTP layers gets a tiny one with one MTP layer (``mtp_layers=1``),
+    dropped by the trainer's import and skipped by SGLang's loader as the recipe's are; a block-FP8 model a
+    block-FP8 tiny one (``fp8_block=`` :data:`TWIN_FP8_BLOCK`), synced in FP8 as the recipe's engines are."""
     if hf_path.startswith("tiny:"):
         return hf_path, []
     config = Path(hf_path) / "config.json"
@@ -93,8 +101,7 @@ def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
         notes.append(f"cpu-scale: num_nextn_predict_layers {mtp} -> 0 (tiny:{family.name} has no "
                      "multi-token-prediction layers to drop; the loaders' MTP skip is not exercised)")
     if hf.get("quantization_config") or text.get("quantization_config"):
-        notes.append(f"cpu-scale: quantization_config (block FP8) -> none (tiny:{family.name} is fp32; the engine "
-                     "is sent unquantised weights, not FP8 ones with their _scale_inv)")
+        query.append(f"fp8_block={TWIN_FP8_BLOCK}")
     return f"tiny:{family.name}" + (f"?{'&'.join(query)}" if query else ""), notes
 
 
