@@ -6,15 +6,15 @@ GPU cluster on this machine, keeping every feature it turns on, so CI can check 
 
 | section | becomes | why |
 |---|---|---|
-| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``) | same architecture family, seconds to build |
+| ``model.hf_path`` | ``tiny:<family>`` of the recipe model's ``model_type`` (or the recipe's own ``tiny:``), with one MTP layer where the recipe model has them, block FP8 (:data:`TWIN_FP8_BLOCK`) where it is | same architecture family, seconds to build |
 | ``model.tokenizer_path`` | the tiny model's | it belongs to the replaced model |
 | ``model.load_dir`` | none | a checkpoint of the replaced model |
 | ``model.moe_grouped_gemm`` | off | grouped GEMM kernels are CUDA-only |
 | ``train.fp8`` | off (and ``train.fp8_recipe`` back to its default) | Transformer Engine FP8 needs a GPU |
 | ``train.precision`` | ``fp32`` | CPU compute |
 | ``parallel`` | world size 2: TP 2 (with SP) if the recipe uses TP, else PP 2 if it uses PP, else DP 2; EP ``min(EP, 2)``, ETP 1 with EP; CP 1 | two CPU ranks |
-| ``cluster`` | CPU, one node, 2 trainer devices, 1 rollout device, no ``cluster.gpu``; placement kept | one host (the planner's GPU does not apply) |
-| ``rollout`` | 1 engine, engine TP/EP 1, fp32, small KV cache; 2 prompts x group 2; at most 2 turns of 32 tokens; prompt 512 and context 1024 tokens (the tiny template renders the tools' JSON schemas) | two cores |
+| ``cluster`` | CPU, one node, 2 trainer devices, as many rollout devices as the engine's TP, no ``cluster.gpu``; placement kept | one host (the planner's GPU does not apply) |
+| ``rollout`` | 1 engine of TP 2 where the recipe's engines have TP > 1 and the family is in ``ENGINE_TP2_FAMILIES`` (else TP 1), engine EP 1, fp32, small KV cache; 2 prompts x group 2; at most 2 turns of 32 tokens; prompt 512 and context 1024 tokens (the tiny template renders the tools' JSON schemas) | two cores |
 | ``train`` | 1 RL step, one optimizer step, no LR warm-up | the first step |
 | ``sft``, ``data`` | at most 1 SFT step; no evaluation rollouts | the same code paths, short |
 | ``algorithm.filter_zero_variance_groups`` | off | a random tiny model's rewards rarely vary; the step must still train |
@@ -26,9 +26,16 @@ weight-sync transport and its verification, placement (disaggregated / colocated
 agent loop and plugins. Every change that switches a recipe's feature off (or drops a parallel
 dimension) is reported in a line starting ``cpu-scale:``; :func:`cpu_scale` returns the lines and
 the CLI prints them. So is every structural feature of the recipe that shapes the weight sync and the
-loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: the model's MTP layers and block-FP8
-``quantization_config``, engine TP > 1, the number of expert-data-parallel copies. Kept by construction:
-several buckets per stage, cut inside layers (``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`).
+loaders (:mod:`megarl.launch.twin_features`) that the twin does not keep: MTP layers beyond one (or of a
+family without a tiny MTP layer), the number of expert-data-parallel copies, engine TP > 1 of a family not in
+:data:`ENGINE_TP2_FAMILIES`. Kept by construction: several buckets per stage, cut inside layers
+(``weight_sync.bucket_size_mb`` -> :data:`TWIN_BUCKET_MB`); engine TP > 1 of the other families
+(:data:`TWIN_ENGINE_TP`: the sync's engine-side split, each engine rank its own slice); the model's MTP layer
+(the trainer's import drops it, SGLang's loader skips it and the engines' manifest leaves it out, as for the
+recipe's checkpoint); block FP8 on the wire (the sender quantises, each engine rank receives its FP8 slice and
+scale blocks, checked against the checkpoint; SGLang on CPU cannot run FP8 linears without Intel AMX, so the
+engine serves the checkpoint's dequantisation and its receiver dequantises each slice before loading:
+:mod:`megarl.rollout.dequantized_view`).
 """  # noqa: E501 - a table row is one line
 from __future__ import annotations
 
@@ -41,18 +48,35 @@ from omegaconf import DictConfig
 from megarl.config.schema import TrainConfig
 from megarl.launch.twin_features import expert_data_parallel_copies
 from megarl.models.families import find_family
-from megarl.models.tiny import tiny_families
+from megarl.models.tiny import MTP_FAMILIES, tiny_families
 
 WORLD_SIZE = 2
 """Trainer ranks of a CPU-scaled run."""
 TWIN_BUCKET_MB = 2
 """The twin's ``weight_sync.bucket_size_mb``: the tiny model (~2 MiB) then syncs in ~5 buckets per stage
 (they ramp up to it), with boundaries inside layers, as a recipe's 512-1024 MiB buckets cut a real model."""
+TWIN_FP8_BLOCK = 16
+"""The twin's ``weight_block_size`` edge where the recipe serves block FP8 (128 x 128 in DeepSeek-V3's release):
+the tiny model's 32-128-row linears then span several blocks, and its TP 2 splits (trainer and engine) fall on
+block boundaries as the recipe's do on 128."""
+TWIN_ENGINE_TP = 2
+"""The twin engine's TP where the recipe's engines have TP > 1 and its family is in :data:`ENGINE_TP2_FAMILIES`:
+two SGLang CPU ranks, one core each (``SGLANG_CPU_OMP_THREADS_BIND``,
+:func:`megarl.rollout.engine_resources.cpu_threads_bind`), so each engine rank receives and loads its own slice of
+every bucket as the recipe's TP 4-32 ranks do."""
+ENGINE_TP2_FAMILIES = ("qwen3_moe", "qwen3")
+"""Tiny families whose SGLang 0.5.23 CPU engine at TP 2 loads megarl's pre-sharded updates (a first step ran:
+Qwen3-30B-A3B's twin). Not (yet) the others: DeepSeek-V3's twin at engine TP 2 had its pre-sharded load refused
+by SGLang's RowParallelLinear (bucket 3: parameter [64, 32], received slice [64, 16]; 2026-11-28, open), and
+GLM-4.5's and Kimi-K2.5's were not run at TP 2. Their twins keep engine TP 1 and say so in a note."""
 
 
 def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
     """``(tiny uri, notes)`` for the recipe's model: a note when the family had to be guessed, and one
-    for each structural feature of the recipe's model that the tiny one lacks (MTP layers, block FP8)."""
+    for each structural feature of the recipe's model that the tiny one lacks (MTP layers where the family
+    has no tiny MTP layer). A model with MTP layers gets a tiny one with one MTP layer (``mtp_layers=1``),
+    dropped by the trainer's import and skipped by SGLang's loader as the recipe's are; a block-FP8 model a
+    block-FP8 tiny one (``fp8_block=`` :data:`TWIN_FP8_BLOCK`), synced in FP8 as the recipe's engines are."""
     if hf_path.startswith("tiny:"):
         return hf_path, []
     config = Path(hf_path) / "config.json"
@@ -67,14 +91,18 @@ def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
                          f"(known: {', '.join(tiny_families())})")
     text = family.text(hf)
     text = text if isinstance(text, dict) else hf
-    notes = []
-    if int(text.get("num_nextn_predict_layers") or 0) > 0:
-        notes.append(f"cpu-scale: num_nextn_predict_layers {text['num_nextn_predict_layers']} -> 0 (tiny:{family.name} "
-                     "has no multi-token-prediction layers to drop; the loaders' MTP skip is not exercised)")
+    notes, query = [], []
+    mtp = int(text.get("num_nextn_predict_layers") or 0)
+    if mtp > 0 and family.name in MTP_FAMILIES:  # the checkpoint carries them; trainer and engine skip them
+        query.append("mtp_layers=1")
+        if mtp > 1:
+            notes.append(f"cpu-scale: num_nextn_predict_layers {mtp} -> 1 (tiny:{family.name} carries one MTP layer)")
+    elif mtp > 0:
+        notes.append(f"cpu-scale: num_nextn_predict_layers {mtp} -> 0 (tiny:{family.name} has no "
+                     "multi-token-prediction layers to drop; the loaders' MTP skip is not exercised)")
     if hf.get("quantization_config") or text.get("quantization_config"):
-        notes.append(f"cpu-scale: quantization_config (block FP8) -> none (tiny:{family.name} is fp32; the engine "
-                     "is sent unquantised weights, not FP8 ones with their _scale_inv)")
-    return f"tiny:{family.name}", notes
+        query.append(f"fp8_block={TWIN_FP8_BLOCK}")
+    return f"tiny:{family.name}" + (f"?{'&'.join(query)}" if query else ""), notes
 
 
 def _parallel(p: DictConfig, notes: list[str]) -> None:
@@ -128,15 +156,17 @@ def cpu_scale(cfg: DictConfig) -> tuple[DictConfig, list[str]]:
     bucket_mb, engine_tp = int(cfg.weight_sync.bucket_size_mb), int(cfg.rollout.engine.tensor_parallel_size)
     _device_and_model(cfg, notes)
     _parallel(cfg.parallel, notes)
-    _one_host(cfg)
+    family = str(cfg.model.hf_path).removeprefix("tiny:").partition("?")[0]
+    if engine_tp > 1 and family not in ENGINE_TP2_FAMILIES:
+        notes.append(f"cpu-scale: rollout.engine.tensor_parallel_size {engine_tp} -> 1 (tiny:{family} at engine TP "
+                     f"{TWIN_ENGINE_TP} is not verified on SGLang's CPU backend: ENGINE_TP2_FAMILIES)")
+        engine_tp = 1
+    _one_host(cfg, engine_tp)
     _one_step(cfg, notes)
     if copies is not None and copies != expert_data_parallel_copies(cfg):
         notes.append(f"cpu-scale: parallel.expert_model_parallel_size {ep} -> {cfg.parallel.expert_model_parallel_size}"
                      f" on {WORLD_SIZE} ranks: {copies} expert-data-parallel copies of each expert -> "
                      f"{expert_data_parallel_copies(cfg)} (two ranks keep expert parallelism, not a second copy)")
-    if engine_tp > 1:
-        notes.append(f"cpu-scale: rollout.engine.tensor_parallel_size {engine_tp} -> 1 (one CPU engine on one core; "
-                     "the engine-side TP split of the sync is not exercised)")
     if real_model and bucket_mb != int(cfg.weight_sync.bucket_size_mb):
         notes.append(f"cpu-scale: weight_sync.bucket_size_mb {bucket_mb} -> {cfg.weight_sync.bucket_size_mb} (the "
                      f"tiny model is ~2 MiB: {TWIN_BUCKET_MB} MiB buckets give each stage several, cut inside layers, "
@@ -173,14 +203,16 @@ def _device_and_model(cfg: DictConfig, notes: list[str]) -> None:
     t.precision = "fp32"
 
 
-def _one_host(cfg: DictConfig) -> None:
-    """Trainer ranks and one engine on this host; short rollouts of 2 prompts x 2."""
+def _one_host(cfg: DictConfig, engine_tp: int) -> None:
+    """Trainer ranks and one engine (TP :data:`TWIN_ENGINE_TP` where the recipe's ``engine_tp`` > 1) on this
+    host; short rollouts of 2 prompts x 2."""
     c, r = cfg.cluster, cfg.rollout
+    tp = TWIN_ENGINE_TP if engine_tp > 1 else 1
     c.device, c.trainer_nodes, c.trainer_devices_per_node = "cpu", 1, WORLD_SIZE
-    c.rollout_nodes, c.rollout_devices_per_node = 1, 1
+    c.rollout_nodes, c.rollout_devices_per_node = 1, tp
     r.num_engines, r.external_engine_urls = 1, []
     e = r.engine
-    e.tensor_parallel_size, e.expert_parallel_size, e.dtype = 1, 1, "float32"
+    e.tensor_parallel_size, e.expert_parallel_size, e.dtype = tp, 1, "float32"
     # The KV pool is max_total_tokens (SGLang caps its profiled capacity by it); the fraction is the
     # slack SGLang's CPU memory profile allows for what other processes allocate while the engine
     # loads: 0.05 left ~1 GB, and an engine beside a starting trainer was refused at start-up

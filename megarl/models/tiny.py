@@ -57,6 +57,13 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 8192
+    mtp_layers: int = 0
+    """Multi-token-prediction layers appended as the released checkpoints carry them (0 or 1;
+    ``deepseek_v3`` and ``glm4_moe``: :func:`append_mtp_layer`)."""
+    fp8_block: int = 0
+    """Block edge of a block-FP8 checkpoint (DeepSeek-V3's release format, :func:`quantize_checkpoint`:
+    ``float8_e4m3fn`` linears with ``_scale_inv`` per ``fp8_block`` x ``fp8_block`` block and a
+    ``quantization_config``); 0: unquantised."""
     dtype: str = "float32"
     """``float32`` or ``bfloat16`` weights."""
     seed: int = 0
@@ -104,6 +111,23 @@ def _randomize_constant_tensors(model, seed: int) -> None:
                 module.weight.copy_(1.0 + 0.1 * noise.to(module.weight.dtype))
 
 
+def _check_checkpoint_options(spec: TinyModelSpec) -> None:
+    """Raises ValueError: ``mtp_layers`` other than 0 or 1 (1 only for :data:`MTP_FAMILIES`), or a negative
+    ``fp8_block``."""
+    if spec.mtp_layers not in (0, 1) or (spec.mtp_layers and spec.family not in MTP_FAMILIES):
+        raise ValueError(f"mtp_layers: {spec.mtp_layers} for tiny:{spec.family}; 0, or 1 for {', '.join(MTP_FAMILIES)}")
+    if spec.fp8_block < 0:
+        raise ValueError(f"fp8_block: {spec.fp8_block}; a block edge > 0, or 0 for unquantised weights")
+
+
+def _release_layout(hf_dir: Path, spec: TinyModelSpec) -> None:
+    """The saved checkpoint as the release carries it: its MTP layer, its block-FP8 weights (``spec``)."""
+    if spec.mtp_layers:
+        append_mtp_layer(hf_dir, seed=spec.seed)
+    if spec.fp8_block:
+        quantize_checkpoint(hf_dir, (spec.fp8_block, spec.fp8_block))
+
+
 def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = None,
                     gsm8k_dir: str | os.PathLike | None = None, *, overwrite: bool = True) -> Path:
     """Write a tiny random-init HF model directory (config, safetensors, tokenizer, chat template).
@@ -119,7 +143,8 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         The output directory.
 
     Raises:
-        ValueError: unknown family.
+        ValueError: unknown family, ``mtp_layers`` other than 0 or 1 (1: ``deepseek_v3`` and
+            ``glm4_moe`` only), or a negative ``fp8_block``.
         FileNotFoundError: GSM8K not found.
     """
     import shutil
@@ -128,6 +153,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     import torch
 
     spec = spec or TinyModelSpec()
+    _check_checkpoint_options(spec)
     out = Path(out_dir)
     tok = tiny_tokenizer(spec.vocab_size, gsm8k_dir, spec.chat_template)
     eos_id = tok.eos_token_id
@@ -148,6 +174,7 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
         # transformers 5 keeps MoE experts fused in memory but saves checkpoint-style per-expert
         # names through its conversion mapping; verified by tests/unit/models/test_tiny_model.py.
         model.save_pretrained(tmp, safe_serialization=True)
+        _release_layout(tmp, spec)
         if out.exists() and overwrite:
             shutil.rmtree(out)
         try:
@@ -162,11 +189,15 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     return out
 
 
-def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True) -> Path:
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
+"""Tiny families :func:`append_mtp_layer` applies to (``TinyModelSpec.mtp_layers``)."""
+
+
+def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True, seed: int = 0) -> Path:
     """Add a multi-token-prediction layer to a tiny DeepSeek-V3 / GLM-4.5 directory, in place, as
     the released checkpoints carry one: tensors ``model.layers.{num_hidden_layers}.*`` (a copy of
-    the last decoder layer plus ``eh_proj``, ``enorm``, ``hnorm``) in a second safetensors shard with
-    an index, and ``num_nextn_predict_layers = 1`` in config.json when ``declare``.
+    the last decoder layer plus ``eh_proj`` (random, from ``seed``), ``enorm``, ``hnorm``) in a second
+    safetensors shard with an index, and ``num_nextn_predict_layers = 1`` in config.json when ``declare``.
 
     Returns:
         The directory.
@@ -183,13 +214,51 @@ def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True) -> Path
     base = load_file(hf_dir / "model.safetensors")
     last, mtp_prefix = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
     mtp = {k.replace(last, mtp_prefix): v.clone() for k, v in base.items() if k.startswith(last)}
-    mtp.update({mtp_prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
+    gen = torch.Generator().manual_seed(seed + 2)
+    mtp.update({mtp_prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen),
                 mtp_prefix + "enorm.weight": torch.ones(hidden), mtp_prefix + "hnorm.weight": torch.ones(hidden)})
     shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
     (hf_dir / "model.safetensors").rename(hf_dir / shards[0])
     save_file(mtp, hf_dir / shards[1], metadata={"format": "pt"})
     weight_map = {**{k: shards[0] for k in base}, **{k: shards[1] for k in mtp}}
     (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf_dir
+
+
+def quantize_checkpoint(hf_dir: str | os.PathLike, block: tuple[int, int]) -> Path:
+    """Turn an unquantised HF directory into a block-FP8 one, in place, as DeepSeek-V3's release is laid
+    out: every tensor SGLang 0.5.23 quantises (:meth:`megarl.models.fp8_blocks.BlockFP8.is_quantized`)
+    becomes its ``float8_e4m3fn`` :func:`~megarl.models.fp8_blocks.quantize_blockwise` plus a float32
+    ``<name>_scale_inv`` in the same file (the index, if any, names it), and ``config.json`` gets
+    ``quantization_config`` ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": block}``.
+
+    Returns:
+        The directory.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.fp8_blocks import BlockFP8, quantize_blockwise, scale_name
+
+    hf_dir, rule = Path(hf_dir), BlockFP8(block=block)
+    index_path = hf_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        out = {}
+        for name, tensor in load_file(path).items():
+            if rule.is_quantized(name, tensor.shape):
+                out[name], out[scale_name(name)] = quantize_blockwise(tensor, block)
+                if index is not None:
+                    index["weight_map"][scale_name(name)] = path.name
+            else:
+                out[name] = tensor
+        save_file(out, str(path), metadata={"format": "pt"})
+    if index is not None:
+        index_path.write_text(json.dumps(index))
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return hf_dir
 
 
@@ -247,8 +316,9 @@ def resolve_model_path(hf_path: str) -> str:
         return hf_path
     spec = parse_tiny_uri(hf_path)
     fields = dataclasses.asdict(spec)
-    if fields["chat_template"] == "tiny":  # keys of models built before the field existed stay valid
-        del fields["chat_template"]
+    for name, default in (("chat_template", "tiny"), ("mtp_layers", 0), ("fp8_block", 0)):
+        if fields[name] == default:  # keys of models built before the field existed stay valid
+            del fields[name]
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     out = _cache_root() / "tiny" / f"{spec.family}-{key}"
     if not (out / "config.json").is_file():

@@ -37,6 +37,7 @@ from typing import IO
 
 from megarl.procs.ports import find_free_port
 from megarl.rollout import cpu_shims
+from megarl.rollout.dequantized_view import dequantized_model_dir
 from megarl.rollout.engine_resources import _wait_port_free, check_nodes, cpu_threads_bind, local_host, resolve_device
 from megarl.rollout.engine_view import served_model_dir
 
@@ -214,7 +215,8 @@ class EngineProcess:
             self.port = find_free_port(self.host)
         if self.nnodes == 1 and "--nccl-port" not in self.extra_args:  # a new one per start: a restart
             self.nccl_port = find_free_port("")  # never waits for the killed store's port; listens on every interface
-        self.served_path = served_model_dir(self.model_path)  # once per node, cached
+        model = self.model_path  # block FP8 on CPU: SGLang serves its dequantisation (dequantized_view)
+        self.served_path = served_model_dir(dequantized_model_dir(model) if self.device == "cpu" else model)
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
             os.close(fd)

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,15 +157,21 @@ def served_model_dir(model_dir: str | os.PathLike, *, root: str | os.PathLike | 
         return str(model_dir)
     if not needs_untied_view(json.loads((src / "config.json").read_text())):
         return str(model_dir)
+    return cached_view(src, Path(root) if root is not None else cache_root() / "untied", write_untied_view)
+
+
+def cached_view(src: Path, base: Path, write: Callable[[Path, Path], Path]) -> str:
+    """``base/<name>-<key>``: a view of the checkpoint ``src`` written by ``write(src, out)`` once per
+    checkpoint version (:func:`_view_key`), into a temporary directory renamed into place, so engines
+    preparing it at once keep whichever finished first."""
     src = src.resolve()
-    base = Path(root) if root is not None else cache_root() / "untied"
     out = base / f"{src.name}-{_view_key(src)}"
     if (out / "config.json").is_file():
         return str(out)
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=base))
     try:
-        write_untied_view(src, tmp / "view")
+        write(src, tmp / "view")
         try:
             (tmp / "view").rename(out)
         except OSError:  # another engine on this node finished first: keep its view

@@ -155,7 +155,8 @@ class CheckedTransport(ReceiverGroupTransport):
         if stage is None:  # _announce sets it
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} sent before its stage was announced")
         expected = stage[self._next][0] if self._next < len(stage) else None
-        if expected is not bucket:
+        # by index: a block-FP8 sender sends the quantiser's wire copy of the plan's bucket (WireQuantizer)
+        if expected is None or expected.index != bucket.index:
             self.abort()
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
                                   f"({expected.index if expected is not None else 'none left'})")

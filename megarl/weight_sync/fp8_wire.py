@@ -21,10 +21,13 @@ decoder linears, not norms, embeddings, LM head, MoE router, nor ``modules_to_no
 
 Where it is tested: on CPU, the bytes that cross the wire for quantised tensors (~0.5x) and the
 tensors each engine rank's receiver would hand SGLang's loader (names, dtypes, values: equal to an
-independent per-block quantisation of its slice). **Not tested: an SGLang engine loading them.**
-SGLang 0.5.23's CPU backend runs FP8 linears only with Intel AMX and the ``sgl_kernel`` CPU build
-(``Fp8LinearMethod.process_weights_after_loading`` asserts ``cpu_has_amx_support()``); this
-machine has neither, so no CPU SGLang server here can serve an FP8 checkpoint. On GPU, SGLang may
+independent per-block quantisation of its slice). SGLang 0.5.23's CPU backend runs FP8 linears only
+with Intel AMX and the ``sgl_kernel`` CPU build (``Fp8LinearMethod.process_weights_after_loading``
+asserts ``cpu_has_amx_support()``); this machine has neither, so a CPU engine serves the checkpoint's
+dequantisation and its receiver dequantises each FP8 slice before loading
+(:mod:`megarl.rollout.dequantized_view`): the DeepSeek-V3 and Kimi-K2 recipes' CPU twins sync this wire
+format end to end (``--cpu-scale``, tiny block-FP8 checkpoints). **Not tested on CPU: SGLang's FP8
+linears loading them.** On GPU, SGLang may
 re-process FP8 weights after loading (DeepGEMM UE8M0 scale requantisation on some GPUs) and fuses
 DeepSeek's ``q_a_proj`` / ``kv_a_proj_with_mqa``; whether its update path redoes that for
 in-place updates is for a GPU run to show.

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from megarl.models.families import find_family
+from megarl.models.families import find_family, text_config_of
 from megarl.rollout.engine_view import EMBEDDING, OUTPUT_LAYER, needs_untied_view
 from megarl.weight_sync.plan import WeightSyncPlan
 
@@ -53,7 +54,8 @@ def required(value: _T | None, what: str) -> _T:
 def read_manifest(model_dir: str | os.PathLike) -> Manifest:
     """Names, shapes and dtypes of every tensor an engine serving ``model_dir`` holds: its safetensors
     files' tensors (headers only; of a vision-language release, those under its family's ``hf_prefix``:
-    megarl trains and syncs the language model, the engine keeps its vision tower), and
+    megarl trains and syncs the language model, the engine keeps its vision tower; without the
+    multi-token-prediction layers of a checkpoint that has them, :func:`mtp_layer_names`), and
     ``lm_head.weight`` (the embedding's shape and dtype) for a tied
     checkpoint whose SGLang class keeps its own output layer (:mod:`megarl.rollout.engine_view`: the
     engines megarl starts serve an untied view; every sync delivers that tensor).
@@ -79,7 +81,36 @@ def read_manifest(model_dir: str | os.PathLike) -> Manifest:
     family = find_family(hf_config.get("model_type"))
     if family is not None and family.hf_prefix:  # a vision-language release: the language model only
         manifest = {name: v for name, v in manifest.items() if name.startswith(family.hf_prefix)}
-    return manifest
+    text = text_config_of(hf_config)
+    mtp = mtp_layer_names(manifest, text if isinstance(text, dict) else hf_config)
+    return {name: v for name, v in manifest.items() if name not in mtp}
+
+
+_LAYER = re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.")
+
+
+def mtp_layer_names(names, text_config: Mapping) -> set[str]:
+    """The tensors of ``names`` in a multi-token-prediction layer: HF ``model.layers.{L}.*`` (under any
+    prefix) with ``num_hidden_layers <= L < num_hidden_layers + num_nextn_predict_layers`` of
+    ``text_config`` (a config.json's language-model section).
+
+    Neither side holds them as decoder weights: megarl's import drops them (the DeepSeek-V3 family's
+    ``note_mtp_layers``) and SGLang 0.5.23's DeepSeek-V3 and GLM-4.5 loaders skip layers at or past
+    ``num_hidden_layers`` unless they load the NextN draft model (``deepseek_weight_loader.py``,
+    ``glm4_moe.py`` ``load_weights``); an engine serving them for speculative decoding would keep them
+    stale, which megarl does not start. Left in the manifest they would be reported as engine tensors
+    the plan never sends.
+    """
+    count = int(text_config.get("num_nextn_predict_layers") or 0)
+    if count <= 0:
+        return set()
+    first = int(text_config["num_hidden_layers"])
+    out = set()
+    for name in names:
+        match = _LAYER.match(name)
+        if match is not None and first <= int(match.group(1)) < first + count:
+            out.add(name)
+    return out
 
 
 def check_plan_against_manifest(plan: WeightSyncPlan, manifest: Mapping[str, tuple[tuple[int, ...], str]]) -> None:

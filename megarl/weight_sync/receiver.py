@@ -278,27 +278,30 @@ def _drop_deferred(state: dict, why: str) -> None:
 
 
 def _load(model, named: list, state: dict, bucket: int, *, whole: bool, proof: bool) -> None:
-    """Load one voted bucket; pre-sharded (``p2p``), then, with ``proof`` (the stage ticket's, from
+    """Load one voted bucket (on an engine serving a dequantised view of a block-FP8 checkpoint, CPU:
+    :mod:`megarl.rollout.dequantized_view`, its FP8 slices dequantised first); pre-sharded (``p2p``), then,
+    with ``proof`` (the stage ticket's, from
     ``weight_sync.load_proof``), prove every tensor is in the engine's parameters
     (:func:`megarl.weight_sync.load_proof.first_unwritten`). A failure is kept for the
     finish vote: ``(status, tensor index, bucket)``, status 7 (the loader raised) or 9 (not written)."""
     from megarl.weight_sync.load_proof import first_unwritten
-    from megarl.weight_sync.sglang_loader import load_presharded
+    from megarl.weight_sync.sglang_loader import load_presharded, served
 
     try:
+        loaded = served(named)  # FP8 slices dequantised where the engine serves a dequantised view (CPU)
         if whole:
-            model.load_weights(named)
+            model.load_weights(loaded)
             return
-        load_presharded(model, named)
-        missing = first_unwritten(model, named) if proof else None
+        load_presharded(model, loaded)
+        missing = first_unwritten(model, loaded) if proof else None
     except Exception:  # noqa: BLE001
         log.error("p2p receiver: loading bucket %s failed: %s", bucket, traceback.format_exc())
         state["load_errors"].append((7, 0, bucket))
         return
     if missing is not None:
-        log.error("p2p receiver: bucket %s: %s was loaded but is in none of the engine's parameters",
-                  bucket, named[missing][0])
-        state["load_errors"].append((9, missing, bucket))
+        name = loaded[missing][0]
+        log.error("p2p receiver: bucket %s: %s was loaded but is in none of the engine's parameters", bucket, name)
+        state["load_errors"].append((9, next(i for i, (n, _) in enumerate(named) if n == name), bucket))
 
 
 def _finish(state: dict) -> None:
@@ -367,12 +370,14 @@ def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[
 
 
 def _manifest() -> dict | None:
-    """The served checkpoint's tensors (``read_manifest`` of the engine's model path), cached."""
+    """The served checkpoint's tensors (``read_manifest`` of the engine's model path; of a dequantised
+    view, :mod:`megarl.rollout.dequantized_view`, its block-FP8 checkpoint's: what the wire carries), cached."""
     from sglang.srt.runtime_context import get_server_args
 
+    from megarl.rollout.dequantized_view import wire_manifest_dir
     from megarl.weight_sync.manifest_checks import read_manifest
 
-    path = get_server_args().model_path
+    path = wire_manifest_dir(get_server_args().model_path)  # a dequantised view: its block-FP8 checkpoint's
     if path not in _MANIFESTS:
         try:
             _MANIFESTS[path] = read_manifest(path)

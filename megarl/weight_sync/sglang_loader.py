@@ -46,16 +46,32 @@ def load_presharded(model, named_tensors) -> None:
     modules = _PRESHARDED.get(model)
     if modules is None:  # walking the module tree costs ~1 ms per call on a small model: once per model
         modules = _PRESHARDED[model] = [m for m in model.modules() if hasattr(m, "use_presharded_weights")]
+    loaded = served(named_tensors)
     toggled = [(m, m.use_presharded_weights) for m in modules]
     for module, _ in toggled:
         module.use_presharded_weights = True
     try:
         with cpu_presharded_qkv_fix():
-            model.load_weights(named_tensors)
+            model.load_weights(loaded)
     finally:
         for module, flag in toggled:
             module.use_presharded_weights = flag
     _record(model, named_tensors)
+
+
+def served(named_tensors) -> list:
+    """``named_tensors`` as this engine loads them: block-FP8 slices dequantised where it serves the
+    dequantised view of a block-FP8 checkpoint (CPU, :func:`megarl.rollout.dequantized_view.served_tensors`),
+    else unchanged (an already dequantised list passes through: it has no FP8 tensor)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from megarl.rollout.dequantized_view import served_tensors
+
+    try:
+        path = get_server_args().model_path
+    except ValueError:  # "Global server args is not set yet!": outside a server (a test calling the loader)
+        return list(named_tensors)
+    return served_tensors(path, named_tensors)
 
 
 def _record(model, named_tensors) -> None:

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from megarl.config import load_config, validate
-from megarl.launch.cpu_scale import cpu_scale
+from megarl.launch.cpu_scale import ENGINE_TP2_FAMILIES, cpu_scale
 from megarl.models.tiny import resolve_model_path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -28,11 +28,18 @@ def test_recipe_scales_to_a_valid_cpu_config_keeping_its_features(recipe, tmp_pa
     before = OmegaConf.to_yaml(cfg)
     scaled, notes = cpu_scale(cfg)
     assert OmegaConf.to_yaml(cfg) == before, "the recipe's config is not modified"
+    family = str(scaled.model.hf_path).removeprefix("tiny:").partition("?")[0]
     scaled.model.hf_path = resolve_model_path(scaled.model.hf_path)
     validate(scaled)  # raises ConfigError naming every problem
     c, p = scaled.cluster, scaled.parallel
     assert (c.device, c.trainer_nodes * c.trainer_devices_per_node, scaled.rollout.num_engines) == ("cpu", 2, 1)
     assert p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size <= 2
+    # engine TP > 1 is kept (two CPU ranks, as many rollout devices) where the family's TP 2 CPU engine is
+    # verified, else dropped with a note
+    engine_tp, noted = scaled.rollout.engine.tensor_parallel_size, any("engine.tensor_parallel_size" in n for n in notes)
+    kept = cfg.rollout.engine.tensor_parallel_size > 1 and family in ENGINE_TP2_FAMILIES
+    assert (engine_tp, c.rollout_devices_per_node) == ((2, 2) if kept else (1, 1)), engine_tp
+    assert noted == (cfg.rollout.engine.tensor_parallel_size > 1 and not kept), notes
     for key in KEPT:
         if key == "parallel.sequence_parallel" and cfg.parallel.tensor_model_parallel_size == 1:
             continue
