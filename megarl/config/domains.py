@@ -243,7 +243,7 @@ DOMAINS: dict[str, Domain] = {
     "weight_sync.transport": Registered(_transports, also=("auto",)),
     "weight_sync.bucket_size_mb": POSITIVE,
     "weight_sync.senders_per_stage": POSITIVE,
-    "weight_sync.senders": Choice(("owner", "segment", "stage")),
+    "weight_sync.senders": Choice(("auto", "owner", "segment", "stage")),
     "weight_sync.backend": Choice(("auto", "nccl", "gloo")),
     "weight_sync.pause_mode": Choice(("retract", "abort", "in_place")),
     "weight_sync.every_n_steps": POSITIVE,

@@ -158,12 +158,16 @@ class WeightSyncConfig:
     replicas) of each pipeline stage gather and send side by side, replica ``k`` to the engines
     ``i % senders_per_stage == k``; null = as many as there are engines and complete copies
     (``megarl.weight_sync.plan``); 1 = one sender per stage. ``shard``/``tensor``/``disk`` use 1."""
-    senders: str = "segment"
-    """Which trainer ranks send with ``p2p``: ``owner`` (every rank its own parts, nothing gathered;
-    ``transport: p2p``, BF16 or block-FP8 engines; ``megarl.weight_sync.owners``), ``segment`` (each
-    engine rank's segment from the stage rank holding most of it; ``megarl.weight_sync.segments``),
-    ``stage``. ``segment`` stays the default: ``owner`` needs ``p2p`` (``auto`` may resolve to
-    ``distributed``; colocated runs use ``tensor``) and is tested over gloo only (``README.md``)."""
+    senders: str = "auto"
+    """Which trainer ranks send with ``p2p``: ``auto`` (the default: ``owner`` in a disaggregated run
+    whose transport is ``p2p`` or ``auto``, which then runs ``p2p``, where SGLang loads every tensor
+    pre-sharded at the engine layout and, with ``auto``, the engines registered megarl's receiver;
+    else ``segment``; ``megarl.weight_sync.synchronizer_build.build_weight_sync``), ``owner`` (every
+    rank sends its own parts, nothing gathered, all pipeline stages at once into one update request
+    per engine; ``transport: p2p``, BF16 or block-FP8 engines; ``megarl.weight_sync.owners``),
+    ``segment`` (each engine rank's segment from the stage rank holding most of it, stages one
+    after another; ``megarl.weight_sync.segments``), ``stage`` (the stage sender gathers and sends
+    everything)."""
     backend: str = "auto"
     """Collective backend for the distributed transport: ``auto`` (nccl on GPU, gloo on CPU)."""
     pause_mode: str = "retract"

@@ -156,12 +156,13 @@ class TrainerWorker:
     def connect_weight_sync(self, engine_urls: list[str], directory: str) -> None:
         """Build this rank's weight synchronizer to ``engine_urls`` (collective over the ranks)."""
         from megarl.config.device import resolved_precision
-        from megarl.weight_sync.choice import run_transport
+        from megarl.weight_sync.choice import run_senders, run_transport
         from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
         cfg = self.trainer.cfg
         transport = run_transport(cfg, cuda=use_cuda(cfg.cluster.device))  # auto: tensor when colocated on CUDA
-        ws = OmegaConf.merge(cfg.weight_sync, {"transport": transport})
+        # senders auto: segment when colocated; disaggregated: owner where it applies (build_weight_sync)
+        ws = OmegaConf.merge(cfg.weight_sync, {"transport": transport, "senders": run_senders(cfg)})
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
         spec = SyncSpec(hf_dir=cfg.model.hf_path, engine_urls=engine_urls,
                         engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -54,9 +55,10 @@ class CheckedTransport(ReceiverGroupTransport):
         """This sync's stage ticket went out: the receivers join the ``finish`` vote after its last bucket."""
         self._partial: dict | None = None
         """The bucket being sent: its handles and the engine ranks its bytes went to (for :meth:`abort`)."""
-        self._stage: list[tuple[Bucket, list[list], list[list[int]] | None]] | None = None
+        self._stage: list[tuple[Any, list[list] | None, list[list[int]] | None]] | None = None
         """This sync's announced buckets, each engine rank's listing ``[[name, dtype, shape]]`` and
-        message sizes ``[[nbytes]]`` (None with owner senders: each sender's parts)."""
+        message sizes ``[[nbytes]]`` (owner senders: rounds, a tuple of buckets each, and None, None:
+        each sender's parts)."""
         self._next = 0
         """Index in ``_stage`` of the next bucket the receivers wait for."""
         self._algo: str | None = None
@@ -161,7 +163,7 @@ class CheckedTransport(ReceiverGroupTransport):
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
                                   f"({expected.index if expected is not None else 'none left'})")
         _, listings, sizes = stage[self._next]
-        if sizes is None:  # only owner senders announce none, and they send with their own send()
+        if sizes is None or listings is None:  # only owner senders announce none, and they send with their own send()
             raise WeightSyncError(f"p2p sender: bucket {bucket.index} was announced without message sizes")
         return listings, sizes
 
@@ -221,7 +223,7 @@ class CheckedTransport(ReceiverGroupTransport):
                 return
         bucket, listings, sizes = self._stage[self._next]
         self._next = len(self._stage)
-        works += self._release(bucket, listings, sizes, done)
+        works += self._release(bucket, listings or [], sizes or [], done)
         self._open_vote(bucket, listings, list(self._requests), works, None, time.perf_counter(),
                         sender_status=8)
         try:
@@ -280,7 +282,7 @@ class CheckedTransport(ReceiverGroupTransport):
             self.stats.transfer_s += time.perf_counter() - pending["started"]
         votes = pending["votes"].cpu()
         tp = self.plan.engine_layout.tp_size
-        problems = [f"trainer rank {self.senders[k]} (sender {k} of this stage): {STATUS.get(int(status), status)}"
+        problems = [f"trainer rank {self.senders[k]} (sender {k} of the group): {STATUS.get(int(status), status)}"
                     for k, status in enumerate(votes[:self.n_senders, 0].tolist())
                     if status and k != self.sender_index]  # this sender's own error is raised by its caller
         stopped = {k for k, status in enumerate(votes[:self.n_senders, 0].tolist()) if status == 8}
@@ -291,17 +293,26 @@ class CheckedTransport(ReceiverGroupTransport):
                 if status and self._released(pending["bucket"], i, r, stopped):
                     continue  # the zeros a stopped sender released this rank with: not a second error
                 if status:
-                    listing = pending["listings"][r] if pending["bucket"] is not None else self._listing(at_bucket, r)
-                    what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"
-                            if index < len(listing) else "its bucket")
-                    what = what if pending["bucket"] is not None or at_bucket < 0 else f"bucket {at_bucket}: {what}"
-                    problems.append(f"engine {i} ({self.engines.urls[i]}) rank {r}: {what}: "
+                    problems.append(f"engine {i} ({self.engines.urls[i]}) rank {r}: "
+                                    f"{self._refused_tensor(pending, r, index, at_bucket)}: "
                                     f"{STATUS.get(status, status)}")
         self.stats.engine_rank_bytes = [max(row[r] for row in self.received) for r in range(tp)]
         if problems:  # raised by drain(): the other trainer ranks must still finish their gather
-            where = (f"refused at bucket {pending['bucket'].index}, no engine loaded it"
-                     if pending["bucket"] is not None else "failed at loading")
-            self._failure = WeightSyncError(f"p2p weight sync {where}: " + "; ".join(problems))
+            self._failure = WeightSyncError(f"p2p weight sync {self._refused_where(pending)}: " + "; ".join(problems))
+
+    def _refused_tensor(self, pending: dict, rank: int, index: int, at_bucket: int) -> str:
+        """The tensor an engine rank's vote names: ``index`` in its listing of the pending bucket
+        (of bucket ``at_bucket`` for the finish vote)."""
+        listing = pending["listings"][rank] if pending["bucket"] is not None else self._listing(at_bucket, rank)
+        what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"
+                if index < len(listing) else "its bucket")
+        return what if pending["bucket"] is not None or at_bucket < 0 else f"bucket {at_bucket}: {what}"
+
+    def _refused_where(self, pending: dict) -> str:
+        """Which vote failed, for the error."""
+        if pending["bucket"] is None:
+            return "failed at loading"
+        return f"refused at bucket {pending['bucket'].index}, no engine loaded it"
 
     def _listing(self, bucket_index: int, rank: int) -> list:
         """Engine rank ``rank``'s listing of the plan's bucket ``bucket_index`` ([] when none)."""

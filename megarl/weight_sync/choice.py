@@ -104,6 +104,26 @@ def run_transport(cfg, *, cuda: bool) -> str:
     return transport
 
 
+def run_senders(cfg) -> str:
+    """The ``weight_sync.senders`` a run config hands the trainer ranks: its own value, with ``auto``
+    meaning ``segment`` when trainer and engines are colocated (owner senders are the default of
+    disaggregated runs; a colocated CUDA run uses ``tensor``); a disaggregated run's ``auto`` is
+    resolved by :func:`megarl.weight_sync.synchronizer_build.build_weight_sync` (``owner`` where it applies)."""
+    senders = cfg.weight_sync.senders
+    return "segment" if senders == "auto" and cfg.cluster.placement == "colocated" else senders
+
+
+def senders_on_paper(cfg) -> str:
+    """The sender path a run config gets, on paper (``megarl plan-sync``): :func:`run_senders`, then
+    ``auto`` by the transport's name (:func:`~megarl.weight_sync.owners.auto_senders`; the engines
+    megarl starts register the receiver)."""
+    from megarl.config.device import use_cuda
+    from megarl.weight_sync.owners import auto_senders
+
+    senders = run_senders(cfg)
+    return auto_senders(run_transport(cfg, cuda=use_cuda(cfg.cluster.device))) if senders == "auto" else senders
+
+
 def engine_custom_weight_loaders(transport: str) -> list[str]:
     """What engines megarl starts itself register with ``--custom-weight-loader`` for ``transport``:
     its entry's ``engine_loaders`` (``auto``: ``p2p``'s, so that ``auto`` resolves to ``p2p`` for

@@ -1,14 +1,21 @@
-"""The ``p2p`` transport with owner senders (``weight_sync.senders: owner``): every trainer rank of a
-stage sends the parts of the engine ranks' slices that :class:`~megarl.weight_sync.owners.OwnerParts`
-assigns it, cut from its own shards; nothing is gathered.
+"""The ``p2p`` transport with owner senders (``weight_sync.senders: owner``): every trainer rank sends
+the parts of the engine ranks' slices that :class:`~megarl.weight_sync.owners.OwnerParts` assigns
+it, cut from its own shards; nothing is gathered; all pipeline stages deliver at once.
 
-The protocol is :class:`~megarl.weight_sync.p2p.P2PTransport`'s (one group per stage, one stage
-ticket per sync, per bucket the bytes then the checksums, then a vote of every group rank before
-any engine loads, the finish vote with the load proof) with three differences: every rank of the
-stage is a sender in the group (the stage sender, group rank 0, talks to the engines over HTTP);
-each engine's ticket is its own (copies of a stage split the engines, so an engine rank's sources
-depend on the engine) and lists the engine rank's parts with their source (:mod:`owners`); and each
-sender sends one checksum per part it sent, after its parts, since no sender knows a whole slice.
+The protocol is :class:`~megarl.weight_sync.p2p.P2PTransport`'s (one group, one ticket per engine
+rank and sync, per bucket the bytes then the checksums, then a vote of every group rank before
+any engine loads, the finish vote with the load proof) with these differences: every trainer rank
+of every stage is a sender in **one** group with every engine rank (the coordinator, group rank 0,
+talks to the engines over HTTP), so each engine has one update request per sync whatever PP is
+(SGLang serves one at a time: a group per stage made the stages take turns); the buckets travel in
+rounds of at most one bucket per stage (:func:`~megarl.weight_sync.senders.plan_rounds`): all
+stages' senders send their bucket of the round at once, each engine rank receives and checks all
+of them, and one vote decides the round (a sender whose stage has no bucket left joins the votes
+with nothing to send); each engine's ticket is its own (copies split the engines, so an engine
+rank's sources depend on the engine) and lists the engine rank's parts with their source
+(:mod:`owners`); and each sender sends one checksum per part it sent, after its parts, since no
+sender knows a whole slice. A sender that fails releases its receivers with zeros and votes the
+round down (status 8): every stage stops at that round, none waits for the others.
 """
 from __future__ import annotations
 
@@ -26,21 +33,27 @@ from megarl.weight_sync.wire import DIGEST_CHARS, checksum, checksum_algo, encod
 
 
 class OwnerTransport(P2PTransport):
-    """``p2p`` from every trainer rank of a stage, each sending only what it holds (module docstring).
+    """``p2p`` from every trainer rank, each sending only what it holds, all stages at once (module docstring).
 
-    Every rank of the stage calls :meth:`set_owner_senders` before the first sync and then
+    Every trainer rank calls :meth:`set_owner_senders` before the first sync and then
     :meth:`send` for every bucket of its stage with its own shards (``{global name: shard}``) in
     place of the converted tensors. ``stats.bytes_sent`` counts this rank's bytes (every engine).
     ``tamper(bucket_index, engine_tp_rank, buffer)``: fault injection, as ``P2PTransport``'s; the
     buffer is this sender's parts for that rank, back to back.
     """
 
+    ordered_stages = False
+    """The stages deliver at once through one group (no turn passing)."""
+
     def set_owner_senders(self, senders: list[int], index: int, control, parts: OwnerParts,
                           buckets: list[Bucket]) -> None:
-        """Every rank of the stage (``senders``: :meth:`OwnerParts.senders`; ``index``: this rank's
-        position, 0 = the stage sender, which creates the group and announces the stage)."""
+        """Every trainer rank (``senders``: :meth:`OwnerParts.group_senders`; ``index``: this rank's
+        position, 0 = the coordinator, which creates the group and submits the tickets;
+        ``buckets``: this rank's stage's buckets)."""
         self.set_senders(senders, index, control, parts, buckets)
         self.parts = parts
+        self.rounds = parts.rounds()
+        self._by_index = {b.index: b for r in self.rounds for b in r}
 
     @property
     def me(self) -> int:
@@ -55,24 +68,38 @@ class OwnerTransport(P2PTransport):
 
     def _released(self, bucket, engine: int, rank: int, stopped: set) -> bool:
         return bucket is not None and any(self.senders.index(p.sender) in stopped
-                                          for p in self.parts.parts(bucket, engine, rank))
+                                          for b in bucket for p in self.parts.parts(b, engine, rank))
 
-    def _announce(self, bucket: Bucket) -> None:
-        """Every bucket of the stage from ``bucket`` on; the stage sender submits each engine's
-        tickets (each engine rank's slices and parts), the others only take note."""
+    def _refused_tensor(self, pending: dict, rank: int, index: int, at_bucket: int) -> str:
+        """``bucket B: tensor`` (a round's vote names the bucket: several travel together)."""
+        bucket = self._by_index.get(at_bucket)
+        listing = self.parts.listings(bucket)[rank] if bucket is not None else []
+        what = (f"{listing[index][0]} (sent {listing[index][1]} {tuple(listing[index][2])})"
+                if index < len(listing) else "its bucket")
+        return f"bucket {at_bucket}: {what}"
+
+    def _refused_where(self, pending: dict) -> str:
+        if pending["bucket"] is None:
+            return "failed at loading"
+        return (f"refused at round {self.rounds.index(pending['bucket'])} (buckets "
+                f"{', '.join(str(b.index) for b in pending['bucket'])}), no engine loaded them")
+
+    def _announce(self, bucket: Bucket | None = None) -> None:
+        """Every round of the sync; the coordinator submits each engine's tickets (each engine
+        rank's slices and parts of every bucket of every stage, and the rounds), the others only
+        take note."""
         from megarl.weight_sync.receiver import RECEIVER
         from megarl.weight_sync.wire import payload
 
         self._algo = checksum_algo(group_device(self.group))
-        stage = [b for b in self.plan.buckets if b.pp_rank == bucket.pp_rank and b.index >= bucket.index]
-        self._stage = [(b, self._listings(b), None) for b in stage]
+        self._stage = [(r, None, None) for r in self.rounds]
         self._next, self._finish_announced = 0, True
         if self.sender_index:
             return
         for i in range(len(self.engines)):
             tickets = [{"op": "stage", "mode": self.mode, "group": self.group_name, "algo": self._algo,
-                        "proof": self.load_proof,
-                        "buckets": [self.parts.ticket_entry(b, i, rank, self.senders) for b, _, _ in self._stage]}
+                        "proof": self.load_proof, "rounds": [len(r) for r in self.rounds],
+                        "buckets": [self.parts.ticket_entry(b, i, rank, self.senders) for r in self.rounds for b in r]}
                        for rank in range(self.plan.engine_layout.tp_size)]
             self._requests.append(self.engines.submit(i, "update_weights_from_tensor", [payload(t) for t in tickets],
                                                       load_format=RECEIVER, flush_cache=False))
@@ -97,11 +124,12 @@ class OwnerTransport(P2PTransport):
         return out
 
     def send(self, bucket, tensors, flat=None) -> None:
-        """Send this rank's parts of ``bucket`` to every engine rank that gets any, then open the
-        vote. ``tensors``: this rank's shards ``{global name: shard}``; ``flat`` unused.
+        """Send this rank's parts of ``bucket`` (its stage's bucket of the next round) to every engine
+        rank that gets any, then open the round's vote. ``tensors``: this rank's shards ``{global
+        name: shard}``; ``flat`` unused.
 
         Raises:
-            WeightSyncError: ``bucket`` is not the next announced one, or a shard this rank is
+            WeightSyncError: ``bucket`` is not in the next announced round, or a shard this rank is
                 assigned is missing or misshapen (the receivers were released first).
         """
         if self._pp_rank is None:
@@ -113,7 +141,7 @@ class OwnerTransport(P2PTransport):
         started = time.perf_counter()
         first = self._stage is None
         if first:
-            self._announce(bucket)
+            self._announce()
         try:
             packed = self._pack(bucket, tensors)
         except WeightSyncError:
@@ -123,16 +151,18 @@ class OwnerTransport(P2PTransport):
             self._wait_vote()
             if self._failure is not None:
                 return
+        if not self._skip_to(bucket):
+            return
         stage = self._stage or []
-        expected, listings, _ = stage[self._next] if self._next < len(stage) else (None, None, None)
-        if expected is not bucket:
+        current = stage[self._next][0] if self._next < len(stage) else ()
+        if bucket.index not in {b.index for b in current}:
             self.abort()
-            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not the next announced one "
-                                  f"({expected.index if expected is not None else 'none left'})")
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not in the next announced round "
+                                  f"({[b.index for b in current] or 'none left'})")
         works: list = []
         refs: list = []
         device = group_device(self.group)
-        self._partial = {"bucket": bucket, "works": works, "done": set()}
+        self._partial = {"bucket": current, "works": works, "done": set()}
         for i, rank, messages, sums in packed:
             if self.tamper is not None:
                 tampered = self.tamper(bucket.index, rank, torch.cat(messages))
@@ -145,22 +175,53 @@ class OwnerTransport(P2PTransport):
             self.stats.bytes_sent += sum(int(m.numel()) for m in messages)
         self._partial = None
         self._next += 1
-        self._open_vote(bucket, listings, list(self._requests), works, refs, started)
+        self._open_vote(current, None, list(self._requests), works, refs, started)
 
-    def _release(self, bucket: Bucket, listings: list, sizes, done: set) -> list:
-        """:meth:`abort`'s zeros: for every engine rank this sender owes parts of ``bucket`` and has
-        not sent them, zeros of each part's size and zero checksums (voted down by the sender)."""
+    def drain(self) -> None:
+        """Join the votes of the rounds after this stage's last bucket (nothing to send), then the
+        last vote, the finish vote and the tickets' answers (:meth:`CheckedTransport.drain`)."""
+        if self._pp_rank is None:
+            return
+        if self.group is None:  # this stage had no bucket: the others still count on its votes
+            self._join()
+        if self._stage is None and self._failure is None:
+            self._announce()
+        self._wait_vote()  # this stage's last round
+        self._skip_to(None)
+        super().drain()
+
+    def _skip_to(self, bucket: Bucket | None) -> bool:
+        """Join the votes of the rounds before the one holding ``bucket`` (None: every round left)
+        with nothing to send (rounds without a bucket of this rank's stage); False when a vote
+        failed meanwhile (the receivers returned: send nothing more)."""
+        rounds = self._stage or []
+        while self._failure is None and self._next < len(rounds):
+            current = rounds[self._next][0]
+            if bucket is not None and any(b.index == bucket.index for b in current):
+                return True
+            if bucket is not None and not any(b.index == bucket.index for r, _, _ in rounds[self._next:] for b in r):
+                return True  # not announced at all: send() refuses it
+            self._next += 1
+            self._open_vote(current, None, list(self._requests), [], None, time.perf_counter())
+            self._wait_vote()
+        return self._failure is None
+
+    def _release(self, bucket, listings: list, sizes, done: set) -> list:
+        """:meth:`abort`'s zeros: for every engine rank this sender owes parts of the round
+        ``bucket`` and has not sent them, zeros of each part's size and zero checksums (voted
+        down by the sender)."""
         works: list = []
         device = group_device(self.group)
-        for i in range(len(self.engines)):
-            for rank in range(self.plan.engine_layout.tp_size):
-                mine = self.parts.mine(bucket, i, rank, self.me)
-                if not mine or (i, rank) in done:
-                    continue
-                zeros = [torch.zeros(p.nbytes, dtype=torch.uint8, device=device) for p in mine]
-                width = DIGEST_CHARS[self._algo or checksum_algo(device)]
-                zeros.append(torch.zeros(len(mine) * width, dtype=torch.uint8, device=device))
-                works += [isend(z, self._engine_rank(i, rank), group=self.group) for z in zeros if z.numel()]
+        for b in bucket:
+            for i in range(len(self.engines)):
+                for rank in range(self.plan.engine_layout.tp_size):
+                    mine = self.parts.mine(b, i, rank, self.me)
+                    if not mine or (i, rank) in done:
+                        continue
+                    zeros = [torch.zeros(p.nbytes, dtype=torch.uint8, device=device) for p in mine]
+                    width = DIGEST_CHARS[self._algo or checksum_algo(device)]
+                    zeros.append(torch.zeros(len(mine) * width, dtype=torch.uint8, device=device))
+                    works += [isend(z, self._engine_rank(i, rank), group=self.group) for z in zeros if z.numel()]
         return works
 
 

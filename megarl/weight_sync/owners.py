@@ -1,10 +1,11 @@
 """Owner senders, for real: the parts of every engine rank's slices, who sends each, and the bytes.
 
-``weight_sync.senders: owner`` (``p2p``; BF16 or block-FP8 engines). Every trainer rank of a
-stage is a sender in that stage's group (the stage sender first, then the other ranks of the
-stage ascending: :meth:`OwnerParts.senders`). Each engine rank's slice of an HF tensor is filled
-by the placement's pieces (:mod:`megarl.weight_sync.copy_instructions`); the part of a piece inside the
-slice (:func:`~megarl.weight_sync.senders.owner_part`) leaves the trainer rank that
+``weight_sync.senders: owner`` (``p2p``; BF16 or block-FP8 engines). Every trainer rank is a
+sender in one group with every engine rank, all stages together (stage by stage, each stage's
+sender first, then the other ranks of the stage ascending: :meth:`OwnerParts.group_senders`); the
+buckets travel in rounds of at most one bucket per stage (:meth:`OwnerParts.rounds`). Each engine
+rank's slice of an HF tensor is filled by the placement's pieces (:mod:`megarl.weight_sync.copy_instructions`);
+the part of a piece inside the slice (:func:`~megarl.weight_sync.senders.owner_part`) leaves the trainer rank that
 :func:`~megarl.weight_sync.senders.assign_senders` chose among the ranks holding that shard (an
 expert from its EP owner, a TP shard from that TP rank of one dense copy, a replicated tensor from
 the least-loaded holder; copies split the engines). No rank gathers, no rank sends bytes it does
@@ -40,13 +41,30 @@ from megarl.weight_sync.engine_slices import TensorSlice
 from megarl.weight_sync.fp8_wire import FP8_DTYPE
 from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
-from megarl.weight_sync.senders import OwnerSends, assign_senders, owner_part, part_region, receiver_quantized
+from megarl.weight_sync.senders import (
+    OwnerSends,
+    assign_senders,
+    owner_part,
+    part_region,
+    plan_rounds,
+    receiver_quantized,
+)
 from megarl.weight_sync.specs import torch_dtype
 
 SENDERS = ("owner", "segment", "stage")
-"""``weight_sync.senders``: ``owner`` (this module), ``segment`` (each engine rank's segment
-assembled by the trainer rank holding most of it, :class:`~megarl.weight_sync.segments.SegmentOwners`),
+"""``weight_sync.senders`` once ``auto`` is resolved (:func:`auto_senders`): ``owner`` (this module),
+``segment`` (each engine rank's segment assembled by the trainer rank holding most of it,
+:class:`~megarl.weight_sync.segments.SegmentOwners`),
 ``stage`` (the stage sender gathers and sends everything)."""
+
+
+def auto_senders(transport: str) -> str:
+    """``weight_sync.senders=auto`` by the transport's name: ``owner`` with ``p2p`` and with ``auto``
+    (owner senders send through ``p2p``), else ``segment`` (the sender path of the other
+    transports). :func:`megarl.weight_sync.synchronizer_build.build_weight_sync` falls back to
+    ``segment`` where owner senders cannot run (:func:`~megarl.weight_sync.synchronizer_build.owner_applies`);
+    colocated runs ask for ``segment`` (:func:`megarl.weight_sync.choice.run_senders`)."""
+    return "owner" if transport in ("p2p", "auto") else "segment"
 
 
 @dataclass(frozen=True)
@@ -140,6 +158,16 @@ class OwnerParts:
         t = self.plan.trainer_layout
         lead = t.sender_rank(pp_rank)
         return [lead] + [r for r in t.stage_ranks(pp_rank) if r != lead]
+
+    def group_senders(self) -> list[int]:
+        """Every trainer rank of every stage, stage by stage (:meth:`senders`): the ranks ``0 .. n - 1``
+        of the one group all stages deliver through (the stage 0 sender, the coordinator, first)."""
+        return [r for pp in sorted({b.pp_rank for b in self.plan.buckets}) for r in self.senders(pp)]
+
+    def rounds(self) -> list[tuple[Bucket, ...]]:
+        """The buckets that travel together, at most one per stage (stage order); the engines
+        receive a round's buckets at once and vote on it once (:func:`~megarl.weight_sync.senders.plan_rounds`)."""
+        return plan_rounds(self.plan)
 
     def listed(self, bucket: Bucket) -> list[tuple]:
         """What the engine ranks receive of ``bucket``, wire order: ``[(listed spec, HF spec, kind)]``

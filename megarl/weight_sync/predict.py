@@ -36,8 +36,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megarl.weight_sync.choice import senders_on_paper
 from megarl.weight_sync.plan import WeightSyncPlan
-from megarl.weight_sync.senders import OwnerSends, assign_senders, unaligned_parts
+from megarl.weight_sync.senders import OwnerSends, assign_senders, round_link_bytes, unaligned_parts
 
 GB = 1e9
 
@@ -165,19 +166,22 @@ def _segment_rows(plan: WeightSyncPlan, pp_rank: int, placement, ranks_per_node:
 class OwnerPrediction:
     """``p2p`` with owner senders (:mod:`megarl.weight_sync.senders`), against the physical bound.
 
-    Every trainer rank sends the parts it holds, all stages at once (each over its own link), and
-    each engine rank receives its own slices over its own: ``seconds = max(busiest trainer link,
-    busiest engine link) / inter_gbps`` (all stages at once needs one update session per engine for
-    the whole sync; ``staged_s``: with today's one session per stage at a time). ``bound_bytes``:
-    what the busiest engine rank must receive (its slices, once: ``plan.engine_shard_bytes``),
-    ``bound_s`` that over its link.
+    Every trainer rank sends the parts it holds, all stages at once through one update request per
+    engine (:mod:`megarl.weight_sync.owner_transport`), each over its own link, and each engine rank
+    receives its own slices over its own; the buckets travel in rounds of at most one per stage
+    (:func:`~megarl.weight_sync.senders.plan_rounds`), each voted on together:
+    ``seconds = sum over rounds of the round's busiest link / inter_gbps``
+    (:func:`~megarl.weight_sync.senders.round_link_bytes`: what runs). ``unpaced_s``: the busiest
+    link over the whole sync (``max(busiest trainer link, busiest engine link) / inter_gbps``), what
+    no pacing between rounds would give. ``bound_bytes``: what the busiest engine rank must receive
+    (its slices, once: ``plan.engine_shard_bytes``), ``bound_s`` that over its link.
     """
 
     sends: OwnerSends
     seconds: float
-    staged_s: float
-    """The same with stages one after another (one open update session per engine at a time, as
-    the receiver's per-stage tickets are today): the sum over stages of their busiest link."""
+    unpaced_s: float
+    rounds: int
+    """Rounds of the sync (the most buckets a stage has)."""
     bound_bytes: int
     bound_s: float
     unaligned: list[str]
@@ -201,31 +205,28 @@ def predict_owner_senders(plan: WeightSyncPlan, placement, *, inter_gbps: float)
         raise ValueError("inter_gbps must be > 0 GB/s")
     sends = assign_senders(plan, placement)
     busiest = max(max(sends.sent.values(), default=0), max(max(r) for r in sends.received))
-    staged = sum(max(max(sent.values()), max(max(r) for r in sends.received_per_stage[pp]))
-                 for pp, sent in sends.sent_per_stage.items())
+    rounds = round_link_bytes(plan, sends)
     nbytes, bound_s = physical_bound(plan, inter_gbps)
-    return OwnerPrediction(sends, busiest / (inter_gbps * GB), staged / (inter_gbps * GB), nbytes, bound_s,
-                           unaligned_parts(plan, placement))
+    return OwnerPrediction(sends, sum(rounds) / (inter_gbps * GB), busiest / (inter_gbps * GB), len(rounds),
+                           nbytes, bound_s, unaligned_parts(plan, placement))
 
 
 def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_gbps: float,
-                            senders: str = "segment") -> list[str]:
+                            senders: str = "owner") -> list[str]:
     """The owner-sender block of ``megarl plan-sync``: the bound, the prediction, every trainer rank's
     outgoing bytes (GB, 1e9) and its ratio to its own shard times the engines. ``senders``: the
-    run's ``weight_sync.senders``; with ``owner`` the line says it is the path that runs and leads
-    with the time as it runs (the stages one after another, one update session each); else it says
-    the ``[p2p]`` block below is what runs."""
+    run's ``weight_sync.senders`` resolved (``auto``:
+    :func:`~megarl.weight_sync.choice.senders_on_paper`); with ``owner``
+    the line says it is the path that runs, else that the ``[p2p]`` block below is."""
     engines = plan.engine_layout.num_engines
     ratio = max((p.sends.sent.get(h, 0) / (n * engines) for h, n in p.sends.shard.items() if n), default=0.0)
+    head = ("what runs (weight_sync.senders=owner)" if senders == "owner" else
+            f"not selected (weight_sync.senders={senders}; the running p2p sends as the [p2p] block below)")
     lines = [f"physical bound: the busiest engine rank receives {p.bound_bytes / GB:.2f} GB over its own "
              f"{inter_gbps:g} GB/s link: {p.bound_s:.2f} s",
-             (f"[p2p, owner senders: what runs (weight_sync.senders=owner), stages one after another] predicted "
-              f"{p.staged_s:.2f} s = {p.staged_s / p.bound_s:.2f} x the bound; all stages at once (planned, not "
-              f"built): {p.seconds:.2f} s; the [p2p] block below is one sender per stage, for comparison"
-              if senders == "owner" else
-              f"[p2p, owner senders: not selected (weight_sync.senders={senders}; the running p2p sends as the "
-              f"[p2p] block below)] predicted {p.seconds:.2f} s = {p.seconds / p.bound_s:.2f} x the bound "
-              f"(all stages at once); stages one after another: {p.staged_s:.2f} s")
+             f"[p2p, owner senders: {head}, all stages at once in {p.rounds} rounds] predicted {p.seconds:.2f} s = "
+             f"{p.seconds / p.bound_s:.2f} x the bound (unpaced: {p.unpaced_s:.2f} s)"
+             + ("; the [p2p] block below is segment senders, for comparison" if senders == "owner" else "")
              + f"; trainer rank sent max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x "
              f"{engines} engines) {ratio:.2f}"]
     if p.unaligned:
@@ -237,7 +238,6 @@ def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_g
     lines.append("  outgoing GB per trainer rank:")
     lines.extend("    " + "  ".join(cells[i:i + 8]) for i in range(0, len(cells), 8))
     return lines
-
 
 
 def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *, intra_gbps: float,
@@ -292,6 +292,7 @@ def plan_from_config(cfg):
     from megarl.weight_sync.synchronizer_build import senders_per_stage
 
     p, cl, engine = cfg.parallel, cfg.cluster, cfg.rollout.engine
+    auto = "segment" if cfg.weight_sync.senders == "auto" else None  # [p2p] as configured; owner splits copies itself
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
     trainer = TrainerLayout.from_world_size(
         int(cl.trainer_nodes) * int(cl.trainer_devices_per_node),
@@ -314,7 +315,7 @@ def plan_from_config(cfg):
                       quantization=parse_quantization_config(  # on paper: no SGLang version guard
                           getattr(hf_config, "quantization_config", None),
                           where=f"{cfg.model.hf_path}/config.json quantization_config"),
-                      senders_per_stage=senders_per_stage(cfg.weight_sync))
+                      senders_per_stage=senders_per_stage(cfg.weight_sync, auto))
 
 
 def placement_from_config(cfg):
@@ -334,7 +335,7 @@ def placement_from_config(cfg):
 def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[WeightSyncPlan, list[SyncPrediction]]:
     """The sync plan of a resolved run config and its p2p / distributed predictions (module docstring)."""
     plan = plan_from_config(cfg)
-    placement = placement_from_config(cfg) if cfg.weight_sync.senders == "segment" else None
+    placement = placement_from_config(cfg) if senders_on_paper(cfg) != "stage" else None  # owner: segment beside
     predictions = [predict_sync(plan, t, ranks_per_node=int(cfg.cluster.trainer_devices_per_node),
                                 intra_gbps=intra_gbps, inter_gbps=inter_gbps, placement=placement)
                    for t in ("p2p", "distributed")]
@@ -383,7 +384,7 @@ def cmd_plan_sync(args, cfg) -> int:
     plan, predictions = predict_from_config(cfg, intra_gbps=intra, inter_gbps=inter)
     owners = predict_owner_senders(plan, placement_from_config(cfg), inter_gbps=inter)
     text = format_prediction(plan, predictions, intra_gbps=intra, inter_gbps=inter, links=source).split("\n")
-    print("\n".join([text[0], *format_owner_prediction(plan, owners, inter_gbps=inter, senders=cfg.weight_sync.senders),
+    print("\n".join([text[0], *format_owner_prediction(plan, owners, inter_gbps=inter, senders=senders_on_paper(cfg)),
                      *text[1:]]))
     return 0
 

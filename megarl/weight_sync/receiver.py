@@ -23,6 +23,10 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   one ``source``: each part comes from its own trainer rank, is received into its place in the
   slice (a strided one through a temporary), and each source's checksums (one per part) follow
   its parts; every part is checked, and the parts must fill every slice, before the vote.
+  With owner senders the ticket covers every pipeline stage (one request per engine rank and
+  sync, whatever PP) and its ``rounds`` group the entries: each round's buckets (at most one per
+  stage) are received at once, from all stages' senders, checked each, and voted on
+  together (one vote naming the first failing bucket and tensor).
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
   ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters
@@ -40,8 +44,9 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
 
 Nothing here raises into SGLang (an exception in a loader takes the server down): every failure
 becomes a status in the vote. The bytes received are counted here, from the message that crossed
-the wire, and reported in the vote (and, with ``MEGARL_WEIGHT_SYNC_STATS_DIR``, in
-``rank{r}.jsonl`` like the ``shard`` loader).
+the wire, and reported in the vote; with ``MEGARL_WEIGHT_SYNC_STATS_DIR`` set each stage ticket is
+recorded in ``receiver_rank{r}.jsonl`` (group, buckets, rounds) and each pre-sharded load in
+``rank{r}.jsonl`` like the ``shard`` loader's.
 """
 from __future__ import annotations
 
@@ -55,6 +60,9 @@ import torch.distributed as dist
 
 from megarl.training.collectives import all_reduce, broadcast, group_device, irecv
 from megarl.weight_sync import wire
+from megarl.weight_sync.receiver_parts import part_targets, place_parts
+
+__all__ = ["RECEIVER", "part_targets", "place_parts", "receive_shards"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +90,7 @@ def receive_shards(model, named_tensors) -> None:
         if op == "connect":
             _connect(ticket, tp_rank)
         elif op == "stage":
-            _stage(model, ticket)
+            _stage(model, ticket, tp_rank)
         elif op == "finish":
             state = _GROUPS[ticket["group"]]
             _load_deferred(model, state)
@@ -119,45 +127,79 @@ def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
     return not bool(votes[:, 0].any())
 
 
-def _stage(model, ticket: dict) -> None:
-    """Every bucket of the ticket in order, then the finish vote; stops at a refused bucket."""
+def _stage(model, ticket: dict, tp_rank: int = 0) -> None:
+    """Every round of the ticket in order, then the finish vote; stops at a refused round.
+
+    A round is ``rounds[k]`` consecutive bucket entries received together (owner senders: the
+    at most one bucket of each pipeline stage, each from its own stage's senders); without
+    ``rounds`` every bucket is a round of its own."""
     state = _GROUPS[ticket["group"]]
     _drop_deferred(state, "a new stage ticket came")  # the last sync stopped early
-    for entry in ticket["buckets"]:
-        if not _bucket(model, state, dict(entry, mode=ticket.get("mode", "p2p"), algo=ticket["algo"],
-                                          proof=bool(ticket.get("proof", True)))):
-            return  # refused: the sender raises, no finish vote
+    _record_session(ticket, tp_rank)
+    entries = [dict(entry, mode=ticket.get("mode", "p2p"), algo=ticket["algo"], proof=bool(ticket.get("proof", True)))
+               for entry in ticket["buckets"]]
+    at = 0
+    for n in ticket.get("rounds") or [1] * len(entries):
+        if not _round(model, state, entries[at:at + int(n)]):
+            return  # refused: the senders raise, no finish vote
+        at += int(n)
     _load_deferred(model, state)
     _finish(state)
 
 
-def _bucket(model, state: dict, ticket: dict) -> bool:
-    """Receive, check and vote on one bucket; True when every rank voted for it (it is then loaded,
-    see :func:`_load_deferred` for when)."""
-    index = int(ticket["bucket"])
-    whole = ticket.get("mode", "p2p") == "broadcast"
-    if ticket.get("parts") is not None:  # owner senders: parts from several trainer ranks
-        buffer, works, received, check = _post_parts(state, ticket)
-    else:
-        buffer, works, received, check = _post_segment(state, ticket, whole=whole)
-    _load_deferred(model, state)  # the previous bucket loads while this one's bytes arrive
-    for work in works:
-        work.wait()
-    try:
-        status, at, named = check()
-    except Exception:  # noqa: BLE001 - still vote, or the sender and the other ranks would wait forever
-        log.error("p2p receiver: checking bucket %s failed: %s", index, traceback.format_exc())
-        status, at, named = 6, 0, []
-    if not _vote(state, (status, at, received, index)):
-        log.error("p2p receiver: bucket %s not loaded (status %s at tensor %s here, or another rank or the "
-                  "sender refused)", index, status, at)
+def _record_session(ticket: dict, tp_rank: int) -> None:
+    """With ``MEGARL_WEIGHT_SYNC_STATS_DIR`` set: one JSON line per stage ticket (one update request
+    of this engine rank) in ``receiver_rank{r}.jsonl``: its group, buckets and rounds."""
+    import json
+    import os
+
+    from megarl.weight_sync.sglang_loader import STATS_DIR_ENV
+
+    directory = os.environ.get(STATS_DIR_ENV)
+    if not directory:
+        return
+    row = {"tp_rank": tp_rank, "group": ticket["group"], "buckets": [int(e["bucket"]) for e in ticket["buckets"]],
+           "rounds": ticket.get("rounds") or [1] * len(ticket["buckets"])}
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"receiver_rank{tp_rank}.jsonl"), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def _round(model, state: dict, entries: list[dict]) -> bool:
+    """Receive every bucket of one round (all their receives posted before any wait), check each,
+    and vote once: ``(first failing status, its tensor index, bytes received, its bucket)``. True
+    when every rank voted for the round (its buckets are then loaded, see :func:`_load_deferred`)."""
+    state["slot"] = 1 - state.get("slot", 1)  # the round voted last loads from the other slot's buffers
+    posted = []
+    for j, entry in enumerate(entries):
+        whole = entry.get("mode", "p2p") == "broadcast"
+        if entry.get("parts") is not None:  # owner senders: parts from several trainer ranks
+            posted.append((entry, whole, *_post_parts(state, entry, j)))
+        else:
+            posted.append((entry, whole, *_post_segment(state, entry, j, whole=whole)))
+    _load_deferred(model, state)  # the previous round loads while this one's bytes arrive
+    status, at, index, loads = 0, 0, int(entries[0]["bucket"]), []
+    for entry, whole, _, works, _, check in posted:
+        for work in works:
+            work.wait()
+        try:
+            got, where, named = check()
+        except Exception:  # noqa: BLE001 - still vote, or the senders and the other ranks would wait forever
+            log.error("p2p receiver: checking bucket %s failed: %s", entry["bucket"], traceback.format_exc())
+            got, where, named = 6, 0, []
+        if got and not status:
+            status, at, index = got, where, int(entry["bucket"])
+        if named:
+            loads.append({"bucket": int(entry["bucket"]), "named": named, "whole": whole, "proof": entry["proof"]})
+    if not _vote(state, (status, at, sum(p[4] for p in posted), index)):
+        log.error("p2p receiver: buckets %s not loaded (status %s at bucket %s tensor %s here, or another rank "
+                  "or a sender refused)", [e["bucket"] for e in entries], status, index, at)
         return False
-    if named:
-        state["deferred"] = {"bucket": index, "named": named, "whole": whole, "proof": ticket["proof"]}
+    state["deferred"] = loads
     return True
 
 
-def _post_segment(state: dict, ticket: dict, *, whole: bool) -> tuple:
+def _post_segment(state: dict, ticket: dict, j: int = 0, *, whole: bool) -> tuple:
     """Post the receives of a bucket from one sender (its bytes in the entry's ``messages``, then
     its checksums): ``(buffer, works, bytes received, check)``; ``check()`` after the works:
     ``(status, tensor index, [(name, view)])``."""
@@ -166,7 +208,7 @@ def _post_segment(state: dict, ticket: dict, *, whole: bool) -> tuple:
                        device=state["device"])
     sizes = [int(n) for n in ticket.get("messages", [int(ticket["nbytes"])])]  # the segment's messages
     # receive what the messages announce (the sender sends those); _check refuses a count that differs (5)
-    buffer = _receive_buffer(state, sum(sizes))
+    buffer = _receive_buffer(state, sum(sizes), j)
     messages = list(buffer.split(sizes)) if len(sizes) > 1 else [buffer]
     works = []
     for message in (*messages, sums):  # all posted before loading: the sender never waits on our load
@@ -181,12 +223,12 @@ def _post_segment(state: dict, ticket: dict, *, whole: bool) -> tuple:
     return buffer, works, buffer.numel(), check  # counted from what arrives, not from the ticket
 
 
-def _post_parts(state: dict, ticket: dict) -> tuple:
+def _post_parts(state: dict, ticket: dict, j: int = 0) -> tuple:
     """Post the receives of a bucket whose parts come from several trainer ranks (owner senders,
     :mod:`megarl.weight_sync.owners`): ``(buffer, works, bytes received, check)`` as
     :func:`_post_segment`. Each part goes straight into its place in the slice where it is
     contiguous there, else into a temporary; each source's checksums (one per part) follow its parts."""
-    buffer = _receive_buffer(state, int(ticket["nbytes"]))
+    buffer = _receive_buffer(state, int(ticket["nbytes"]), j)
     slices, placed = part_targets(buffer, ticket)
     works = [irecv(into.reshape(-1).view(torch.uint8), source, group=state["group"])
              for source, _, _, into, _ in placed]
@@ -212,69 +254,24 @@ def _post_parts(state: dict, ticket: dict) -> tuple:
     return buffer, works, received, check
 
 
-def part_targets(buffer: torch.Tensor, ticket: dict) -> tuple[list, list]:
-    """Where each part of an owner-sender bucket entry goes: ``(slices, placed)``.
-
-    Args:
-        buffer: ``[nbytes]`` uint8, the engine rank's slices back to back (the entry's ``tensors``).
-        ticket: the bucket entry (``tensors`` ``[[name, dtype, shape, ...]]``, ``parts``
-            ``[[source, tensor index, axis, offset, shape]]``, :mod:`megarl.weight_sync.owners`).
-
-    Returns:
-        ``slices``: each tensor's view of ``buffer``; ``placed``: per part in arrival order
-        ``(source, tensor index, target, into, k)``: ``target`` the part's place in its slice,
-        ``into`` what receives its bytes (``target`` itself where contiguous, else a temporary of
-        the part's shape), ``k`` its position among its source's parts (its checksum's).
-    """
-    from megarl.weight_sync.specs import torch_dtype
-
-    slices, offset = [], 0
-    for _name, dtype, shape in (entry[:3] for entry in ticket["tensors"]):
-        n = torch.Size(shape).numel() * torch_dtype(dtype).itemsize
-        slices.append(buffer[offset:offset + n].view(torch_dtype(dtype)).view(shape))
-        offset += n
-    placed: list[tuple] = []
-    counts: dict[int, int] = {}
-    for source, j, axis, at, shape in ticket["parts"]:
-        target = slices[j].narrow(axis, at, shape[axis])
-        into = target if target.is_contiguous() else torch.empty(shape, dtype=target.dtype, device=buffer.device)
-        placed.append((int(source), j, target, into, counts.get(int(source), 0)))
-        counts[int(source)] = counts.get(int(source), 0) + 1
-    return slices, placed
-
-
-def place_parts(placed: list, sums: dict, slices: list, algo: str) -> tuple[int, int]:
-    """Check each received part against its sender's checksum and put the strided ones into their
-    slice: ``(status, tensor index)`` (1: a part's checksum differs; 5: the parts do not fill a slice)."""
-    filled = [0] * len(slices)
-    for source, j, target, into, k in placed:
-        if wire.checksum(into, algo) != sums[source][k]:
-            return 1, j
-        if into is not target:
-            target.copy_(into)
-        filled[j] += into.numel()
-    bad = next((j for j, (n, sl) in enumerate(zip(filled, slices)) if n != sl.numel()), None)
-    return (5, bad) if bad is not None else (0, 0)
-
-
 def _load_deferred(model, state: dict) -> None:
-    """Load the bucket voted last, if any.
+    """Load the buckets of the round voted last, if any.
 
-    A voted bucket is loaded at the start of the next ticket's call, after that bucket's receive
-    was posted (so loading overlaps the next transfer), or at once when it is the stage's last;
-    it is only ever one that every rank voted for. Its bytes stay in their receive buffer until
-    then (:func:`_receive_buffer` alternates two).
+    A voted round is loaded inside the next round's call, after that round's receives were
+    posted (so loading overlaps the next transfer), or at once when it is the ticket's last; it is
+    only ever one that every rank voted for. Its bytes stay in their receive buffers until then
+    (:func:`_receive_buffer` alternates two sets).
     """
     deferred = state.pop("deferred", None)
-    if deferred is not None:
-        _load(model, deferred["named"], state, deferred["bucket"], whole=deferred["whole"], proof=deferred["proof"])
+    for load in [deferred] if isinstance(deferred, dict) else deferred or []:
+        _load(model, load["named"], state, load["bucket"], whole=load["whole"], proof=load["proof"])
 
 
 def _drop_deferred(state: dict, why: str) -> None:
     deferred = state.pop("deferred", None)
-    if deferred is not None:
+    for load in [deferred] if isinstance(deferred, dict) else deferred or []:
         log.error("p2p receiver: bucket %s was voted for but not loaded: %s (its sync did not finish)",
-                  deferred["bucket"], why)
+                  load["bucket"], why)
 
 
 def _load(model, named: list, state: dict, bucket: int, *, whole: bool, proof: bool) -> None:
@@ -315,25 +312,25 @@ def _finish(state: dict) -> None:
         _vote(state, (0, 0, 0, -1))
 
 
-def _receive_buffer(state: dict, nbytes: int) -> torch.Tensor:
-    """``[nbytes]`` uint8 on the group's device to receive a bucket into.
+def _receive_buffer(state: dict, nbytes: int, j: int = 0) -> torch.Tensor:
+    """``[nbytes]`` uint8 on the group's device to receive bucket ``j`` of a round into.
 
-    On CPU two buffers per group are kept and reused, in turn: a fresh bucket-sized buffer is
-    fresh memory from the OS, every page of which faults while the bytes arrive (the receive then
-    runs at first-touch speed, ~2 GB/s here against ~9 for warm memory). Two, because the bucket
-    voted last is loaded from its buffer while the next one arrives in the other; by the time a
-    buffer comes round again its bucket was loaded (SGLang's weight loaders copy into the
-    parameters). On CUDA the caching allocator reuses blocks by itself (the deferred bucket's views
-    keep its block).
+    On CPU two sets of buffers per group are kept and reused, in turn (``state["slot"]``, flipped
+    by :func:`_round`): a fresh bucket-sized buffer is fresh memory from the OS, every page of
+    which faults while the bytes arrive (the receive then runs at first-touch speed, ~2 GB/s here
+    against ~9 for warm memory). Two, because the round voted last is loaded from its buffers
+    while the next one arrives in the other set; by the time a set comes round again its round was
+    loaded (SGLang's weight loaders copy into the parameters). On CUDA the caching allocator
+    reuses blocks by itself (the deferred buckets' views keep their blocks).
     """
     device = state["device"]
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    slot = state["slot"] = 1 - state.get("slot", 1)
-    buffers = state.setdefault("buffers", [None, None])
-    if buffers[slot] is None or buffers[slot].numel() < nbytes:
-        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-    return buffers[slot][:nbytes]
+    buffers = state.setdefault("buffers", {})
+    key = (state.get("slot", 0), j)
+    if buffers.get(key) is None or buffers[key].numel() < nbytes:
+        buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
+    return buffers[key][:nbytes]
 
 
 def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[int, int, list]:

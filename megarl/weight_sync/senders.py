@@ -179,6 +179,46 @@ def assign_senders(plan: WeightSyncPlan, placement: Placement) -> OwnerSends:
     return out
 
 
+def plan_rounds(plan: WeightSyncPlan) -> list[tuple]:
+    """The rounds owner senders send in (:mod:`megarl.weight_sync.owner_transport`): the buckets
+    that travel together, at most one per stage, stage order. As many rounds as the stage with the
+    most buckets has buckets; a stage with fewer spreads its buckets over the rounds by bytes:
+    bucket ``j`` goes to round ``floor(c_j * R)``, ``c_j`` the fraction of the stage's wire bytes
+    before the bucket's middle, ``R`` the rounds (at least the round after the stage's previous
+    bucket, at most one that leaves a round for each later bucket), so every round carries about
+    the same share of each stage."""
+    stages = [plan.stage_buckets(pp) for pp in sorted({b.pp_rank for b in plan.buckets})]
+    n = max((len(s) for s in stages), default=0)
+    slots: list[list] = [[] for _ in range(n)]
+    for buckets in stages:
+        total, done, last = sum(b.wire_nbytes for b in buckets) or 1, 0, -1
+        for j, b in enumerate(buckets):
+            last = min(max(last + 1, int((done + b.wire_nbytes / 2) / total * n)), n - (len(buckets) - j))
+            slots[last].append(b)
+            done += b.wire_nbytes
+    return [tuple(r) for r in slots if r]
+
+
+def round_link_bytes(plan: WeightSyncPlan, sends: OwnerSends) -> list[int]:
+    """The bytes on the busiest link of each round as owner senders run it (:func:`plan_rounds`):
+    a round's buckets are sent at once and voted on together, so it lasts as long as its busiest
+    link, a trainer rank's outgoing or an engine rank's incoming bytes of the round; the sync
+    takes the sum over rounds.
+
+    Args:
+        plan: the whole plan (as :func:`assign_senders`); sends: its :func:`assign_senders`.
+    """
+    rounds = plan_rounds(plan)
+    position = {tr.param.name: k for k, r in enumerate(rounds) for b in r for tr in b.params}
+    sent: list[dict] = [defaultdict(int) for _ in rounds]
+    got: list[dict] = [defaultdict(int) for _ in rounds]
+    for (name, k, engine, rank), sender in sends.assignment.items():
+        n = sends.parts.get((name, k, rank), 0)
+        sent[position[name]][sender] += n
+        got[position[name]][(engine, rank)] += n
+    return [max(max(s.values(), default=0), max(g.values(), default=0)) for s, g in zip(sent, got)]
+
+
 def unaligned_parts(plan: WeightSyncPlan, placement: Placement) -> list[str]:
     """Block-FP8 HF tensors (``plan.quantization``) a Megatron shard fills only in part of a scale
     block: ``"name rows|cols a:b"`` per piece whose boundary along its axis is not a multiple of the

@@ -16,10 +16,13 @@ Ordering of one sync (the steps of :meth:`WeightSynchronizer.sync`, in this orde
    with R3 in async mode ``abort`` only, the one that keeps sampling-time routes:
    ``megarl.config.validate.CONFLICTS``);
 2. **push** every bucket (``/begin_weight_update`` ... ``/end_weight_update`` around it for the
-   transports that need a session); with the ``distributed`` transport the stages push one after
-   another (a token passed from sender to sender over a gloo group, so that the next stage's host
-   really waits for it) because they share the engines' collectives; engines serving a block-FP8
-   checkpoint receive each bucket quantised to it (:mod:`megarl.weight_sync.fp8_wire`);
+   transports that need a session); with the group transports (``distributed``, ``p2p`` with
+   segment or stage senders) the stages push one after another (a token passed from sender to
+   sender over a gloo group, so that the next stage's host really waits for it) because each
+   stage's group has its own update request and an engine serves one at a time; owner senders
+   deliver every stage at once through one group (:mod:`megarl.weight_sync.owner_transport`);
+   engines serving a block-FP8 checkpoint receive each bucket quantised to it
+   (:mod:`megarl.weight_sync.fp8_wire`);
 3. **flush** the engines' prefix cache (cached KV was computed with the old weights);
 4. set the engines' **weight_version** to the policy version;
 5. **continue** generation.
@@ -190,13 +193,14 @@ class WeightSynchronizer:
         transport.set_senders(senders, index, self.control, owners, list(mine.stage_buckets(stage)))
 
     def _connect_owner_senders(self) -> None:
-        """Owner senders: every rank of the stage joins its group (the stage sender first); who
-        sends which part comes from the plan (:class:`~megarl.weight_sync.owners.OwnerParts`)."""
+        """Owner senders: every trainer rank joins the one group of the sync (stage by stage, the
+        coordinator first), so all stages deliver at once; who sends which part comes from the
+        plan (:class:`~megarl.weight_sync.owners.OwnerParts`)."""
         mine, stage = required(self.mine, "the replica's plan"), required(self.stage, "the stage")
         transport = required(self.transport, "transport")
         assert isinstance(transport, OwnerTransport)  # built so in __init__ with owner senders
         parts = OwnerParts(mine, self.placement)
-        senders = parts.senders(stage)
+        senders = parts.group_senders()
         index = senders.index(self.rank)
         self.is_helper = index > 0
         if self.is_helper:
@@ -379,6 +383,8 @@ class WeightSynchronizer:
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         """Every rank's metrics reduced over the trainer group (:func:`reduce_sync_stats`)."""
         replica = required(self.mine, "the replica's plan").replica if self.is_sender else None
+        if self.owner:  # one group for every stage: each sender saw every engine rank's bytes; count them once
+            replica = 0 if self.is_coordinator else None
         return reduce_sync_stats(self.plan, stats, self.group, replica=replica,
                                  rank_bytes=getattr(self, "_rank_bytes", None))
 

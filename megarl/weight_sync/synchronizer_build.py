@@ -60,18 +60,47 @@ def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
 
 
-def senders_per_stage(cfg) -> int | None:
+def senders_per_stage(cfg, senders: str | None = None) -> int | None:
     """``weight_sync.senders_per_stage`` for ``build_plan``: 1 for the transports with one sender
     per stage (their registry entry's ``one_sender``: ``shard``, ``tensor``, ``disk``, same host or
-    files) and for owner senders (every
-    rank sends; ``assign_senders`` splits the engines over the copies), else the config's value."""
-    if one_sender_per_stage(cfg.transport) or cfg.senders == "owner":  # owner: copies split engines themselves
+    files) and for owner senders (every rank sends; ``assign_senders`` splits the engines over the
+    copies; ``senders``: the resolved value, default ``cfg.senders`` with ``auto`` resolved by the
+    transport's name, :func:`~megarl.weight_sync.owners.auto_senders`), else the config's value."""
+    from megarl.weight_sync.owners import auto_senders
+
+    senders = senders or (auto_senders(cfg.transport) if cfg.senders == "auto" else cfg.senders)
+    if one_sender_per_stage(cfg.transport) or senders == "owner":  # owner: copies split engines themselves
         return 1
     return cfg.senders_per_stage
 
 
+def owner_applies(plan, transport: str, engine_urls: Sequence[str], *, timeout_s: float = 60.0) -> bool:
+    """Whether ``weight_sync.senders=auto`` may resolve to ``owner`` (:func:`build_weight_sync`): SGLang
+    loads every tensor pre-sharded at the engine layout (the plan's engine slices exist), and, with
+    ``weight_sync.transport=auto``, every engine registered megarl's receiver loader (engines megarl
+    starts do; else ``auto`` resolves to ``distributed``, :func:`~megarl.weight_sync.choice.resolve_auto`)."""
+    from megarl.weight_sync.choice import engines_have_receiver
+    from megarl.weight_sync.engine_clients import EngineClients
+    from megarl.weight_sync.engine_slices import PlanError
+
+    try:
+        plan.engine_shard_bytes()
+    except PlanError:
+        return False
+    if transport != "auto":
+        return True
+    engines = EngineClients(list(engine_urls))
+    try:
+        return engines_have_receiver(engines, timeout_s=timeout_s)
+    finally:
+        engines.close()
+
+
 def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group=None) -> WeightSynchronizer:
     """A :class:`WeightSynchronizer` for a trainer rank (call on every rank, same arguments).
+
+    ``cfg.senders=auto`` resolves to ``owner`` (and the transport to ``p2p``) where
+    :func:`owner_applies`, else to ``segment`` (the transport as configured).
 
     Args:
         spec: the model and the engines (:class:`SyncSpec`).
@@ -84,23 +113,38 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
     Raises:
         WeightSyncError / PlanError / LayoutError / SpecError: see the checks they name.
     """
+    from megarl.weight_sync.owners import auto_senders
+
     hf_config = load_hf_config(str(spec.hf_dir))
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=parallel.tp_size,
                                        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                                        dtype=spec.dtype)
     engine_layout = EngineLayout(tensor_parallel_size=spec.engine_tp_size, expert_parallel_size=spec.engine_ep_size,
                                  num_engines=len(spec.engine_urls))
-    plan = build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
-                      bucket_size_mb=cfg.bucket_size_mb,
-                      quantization=served_quantization(hf_config, source=f"{spec.hf_dir}/config.json"),
-                      senders_per_stage=senders_per_stage(cfg))
+
+    def plan_for(senders: str):
+        return build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
+                          bucket_size_mb=cfg.bucket_size_mb,
+                          quantization=served_quantization(hf_config, source=f"{spec.hf_dir}/config.json"),
+                          senders_per_stage=senders_per_stage(cfg, senders))
+
+    transport, senders = cfg.transport, cfg.senders
+    if senders == "auto":
+        senders = auto_senders(transport)
+    plan = plan_for(senders)
+    if cfg.senders == "auto" and senders == "owner":
+        if owner_applies(plan, transport, spec.engine_urls):
+            transport = "p2p"
+        else:
+            senders = "segment"
+            plan = plan_for(senders)
     family = get_family(hf_config)
     layout = family.layout(hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                            tp_size=parallel.tp_size)
-    return WeightSynchronizer(plan, cfg.transport, list(spec.engine_urls), rank=parallel.rank,
+    return WeightSynchronizer(plan, transport, list(spec.engine_urls), rank=parallel.rank,
                               placement=Placement(layout, engine_table(family, hf_config)),
                               manifest=read_manifest(spec.hf_dir) if spec.check_manifest else None,
-                              pause_mode=cfg.pause_mode, group=group, senders=cfg.senders,
+                              pause_mode=cfg.pause_mode, group=group, senders=senders,
                               backend=cfg.backend, master_address=spec.master_address, port_base=spec.port_base,
                               directory=spec.directory,
                               timeout_s=cfg.timeout_s, load_proof=cfg.load_proof != "off")

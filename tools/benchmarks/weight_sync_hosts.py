@@ -14,8 +14,12 @@ process per engine rank on the engines' host over gloo, all pairs at once. Repor
 the plan's, bytes each engine rank received (counted by the receivers inside the servers) over its
 shard, the load average before and after.
 
+``--pp 2``: the trainer in two pipeline stages (TP2 PP2 EP2 ETP1, 4 ranks): both stages deliver at
+once through one group, in rounds of at most one bucket per stage (``senders.plan_rounds``); the
+raw transfer then moves each round's bytes, all pairs at once, round after round.
+
 usage (root, for the namespaces): python tools/benchmarks/weight_sync_hosts.py [--size-gb 0.4]
-       [--repeats 3] [--bucket-mb 64] [--workdir /tmp/megarl_ws_hosts] [--out result.json]
+       [--repeats 3] [--bucket-mb 64] [--pp 1] [--workdir /tmp/megarl_ws_hosts] [--out result.json]
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ RAW_PORT = 29650
 ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
 
 
-def _plan(hf_dir: str, bucket_mb: float):
+def _plan(hf_dir: str, bucket_mb: float, pp: int = 1):
     """``(plan, placement, OwnerParts)`` of the measured layout (the same on both hosts)."""
     from megarl.models.families import get_family
     from megarl.training.model import load_hf_config
@@ -47,7 +51,8 @@ def _plan(hf_dir: str, bucket_mb: float):
     from megarl.weight_sync.plan import build_plan
 
     hf_config = load_hf_config(hf_dir)
-    trainer = TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    trainer = TrainerLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=pp, expert_model_parallel_size=2,
+                            expert_tensor_parallel_size=1)
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
     plan = build_plan(trainer, EngineLayout(tensor_parallel_size=2, num_engines=2), specs, bucket_size_mb=bucket_mb,
                       senders_per_stage=1)
@@ -56,14 +61,15 @@ def _plan(hf_dir: str, bucket_mb: float):
 
 
 def pair_bytes(parts, plan) -> dict:
-    """``{(bucket index, trainer rank, engine, engine rank): bytes}`` the owner senders send."""
+    """``{(round, trainer rank, engine, engine rank): bytes}`` the owner senders send (``parts.rounds()``)."""
     out: dict = {}
-    for b in plan.buckets:
-        for e in range(plan.engine_layout.num_engines):
-            for r in range(plan.engine_layout.tp_size):
-                for p in parts.parts(b, e, r):
-                    key = (b.index, p.sender, e, r)
-                    out[key] = out.get(key, 0) + p.nbytes
+    for k, buckets in enumerate(parts.rounds()):
+        for b in buckets:
+            for e in range(plan.engine_layout.num_engines):
+                for r in range(plan.engine_layout.tp_size):
+                    for p in parts.parts(b, e, r):
+                        key = (k, p.sender, e, r)
+                        out[key] = out.get(key, 0) + p.nbytes
     return out
 
 
@@ -94,21 +100,22 @@ def holder_shards(hf_dir: str, plan, rank: int) -> dict:
 
 
 def raw_transfer(pairs: dict, plan, group_rank: int, group) -> float:
-    """Seconds of the raw transfer (module docstring); trainer ranks 0-1 send, 2.. receive."""
+    """Seconds of the raw transfer (module docstring), round after round; the trainer ranks
+    ``0 .. W - 1`` send, ``W ..`` receive."""
     import torch
     import torch.distributed as dist
 
-    tp = plan.engine_layout.tp_size
+    tp, world = plan.engine_layout.tp_size, plan.trainer_layout.world_size
     dist.barrier(group=group)
     start = time.perf_counter()
-    for b in plan.buckets:
+    for k in sorted({key[0] for key in pairs}):
         works = []
         for (index, t, e, r), n in pairs.items():
-            if index != b.index:
+            if index != k:
                 continue
             if group_rank == t:
-                works.append(dist.isend(torch.empty(n, dtype=torch.uint8), 2 + e * tp + r, group=group))
-            elif group_rank == 2 + e * tp + r:
+                works.append(dist.isend(torch.empty(n, dtype=torch.uint8), world + e * tp + r, group=group))
+            elif group_rank == world + e * tp + r:
                 works.append(dist.irecv(torch.empty(n, dtype=torch.uint8), t, group=group))
         for w in works:
             w.wait()
@@ -125,25 +132,26 @@ def _raw_group(addr: str, group_rank: int, world: int):
                                      rank=group_rank, group_name="raw", timeout=timedelta(seconds=1200))
 
 
-def receiver_proc(k: int, hf_dir: str, trainer_addr: str, bucket_mb: float, repeats: int) -> None:
+def receiver_proc(k: int, hf_dir: str, trainer_addr: str, bucket_mb: float, repeats: int, pp: int) -> None:
     """Raw receiver ``k`` (engine ``k // 2`` rank ``k % 2``) on the engines' host."""
     os.environ.update(ENV)
-    plan, _, parts = _plan(hf_dir, bucket_mb)
-    group = _raw_group(trainer_addr, 2 + k, 2 + 4)
+    plan, _, parts = _plan(hf_dir, bucket_mb, pp)
+    world = plan.trainer_layout.world_size
+    group = _raw_group(trainer_addr, world + k, world + 4)
     pairs = pair_bytes(parts, plan)
     for _ in range(repeats):
-        raw_transfer(pairs, plan, 2 + k, group)
+        raw_transfer(pairs, plan, world + k, group)
 
 
 def trainer_rank(rank: int, world_size: int, hf_dir: str, urls: list[str], addr: str, bucket_mb: float,
-                 repeats: int) -> dict | None:
+                 repeats: int, pp: int) -> dict | None:
     import torch.distributed as dist
 
     from megarl.weight_sync.sync import WeightSynchronizer
 
-    plan, placement, parts = _plan(hf_dir, bucket_mb)
+    plan, placement, parts = _plan(hf_dir, bucket_mb, pp)
     shards = holder_shards(hf_dir, plan, rank)
-    raw_group = _raw_group(addr, rank, 2 + 4)
+    raw_group = _raw_group(addr, rank, world_size + 4)
     pairs = pair_bytes(parts, plan)
     syncer = WeightSynchronizer(plan, "p2p", urls, rank=rank, placement=placement, senders="owner",
                                 master_address=addr)
@@ -166,13 +174,14 @@ def trainer_rank(rank: int, world_size: int, hf_dir: str, urls: list[str], addr:
         return None
     return {"raw_s": raw, "sync": syncs, "sent": sent,
             "planned_sent": [parts.sends.sent.get(r, 0) for r in range(world_size)],
-            "shard_bytes": plan.engine_shard_bytes(), "hf_bytes": plan.total_bytes, "buckets": len(plan.buckets)}
+            "shard_bytes": plan.engine_shard_bytes(), "hf_bytes": plan.total_bytes, "buckets": len(plan.buckets),
+            "rounds": [[b.index for b in r] for r in parts.rounds()]}
 
 
 def side(argv: list[str]) -> None:
     """One host's part (run inside its namespace by :func:`main`)."""
-    command, hf_dir, addr, out, bucket_mb, repeats = argv[:6]
-    bucket_mb, repeats = float(bucket_mb), int(repeats)
+    command, hf_dir, addr, out, bucket_mb, repeats, pp = argv[:7]
+    bucket_mb, repeats, pp = float(bucket_mb), int(repeats), int(pp)
     os.environ.update(ENV)
     if command == "engines":
         from megarl.rollout.engine_process import EngineProcess
@@ -196,9 +205,9 @@ def side(argv: list[str]) -> None:
     elif command == "receivers":
         import multiprocessing as mp
 
-        trainer_addr = argv[6]
+        trainer_addr = argv[7]
         procs = [mp.get_context("spawn").Process(target=receiver_proc,
-                                                 args=(k, hf_dir, trainer_addr, bucket_mb, repeats))
+                                                 args=(k, hf_dir, trainer_addr, bucket_mb, repeats, pp))
                  for k in range(4)]
         for p in procs:
             p.start()
@@ -207,8 +216,9 @@ def side(argv: list[str]) -> None:
     else:
         from megarl.testing.multiproc import run_ranks
 
-        urls = json.loads(Path(argv[6]).read_text())
-        result = run_ranks(trainer_rank, 2, timeout_s=3000, env=ENV, args=(hf_dir, urls, addr, bucket_mb, repeats))[0]
+        urls = json.loads(Path(argv[7]).read_text())
+        result = run_ranks(trainer_rank, 2 * pp, timeout_s=3000, env=ENV,
+                           args=(hf_dir, urls, addr, bucket_mb, repeats, pp))[0]
         Path(out).write_text(json.dumps(result))
 
 
@@ -221,6 +231,7 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=0.4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--pp", type=int, default=1, help="trainer pipeline stages (2: 4 trainer ranks)")
     parser.add_argument("--workdir", default="/tmp/megarl_ws_hosts")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -231,7 +242,7 @@ def main() -> None:
     urls_json.unlink(missing_ok=True)
     load_before = os.getloadavg()
     me = [sys.executable, __file__]
-    common = [str(args.bucket_mb), str(args.repeats)]
+    common = [str(args.bucket_mb), str(args.repeats), str(args.pp)]
     with emulated_hosts(["trainer", "rollout"]) as hosts:
         rollout, trainer = hosts["rollout"], hosts["trainer"]
         engines = rollout.popen([*me, "engines", hf_dir, rollout.addr, str(urls_json), *common], stdin=subprocess.PIPE)
@@ -250,7 +261,7 @@ def main() -> None:
     out = json.loads(out_json.read_text())
     sync_s = statistics.median(m["timing/weight_sync_s"] for m in out["sync"])
     raw_s = statistics.median(out["raw_s"])
-    report = {"hf_gb": out["hf_bytes"] / 1e9, "buckets": out["buckets"],
+    report = {"hf_gb": out["hf_bytes"] / 1e9, "buckets": out["buckets"], "pp": args.pp, "rounds": out["rounds"],
               "sync_s": out and [m["timing/weight_sync_s"] for m in out["sync"]],
               "raw_s": out["raw_s"], "median_sync_s": sync_s, "median_raw_s": raw_s, "ratio_over_raw": raw_s / sync_s,
               "sent_per_trainer_rank": out["sent"], "planned_sent": out["planned_sent"],

@@ -28,7 +28,7 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
     spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, dtype="float32", check_manifest=False)
-    ws_cfg = WeightSyncConfig(transport="p2p", bucket_size_mb=bucket_size_mb)
+    ws_cfg = WeightSyncConfig(transport="p2p", senders="segment", bucket_size_mb=bucket_size_mb)
     out: dict = {}
     try:
         syncer = build_weight_sync(spec, trainer.parallel, ws_cfg, parallel_cfg=cfg.parallel)

@@ -17,19 +17,20 @@ LAYOUTS = {
                          "parallel.expert_tensor_parallel_size": 1, "model.moe_token_dispatcher_type": "alltoall"},
 }
 """DeepSeek-V3's shape in small: experts spread over every rank (EP = world, ETP 1, one
-expert-data-parallel copy), the dense layers TP2 (one dense copy on 2 ranks, two on 4); and with two pipeline stages (each
-stage's ranks a group of their own, the stages one after another)."""
+expert-data-parallel copy), the dense layers TP2 (one dense copy on 2 ranks, two on 4); and with two pipeline
+stages (both stages' ranks in one group with the engine ranks, delivering at once)."""
 
 
 def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[str], probes, engine_tp: int,
                train_sequences) -> dict | None:
-    """Train two steps at ``LAYOUTS[layout]``, sync with ``p2p`` + ``weight_sync.senders: owner`` (load
+    """Train two steps at ``LAYOUTS[layout]``, sync with the default ``weight_sync`` senders and
+    transport (``auto``: owner senders over ``p2p`` here, the engine registered the receiver; load
     proof on), read the engine's and the trainer's probe logprobs and each rank's bytes sent; then
     train one more step and sync with one byte flipped in the first part one trainer rank sends
-    to engine rank 1 of bucket 0: the sync must fail naming it, nothing loaded.
+    to engine rank 1 of the first round's first bucket: the sync must fail naming it, nothing loaded.
 
     Returns (rank 0): ``{"trainer", "engine", "verify", "metrics", "sent", "planned", "error",
-    "tampered", "after_corrupt"}``.
+    "tampered", "after_corrupt", "resolved", "stage_buckets", ...}``.
     """
     import torch
 
@@ -45,9 +46,10 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
     spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, engine_tp_size=engine_tp, dtype="float32")
-    syncer = build_weight_sync(spec, trainer.parallel, WeightSyncConfig(transport="p2p", senders="owner",
-                                                                        bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
-    out: dict = {}
+    syncer = build_weight_sync(spec, trainer.parallel, WeightSyncConfig(bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
+    out: dict = {"resolved": (syncer.owner, syncer.transport_name),
+                 "stage_buckets": [[b.index for b in syncer.plan.stage_buckets(pp)]
+                                   for pp in sorted({b.pp_rank for b in syncer.plan.buckets})]}
     try:
         if rank == 0:
             workers.reset_engines(urls, hf_dir)
@@ -63,11 +65,12 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
         out["sent"], out["planned"] = sent, [parts.sends.sent.get(r, 0) for r in range(world_size)]
         out["engine_shard_bytes"] = syncer.plan.engine_shard_bytes()
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
-        bucket = syncer.plan.buckets[0]
-        first = parts.parts(bucket, 0, 1)[0]  # engine rank 1's first part of bucket 0 and its sender
-        out["tampered"] = {"sender": first.sender, "tensor": parts.listings(bucket)[1][first.tensor][0]}
+        bucket = syncer.transport.rounds[0][0]  # the first round's first bucket: nothing was loaded before it
+        first = parts.parts(bucket, 0, 1)[0]  # engine rank 1's first part of it and its sender
+        out["tampered"] = {"sender": first.sender, "tensor": parts.listings(bucket)[1][first.tensor][0],
+                           "bucket": bucket.index}
         if rank == first.sender:
-            syncer.transport.tamper = p2p_workers.flip_one_byte((0, 1), offset=3)
+            syncer.transport.tamper = p2p_workers.flip_one_byte((bucket.index, 1), offset=3)
         try:
             syncer.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
             out["error"] = None
@@ -78,7 +81,7 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
             _release_engines(urls)
             out["after_corrupt"] = workers.engine_logprobs(urls, probes)
         dist.barrier()
-        out.update(_abort_then_sync(rank, world_size, syncer, trainer, urls, probes, first.sender))
+        out.update(_abort_then_sync(rank, world_size, syncer, trainer, urls, probes, first.sender, bucket.index))
         if rank == 0:
             workers.reset_engines(urls, hf_dir)
         dist.barrier()
@@ -97,8 +100,8 @@ def _release_engines(urls) -> None:
         engines.call_all("resume")
 
 
-def _abort_then_sync(rank: int, world_size: int, syncer, trainer, urls, probes, failing: int) -> dict:
-    """Trainer rank ``failing`` raises before its bytes of bucket 0 for engine rank 1 leave: every
+def _abort_then_sync(rank: int, world_size: int, syncer, trainer, urls, probes, failing: int, at: int) -> dict:
+    """Trainer rank ``failing`` raises before its bytes of bucket ``at`` for engine rank 1 leave: every
     rank must raise (the others naming it), no engine may load anything, and the same groups must
     carry the next sync (engine = trainer again). Returns ``{"abort_errors", "after_abort",
     "engine_after", "trainer_after"}`` (the engine's on rank 0)."""
@@ -106,7 +109,7 @@ def _abort_then_sync(rank: int, world_size: int, syncer, trainer, urls, probes, 
 
     out: dict = {}
     if rank == failing:
-        syncer.transport.tamper = p2p_workers.fail_at((0, 1))
+        syncer.transport.tamper = p2p_workers.fail_at((at, 1))
     try:
         syncer.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
         error = None

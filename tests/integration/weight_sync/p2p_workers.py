@@ -53,7 +53,7 @@ def sync_then_corrupt(rank: int, world_size: int, hf_dir: str, layout: str, urls
                         check_manifest=False, directory=os.path.join(workdir, f"disk-{layout}"),
                         master_address=master_address)
         syncers[transport] = build_weight_sync(
-            spec, trainer.parallel, WeightSyncConfig(transport=transport, bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
+            spec, trainer.parallel, WeightSyncConfig(transport=transport, senders="segment", bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
     try:
         out = _syncs(rank, trainer, syncers, urls, hf_dir, probes, train_sequences, corrupt)
     except BaseException:

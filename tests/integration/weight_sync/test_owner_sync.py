@@ -1,6 +1,8 @@
-"""Owner senders (``weight_sync.senders: owner``) into a real SGLang CPU server at TP2 from a real
-Megatron-Core trainer whose experts are spread over every rank (EP = world, ETP1, one expert copy)
-and whose dense layers are TP2 (2 ranks: one dense copy; 4 ranks: two, which split the parts).
+"""Owner senders (``weight_sync.senders: owner``, what the defaults resolve to here) into a real SGLang
+CPU server at TP2 from a real Megatron-Core trainer whose experts are spread over every rank (EP =
+world, ETP1, one expert copy) and whose dense layers are TP2 (2 ranks: one dense copy; 4 ranks: two,
+which split the parts; or two pipeline stages, which deliver at once in one update request per
+engine rank and sync, as the receiver's own record of each request shows).
 
 References: the trainer's own logprobs on probe sequences (``Trainer.compute_logprobs``); the bytes
 each trainer rank handed to the engines against ``assign_senders``' plan (no rank sends bytes
@@ -30,6 +32,8 @@ def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_
                                                                                     layout, world):
     out = run_ranks(owner_workers.owner_sync, world, timeout_s=840, args=(
         str(tiny_moe_dir), layout, [tp2_engine[0].url], probes(), 2, train_sequences()))[0]
+    assert out["resolved"] == (True, "p2p")  # the default (senders auto, transport auto): owner over p2p
+    _assert_one_session_per_sync(tp2_engine[1], out["stage_buckets"])
     # the engine serves the trained policy: its logprobs are the trainer's to fp32 noise, and the
     # finish vote's load proof passed (the sync returned)
     assert gap(out["engine"][0], out["trainer"])[1] < 1e-4, gap(out["engine"][0], out["trainer"])
@@ -41,7 +45,8 @@ def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_
         assert out["metrics"][f"weight_sync/engine_rank{rank}_bytes_over_shard"] == pytest.approx(1.0)
     error, tampered = out["error"], out["tampered"]
     assert error is not None and "checksum mismatch" in error, error
-    assert "engine 0" in error and "rank 1" in error and "bucket 0" in error and tampered["tensor"] in error, error
+    assert "engine 0" in error and "rank 1" in error and f"bucket {tampered['bucket']}:" in error, error
+    assert tampered["tensor"] in error, error
     assert out["after_corrupt"] == out["engine"]  # nothing of the refused bucket was loaded
     # a sender failing before its part for engine rank 1 leaves: its own error on its rank, the
     # others name it as stopped (not the zeros that released the receivers), nothing loaded, and
@@ -56,3 +61,28 @@ def test_owner_senders_deliver_each_part_from_its_holder_and_refuse_a_corrupted_
     assert out["engine_after"] != out["engine"]  # the trainer moved on: the last sync delivered it
     print(f"\nowner senders, trainer {layout} -> engine TP2: sent per trainer rank {out['sent']}; "
           f"refused: {error[:300]}")
+
+
+def _assert_one_session_per_sync(stats_dir, stage_buckets: list[list[int]]) -> None:
+    """Every update request an engine rank served (``receiver_rank{r}.jsonl``, written by the
+    receiver inside the server) carried every stage's buckets, in rounds of at most one bucket
+    per stage (each stage's in order), all through one group: one session per sync whatever PP is
+    (a request per stage would list one stage's buckets, and a group per stage would make several)."""
+    import json
+
+    everything = sorted(b for s in stage_buckets for b in s)
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (Path(stats_dir) / f"receiver_rank{rank}.jsonl").read_text().splitlines()]
+        assert len(rows) >= 4, rows  # four syncs: good, corrupted, aborted, good
+        assert len({r["group"] for r in rows}) == 1, rows
+        for row in rows:
+            assert sorted(row["buckets"]) == everything and sum(row["rounds"]) == len(everything), (row, stage_buckets)
+            assert len(row["rounds"]) == max(len(s) for s in stage_buckets), row
+            for s in stage_buckets:  # each stage's buckets in its own order
+                assert [b for b in row["buckets"] if b in s] == s, (row, s)
+            at = 0
+            for n in row["rounds"]:  # at most one bucket of each stage per round
+                chunk = row["buckets"][at:at + n]
+                assert all(sum(b in s for b in chunk) <= 1 for s in stage_buckets), (row, chunk)
+                at += n
+            assert max(row["rounds"]) == len(stage_buckets), row  # the stages' buckets travel together

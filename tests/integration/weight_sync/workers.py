@@ -104,7 +104,7 @@ def train_then_sync(rank: int, world_size: int, hf_dir: str, layouts: list[str],
         params = dict(trainer.named_parameters_for_sync())
         trainer_logprobs = [torch.tensor(t) for t in out["trainer"]]
         for transport in transports:
-            ws_cfg = WeightSyncConfig(transport=transport, bucket_size_mb=0.25)
+            ws_cfg = WeightSyncConfig(transport=transport, senders="segment", bucket_size_mb=0.25)  # owner: test_owner_sync.py
             spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, engine_tp_size=engine_tp, dtype="float32",
                             directory=os.path.join(workdir, f"disk-{layout}"))
             syncer = build_weight_sync(spec, trainer.parallel, ws_cfg, parallel_cfg=cfg.parallel)
