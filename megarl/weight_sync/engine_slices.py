@@ -113,4 +113,9 @@ def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
             raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads cannot be replicated over {size} ranks")
         head = rank * num_kv_heads // size
         return TensorSlice(0, head * tensor.head_dim, (head + 1) * tensor.head_dim)
+    if split is EngineSplit.SECTION_ROWS:
+        raise PlanError(f"{tensor.name}: SGLang holds rows {list(tensor.sections)} section by section on its "
+                        f"{size} ranks (each rank a chunk of every section) and narrows them itself even when "
+                        "pre-sharded; megarl delivers this tensor only whole at engine TP > 1 (transport "
+                        "distributed, tensor or disk; auto picks distributed)")
     raise SpecError(f"{tensor.name}: unknown engine split {split!r}")

@@ -8,9 +8,11 @@ each received tensor (this rank's slice, bytes checked against the sender's chec
 bit for bit in a parameter of its own module or its parent (the engine fuses q/k/v into
 ``qkv_proj``, gate/up into ``gate_up_proj``, ``q_a_proj`` + ``kv_a_proj_with_mqa`` into
 ``fused_qkv_a_proj_with_mqa``, an expert's matrices into row ranges of ``experts.w13_weight`` /
-``w2_weight``), as a block of whole rows (columns may be padded past it), after casting to the
-parameter's dtype (the loaders' ``copy_``). A tensor that is nowhere was not written. Where the
-weights did not change the old value passes too: the proof counts after a training step.
+``w2_weight``; where the engine has no module of the parent's path, the nearest ancestor it has:
+SGLang's Qwen3.5 drops ``self_attn``, ``models/qwen3_5.py`` ``load_weights``), as a block of whole
+rows (columns may be padded past it), after casting to the parameter's dtype (the loaders'
+``copy_``). A tensor that is nowhere was not written. Where the weights did not change the old value
+passes too: the proof counts after a training step.
 
 Parameters SGLang keeps in another domain than the checkpoint's (read in SGLang 0.5.23; the
 receiver loads with a custom loader, ``update_weights_from_tensor``'s branch in
@@ -150,6 +152,8 @@ def _candidates(params: dict, name: str):
     yield from (p for n, p in params.get(module, ()) if n.rsplit(".", 1)[0] == module)
     if "." in module:
         parent = module.rsplit(".", 1)[0]
+        while parent not in params and "." in parent:  # a module path the engine flattens (SGLang's Qwen3.5
+            parent = parent.rsplit(".", 1)[0]  # keeps a layer's attention in the layer: no ``self_attn``)
         yield from (p for n, p in params.get(parent, ()) if not n.startswith(module + "."))
 
 

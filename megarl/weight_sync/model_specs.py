@@ -25,10 +25,18 @@ _COLS = ("o_proj", "down_proj")
 """Row-parallel in SGLang: columns split over TP."""
 _KV = ("k_proj", "v_proj")
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
-_TP_AXIS = {"none": None, "column": 0, "glu": 0, "row": 1}
+_TP_AXIS = {"none": None, "column": 0, "glu": 0, "row": 1, "gdn_in_proj": 0, "gdn_conv": 0}
 _HEAD_ROWS = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
               "self_attention.linear_kv_up_proj.weight")
 """Column-parallel attention projections whose rows come in whole heads (MLA / q-only)."""
+_LINEAR_ATTN = {"in_proj_qkv": EngineSplit.SECTION_ROWS, "conv1d": EngineSplit.SECTION_ROWS,
+                "dt_bias": EngineSplit.SECTION_ROWS, "A_log": EngineSplit.SECTION_ROWS,
+                "in_proj_z": EngineSplit.ROWS, "in_proj_b": EngineSplit.ROWS, "in_proj_a": EngineSplit.ROWS,
+                "out_proj": EngineSplit.COLS}
+"""The gated DeltaNet's tensors (``model.layers.L.linear_attn.<module>[.weight]``) in SGLang 0.5.23's
+``Qwen3_5GatedDeltaNet`` (``models/qwen3_5.py``): ``in_proj_qkvz`` / ``in_proj_ba`` merged column-parallel,
+``conv1d`` column-parallel by sections, ``dt_bias`` / ``A_log`` split by their own loader, ``out_proj``
+row-parallel; its ``norm`` is replicated."""
 FP32_PARAMS = ("mlp.router.expert_bias",)
 """Megatron keeps these in fp32 whatever the model dtype (the router's expert-bias buffer)."""
 
@@ -38,6 +46,9 @@ def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
     ``hf_prefix``: the family's ``Family.hf_prefix`` (Kimi-K2.5's ``language_model.``)."""
     if hf_name.startswith((hf_prefix + "model.embed_tokens.", hf_prefix + "lm_head.")):
         return EngineSplit.VOCAB
+    if ".linear_attn." in hf_name:
+        tail = hf_name.split(".linear_attn.", 1)[1].split(".")[0]
+        return _LINEAR_ATTN.get(tail, EngineSplit.REPLICATED)
     parts = hf_name.rsplit(".", 2)
     module = parts[-2] if len(parts) == 3 else ""
     if module in _ROWS:
@@ -49,12 +60,15 @@ def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
     return EngineSplit.REPLICATED
 
 
-def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0, hf_prefix: str = "") -> HFTensorSpec:
-    """An :class:`HFTensorSpec` whose engine split and expert id follow from its name."""
+def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0, hf_prefix: str = "",
+              sections: tuple[int, ...] = ()) -> HFTensorSpec:
+    """An :class:`HFTensorSpec` whose engine split and expert id follow from its name; ``sections``:
+    the row sections of an ``EngineSplit.SECTION_ROWS`` tensor (default: one, all its rows)."""
     match = _EXPERT_RE.search(name)
     split = engine_split_for(name, hf_prefix)
     return HFTensorSpec(name, tuple(shape), dtype, split, int(match.group(1)) if match else None,
-                        head_dim if split is EngineSplit.KV_HEADS else 0)
+                        head_dim if split is EngineSplit.KV_HEADS else 0,
+                        sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else ())
 
 
 def engine_table(family, hf_config) -> Mapping:
@@ -83,8 +97,9 @@ def _hf_config_object(config: Any):
 
 def _tp_unit(name: str, shape: tuple[int, ...], entry, layout) -> int:
     """Rows/columns of one attention query group / head: Megatron splits attention by whole heads."""
-    if entry.transform.value == "qkv":
-        return (layout.num_attention_heads // layout.num_query_groups + 2) * layout.head_dim
+    if entry.transform.value in ("qkv", "qkv_gated"):  # per query group [q (; gate) ; k; v]
+        q_rows = 2 if entry.transform.value == "qkv_gated" else 1
+        return (q_rows * layout.num_attention_heads // layout.num_query_groups + 2) * layout.head_dim
     if name.endswith("self_attention.linear_proj.weight"):
         return layout.head_dim
     if name.endswith(_HEAD_ROWS):
@@ -140,15 +155,35 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
             hf_shapes[key] = [tuple(t.shape) for _, t in outputs]
         names = hf_names(entry, index) if hf_shapes[key] else []  # [] = not exported (tied output layer)
         param_dtype = "float32" if name.endswith(FP32_PARAMS) else dtype
-        head_dim = layout.head_dim if entry.transform is Transform.QKV else 0
+        head_dim = layout.head_dim if entry.transform in (Transform.QKV, Transform.QKV_GATED) else 0
         pairs = zip(names, hf_shapes[key])
-        hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim, hf_prefix=family.hf_prefix) for n, s in pairs)
+        sections = _engine_sections(entry, layout, tensor_model_parallel_size, name)
+        hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim, hf_prefix=family.hf_prefix,
+                             sections=sections if s[0] == sum(sections) else ()) for n, s in pairs)
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
             expert=index.get("E") if entry.expert else None, first_stage=name.startswith("embedding."),
             gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, tuple(shape), entry, layout),
             load_group=load_group(names, family.engine_load_groups)))
     return specs
+
+
+def _engine_sections(entry, layout, tp: int, name: str) -> tuple[int, ...]:
+    """The ``[q; k; v]`` row sections of a gated DeltaNet parameter (its ``in_proj_qkv`` / ``conv1d``
+    HF tensors), () for any other; each Megatron section must split over the trainer's TP.
+
+    Raises:
+        SpecError: a section not divisible by ``tp``.
+    """
+    from megarl.models.mapping import TPSplit
+
+    if entry.tp_split not in (TPSplit.GDN_IN_PROJ, TPSplit.GDN_CONV):
+        return ()
+    bad = [n for n in layout.tp_sections(entry.tp_split) if n % tp]
+    if bad:
+        raise SpecError(f"{name}: row sections {layout.tp_sections(entry.tp_split)} do not all split over "
+                        f"TP {tp} (Megatron needs the DeltaNet's key and value heads divisible by TP)")
+    return tuple(layout.tp_sections(TPSplit.GDN_CONV))
 
 
 def _refuse_unplanned(table, model_type: str) -> None:
@@ -160,10 +195,6 @@ def _refuse_unplanned(table, model_type: str) -> None:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for HF tensors "
                         "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
                         "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
-    if transforms & {Transform.QKV_GATED, Transform.GDN_IN_PROJ}:
-        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for gated attention's "
-                        "q_proj ([q; gate] per head) and the gated DeltaNet's per-section TP splits (their engine "
-                        "shards and copy units are not modelled); megarl plan --no-sync plans the rest")
     if Transform.DSA_INDEXER_ROPE in transforms:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for DeepSeek Sparse Attention's "
                         "indexer (its wq_b / wk / k_norm rows are permuted per head on conversion, and SGLang "

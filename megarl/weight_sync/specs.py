@@ -49,6 +49,13 @@ class EngineSplit(str, Enum):
     """k/v projections: kv-head block ``r`` if ``num_kv_heads >= T``, else head ``r * nkv // T`` (replicated)."""
     VOCAB = "vocab"
     """Vocab-parallel embedding / LM head: rows of the (64-padded) vocabulary, ``chunk(T, 0)[r]``."""
+    SECTION_ROWS = "section_rows"
+    """Rows in sections (:attr:`HFTensorSpec.sections`), each chunked over TP: rank ``r`` holds
+    ``[s0_r; s1_r; ...]``, which is not one block of rows at ``T > 1``, and SGLang's own loader does
+    the narrowing even for pre-sharded loads (the gated DeltaNet's ``in_proj_qkv`` / ``conv1d``,
+    sections ``[q; k; v]``, ``mamba_v2_sharded_weight_loader`` and the packed ``in_proj_qkvz`` loader;
+    its ``dt_bias`` / ``A_log``, one section, ``sharded_weight_loader``: ``models/qwen3_5.py``). At
+    ``T > 1`` such a tensor is delivered whole (``distributed``, ``tensor``, ``disk``)."""
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,17 @@ class HFTensorSpec:
     holds the blocks of its slice of that weight (:mod:`megarl.weight_sync.fp8_wire`)."""
     block: tuple[int, ...] = ()
     """``(rows, cols)`` of weight per scale element (``scale_of`` only)."""
+    sections: tuple[int, ...] = ()
+    """Row sections (``EngineSplit.SECTION_ROWS`` only), summing to ``shape[0]``."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"{self.name}: unknown dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
         if self.scale_of is not None and len(self.block) != 2:
             raise SpecError(f"{self.name}: a block scale needs block=(rows, cols), got {self.block}")
+        if self.engine_split is EngineSplit.SECTION_ROWS and sum(self.sections) != self.shape[0]:
+            raise SpecError(f"{self.name}: section_rows split needs sections summing to {self.shape[0]}, "
+                            f"got {self.sections}")
         kv_heads = self.engine_split is EngineSplit.KV_HEADS and self.scale_of is None  # a scale: its weight's split
         if kv_heads and (self.head_dim <= 0 or self.shape[0] % self.head_dim):
             raise SpecError(f"{self.name}: kv_heads split needs head_dim dividing {self.shape[0]}, got {self.head_dim}")

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.training.collectives import all_reduce
+from megarl.weight_sync.engine_slices import PlanError
 from megarl.weight_sync.plan import WeightSyncPlan
 
 TIMES = ("weight_sync_s", "engine_paused_s", "gather_s", "convert_s", "quantize_s", "transfer_s", "engine_load_s")
@@ -38,7 +39,10 @@ def reduce_sync_stats(plan: WeightSyncPlan, stats: dict[str, float], group, *, r
     all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     all_reduce(s, op=dist.ReduceOp.SUM, group=group)
     received = s[len(SUMS):].view(replicas, tp).max(dim=0).values.tolist()  # the engine rank that got the most
-    shard = plan.engine_shard_bytes()
+    try:
+        shard = plan.engine_shard_bytes()
+    except PlanError:  # a tensor the engines take only whole at this layout: no per-rank shard to compare with
+        shard = [0] * tp
     out = {(f"timing/{k}" if k in ("weight_sync_s", "engine_paused_s") else f"weight_sync/{k}"): v
            for k, v in zip(TIMES, t.tolist())}
     out.update({f"weight_sync/{k}": v for k, v in zip(SUMS, s[:len(SUMS)].tolist())})
@@ -47,7 +51,8 @@ def reduce_sync_stats(plan: WeightSyncPlan, stats: dict[str, float], group, *, r
                 "weight_sync/wire_bytes": float(plan.wire_bytes),
                 "weight_sync/engine_rank_bytes_max": max(received),
                 "weight_sync/engine_shard_bytes_max": float(max(shard)),
-                "weight_sync/engine_bytes_over_shard_max": max(r / n for r, n in zip(received, shard) if n),
+                "weight_sync/engine_bytes_over_shard_max": max((r / n for r, n in zip(received, shard) if n),
+                                                                default=0.0),
                 "weight_sync/senders_per_stage": float(replicas)})
     for r, (got, own) in enumerate(zip(received, shard)):
         out[f"weight_sync/engine_rank{r}_bytes_over_shard"] = got / own if own else 0.0

@@ -175,7 +175,8 @@ def tiny_config(spec, common: dict):
     """The ``tiny:qwen3_5_moe`` config and model class (:attr:`Family.tiny_config`): four layers per
     ``spec.num_hidden_layers // 4`` block, three DeltaNet layers then one gated attention layer as
     released (at least one of each), DeltaNet GQA (2 key heads, 4 value heads), partial RoPE 0.25,
-    one shared expert of the experts' width. The builder gives the DeltaNet's constant initial
+    one shared expert of the experts' width, ``full_attention_interval`` in ``config.json`` where it
+    describes the same layers (SGLang reads it). The builder gives the DeltaNet's constant initial
     ``dt_bias`` (1) and gated-norm weight (1) seeded random values, so a misplaced one changes the logits."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -191,6 +192,10 @@ def tiny_config(spec, common: dict):
         linear_value_head_dim=spec.head_dim, linear_conv_kernel_dim=4,
         moe_intermediate_size=spec.moe_intermediate_size, shared_expert_intermediate_size=spec.moe_intermediate_size,
         num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok, **common)
+    if layers <= 4 or layers % 4 == 0:
+        # As the release's config.json: SGLang 0.5.23 derives the layer kinds from it, not from
+        # layer_types (configs/qwen3_next.py, layers_block_type); transformers drops the argument.
+        cfg.full_attention_interval = min(layers, 4)
     return cfg, _tiny_model_class(Qwen3_5MoeForCausalLM)
 
 

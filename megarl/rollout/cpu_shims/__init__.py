@@ -24,6 +24,12 @@ Shims (each documented in its own file, each shown still needed by
   the shim lets the check pass on CPU and computes sink + sliding-window attention as transformers'
   eager gpt-oss attention (``tests/unit/rollout/test_sink_attention_shim.py``,
   ``tests/integration/rollout/test_engine_gpt_oss_cpu.py``).
+- ``sglang_gdn_ops.py`` (applied by ``sitecustomize``; ``sgl_kernel/mamba.py`` re-exports three of its
+  functions): Qwen3.5's CPU kernels in plain torch. SGLang takes the gated-DeltaNet conv / delta rule /
+  gates and the gated attention's fused q/k norm and output gate from the ``sgl_kernel`` CPU build at
+  import time (``layers/attention/linear/gdn_backend.py`` lines 183-188, ``models/qwen3_5.py`` lines
+  283-298), so ``Qwen3_5MoeForCausalLM`` does not load without them (``tests/unit/rollout/test_gdn_ops_shim.py``,
+  ``tests/integration/rollout/test_engine_qwen3_5_cpu.py``).
 
 Guard: :func:`check_sglang_version` is called by the launcher before a CPU server starts; the shims
 were written against, and are only applied to, :data:`SUPPORTED_SGLANG_VERSION`.
@@ -37,7 +43,8 @@ from pathlib import Path
 SUPPORTED_SGLANG_VERSION = "0.5.23"
 """The SGLang version these shims were written and tested for."""
 
-SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize", "sglang_mla_dispatch", "sglang_sink_attention")
+SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize", "sglang_mla_dispatch", "sglang_sink_attention",
+              "sglang_gdn_ops")
 """What the shim directory provides, by import name."""
 
 ALLOW_OTHER_VERSION_ENV = "MEGARL_ALLOW_UNTESTED_SGLANG"

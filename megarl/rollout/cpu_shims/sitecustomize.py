@@ -16,7 +16,8 @@ when the running SGLang is the version this was written for (0.5.23) and the tab
 
 The same import hook applies ``sglang_mla_dispatch.py`` of this directory (its own docstring says why):
 a ``torch_native`` attention handler for SGLang's MLA models (DeepSeek-V3, Kimi-K2); and
-``sglang_sink_attention.py``: gpt-oss (attention sinks, sliding window) on ``torch_native``.
+``sglang_sink_attention.py``: gpt-oss (attention sinks, sliding window) on ``torch_native``; and
+``sglang_gdn_ops.py``: Qwen3.5's gated-DeltaNet / gated-attention CPU kernels in plain torch.
 
 Other ``sitecustomize`` modules further down ``sys.path`` are still executed, so this file does not
 hide a site's own customisation.
@@ -61,14 +62,16 @@ def patch_alloc_table(module) -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds each module of ``patches`` with the normal path finder and patches it after it executes."""
+    """Finds each module of ``patches`` / ``before`` with the normal path finder and runs its patch
+    after (``patches``) or right before (``before``) the module executes."""
 
-    def __init__(self, patches: dict) -> None:
+    def __init__(self, patches: dict, before: dict | None = None) -> None:
         self.patches = patches  # module name -> function(module) run right after the module executes
+        self.before = before or {}  # module name -> function(module) run right before it executes
 
     def find_spec(self, fullname, path, target=None):
-        patch = self.patches.get(fullname)
-        if patch is None:
+        patch, pre = self.patches.get(fullname), self.before.get(fullname)
+        if patch is None and pre is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -76,8 +79,11 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         original_exec = spec.loader.exec_module
 
         def exec_module(module):
+            if pre is not None:
+                pre(module)
             original_exec(module)
-            patch(module)
+            if patch is not None:
+                patch(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
@@ -92,13 +98,14 @@ def _install() -> None:
               "fix NOT applied (re-check whether it is still needed)", file=sys.stderr)
         return
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        import sglang_gdn_ops
         import sglang_mla_dispatch  # this directory is on the server's sys.path
         import sglang_sink_attention
 
         sys.meta_path.insert(0, _PatchOnImport({
             _TARGET_MODULE: patch_alloc_table,
             sglang_mla_dispatch.TARGET_MODULE: sglang_mla_dispatch.patch_mla_dispatch,
-            **sglang_sink_attention.PATCHES}))
+            **sglang_sink_attention.PATCHES, **sglang_gdn_ops.PATCHES}, before=sglang_gdn_ops.PRE_PATCHES))
 
 
 def _chain_next_sitecustomize() -> None:

@@ -25,6 +25,7 @@ ALLOC_CAPTURE_BUFFER = (
     "cache = BaseHostCache(num_tokens=4, num_layers=2, topk_size=2, name='t', device='cpu')\n"
     "assert tuple(cache.buffer.shape) == (4, 2, 2) and int(cache.buffer.abs().sum()) == 0\n"
     "print('IMPORTED')")
+IMPORT_QWEN3_5 = "import sglang.srt.models.qwen3_5; print('IMPORTED')"
 
 
 def _shim_dir_without(tmp_path, missing: str | None):
@@ -49,6 +50,7 @@ CASES = {
     "sgl_kernel": (IMPORT_SCHEDULER, "No module named 'sgl_kernel'"),
     "torchvision": (IMPORT_CONFIGS, "No module named 'torchvision'"),
     "sitecustomize": (ALLOC_CAPTURE_BUFFER, "Torch not compiled with CUDA enabled"),
+    "sglang_gdn_ops": (IMPORT_QWEN3_5, "fused_sigmoid_mul_cpu"),
 }
 
 
@@ -71,6 +73,7 @@ def test_each_shim_is_needed_and_capture_buffer_works_with_all(tmp_path):
     procs = {missing: _run(code, _shim_dir_without(tmp_path, missing))
              for missing, (code, _) in CASES.items()}
     procs["all shims"] = _run(ALLOC_CAPTURE_BUFFER, cpu_shims.shim_dir())
+    procs["qwen3_5 with all shims"] = _run(IMPORT_QWEN3_5, cpu_shims.shim_dir())
     try:
         outputs = {name: p.communicate(timeout=540)[0] for name, p in procs.items()}
     finally:
@@ -81,8 +84,9 @@ def test_each_shim_is_needed_and_capture_buffer_works_with_all(tmp_path):
     for missing, (_, reason) in CASES.items():
         assert procs[missing].returncode != 0, f"SGLang worked without the {missing} shim: remove it"
         assert reason in outputs[missing], outputs[missing][-3000:]
-    assert procs["all shims"].returncode == 0, outputs["all shims"][-3000:]
-    assert "IMPORTED" in outputs["all shims"]
+    for name in ("all shims", "qwen3_5 with all shims"):
+        assert procs[name].returncode == 0, outputs[name][-3000:]
+        assert "IMPORTED" in outputs[name]
 
 
 def test_shimmed_calls_fail_loudly(tmp_path):

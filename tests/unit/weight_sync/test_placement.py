@@ -1,5 +1,6 @@
 """The copy instructions reproduce the family mapping's own conversion (gather_tp + megatron_to_hf),
-for every parameter kind of the tiny Qwen3-MoE and dense Qwen3 at TP 1, 2 and 4."""
+for every parameter kind of the tiny Qwen3-MoE, dense Qwen3 and Qwen3.5-MoE (gated attention's
+``[q; gate]`` heads, the gated DeltaNet's sectioned ``in_proj`` / ``conv1d``) at TP 1, 2 and 4."""
 import pytest
 import torch
 
@@ -17,6 +18,12 @@ CONFIGS = {
     "qwen3": {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8,
               "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 48, "vocab_size": 1000,
               "tie_word_embeddings": True, "torch_dtype": "float32"},
+    "qwen3_5_moe": {"model_type": "qwen3_5_moe_text", "hidden_size": 32, "num_hidden_layers": 2,
+                    "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 8, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                    "linear_key_head_dim": 8, "linear_value_head_dim": 4, "linear_conv_kernel_dim": 4,
+                    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "num_experts": 4,
+                    "num_experts_per_tok": 2, "vocab_size": 1000, "torch_dtype": "float32"},
 }
 
 
@@ -35,8 +42,8 @@ def test_pieces_rebuild_the_mappings_hf_tensors(family, tp):
     for transfer in (t for b in plan.buckets for t in b.params):
         entry, _ = lookup(fam.table, transfer.param.name)
         full = torch.randn(transfer.param.shape, generator=gen)
-        shards = [split_tp(full, entry.tp_split, s.shard_index, len(transfer.sources)) for s in transfer.sources]
-        expected = dict(megatron_to_hf([(transfer.param.name, gather_tp(shards, entry.tp_split))], layout))
+        shards = [split_tp(full, entry.tp_split, s.shard_index, len(transfer.sources), layout) for s in transfer.sources]
+        expected = dict(megatron_to_hf([(transfer.param.name, gather_tp(shards, entry.tp_split, layout))], layout))
         rebuilt = [torch.full(t.shape, float("nan")) for t in transfer.param.hf]
         for piece in placement.pieces(transfer):
             n = piece.dst[1] - piece.dst[0]
