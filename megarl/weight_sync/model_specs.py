@@ -195,6 +195,11 @@ def _refuse_unplanned(table, model_type: str) -> None:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for HF tensors "
                         "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
                         "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
+    outside = sorted(name for e in table.values() if e.expert for name in e.hf if ".mlp.experts." not in name)
+    if outside:  # MiniMax-M2's block_sparse_moe.experts.{E}.w1: the specs would make them replicated dense tensors
+        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for experts outside "
+                        f"'mlp.experts.' ({outside[0]}: the plan would send them as replicated tensors without "
+                        "an expert id); megarl plan --no-sync plans the rest")
     if Transform.DSA_INDEXER_ROPE in transforms:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for DeepSeek Sparse Attention's "
                         "indexer (its wq_b / wk / k_norm rows are permuted per head on conversion, and SGLang "

@@ -1,5 +1,6 @@
 """Diagnostic (not a test): MiniMax-M2 layer 0/1 attention and MLP outputs, Megatron on CUDA vs transformers on CPU."""
-import json, os, sys, tempfile
+import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -40,12 +41,15 @@ def worker(rank, world_size, hf_dir, tokens, inputs):
             iso[key] = o.float().transpose(0, 1).cpu()
         router = model.decoder.layers[0].mlp.router
         iso["expert_bias"] = router.expert_bias.float().cpu() if router.expert_bias is not None else None
-        iso["cfg"] = {k: getattr(router.config, k) for k in ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_dtype")}
+        fields = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk",
+                  "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_dtype")
+        iso["cfg"] = {k: getattr(router.config, k) for k in fields}
     return out, iso
 
 
 def main():
     from transformers import AutoModelForCausalLM
+
     from megarl.models.tiny import TinyModelSpec, make_tiny_model
     from megarl.procs.local_ranks import free_port
     from megarl.testing.multiproc import run_ranks
@@ -55,16 +59,20 @@ def main():
     tokens = torch.randint(0, cfg["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(7))
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ref, inputs = {}, {}
+    def keep(key):
+        return lambda m, a, o: ref.__setitem__(key, (o[0] if isinstance(o, tuple) else o).detach())
+
     for i, layer in enumerate(hf.model.layers):
-        layer.self_attn.register_forward_hook(lambda m, a, o, k=f"{i}.self_attention": ref.__setitem__(k, o[0].detach()))
-        layer.mlp.register_forward_hook(lambda m, a, o, k=f"{i}.mlp": ref.__setitem__(k, (o[0] if isinstance(o, tuple) else o).detach()))
+        layer.self_attn.register_forward_hook(keep(f"{i}.self_attention"))
+        layer.mlp.register_forward_hook(keep(f"{i}.mlp"))
         layer.mlp.register_forward_pre_hook(lambda m, a, k=f"{i}.mlp": inputs.__setitem__(k, a[0].detach()))
-        layer.input_layernorm.register_forward_hook(lambda m, a, o, k=f"{i}.input_layernorm": ref.__setitem__(k, o.detach()))
-        layer.post_attention_layernorm.register_forward_hook(lambda m, a, o, k=f"{i}.pre_mlp_layernorm": ref.__setitem__(k, o.detach()))
+        layer.input_layernorm.register_forward_hook(keep(f"{i}.input_layernorm"))
+        layer.post_attention_layernorm.register_forward_hook(keep(f"{i}.pre_mlp_layernorm"))
     with torch.no_grad():
         hf(tokens)
-    (res,) = run_ranks(worker, 1, args=(str(hf_dir), tokens, inputs), backend=None,
-                       env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}, timeout_s=200, start_method="spawn")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    (res,) = run_ranks(worker, 1, args=(str(hf_dir), tokens, inputs), backend=None, env=env, timeout_s=200,
+                       start_method="spawn")
     out, iso = res
     for k in sorted(ref):
         if k in out:

@@ -24,6 +24,11 @@ Checkpoint names (what transformers writes and SGLang loads): ``block_sparse_moe
 ``scoring_func``, ``use_routing_bias``, ``rotary_dim``; a config whose fields would make the engine
 compute another function than transformers (and megarl) is refused. Multi-token-prediction modules
 (``num_mtp_modules``, HF ``model.layers.{L >= num_hidden_layers}``) are not built.
+
+Not yet right on CUDA: ``tests/gpu/test_minimax_m2_gpu.py`` on an H200 (2026-11-28) found the local
+spec's logits 0.32 from transformers' (CPU: within 1e-5); ``tools/diag/minimax_cuda_layers.py`` puts it
+in attention (layer 0's attention output differs by 0.03; its input norm and the MoE are exact).
+Weight sync is refused (``megarl.weight_sync.model_specs``: experts outside ``mlp.experts.``).
 """
 from __future__ import annotations
 
