@@ -50,3 +50,35 @@ def megatron_logits(rank: int, world_size: int, hf_dir: str, tokens: torch.Tenso
         group = mps.get_tensor_model_parallel_group()
         outputs = [torch.cat(collectives.all_gather(logits.contiguous(), group=group), dim=-1) for logits in outputs]
     return [logits.float().cpu() for logits in outputs]
+
+
+def forward_gaps(hf_dir, batch: int, seq: int, *, seed: int, device: str = "cuda",
+                 timeout_s: float = 240) -> dict[str, float]:
+    """The largest logit gap between megarl's Megatron model of ``hf_dir`` (local spec, fp32, world size
+    1, on ``device``: ``cuda`` is an NCCL rank in a spawned process) and transformers' forward of the
+    same directory on the CPU, for ``[batch, seq]`` random tokens (``seed``), one sequence per row
+    and the rows packed into one.
+
+    Returns:
+        ``{"batched": max |diff|, "packed": max |diff|}`` over the real (unpadded) vocabulary.
+
+    Raises:
+        megarl.procs.local_ranks.RankError: the rank raised or timed out.
+    """
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from megarl.procs.local_ranks import free_port
+    from megarl.testing.multiproc import run_ranks
+
+    vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(tokens).logits
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    (out,) = run_ranks(megatron_logits, 1, args=(str(hf_dir), tokens, {}, True, device), backend=None, env=env,
+                       timeout_s=timeout_s, start_method="spawn")
+    return {what: (logits[..., :vocab] - ref).abs().max().item() for logits, what in zip(out, ("batched", "packed"))}
