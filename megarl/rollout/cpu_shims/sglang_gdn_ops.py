@@ -116,7 +116,8 @@ def gated_delta_rule(q, k, v, g, beta, state, l2norm: bool = True):
 
 def gdn_gates(A_log, a, b, dt_bias, softplus_beta: float = 1.0, threshold: float = 20.0):
     """``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, float32, as SGLang's
-    ``fused_gdn_gating`` (softplus ``log(1 + exp(sb * x)) / sb``, ``x`` itself above ``threshold``)."""
+    ``fused_gdn_gating`` (softplus ``log(1 + exp(sb * x)) / sb``, ``x`` itself above ``threshold``).
+    ``A_log``, ``dt_bias [HV]``; ``a``, ``b [T, HV]`` -> ``(g [T, HV], beta [T, HV])``."""
     torch = _torch()
     x = a.float() + dt_bias.float()
     soft = torch.where(softplus_beta * x <= threshold, torch.log1p(torch.exp(softplus_beta * x)) / softplus_beta, x)
@@ -124,7 +125,8 @@ def gdn_gates(A_log, a, b, dt_bias, softplus_beta: float = 1.0, threshold: float
 
 
 def gemma_rms_norm(x, weight, eps: float):
-    """Zero-centred RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (1 + w)`` (float32 inside)."""
+    """Zero-centred RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (1 + w)`` (float32 inside).
+    ``x [..., D]``, ``weight [D]`` -> ``[..., D]`` in ``x``'s dtype."""
     torch = _torch()
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
@@ -327,7 +329,9 @@ def patch_layernorm_gated(module) -> bool:
 def shared_expert_gate(hidden_states, gate_weight, shared_output, output=None):
     """``sigmoid(hidden_states @ gate_weight)[:, None] * shared_output`` (float32 inside), added into
     ``output`` in place when given (SGLang's ``fused_gate_sigmoid_mul`` / ``_add``: the gated shared
-    expert, transformers' ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``)."""
+    expert, transformers' ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``).
+    ``hidden_states [T, H]``, ``gate_weight [1, H]`` (or ``[H]``), ``shared_output`` and ``output [T, H]``;
+    returns ``[T, H]`` in ``shared_output``'s dtype, or None when added into ``output``."""
     torch = _torch()
     gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1))[:, None]
     gated = gate * shared_output.float()
