@@ -27,7 +27,14 @@ import torch
 
 # The table's types live in a leaf module (the families import them without importing this one).
 from megarl.models.naming import TE_TO_CANONICAL, canonical_template
-from megarl.models.table import Entry, ModelLayout, TPSplit, Transform, padded_vocab_size  # noqa: F401
+from megarl.models.table import (  # noqa: F401
+    Entry,
+    FamilyTransform,
+    ModelLayout,
+    TPSplit,
+    Transform,
+    padded_vocab_size,
+)
 
 
 def _grouped_kind(part: str) -> str:
@@ -116,7 +123,10 @@ def family_table(layout: ModelLayout) -> Mapping[str, Entry]:
 
 
 def to_megatron(entry: Entry, hf_tensors: Sequence[torch.Tensor], layout: ModelLayout) -> torch.Tensor:
-    """Build the full Megatron tensor from the entry's HF tensors (in ``entry.hf`` order)."""
+    """Build the full Megatron tensor from the entry's HF tensors (in ``entry.hf`` order); a family's own
+    transform (:class:`FamilyTransform`) through its function."""
+    if isinstance(entry.transform, FamilyTransform):
+        return entry.transform.to_megatron(hf_tensors, layout)
     if entry.transform is Transform.COPY:
         return hf_tensors[0]
     if entry.transform is Transform.GLU:
@@ -134,8 +144,6 @@ def to_megatron(entry: Entry, hf_tensors: Sequence[torch.Tensor], layout: ModelL
         return torch.cat([t, pad], dim=0)
     if entry.transform is Transform.GDN_IN_PROJ:
         return torch.cat(list(hf_tensors), dim=0)
-    if entry.transform is Transform.DSA_INDEXER_ROPE:
-        return _permute_head_rows(hf_tensors[0], indexer_rope_order(layout))
     q, k, v = hf_tensors
     groups, hd = layout.num_query_groups, layout.head_dim
     per_group = layout.num_attention_heads // groups
@@ -151,7 +159,10 @@ def to_megatron(entry: Entry, hf_tensors: Sequence[torch.Tensor], layout: ModelL
 
 
 def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.Tensor]:
-    """Split a full Megatron tensor into the entry's HF tensors (in ``entry.hf`` order)."""
+    """Split a full Megatron tensor into the entry's HF tensors (in ``entry.hf`` order); a family's own
+    transform (:class:`FamilyTransform`) through its function."""
+    if isinstance(entry.transform, FamilyTransform):
+        return entry.transform.to_hf(full, layout)
     if entry.transform is Transform.COPY:
         return [full]
     if entry.transform is Transform.GLU:
@@ -166,8 +177,6 @@ def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.T
     if entry.transform is Transform.GDN_IN_PROJ:  # [q; k; v | z | beta | alpha]
         k_dim, v_dim, heads = layout.linear_key_dim, layout.linear_value_dim, layout.linear_value_heads
         return list(full.split([2 * k_dim + v_dim, v_dim, heads, heads], dim=0))
-    if entry.transform is Transform.DSA_INDEXER_ROPE:
-        return [_permute_head_rows(full, torch.argsort(indexer_rope_order(layout)))]
     groups, hd = layout.num_query_groups, layout.head_dim
     per_group = layout.num_attention_heads // groups
     cols = full.shape[1:]
@@ -179,27 +188,6 @@ def to_hf(entry: Entry, full: torch.Tensor, layout: ModelLayout) -> list[torch.T
         return [q_and_gate.reshape(-1, *cols), k.reshape(-1, *cols), v.reshape(-1, *cols)]
     q, k, v = full.reshape(groups, (per_group + 2) * hd, *cols).split([per_group * hd, hd, hd], dim=1)
     return [q.reshape(-1, *cols), k.reshape(-1, *cols), v.reshape(-1, *cols)]
-
-
-def indexer_rope_order(layout: ModelLayout) -> torch.Tensor:
-    """For each Megatron row of one DSA indexer head, the HF row it holds (:attr:`Transform.DSA_INDEXER_ROPE`):
-    ``[r, ..., D - 1]`` (the unrotated dims) then ``0, r/2, 1, r/2 + 1, ...`` (the rotated pairs
-    interleaved). ``D`` = ``layout.index_head_dim``, ``r`` = ``layout.index_rope_dim``; int64 ``[D]``.
-
-    Raises:
-        ValueError: the layout has no indexer dims, or ``r`` is odd or larger than ``D``.
-    """
-    d, r = layout.index_head_dim, layout.index_rope_dim
-    if not d or r % 2 or not 0 < r <= d:
-        raise ValueError(f"{layout.family}: the DSA indexer transform needs index_head_dim >= index_rope_dim > 0, "
-                         f"rope dims even (got {d}, {r})")
-    rope = torch.stack([torch.arange(r // 2), torch.arange(r // 2, r)], dim=1).reshape(-1)
-    return torch.cat([torch.arange(r, d), rope])
-
-
-def _permute_head_rows(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """``t`` (rows = heads x ``len(order)``) with each head's rows taken in ``order``."""
-    return t.reshape(-1, len(order), *t.shape[1:])[:, order].reshape(t.shape)
 
 
 EMBEDDING, OUTPUT_LAYER = "embedding.word_embeddings.weight", "output_layer.weight"

@@ -4,11 +4,17 @@
 A leaf module: the family modules (``megarl.models.families``) build their tables from these
 types, and :mod:`megarl.models.mapping` interprets the tables (and looks families up); neither
 imports the other at module level through this file, so there is no import cycle.
+
+A transform only one family needs is that family's: its module declares a :class:`FamilyTransform`
+(the two functions) and its table's entries carry it, so adding it edits neither this file nor
+:mod:`megarl.models.mapping` (DeepSeek-V3.2's indexer rope rows, ``families/deepseek_v32.py``).
 """
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class Transform(str, enum.Enum):
@@ -36,14 +42,21 @@ class Transform(str, enum.Enum):
     """Gated DeltaNet input projection (Qwen3.5): HF ``in_proj_qkv [2K+V, H]``, ``in_proj_z [V, H]``,
     ``in_proj_b [Hv, H]``, ``in_proj_a [Hv, H]`` concatenated along rows into ``in_proj``
     (``K``/``V``: key/value dims of all heads, ``Hv`` value heads; ``ssm/gated_delta_net.py``)."""
-    DSA_INDEXER_ROPE = "dsa_indexer_rope"
-    """The DSA lightning indexer's query/key rows (DeepSeek-V3.2): rows per indexer head of
-    ``index_head_dim`` D, the first ``index_rope_dim`` r of them rotated. HF rows per head
-    ``[rope (half-split pairs i, i + r/2); pass]`` (transformers' ``DeepseekV32Indexer``) become
-    Megatron's ``[pass; rope (interleaved pairs 2i, 2i + 1)]`` (Megatron-Core 0.16.1 ``dsa.py``
-    ``DSAIndexer._apply_rope``: nope first, MLA's de-interleaving rope): the same vectors after
-    rope, permuted alike for queries and keys, so every q . k is unchanged. Applies to ``wq_b``
-    rows, ``wk`` rows and the key LayerNorm's weight and bias (a LayerNorm commutes with a permutation)."""
+
+
+@dataclass(frozen=True)
+class FamilyTransform:
+    """A transform one family declares in its own module, carried by its table's :class:`Entry` rows;
+    :func:`megarl.models.mapping.to_megatron` / :func:`~megarl.models.mapping.to_hf` call its functions.
+    Tensors are ``torch.Tensor``; the functions are module-level (an entry is pickled by reference)."""
+
+    value: str
+    """Its name, distinct from every :class:`Transform` value and every other family's (what code that
+    reads ``entry.transform.value`` sees; ``tests/unit/models/test_family_room.py`` checks both)."""
+    to_megatron: Callable[[Sequence[Any], ModelLayout], Any]
+    """``(HF tensors in entry.hf order, layout) -> full Megatron tensor``."""
+    to_hf: Callable[[Any, ModelLayout], list[Any]]
+    """``(full Megatron tensor, layout) -> HF tensors in entry.hf order``; the inverse of :attr:`to_megatron`."""
 
 
 class TPSplit(str, enum.Enum):
@@ -73,7 +86,7 @@ class Entry:
     ending in ``[{E}]`` is expert E's slice (dim 0) of one tensor stacking every expert of the layer
     (gpt-oss's ``mlp.experts.gate_up_proj``): :func:`megarl.models.mapping.megatron_to_hf` stacks
     the slices and the HF reader reads one slice."""
-    transform: Transform
+    transform: Transform | FamilyTransform
     tp_split: TPSplit
     expert: bool = False
     """Expert weight: sharded by expert parallelism and split over the expert-TP group (ETP)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.models.chat_templates import TEMPLATE_TOKENS
-from megarl.models.families import all_families, find_family, get_family
+from megarl.models.families import REFERENCE_FAMILY, all_families, find_family, get_family
 from megarl.models.tiny_tokenizer import stop_token_ids, tiny_tokenizer
 
 
@@ -27,7 +27,7 @@ from megarl.models.tiny_tokenizer import stop_token_ids, tiny_tokenizer
 class TinyModelSpec:
     """Sizes of a tiny model. Defaults: a 2-layer Qwen3-MoE with 8 experts, top-2."""
 
-    family: str = "qwen3_moe"
+    family: str = REFERENCE_FAMILY
     """A family with a ``tiny_config`` (:func:`tiny_families`): ``qwen3_moe`` (Qwen3MoeForCausalLM),
     ``qwen3`` (dense Qwen3ForCausalLM), ``deepseek_v3`` (DeepseekV3ForCausalLM: MLA, YaRN, grouped
     sigmoid router), ``glm4_moe`` (Glm4MoeForCausalLM: GQA with partial rotary, q/k norm, qkv bias,
@@ -189,8 +189,9 @@ def make_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = Non
     return out
 
 
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
-"""Tiny families :func:`append_mtp_layer` applies to (``TinyModelSpec.mtp_layers``)."""
+MTP_FAMILIES = tuple(f.name for f in all_families() if f.tiny_mtp_layer)
+"""Tiny families :func:`append_mtp_layer` applies to (``TinyModelSpec.mtp_layers``): those whose
+:attr:`~megarl.models.families.Family.tiny_mtp_layer` says their releases carry an MTP layer."""
 
 
 def append_mtp_layer(hf_dir: str | os.PathLike, *, declare: bool = True, seed: int = 0) -> Path:
@@ -281,7 +282,7 @@ def parse_tiny_uri(uri: str) -> TinyModelSpec:
     if not uri.startswith(TINY_SCHEME):
         raise ValueError(f"model.hf_path: {uri!r} is not a {TINY_SCHEME}<family> URI")
     family, _, query = uri[len(TINY_SCHEME):].partition("?")
-    kwargs: dict = {"family": family or "qwen3_moe"}
+    kwargs: dict = {"family": family or REFERENCE_FAMILY}
     fields = {f.name: f for f in dataclasses.fields(TinyModelSpec)}
     for key, raw in parse_qsl(query, keep_blank_values=True):
         if key not in fields:

@@ -99,3 +99,14 @@ def use_full_head_qk_norm(block_spec) -> int:
         submodules.k_layernorm = ModuleSpec(module=FullHeadRMSNorm, params={"heads": "key"})
         changed += 1
     return changed
+
+
+def full_head_qk_norm_block_spec(config, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None):
+    """MiniMax-M2's ``Family.block_spec``: Megatron-Core's GPT block spec (RMSNorm; Transformer Engine's
+    with ``use_te``) with :func:`use_full_head_qk_norm` applied. ``pp_rank`` None: this rank's."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    use_full_head_qk_norm(block)
+    return block

@@ -190,3 +190,20 @@ def use_local_dsa_attention(block_spec) -> int:
             attention.submodules.core_attention = dsa_core_attention_spec()
             changed += 1
     return changed
+
+
+def dsa_block_spec(config, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None):
+    """DeepSeek-V3.2's ``Family.block_spec``: Megatron-Core's local GPT block spec (RMSNorm) with every
+    MLA layer made sparse (:func:`use_local_dsa_attention`). ``pp_rank`` None: this rank's.
+
+    Raises:
+        ValueError: ``use_te`` (the family is ``local_spec_only``: the trainer never asks for it).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if use_te:
+        raise ValueError("DeepSeek Sparse Attention has no Transformer Engine block spec in megarl (local only)")
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    use_local_dsa_attention(block)
+    return block

@@ -231,3 +231,9 @@ def _zero_centered_norms(block) -> None:
             for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
                 if owner is not None and getattr(owner, field, None) is WrappedTorchNorm:
                     setattr(owner, field, ZeroCenteredRMSNorm)
+
+
+def hybrid_block_spec(config, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None):
+    """Qwen3.5's ``Family.block_spec``: :func:`te_hybrid_block_spec` under Transformer Engine, else
+    :func:`local_hybrid_block_spec` (arguments as theirs)."""
+    return (te_hybrid_block_spec if use_te else local_hybrid_block_spec)(config, vp_stage, pp_rank)

@@ -3,7 +3,9 @@
 The architecture (layers, heads, experts, rope, ...) is read from the HF config through the model
 family registry (``megarl.models.families``); the run's choices (parallelism, precision,
 router dtype, aux loss, dispatcher, dropout) come from megarl's config. Specs: Megatron's local
-spec on CPU (torch norms, SequentialMLP experts), the Transformer Engine spec on GPU.
+spec on CPU (torch norms, SequentialMLP experts), the Transformer Engine spec on GPU; a family whose
+layers Megatron's GPT block spec cannot express builds its own (``Family.block_spec``,
+:func:`decoder_block_spec`), so this module names no family and no attention variant.
 
 ``build_model`` needs Megatron's parallel state (``megarl.training.parallel_state``) and returns
 one model chunk per virtual pipeline stage (a single chunk without interleaving).
@@ -51,18 +53,16 @@ def _spec_backend(device: str, spec: str) -> bool:
 
 
 def _has_te_spec(family, hf_config, spec: str) -> bool:
-    """False for an architecture megarl builds on the local spec only (DeepSeek Sparse Attention:
+    """False for a family megarl builds on the local spec only (``Family.local_spec_only``:
     ``spec='auto'`` then takes the local spec on CUDA too).
 
     Raises:
-        ValueError: ``spec='te'`` for such an architecture.
+        ValueError: ``spec='te'`` for such a family (its reason).
     """
-    arch = family.transformer_config_kwargs(family.architecture(hf_config))
-    if arch.get("experimental_attention_variant") != "dsa":
+    if family.local_spec_only is None:
         return True
     if spec == "te":
-        raise ValueError(f"spec='te': {hf_config.model_type}'s sparse attention (DSA) has no Transformer Engine "
-                         "spec megarl can build on Megatron-Core 0.16.1 (megarl/training/local_dsa.py); use 'local'")
+        raise ValueError(f"spec='te': {hf_config.model_type}'s {family.local_spec_only}; use 'local'")
     return False
 
 
@@ -286,8 +286,8 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     vpp = parallel_cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in (range(vpp) if vpp else [None]):
-        model = _build_chunk(config, vp_stage, use_te=use_te, vocab_size=vocab, device=device,
-                             gpt_kwargs=gpt_kwargs, qk_norm_over_heads=family.qk_norm_over_heads)
+        model = _build_chunk(config, decoder_block_spec(family, config, use_te=use_te, vp_stage=vp_stage), vp_stage,
+                             vocab_size=vocab, device=device, gpt_kwargs=gpt_kwargs)
         _mapped_buffers_to_parameters(model, family.table)
         if model_cfg.moe_router_freeze:
             for name, param in model.named_parameters():
@@ -297,38 +297,44 @@ def build_model(hf_config, parallel_cfg: ParallelConfig, model_cfg: ModelConfig,
     return chunks
 
 
-def _build_chunk(config, vp_stage: int | None, *, use_te: bool, vocab_size: int, device: str,
-                 gpt_kwargs: dict, qk_norm_over_heads: bool = False) -> torch.nn.Module:
-    """One ``GPTModel`` chunk (virtual pipeline stage ``vp_stage``, None without VPP) of this rank, on
-    ``device``; with the local spec, megarl's local MLA and fused-SDPA attention modules; with
-    ``qk_norm_over_heads`` (the family's), q/k norms over all heads on either spec."""
-    from megatron.core import parallel_state as mps
-    from megatron.core.models.gpt import GPTModel
+def decoder_block_spec(family, config, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None):
+    """The decoder block spec (``TransformerBlockSubmodules``) of ``family``'s model on this rank
+    (``pp_rank`` None: from Megatron's parallel state): the family's own builder where it has one
+    (``Family.block_spec``, an import path), else Megatron-Core's GPT block spec (RMSNorm); then, on
+    the local spec, megarl's local attention for every family: MLA's (Megatron-Core 0.16.1's local
+    MLA spec cannot build) and fused SDPA per packed sequence in every other self-attention.
+
+    Raises:
+        megarl.plugins.PluginError: the family's ``block_spec`` does not resolve (names it).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    if config.experimental_attention_variant == "gated_delta_net":  # Qwen3.5's hybrid layers
-        from megarl.training.local_gdn import local_hybrid_block_spec, te_hybrid_block_spec
+    from megarl.plugins import load_object
 
-        block_spec = (te_hybrid_block_spec if use_te else local_hybrid_block_spec)(config, vp_stage)
+    if family.block_spec is None:
+        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                                vp_stage=vp_stage, pp_rank=pp_rank)
     else:
-        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                normalization="RMSNorm", vp_stage=vp_stage)
-    if qk_norm_over_heads:
-        from megarl.training.full_head_qk_norm import use_full_head_qk_norm
-
-        use_full_head_qk_norm(block_spec)  # MiniMax-M2: Megatron-Core's q/k norms are per head only
+        build = load_object(family.block_spec, f"Family({family.name!r}).block_spec")
+        block_spec = build(config, use_te=use_te, vp_stage=vp_stage, pp_rank=pp_rank)
     if config.multi_latent_attention and not use_te:
         from megarl.training.local_mla import use_local_mla_attention
 
-        use_local_mla_attention(block_spec)  # Megatron-Core 0.16.1's local MLA spec cannot build
-    if config.experimental_attention_variant == "dsa":  # DeepSeek-V3.2's sparse attention
-        from megarl.training.local_dsa import use_local_dsa_attention
-
-        use_local_dsa_attention(block_spec)
+        use_local_mla_attention(block_spec)
     if not use_te:
         from megarl.training.local_attention import use_local_sdpa_attention
 
         use_local_sdpa_attention(block_spec)  # fused SDPA per packed sequence instead of dense scores
+    return block_spec
+
+
+def _build_chunk(config, block_spec, vp_stage: int | None, *, vocab_size: int, device: str,
+                 gpt_kwargs: dict) -> torch.nn.Module:
+    """One ``GPTModel`` chunk (virtual pipeline stage ``vp_stage``, None without VPP) of this rank, on
+    ``device``, from its :func:`decoder_block_spec`."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.models.gpt import GPTModel
+
     ctx = torch.device("meta") if device == "meta" else contextlib.nullcontext()
     with ctx:
         model = GPTModel(

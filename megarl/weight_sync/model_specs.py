@@ -139,6 +139,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         shapes = family.megatron_shapes(family.architecture(hf_config))
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
+    _refuse_by_family(family, hf_config.model_type)
     _refuse_unplanned(family.table, hf_config.model_type)
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
@@ -200,11 +201,6 @@ def _refuse_unplanned(table, model_type: str) -> None:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for experts outside "
                         f"'mlp.experts.' ({outside[0]}: the plan would send them as replicated tensors without "
                         "an expert id); megarl plan --no-sync plans the rest")
-    if Transform.DSA_INDEXER_ROPE in transforms:
-        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for DeepSeek Sparse Attention's "
-                        "indexer (its wq_b / wk / k_norm rows are permuted per head on conversion, and SGLang "
-                        "0.5.23 serves the indexer with CUDA-only kernels: no CPU load proof); megarl plan --no-sync "
-                        "plans the rest")
 
 
 def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str | None:
@@ -218,3 +214,11 @@ def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str 
                 if match:
                     return group[0].format(**match.groupdict())
     return None
+
+
+def _refuse_by_family(family, model_type: str) -> None:
+    """Raise :class:`SpecError` with what the family says weight sync does not plan yet
+    (``Family.weight_sync_refusal``), if anything."""
+    if family.weight_sync_refusal:
+        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for "
+                        f"{family.weight_sync_refusal}; megarl plan --no-sync plans the rest")

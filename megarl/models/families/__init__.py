@@ -6,23 +6,23 @@ mismatch check), the Megatron ``TransformerConfig`` / ``GPTModel`` arguments, th
 mapping table, the SGLang reasoning and tool-call parsers, the rollout engine's quirks (its class,
 whether it keeps ``lm_head`` apart, its loader's fused groups) and the ``tiny:`` builder's config.
 Other modules ask the family (:func:`get_family`, :func:`find_family`) and keep no per-family table.
-Adding a family = a new module listed in ``_MODULES`` plus its tests and fixtures
-(docs/architecture.md, "Adding a model family").
+Adding a family = a new module in this package plus its tests and fixtures: every module here whose
+name does not start with ``_`` is a family module and registers by existing (:func:`discover_families`;
+docs/architecture.md, "Adding a model family").
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from megarl.models.table import Entry, ModelLayout
 
-_MODULES = ("megarl.models.families.qwen3_moe", "megarl.models.families.qwen3",
-            "megarl.models.families.deepseek_v3", "megarl.models.families.glm4_moe",
-            "megarl.models.families.gpt_oss", "megarl.models.families.kimi_k25",
-            "megarl.models.families.qwen3_5_moe", "megarl.models.families.minimax_m2",
-            "megarl.models.families.deepseek_v32")
+REFERENCE_FAMILY = "qwen3_moe"
+"""megarl's reference family: what ``tiny:`` (no family named) builds."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,21 @@ class Family:
     served through an untied view (:mod:`megarl.rollout.engine_view`) and the engine holds a second
     vocabulary matrix (:mod:`megarl.plan.shape`). False: the class shares ``embed_tokens`` when tied.
     ``tests/unit/models/test_family_rules.py`` checks it against the installed SGLang class."""
-    qk_norm_over_heads: bool = False
-    """True where the q/k RMSNorms normalise all heads of a token together (MiniMax-M2's ``q_norm
-    [heads * head_dim]``) instead of each head: Megatron-Core has only the per-head norm, and
-    :mod:`megarl.training.model` then builds ``megarl.training.full_head_qk_norm``'s in its place."""
+    block_spec: str | None = None
+    """Where Megatron-Core's GPT block spec cannot express the family: the import path
+    (``package.module:function``) of the function that builds its decoder block spec,
+    ``(config: TransformerConfig, *, use_te: bool, vp_stage: int | None, pp_rank: int | None = None)
+    -> TransformerBlockSubmodules`` (``pp_rank`` None: this rank's, from Megatron's parallel state).
+    :func:`megarl.training.model.decoder_block_spec` calls it, then puts in the local spec's attention
+    modules as for every family. A path, not the function: those modules live in ``megarl.training``,
+    which ``models/`` does not import. None: Megatron's ``get_gpt_decoder_block_spec`` (RMSNorm)."""
+    local_spec_only: str | None = None
+    """Why the family has no Transformer Engine layer spec megarl can build (the model type's
+    ``spec='te'`` error; ``spec='auto'`` then takes the local spec on CUDA too); None: it has one."""
+    weight_sync_refusal: str | None = None
+    """What weight sync does not plan yet for this family and why (completes "weight sync is not
+    planned yet for ..."): :func:`megarl.weight_sync.model_specs.param_specs_from_hf_config` raises it
+    as a ``SpecError``, which ``megarl plan`` / ``validate`` report; None: weight sync is planned."""
     tiny_config: Callable[[Any, dict], tuple[Any, type]] | None = None
     """``(TinyModelSpec, common HF config kwargs) -> (HF config, transformers model class)``: the
     family's ``tiny:`` model (:mod:`megarl.models.tiny`), shaped like its released models, scaled
@@ -100,6 +111,9 @@ class Family:
     tiny_random_norms: bool = False
     """The tiny builder replaces HF's constant initial RMSNorm weights and router biases by seeded
     random ones, so a conversion that swaps two same-shaped norms changes the logits."""
+    tiny_mtp_layer: bool = False
+    """The tiny builder can append a multi-token-prediction layer as the family's releases carry one
+    (``TinyModelSpec.mtp_layers``, :func:`megarl.models.tiny.append_mtp_layer`)."""
 
     def text(self, hf_config):
         """The language model's config of an HF config (object or ``config.json`` dict): the nested
@@ -123,19 +137,43 @@ class Family:
             index_head_dim=arch.get("index_head_dim", 0), index_rope_dim=arch.get("index_rope_dim", 0))
 
 
-def _registry() -> dict[str, Family]:
-    out = {}
-    for module in _MODULES:
-        family = importlib.import_module(module).FAMILY
-        out[family.name] = family
-        for model_type in family.model_types:
-            out[model_type] = family
-    return out
+def discover_families(package: str) -> tuple[Family, ...]:
+    """The families of a package of family modules: every module of ``package`` whose name does not
+    start with ``_`` (a shared helper's does), imported in name order, and its ``FAMILY``.
+
+    Raises:
+        ValueError: a module that defines no ``FAMILY`` :class:`Family` (names the module); two
+            families claiming one name or HF ``model_type`` (names both).
+    """
+    path = importlib.import_module(package).__path__
+    families: list[Family] = []
+    for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, Family):
+            raise ValueError(f"{module.__name__}: a family module must define FAMILY = Family(...) (found "
+                             f"{type(family).__name__}); a helper module's name starts with '_'")
+        families.append(family)
+    owners: dict[str, str] = {}
+    for family in families:
+        for key in dict.fromkeys((family.name, *family.model_types)):
+            if owners.setdefault(key, family.name) != family.name:
+                raise ValueError(f"{package}: families {owners[key]!r} and {family.name!r} both claim {key!r}")
+    return tuple(families)
 
 
+@functools.cache
 def all_families() -> tuple[Family, ...]:
-    """Every registered family, in ``_MODULES`` order."""
-    return tuple(importlib.import_module(module).FAMILY for module in _MODULES)
+    """Every family of this package (:func:`discover_families`), in module-name order."""
+    return discover_families(__name__)
+
+
+@functools.cache
+def _registry() -> dict[str, Family]:
+    """Family name and each HF ``model_type`` -> its family."""
+    return {key: family for family in all_families() for key in (family.name, *family.model_types)}
 
 
 def find_family(name_or_config) -> Family | None:

@@ -341,4 +341,4 @@ FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), table=TABLE, a
                                                "deepseek-v3", "deepseekv31"),),
                 # srt/models/deepseek_v2.py (DeepseekV2ForCausalLM.__init__) shares embed_tokens when tied
                 engine_class="sglang.srt.models.deepseek_v2.DeepseekV3ForCausalLM", engine_unties_lm_head=False,
-                tiny_config=tiny_config, tiny_random_norms=True)
+                tiny_config=tiny_config, tiny_random_norms=True, tiny_mtp_layer=True)

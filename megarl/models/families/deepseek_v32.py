@@ -11,7 +11,7 @@ dims of each, ``w = weights_proj(x) / sqrt(index_n_heads)``,
 ``score[s, t] = sum_h w[s, h] relu(q[s, h] . k[t] / sqrt(index_head_dim))``, causal mask, top-k.
 HF rotates the first rope dims in half-split pairs; Megatron rotates the last ones with MLA's
 interleaved rope, so ``wq_b`` / ``wk`` rows and the key norm are permuted per head on conversion
-(:attr:`megarl.models.table.Transform.DSA_INDEXER_ROPE`); every score is unchanged. The
+(:data:`INDEXER_ROPE`, this family's own transform); every score is unchanged. The
 reference's Hadamard rotation of q and k (and its FP8 scoring) is orthogonal and transformers
 skips it; megarl's local modules (:mod:`megarl.training.local_dsa`) skip it too.
 
@@ -21,13 +21,54 @@ Multi-token-prediction layers are dropped as for DeepSeek-V3.
 """
 from __future__ import annotations
 
+import torch
+
 from megarl.models.families import Family
 from megarl.models.families import deepseek_v3 as v3
-from megarl.models.table import Entry, TPSplit, Transform
+from megarl.models.table import Entry, FamilyTransform, ModelLayout, TPSplit, Transform
+
+
+def indexer_rope_order(layout: ModelLayout) -> torch.Tensor:
+    """For each Megatron row of one DSA indexer head, the HF row it holds (:data:`INDEXER_ROPE`):
+    ``[r, ..., D - 1]`` (the unrotated dims) then ``0, r/2, 1, r/2 + 1, ...`` (the rotated pairs
+    interleaved). ``D`` = ``layout.index_head_dim``, ``r`` = ``layout.index_rope_dim``; int64 ``[D]``.
+
+    Raises:
+        ValueError: the layout has no indexer dims, or ``r`` is odd or larger than ``D``.
+    """
+    d, r = layout.index_head_dim, layout.index_rope_dim
+    if not d or r % 2 or not 0 < r <= d:
+        raise ValueError(f"{layout.family}: the DSA indexer transform needs index_head_dim >= index_rope_dim > 0, "
+                         f"rope dims even (got {d}, {r})")
+    rope = torch.stack([torch.arange(r // 2), torch.arange(r // 2, r)], dim=1).reshape(-1)
+    return torch.cat([torch.arange(r, d), rope])
+
+
+def _permute_head_rows(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows = heads x ``len(order)``) with each head's rows taken in ``order``."""
+    return t.reshape(-1, len(order), *t.shape[1:])[:, order].reshape(t.shape)
+
+
+def _rope_rows_to_megatron(hf_tensors, layout: ModelLayout) -> torch.Tensor:
+    return _permute_head_rows(hf_tensors[0], indexer_rope_order(layout))
+
+
+def _rope_rows_to_hf(full: torch.Tensor, layout: ModelLayout) -> list[torch.Tensor]:
+    return [_permute_head_rows(full, torch.argsort(indexer_rope_order(layout)))]
+
+
+INDEXER_ROPE = FamilyTransform("dsa_indexer_rope", _rope_rows_to_megatron, _rope_rows_to_hf)
+"""The DSA lightning indexer's query/key rows: rows per indexer head of ``index_head_dim`` D, the
+first ``index_rope_dim`` r of them rotated. HF rows per head ``[rope (half-split pairs i, i + r/2);
+pass]`` (transformers' ``DeepseekV32Indexer``) become Megatron's ``[pass; rope (interleaved pairs
+2i, 2i + 1)]`` (Megatron-Core 0.16.1 ``dsa.py`` ``DSAIndexer._apply_rope``: nope first, MLA's
+de-interleaving rope): the same vectors after rope, permuted alike for queries and keys, so every
+q . k is unchanged. Applies to ``wq_b`` rows, ``wk`` rows and the key LayerNorm's weight and bias (a
+LayerNorm commutes with a permutation)."""
 
 HF = "model.layers.{L}.self_attn.indexer."
 MC = "decoder.layers.{L}.self_attention.core_attention.indexer."
-R, C = Transform.DSA_INDEXER_ROPE, Transform.COPY
+R, C = INDEXER_ROPE, Transform.COPY
 
 INDEXER_TABLE = {
     # Replicated over TP (Megatron builds them "duplicated"): every rank scores every key.
@@ -130,6 +171,15 @@ def _tiny_model_class(base):
     return DeepseekV32ForCausalLM
 
 
+LOCAL_SPEC_ONLY = ("sparse attention (DSA) has no Transformer Engine spec megarl can build on Megatron-Core 0.16.1 "
+                   "(megarl/training/local_dsa.py)")
+"""``Family.local_spec_only``: its TE form feeds the indexer the un-normed q latent and needs the CUDA
+Hadamard kernel in bf16 (:mod:`megarl.training.local_dsa`)."""
+WEIGHT_SYNC_REFUSAL = ("DeepSeek Sparse Attention's indexer (its wq_b / wk / k_norm rows are permuted per head on "
+                       "conversion, and SGLang 0.5.23 serves the indexer with CUDA-only kernels: no CPU load proof)")
+"""``Family.weight_sync_refusal``."""
+
+
 FAMILY = Family(name="deepseek_v32", model_types=("deepseek_v32",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=v3.gpt_model_kwargs,
                 megatron_shapes=megatron_shapes, engine_load_groups=v3.ENGINE_LOAD_GROUPS,
@@ -138,4 +188,7 @@ FAMILY = Family(name="deepseek_v32", model_types=("deepseek_v32",), table=TABLE,
                 # srt/models/deepseek_v2.py: DeepseekV32ForCausalLM(DeepseekV2ForCausalLM), `pass`;
                 # DeepseekV2ForCausalLM.__init__ shares embed_tokens when tied
                 engine_class="sglang.srt.models.deepseek_v2.DeepseekV32ForCausalLM", engine_unties_lm_head=False,
-                tiny_config=tiny_config, tiny_random_norms=True)
+                tiny_config=tiny_config, tiny_random_norms=True,
+                # Megatron-Core 0.16.1 wires no DSA block spec; megarl's local one (training/local_dsa.py)
+                block_spec="megarl.training.local_dsa:dsa_block_spec", local_spec_only=LOCAL_SPEC_ONLY,
+                weight_sync_refusal=WEIGHT_SYNC_REFUSAL)

@@ -140,4 +140,4 @@ FAMILY = Family(name="glm4_moe", model_types=("glm4_moe",), table=TABLE, archite
                 reasoning_parser="glm45", tool_call_parser="glm45",
                 # srt/models/glm4_moe.py builds a ParallelLMHead of its own (never reads tie_word_embeddings)
                 engine_class="sglang.srt.models.glm4_moe.Glm4MoeForCausalLM", engine_unties_lm_head=True,
-                tiny_config=tiny_config, tiny_random_norms=True)
+                tiny_config=tiny_config, tiny_random_norms=True, tiny_mtp_layer=True)

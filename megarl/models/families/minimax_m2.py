@@ -7,10 +7,11 @@ Attention: ``q_norm`` / ``k_norm`` are RMSNorms of width ``heads * head_dim`` ap
 ``q_proj(x)`` / ``k_proj(x)`` of a token before the heads are split (one RMS per token, not per head),
 then RoPE on the first ``rotary_dim = head_dim * partial_rotary_factor`` dims of each head
 (``rotate_half``, non-interleaved: Megatron's ``rotary_percent``). Megatron-Core 0.16.1's q/k norms are
-per head only, so :attr:`Family.qk_norm_over_heads` makes ``megarl.training.model`` put
-``megarl.training.full_head_qk_norm.FullHeadRMSNorm`` in their place (under TP it all-reduces the sum
-of squares, as SGLang's ``MiniMaxM2RMSNormTP``); the parameter keeps Megatron's name and holds the
-whole ``[heads * head_dim]`` weight on every TP rank (a COPY, replicated).
+per head only, so the family's block spec (:attr:`Family.block_spec`,
+``megarl.training.full_head_qk_norm.full_head_qk_norm_block_spec``) puts ``FullHeadRMSNorm`` in their
+place (under TP it all-reduces the sum of squares, as SGLang's ``MiniMaxM2RMSNormTP``); the parameter
+keeps Megatron's name and holds the whole ``[heads * head_dim]`` weight on every TP rank (a COPY,
+replicated).
 
 Router (HF ``MiniMaxM2TopKRouter``): ``s = sigmoid(x W^T)`` in fp32, experts chosen by top-k of
 ``s + e_score_correction_bias``, weights ``s_i / sum_k s_k`` (no scaling, no groups). Megatron:
@@ -197,7 +198,9 @@ def tiny_config(spec, common: dict):
 
 FAMILY = Family(name="minimax_m2", model_types=("minimax_m2",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
-                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS, qk_norm_over_heads=True,
+                megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
+                # q/k norms over all heads of a token: Megatron-Core's are per head only
+                block_spec="megarl.training.full_head_qk_norm:full_head_qk_norm_block_spec",
                 # <think>...</think> (SGLang's "minimax": Qwen3's detector, reasoning forced on);
                 # <minimax:tool_call><invoke name="..."><parameter name="...">...</parameter></invoke>
                 reasoning_parser="minimax", tool_call_parser="minimax-m2",

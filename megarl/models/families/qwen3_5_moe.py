@@ -15,8 +15,9 @@ final norm and q/k norms are zero-centred (``x_normed * (1 + w)``); the DeltaNet
 Megatron-Core 0.16.1 names each piece: ``experimental_attention_variant="gated_delta_net"`` with
 ``linear_attention_freq`` as a per-layer list (1 = DeltaNet), ``attention_output_gate``,
 ``layernorm_zero_centered_gamma``, ``moe_shared_expert_gate``, ``rotary_percent``. Its own layer
-specs for them need Transformer Engine and the ``fla`` kernels; the local (CPU) spec comes from
-:mod:`megarl.training.local_gdn`.
+specs for them need Transformer Engine and the ``fla`` kernels; the family's block spec
+(:attr:`Family.block_spec`) is :func:`megarl.training.local_gdn.hybrid_block_spec`: its local (CPU) one,
+or Megatron's under Transformer Engine with the DeltaNet's gated norm fixed.
 
 Text RoPE: the release's interleaved M-RoPE (``mrope_section``) gives every frequency the same
 position for text (the three position rows are equal), i.e. plain RoPE, which is what megarl runs.
@@ -224,4 +225,6 @@ FAMILY = Family(name="qwen3_5_moe", model_types=("qwen3_5_moe_text",), table=TAB
                 reasoning_parser="qwen3", tool_call_parser="qwen3_coder",
                 # srt/models/qwen3_5_text.py lines 94-95: lm_head = embed_tokens when tie_word_embeddings
                 engine_class="sglang.srt.models.qwen3_5_text.Qwen3_5MoeForCausalLM", engine_unties_lm_head=False,
-                tiny_config=tiny_config, tiny_random_norms=True)
+                tiny_config=tiny_config, tiny_random_norms=True,
+                # gated-DeltaNet and gated-attention layers (Megatron's GPT block spec has no DeltaNet)
+                block_spec="megarl.training.local_gdn:hybrid_block_spec")

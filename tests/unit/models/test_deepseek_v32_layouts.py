@@ -17,7 +17,8 @@ import torch
 
 from megarl.config.schema import ModelConfig, ParallelConfig
 from megarl.models.families import get_family
-from megarl.models.mapping import indexer_rope_order, lookup, to_hf, to_megatron
+from megarl.models.families.deepseek_v32 import indexer_rope_order
+from megarl.models.mapping import lookup, to_hf, to_megatron
 from megarl.models.table import ModelLayout
 
 FAMILY = get_family("deepseek_v32")
