@@ -149,11 +149,12 @@ def test_shipped_recipes_sync_within_the_physical_bound(recipe, monkeypatch):
     link), is within 1.25x the bound (issue 34 part 1); so is the busiest link over the whole sync
     (``unpaced_s``), which pacing never beats."""
     from megarl.cli import prepare_config
-    from megarl.weight_sync.predict import link_speeds, placement_from_config, plan_from_config, predict_owner_senders
+    from megarl.weight_sync.owner_predict import predict_owner_senders
+    from megarl.weight_sync.predict import link_speeds, placement_from_config, plan_from_config
 
     monkeypatch.delenv("MEGARL_MODEL_DIR", raising=False)
     cfg = prepare_config(str(REPO / "configs" / f"{recipe}.yaml"), [])
-    plan = plan_from_config(cfg)
+    plan = plan_from_config(cfg, senders="owner")  # owner senders' plan: each layer's experts spread
     _, inter, _ = link_speeds(cfg)
     pred = predict_owner_senders(plan, placement_from_config(cfg), inter_gbps=inter)
     assert pred.unpaced_s <= pred.seconds <= 1.25 * pred.bound_s, (recipe, pred.seconds / pred.bound_s)
