@@ -353,7 +353,7 @@ def _load_units(transfers: Sequence[ParamTransfer]) -> list[list[ParamTransfer]]
     return units
 
 
-def _spread(units: list[list[ParamTransfer]], order: dict[int, int]) -> list[list[ParamTransfer]]:
+def _spread(units: list[list[ParamTransfer]], order: dict) -> list[list[ParamTransfer]]:
     """``units``, each run of one layer's expert units sorted by ``order[expert]`` (stable: an expert's
     units stay in model order, together); every other unit keeps its place."""
     out: list[list[ParamTransfer]] = []
