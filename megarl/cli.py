@@ -159,7 +159,7 @@ def cmd_plan_sync(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """``megarl plan``: exit 0 when trainer and engine ranks fit the GPU, 1 when not (`megarl.plan`)."""
     from megarl.plan.commands import run_plan
-    from megarl.weight_sync.predict import predict_from_config
+    from megarl.weight_sync.predict import sync_seconds  # plan-sync's: owner senders as they run, where they run
 
     def step_bytes(cfg, tokens_per_trajectory: int) -> tuple[float, float, float]:
         import json
@@ -170,10 +170,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model_config = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
         b = plan_step_bytes(cfg, model_config, mean_seq_tokens=tokens_per_trajectory)
         return b.object_store_bytes, b.rank_received_bytes, b.driver_received_bytes
-
-    def sync_seconds(cfg, intra_gbps: float, inter_gbps: float) -> dict[str, float]:
-        return {p.transport: p.seconds
-                for p in predict_from_config(cfg, intra_gbps=intra_gbps, inter_gbps=inter_gbps)[1]}
 
     from megarl.config.device import resolved_precision
     from megarl.config.model_rules import read_hf_config

@@ -18,7 +18,8 @@ from megarl.plan.report import default_tokens_per_trajectory, format_engine, for
 from megarl.plan.shape import ModelShape
 
 SyncSeconds = Callable[[object, float, float], dict]
-"""``(cfg, intra_gbps, inter_gbps) -> {transport: seconds}`` (``megarl.weight_sync.predict``)."""
+"""``(cfg, intra_gbps, inter_gbps) -> {transport: seconds}``: ``megarl plan-sync``'s prediction of the
+sender path that runs (``megarl.weight_sync.predict.sync_seconds``), at the links of the GPU preset."""
 StepBytes = Callable[[object, int], tuple]
 """``(cfg, tokens_per_trajectory) -> (object store, per rank, driver) bytes`` of one step
 (``megarl.launch.data_plan.plan_step_bytes``, the data path's own prediction)."""

@@ -257,3 +257,31 @@ class EngineLayout:
     def moe_tp_size(self) -> int:
         """TP size within an expert (SGLang's ``moe_tp_size``): ``tp_size / ep_size``."""
         return self.tensor_parallel_size // self.expert_parallel_size
+
+
+def spread_expert_order(num_experts: int, trainer_ep_size: int, engine_ep_size: int) -> list[int]:
+    """A layer's experts in an order whose every window of consecutive ones spreads over the trainer's
+    EP ranks (their owners) and the engine's EP ranks alike (owner senders' buckets,
+    :func:`megarl.weight_sync.plan.build_plan`'s ``spread_experts``).
+
+    Both sides hold contiguous blocks of experts: ``b_t = E / trainer_ep_size`` per trainer EP rank,
+    ``b_e = E / engine_ep_size`` per engine EP rank. With ``s = min(b_t, b_e)`` dividing
+    ``l = max(b_t, b_e)`` the blocks of ``s`` nest in those of ``l``, and expert ``e`` sorts by
+    ``(e % s, (e // s) % (l / s), e // l)``: consecutive experts walk through the ``E / l`` large
+    blocks first, then through the small blocks inside them, so ``E / l`` consecutive experts sit in
+    as many different blocks of either side and ``E / s`` in every small block once (DeepSeek-V3's
+    recipe, 256 experts over trainer EP128 and engine EP8: experts 0, 32, 64, ..., 224, then 2, 34,
+    ...: eight engine EP ranks and eight owners, then eight more owners). Sizes that do not nest:
+    ``(e % b_t, e // b_t)`` (owner after owner). Returns a permutation of ``range(num_experts)``.
+
+    Raises:
+        LayoutError: ``num_experts`` not divisible by either EP size.
+    """
+    if num_experts % trainer_ep_size or num_experts % engine_ep_size:
+        raise LayoutError(f"num_experts {num_experts} is not divisible by the trainer's EP {trainer_ep_size} "
+                          f"and the engine's EP {engine_ep_size}")
+    owner, engine = num_experts // trainer_ep_size, num_experts // engine_ep_size
+    small, large = sorted((owner, engine))
+    if large % small:
+        return sorted(range(num_experts), key=lambda e: (e % owner, e // owner))
+    return sorted(range(num_experts), key=lambda e: (e % small, e // small % (large // small), e // large))

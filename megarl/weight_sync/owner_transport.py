@@ -8,14 +8,17 @@ any engine loads, the finish vote with the load proof) with these differences: e
 of every stage is a sender in **one** group with every engine rank (the coordinator, group rank 0,
 talks to the engines over HTTP), so each engine has one update request per sync whatever PP is
 (SGLang serves one at a time: a group per stage made the stages take turns); the buckets travel in
-rounds of at most one bucket per stage (:func:`~megarl.weight_sync.senders.plan_rounds`): all
-stages' senders send their bucket of the round at once, each engine rank receives and checks all
-of them, and one vote decides the round (a sender whose stage has no bucket left joins the votes
-with nothing to send); each engine's ticket is its own (copies split the engines, so an engine
-rank's sources depend on the engine) and lists the engine rank's parts with their source
-(:mod:`owners`); and each sender sends one checksum per part it sent, after its parts, since no
-sender knows a whole slice. A sender that fails releases its receivers with zeros and votes the
-round down (status 8): every stage stops at that round, none waits for the others.
+rounds packed so that every link carries its share (:func:`~megarl.weight_sync.senders.plan_rounds`;
+several buckets of a stage and of every stage): each sender sends its stage's buckets of the round
+one after another without waiting (round by round, plan order inside a round:
+:meth:`~megarl.weight_sync.owners.OwnerParts.stage_order`), each engine rank receives and checks all
+of them, and one vote decides the round before any of its buckets loads (a sender whose stage has
+no bucket in a round joins its vote with nothing to send); each engine's ticket is its own
+(copies split the engines, so an engine rank's sources depend on the engine) and lists the engine
+rank's parts with their source (:mod:`owners`); and each sender sends one checksum per part it
+sent, after its parts, since no sender knows a whole slice. A sender that fails releases its
+receivers with zeros and votes the round down (status 8): every stage stops at that round, none
+waits for the others.
 """
 from __future__ import annotations
 
@@ -124,13 +127,16 @@ class OwnerTransport(P2PTransport):
         return out
 
     def send(self, bucket, tensors, flat=None) -> None:
-        """Send this rank's parts of ``bucket`` (its stage's bucket of the next round) to every engine
-        rank that gets any, then open the round's vote. ``tensors``: this rank's shards ``{global
+        """Send this rank's parts of ``bucket`` (its stage's next bucket: round by round, plan order
+        within a round, :meth:`OwnerParts.stage_order`) to every engine rank that gets any; after
+        the stage's last bucket of the round, open the round's vote (the first bucket of a round
+        waits for the previous round's vote first). ``tensors``: this rank's shards ``{global
         name: shard}``; ``flat`` unused.
 
         Raises:
-            WeightSyncError: ``bucket`` is not in the next announced round, or a shard this rank is
-                assigned is missing or misshapen (the receivers were released first).
+            WeightSyncError: ``bucket`` is not this stage's next bucket of the next announced round,
+                or a shard this rank is assigned is missing or misshapen (the receivers were
+                released first).
         """
         if self._pp_rank is None:
             raise WeightSyncError("p2p transport used before connect()")
@@ -147,35 +153,47 @@ class OwnerTransport(P2PTransport):
         except WeightSyncError:
             self.abort()
             raise
-        if not first:
-            self._wait_vote()
-            if self._failure is not None:
+        if self._partial is None:  # the stage's first bucket of a round
+            if not first:
+                self._wait_vote()
+                if self._failure is not None:
+                    return
+            if not self._skip_to(bucket):
                 return
-        if not self._skip_to(bucket):
-            return
+            self._partial = {"bucket": None, "works": [], "done": set(), "refs": [], "sent": set(),
+                             "started": started}
         stage = self._stage or []
         current = stage[self._next][0] if self._next < len(stage) else ()
-        if bucket.index not in {b.index for b in current}:
+        partial = self._partial
+        partial["bucket"] = current
+        mine = [b.index for b in current if b.pp_rank == bucket.pp_rank]
+        expected = next((k for k in mine if k not in partial["sent"]), None)
+        if bucket.index != expected:
             self.abort()
-            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not in the next announced round "
-                                  f"({[b.index for b in current] or 'none left'})")
-        works: list = []
-        refs: list = []
+            raise WeightSyncError(f"p2p sender: bucket {bucket.index} is not this stage's next bucket of the next "
+                                  f"announced round ({expected if expected is not None else 'none left'})")
+        self._send_packed(bucket, packed, partial)
+        if bucket.index == mine[-1]:  # the stage's last bucket of the round: the round's vote
+            self._partial = None
+            self._next += 1
+            self._open_vote(current, None, list(self._requests), partial["works"], partial["refs"], partial["started"])
+
+    def _send_packed(self, bucket: Bucket, packed: list, partial: dict) -> None:
+        """Start sending :meth:`_pack`'s messages of ``bucket`` (each engine rank's parts, then their
+        checksums), recorded in the round's ``partial`` (handles, buffers, engine ranks served)."""
         device = group_device(self.group)
-        self._partial = {"bucket": current, "works": works, "done": set()}
         for i, rank, messages, sums in packed:
             if self.tamper is not None:
                 tampered = self.tamper(bucket.index, rank, torch.cat(messages))
                 if tampered is not None:
                     messages = list(tampered.split([int(m.numel()) for m in messages]))
             dest = self._engine_rank(i, rank)
-            works += [isend(m, dest, group=self.group) for m in (*messages, encode_sums(sums, device)) if m.numel()]
-            self._partial["done"].add((i, rank))
-            refs.extend(messages)
+            partial["works"] += [isend(m, dest, group=self.group) for m in (*messages, encode_sums(sums, device))
+                                 if m.numel()]
+            partial["done"].add((bucket.index, i, rank))
+            partial["refs"].extend(messages)
             self.stats.bytes_sent += sum(int(m.numel()) for m in messages)
-        self._partial = None
-        self._next += 1
-        self._open_vote(current, None, list(self._requests), works, refs, started)
+        partial["sent"].add(bucket.index)
 
     def drain(self) -> None:
         """Join the votes of the rounds after this stage's last bucket (nothing to send), then the
@@ -184,6 +202,11 @@ class OwnerTransport(P2PTransport):
             return
         if self.group is None:  # this stage had no bucket: the others still count on its votes
             self._join()
+        if self._partial is not None and self._failure is None:  # a round left half sent: never by the feed
+            left = [b.index for b in self._partial["bucket"] if b.pp_rank == self._pp_rank
+                    and b.index not in self._partial["sent"]]
+            self.abort()
+            raise WeightSyncError(f"p2p sender: the sync ended before this stage's buckets {left} of its round")
         if self._stage is None and self._failure is None:
             self._announce()
         self._wait_vote()  # this stage's last round
@@ -207,16 +230,16 @@ class OwnerTransport(P2PTransport):
         return self._failure is None
 
     def _release(self, bucket, listings: list, sizes, done: set) -> list:
-        """:meth:`abort`'s zeros: for every engine rank this sender owes parts of the round
-        ``bucket`` and has not sent them, zeros of each part's size and zero checksums (voted
-        down by the sender)."""
+        """:meth:`abort`'s zeros: for every bucket of the round ``bucket`` and engine rank this
+        sender owes parts and has not sent them (``done``: ``(bucket index, engine, rank)``), zeros
+        of each part's size and zero checksums (voted down by the sender)."""
         works: list = []
         device = group_device(self.group)
         for b in bucket:
             for i in range(len(self.engines)):
                 for rank in range(self.plan.engine_layout.tp_size):
                     mine = self.parts.mine(b, i, rank, self.me)
-                    if not mine or (i, rank) in done:
+                    if not mine or (b.index, i, rank) in done:
                         continue
                     zeros = [torch.zeros(p.nbytes, dtype=torch.uint8, device=device) for p in mine]
                     width = DIGEST_CHARS[self._algo or checksum_algo(device)]
@@ -229,15 +252,17 @@ class OwnerFeed:
     """What :meth:`WeightSynchronizer._push` iterates with owner senders, in place of the gatherer:
     each bucket of this rank's stage with this rank's own shards (nothing gathered or converted)."""
 
-    def __init__(self, plan, stage: int, local: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, plan, stage: int, local: Mapping[str, torch.Tensor], order: list[Bucket] | None = None) -> None:
         from megarl.weight_sync.gather import GatherTimings
 
         self.plan, self.stage, self.local = plan, stage, local
+        self.order = order if order is not None else list(plan.stage_buckets(stage))
+        """The stage's buckets in send order (:meth:`OwnerParts.stage_order`; None: plan order)."""
         self.timings = GatherTimings()
 
     def iter_hf_buckets(self):
-        """The stage's buckets in order, each with this rank's local shards (nothing gathered)."""
-        for bucket in self.plan.stage_buckets(self.stage):
+        """The stage's buckets in send order, each with this rank's local shards (nothing gathered)."""
+        for bucket in self.order:
             yield bucket, self.local, None
 
     def send_contributions(self) -> int:

@@ -3,7 +3,7 @@
 ``weight_sync.senders: owner`` (``p2p``; BF16 or block-FP8 engines). Every trainer rank is a
 sender in one group with every engine rank, all stages together (stage by stage, each stage's
 sender first, then the other ranks of the stage ascending: :meth:`OwnerParts.group_senders`); the
-buckets travel in rounds of at most one bucket per stage (:meth:`OwnerParts.rounds`). Each engine
+buckets travel in rounds, packed so that every link carries its share (:meth:`OwnerParts.rounds`). Each engine
 rank's slice of an HF tensor is filled by the placement's pieces (:mod:`megarl.weight_sync.copy_instructions`);
 the part of a piece inside the slice (:func:`~megarl.weight_sync.senders.owner_part`) leaves the trainer rank that
 :func:`~megarl.weight_sync.senders.assign_senders` chose among the ranks holding that shard (an
@@ -150,6 +150,7 @@ class OwnerParts:
         self._transfers: dict[int, dict] = {}
         self._listed: dict[int, list[tuple]] = {}
         self._quantized: tuple[int, dict] = (-1, {})
+        self._rounds: list[tuple[Bucket, ...]] | None = None
         self.quantize_s = 0.0
         """Seconds this rank spent quantising its parts (block-FP8 engines)."""
 
@@ -165,9 +166,16 @@ class OwnerParts:
         return [r for pp in sorted({b.pp_rank for b in self.plan.buckets}) for r in self.senders(pp)]
 
     def rounds(self) -> list[tuple[Bucket, ...]]:
-        """The buckets that travel together, at most one per stage (stage order); the engines
-        receive a round's buckets at once and vote on it once (:func:`~megarl.weight_sync.senders.plan_rounds`)."""
-        return plan_rounds(self.plan)
+        """The buckets that travel together (plan order within a round); the engines receive a
+        round's buckets at once and vote on it once (:func:`~megarl.weight_sync.senders.plan_rounds`:
+        packed so that every link carries its share; cached)."""
+        if self._rounds is None:
+            self._rounds = plan_rounds(self.plan, self.sends)
+        return self._rounds
+
+    def stage_order(self, pp_rank: int) -> list[Bucket]:
+        """The buckets of stage ``pp_rank`` in the order its ranks send them: round by round."""
+        return [b for r in self.rounds() for b in r if b.pp_rank == pp_rank]
 
     def listed(self, bucket: Bucket) -> list[tuple]:
         """What the engine ranks receive of ``bucket``, wire order: ``[(listed spec, HF spec, kind)]``

@@ -15,13 +15,14 @@ With ``senders_per_stage`` R > 1 (several engines), replica ``k < R`` of every s
 buckets with every trainer rank shifted by ``k * replica_block`` (:meth:`WeightSyncPlan.for_replica`)
 for the engines ``i`` with ``i % R == k``: R senders per stage push in parallel, each over its own
 link, to disjoint engines.
-Buckets are ordered stage by stage, each stage's first and last ones smaller (:data:`RAMP_STEPS`);
-inside a bucket the HF tensors are ordered by decreasing element
-size so that SGLang's flattened bucket never holds a misaligned tensor.
+Buckets are ordered stage by stage, each stage's first and last ones smaller (:data:`RAMP_STEPS`),
+parameters in model order (owner senders: each layer's experts spread, ``spread_experts``); inside a
+bucket the HF tensors by decreasing element size, so SGLang's flat bucket never holds a misaligned one.
 """
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -31,7 +32,7 @@ from megarl.models.fp8_blocks import BlockFP8
 from megarl.plugins import PluginError
 from megarl.weight_sync.engine_slices import PlanError, TensorSlice, engine_slices
 from megarl.weight_sync.fp8_wire import wire_specs
-from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout
+from megarl.weight_sync.layout import EngineLayout, LayoutError, TrainerLayout, spread_expert_order
 from megarl.weight_sync.specs import HFTensorSpec, ParamSpec
 
 MIB = 1 << 20
@@ -199,7 +200,7 @@ class WeightSyncPlan:
         sizes = [0] * self.engine_layout.tp_size
         for t in self.wire_tensors():
             for rank, sl in engine_slices(t, self.engine_layout, self.num_experts).items():
-                sizes[rank] += _numel(sl.shape(t.shape)) * t.itemsize
+                sizes[rank] += math.prod(sl.shape(t.shape)) * t.itemsize
         return tuple(sizes)
 
     def engine_rank_bytes(self, transport: str) -> list[int]:
@@ -219,13 +220,6 @@ class WeightSyncPlan:
         if entry.delivers_shards:
             return self.engine_shard_bytes()
         return [self.wire_bytes] * self.engine_layout.tp_size
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _locate(param: ParamSpec, layout: TrainerLayout, num_layers: int) -> tuple[int, int]:
@@ -270,7 +264,7 @@ def _wire_order(params: Sequence[ParamTransfer]) -> tuple[HFTensorSpec, ...]:
 
 def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param_specs: Sequence[ParamSpec],
                *, bucket_size_mb: float = 512, quantization: BlockFP8 | None = None,
-               senders_per_stage: int | None = None) -> WeightSyncPlan:
+               senders_per_stage: int | None = None, spread_experts: bool = False) -> WeightSyncPlan:
     """Plan one weight sync from metadata alone.
 
     Args:
@@ -285,6 +279,9 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         senders_per_stage: at most this many replicas of each stage send, each to its own engines
             (``weight_sync.senders_per_stage``); None = as many as there are engines and complete
             copies of the stage (``trainer_layout.replicas_per_stage``). 1 = one sender per stage.
+        spread_experts: each layer's experts in :func:`~megarl.weight_sync.layout.spread_expert_order`
+            (owner senders: a bucket spreads over the EP owners and engine EP ranks, not one or two
+            of each; :func:`megarl.weight_sync.senders.plan_rounds`); False: model order.
 
     Returns:
         The plan.
@@ -314,9 +311,11 @@ def build_plan(trainer_layout: TrainerLayout, engine_layout: EngineLayout, param
         pp_rank, vp_rank = _locate(p, trainer_layout, num_layers)
         per_stage[pp_rank].append(ParamTransfer(p, pp_rank, vp_rank, _sources(p, trainer_layout, pp_rank, num_experts)))
     limit = int(bucket_size_mb * MIB)
+    order = {e: k for k, e in enumerate(spread_expert_order(num_experts, trainer_layout.ep_size,
+                                                            engine_layout.ep_size))} if spread_experts else None
     buckets: list[Bucket] = []
     for pp_rank in sorted(per_stage):
-        for transfers in _stage_buckets(per_stage[pp_rank], limit):
+        for transfers in _stage_buckets(per_stage[pp_rank], limit, order):
             hf = _wire_order(transfers)
             wire = wire_specs(hf, quantization) if quantization is not None else ()
             buckets.append(Bucket(len(buckets), pp_rank, trainer_layout.sender_rank(pp_rank), tuple(transfers),
@@ -354,9 +353,25 @@ def _load_units(transfers: Sequence[ParamTransfer]) -> list[list[ParamTransfer]]
     return units
 
 
-def _stage_buckets(transfers: Sequence[ParamTransfer], limit: int) -> list[list[ParamTransfer]]:
+def _spread(units: list[list[ParamTransfer]], order: dict) -> list[list[ParamTransfer]]:
+    """``units``, each run of one layer's expert units sorted by ``order[expert]`` (stable: an expert's
+    units stay in model order, together); every other unit keeps its place."""
+    out: list[list[ParamTransfer]] = []
+    run: list[list[ParamTransfer]] = []  # the current layer's expert units
+    for unit in units:
+        p = unit[0].param
+        movable = p.expert is not None and all(t.param.expert == p.expert for t in unit)
+        if not (movable and run and p.layer == run[0][0].param.layer):
+            out.extend(sorted(run, key=lambda u: order[u[0].param.expert]))
+            run = []
+        (run if movable else out).append(unit)
+    return out + sorted(run, key=lambda u: order[u[0].param.expert])
+
+
+def _stage_buckets(transfers: Sequence[ParamTransfer], limit: int, order: dict | None) -> list[list[ParamTransfer]]:
     """One stage's parameters cut into buckets of at most ``limit`` HF bytes, ramping up from
-    ``limit / 2**RAMP_STEPS`` and down towards the stage's end (:data:`RAMP_STEPS`).
+    ``limit / 2**RAMP_STEPS`` and down towards the stage's end (:data:`RAMP_STEPS`); with ``order``
+    (``build_plan``'s ``spread_experts``) each layer's experts in that order (:func:`_spread`).
 
     A boundary never falls inside an engine load group (``ParamSpec.load_group``: tensors the
     engine's SGLang loader must see in one ``load_weights`` call, ``Family.engine_load_groups``):
@@ -367,7 +382,8 @@ def _stage_buckets(transfers: Sequence[ParamTransfer], limit: int) -> list[list[
     current: list[ParamTransfer] = []
     current_bytes = 0
     left = sum(h.nbytes for t in transfers for h in t.param.hf)  # not yet in a closed bucket
-    for unit in _load_units(transfers):
+    units = _load_units(transfers)
+    for unit in _spread(units, order) if order is not None else units:
         size = sum(h.nbytes for t in unit for h in t.param.hf)
         cap = min(limit >> max(RAMP_STEPS - len(out), 0),  # up: 1/8, 1/4, 1/2, 1
                   max(limit >> RAMP_STEPS, left // 2))  # down: at most half of what is left

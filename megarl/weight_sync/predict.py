@@ -23,10 +23,11 @@ bytes it sends to the engines, and for each engine rank the bytes it receives. T
 - engines serving a block-FP8 checkpoint receive FP8 weights and scales (the plan's wire
   tensors: about half the BF16 bytes); the gather moves the trainer's BF16 shards.
 
-Beside these (the sending path as it runs), ``megarl plan-sync`` prints the physical bound (the
-busiest engine rank's own bytes over its own link) and owner senders on paper
-(:class:`OwnerPrediction`, :mod:`megarl.weight_sync.senders`). The links are the ``cluster.gpu``
-preset's (``megarl.plan.gpus``, the ones ``megarl plan`` uses) unless given (:func:`link_speeds`).
+Beside these (the segment and stage sending paths), ``megarl plan-sync`` prints the physical bound
+(the busiest engine rank's own bytes over its own link) and owner senders on paper, as they run
+(:mod:`megarl.weight_sync.owner_predict`, on the owner senders' own plan); ``megarl plan`` prints
+the same seconds for the path that runs (:func:`sync_seconds`). Both read the links of the
+``cluster.gpu`` preset (``megarl.plan.gpus``) unless given (:func:`link_speeds`).
 
 Not modelled: HTTP / ticket latency per bucket, the engines' load time, conversion copies on the
 sender, link contention with training traffic. A lower bound to compare designs, not a promise.
@@ -37,8 +38,8 @@ import math
 from dataclasses import dataclass, field
 
 from megarl.weight_sync.choice import senders_on_paper
+from megarl.weight_sync.owner_predict import format_owner_prediction, predict_owner_senders
 from megarl.weight_sync.plan import WeightSyncPlan
-from megarl.weight_sync.senders import OwnerSends, assign_senders, round_link_bytes, unaligned_parts
 
 GB = 1e9
 
@@ -162,84 +163,6 @@ def _segment_rows(plan: WeightSyncPlan, pp_rank: int, placement, ranks_per_node:
     return out
 
 
-@dataclass
-class OwnerPrediction:
-    """``p2p`` with owner senders (:mod:`megarl.weight_sync.senders`), against the physical bound.
-
-    Every trainer rank sends the parts it holds, all stages at once through one update request per
-    engine (:mod:`megarl.weight_sync.owner_transport`), each over its own link, and each engine rank
-    receives its own slices over its own; the buckets travel in rounds of at most one per stage
-    (:func:`~megarl.weight_sync.senders.plan_rounds`), each voted on together:
-    ``seconds = sum over rounds of the round's busiest link / inter_gbps``
-    (:func:`~megarl.weight_sync.senders.round_link_bytes`: what runs). ``unpaced_s``: the busiest
-    link over the whole sync (``max(busiest trainer link, busiest engine link) / inter_gbps``), what
-    no pacing between rounds would give. ``bound_bytes``: what the busiest engine rank must receive
-    (its slices, once: ``plan.engine_shard_bytes``), ``bound_s`` that over its link.
-    """
-
-    sends: OwnerSends
-    seconds: float
-    unpaced_s: float
-    rounds: int
-    """Rounds of the sync (the most buckets a stage has)."""
-    bound_bytes: int
-    bound_s: float
-    unaligned: list[str]
-    """Block-FP8 pieces off block boundaries (``senders.unaligned_parts``)."""
-
-
-def physical_bound(plan: WeightSyncPlan, inter_gbps: float) -> tuple[int, float]:
-    """``(bytes, seconds)``: the bytes the busiest engine rank must receive (its own slices of every
-    served tensor, once) and the time that takes over its own link at ``inter_gbps`` GB/s."""
-    nbytes = max(plan.engine_shard_bytes())
-    return nbytes, nbytes / (inter_gbps * GB)
-
-
-def predict_owner_senders(plan: WeightSyncPlan, placement, *, inter_gbps: float) -> OwnerPrediction:
-    """The sync with owner senders on paper (:class:`OwnerPrediction`).
-
-    Raises:
-        ValueError: a non-positive ``inter_gbps``.
-    """
-    if inter_gbps <= 0:
-        raise ValueError("inter_gbps must be > 0 GB/s")
-    sends = assign_senders(plan, placement)
-    busiest = max(max(sends.sent.values(), default=0), max(max(r) for r in sends.received))
-    rounds = round_link_bytes(plan, sends)
-    nbytes, bound_s = physical_bound(plan, inter_gbps)
-    return OwnerPrediction(sends, sum(rounds) / (inter_gbps * GB), busiest / (inter_gbps * GB), len(rounds),
-                           nbytes, bound_s, unaligned_parts(plan, placement))
-
-
-def format_owner_prediction(plan: WeightSyncPlan, p: OwnerPrediction, *, inter_gbps: float,
-                            senders: str = "owner") -> list[str]:
-    """The owner-sender block of ``megarl plan-sync``: the bound, the prediction, every trainer rank's
-    outgoing bytes (GB, 1e9) and its ratio to its own shard times the engines. ``senders``: the
-    run's ``weight_sync.senders`` resolved (``auto``:
-    :func:`~megarl.weight_sync.choice.senders_on_paper`); with ``owner``
-    the line says it is the path that runs, else that the ``[p2p]`` block below is."""
-    engines = plan.engine_layout.num_engines
-    ratio = max((p.sends.sent.get(h, 0) / (n * engines) for h, n in p.sends.shard.items() if n), default=0.0)
-    head = ("what runs (weight_sync.senders=owner)" if senders == "owner" else
-            f"not selected (weight_sync.senders={senders}; the running p2p sends as the [p2p] block below)")
-    lines = [f"physical bound: the busiest engine rank receives {p.bound_bytes / GB:.2f} GB over its own "
-             f"{inter_gbps:g} GB/s link: {p.bound_s:.2f} s",
-             f"[p2p, owner senders: {head}, all stages at once in {p.rounds} rounds] predicted {p.seconds:.2f} s = "
-             f"{p.seconds / p.bound_s:.2f} x the bound (unpaced: {p.unpaced_s:.2f} s)"
-             + ("; the [p2p] block below is segment senders, for comparison" if senders == "owner" else "")
-             + f"; trainer rank sent max {max(p.sends.sent.values()) / GB:.2f} GB, max sent / (own shard x "
-             f"{engines} engines) {ratio:.2f}"]
-    if p.unaligned:
-        lines.append(f"  {len(p.unaligned)} block-FP8 pieces off 128-row blocks (e.g. {p.unaligned[0]}): their "
-                     f"tensors go in BF16 and each engine rank quantises its slice (senders.receiver_quantized; "
-                     f"counted above)")
-    ranks = sorted(p.sends.shard)
-    cells = [f"{r}: {p.sends.sent.get(r, 0) / GB:.2f}" for r in ranks]
-    lines.append("  outgoing GB per trainer rank:")
-    lines.extend("    " + "  ".join(cells[i:i + 8]) for i in range(0, len(cells), 8))
-    return lines
-
-
 def format_prediction(plan: WeightSyncPlan, predictions: list[SyncPrediction], *, intra_gbps: float,
                       inter_gbps: float, links: str = "given") -> str:
     """The ``megarl plan-sync`` report: one block per transport, bytes in GB (1e9)."""
@@ -281,8 +204,11 @@ def _engine_node_lines(p: SyncPrediction, inter_gbps: float) -> list[str]:
     return out
 
 
-def plan_from_config(cfg):
-    """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``)."""
+def plan_from_config(cfg, *, senders: str | None = None):
+    """The sync plan of a resolved run config (metadata only: ``model.hf_path``'s ``config.json``);
+    ``senders="owner"``: the owner senders' plan (one sender per stage, each layer's experts spread:
+    ``build_plan``'s ``spread_experts``, as :func:`~megarl.weight_sync.synchronizer_build.build_weight_sync`
+    builds it), else the configured senders' (``auto``: segment senders, the ``[p2p]`` block)."""
     from megarl.config.device import resolved_precision
     from megarl.models.fp8_blocks import parse_quantization_config
     from megarl.training.model import load_hf_config
@@ -293,6 +219,7 @@ def plan_from_config(cfg):
 
     p, cl, engine = cfg.parallel, cfg.cluster, cfg.rollout.engine
     auto = "segment" if cfg.weight_sync.senders == "auto" else None  # [p2p] as configured; owner splits copies itself
+    auto = "owner" if senders == "owner" else auto
     dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolved_precision(cfg)]
     trainer = TrainerLayout.from_world_size(
         int(cl.trainer_nodes) * int(cl.trainer_devices_per_node),
@@ -315,7 +242,7 @@ def plan_from_config(cfg):
                       quantization=parse_quantization_config(  # on paper: no SGLang version guard
                           getattr(hf_config, "quantization_config", None),
                           where=f"{cfg.model.hf_path}/config.json quantization_config"),
-                      senders_per_stage=senders_per_stage(cfg.weight_sync, auto))
+                      senders_per_stage=senders_per_stage(cfg.weight_sync, auto), spread_experts=senders == "owner")
 
 
 def placement_from_config(cfg):
@@ -378,14 +305,29 @@ def link_speeds(cfg, *, gpu: str | None = None, intra_gbps: float | None = None,
     return intra, inter, f"GPU preset {spec.name}" + (", overridden" if overridden else "")
 
 
+def sync_seconds(cfg, intra_gbps: float, inter_gbps: float) -> dict[str, float]:
+    """``megarl plan``'s weight-sync seconds, ``{"p2p": s, "distributed": s}``, as ``megarl plan-sync``
+    predicts them at these links: ``p2p`` is the sender path that runs
+    (:func:`~megarl.weight_sync.choice.senders_on_paper`): with ``owner`` the owner senders' prediction
+    as they run (:func:`~megarl.weight_sync.owner_predict.predict_owner_senders`), else the ``[p2p]``
+    block's."""
+    seconds = {p.transport: p.seconds for p in predict_from_config(cfg, intra_gbps=intra_gbps,
+                                                                   inter_gbps=inter_gbps)[1]}
+    if senders_on_paper(cfg) == "owner":
+        seconds["p2p"] = predict_owner_senders(plan_from_config(cfg, senders="owner"), placement_from_config(cfg),
+                                               inter_gbps=inter_gbps).seconds
+    return seconds
+
+
 def cmd_plan_sync(args, cfg) -> int:
     """``megarl plan-sync CONFIG [overrides] [--gpu G] [--intra-gbps X --inter-gbps Y]`` on a validated ``cfg``."""
     intra, inter, source = link_speeds(cfg, gpu=args.gpu, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
     plan, predictions = predict_from_config(cfg, intra_gbps=intra, inter_gbps=inter)
-    owners = predict_owner_senders(plan, placement_from_config(cfg), inter_gbps=inter)
+    owner_plan = plan_from_config(cfg, senders="owner")
+    owners = predict_owner_senders(owner_plan, placement_from_config(cfg), inter_gbps=inter)
     text = format_prediction(plan, predictions, intra_gbps=intra, inter_gbps=inter, links=source).split("\n")
-    print("\n".join([text[0], *format_owner_prediction(plan, owners, inter_gbps=inter, senders=senders_on_paper(cfg)),
-                     *text[1:]]))
+    print("\n".join([text[0], *format_owner_prediction(owner_plan, owners, inter_gbps=inter,
+                                                        senders=senders_on_paper(cfg)), *text[1:]]))
     return 0
 
 

@@ -24,9 +24,9 @@ the loader on that rank's scheduler thread; the payload holds one control ticket
   slice (a strided one through a temporary), and each source's checksums (one per part) follow
   its parts; every part is checked, and the parts must fill every slice, before the vote.
   With owner senders the ticket covers every pipeline stage (one request per engine rank and
-  sync, whatever PP) and its ``rounds`` group the entries: each round's buckets (at most one per
-  stage) are received at once, from all stages' senders, checked each, and voted on
-  together (one vote naming the first failing bucket and tensor).
+  sync, whatever PP) and its ``rounds`` group the entries: each round's buckets (several of each
+  stage, :func:`megarl.weight_sync.senders.plan_rounds`) are received at once, from all stages'
+  senders, checked each, and voted on together (one vote naming the first failing bucket and tensor).
   A failed vote leaves every engine's weights untouched, tells the sender which tensor failed
   where, and ends the stage (the sender sends no more). After the last bucket: load it, then the
   ``finish`` vote (loading errors, and ``p2p`` buckets not found in the engine's parameters
@@ -130,8 +130,8 @@ def _vote(state: dict, row: tuple[int, int, int, int]) -> bool:
 def _stage(model, ticket: dict, tp_rank: int = 0) -> None:
     """Every round of the ticket in order, then the finish vote; stops at a refused round.
 
-    A round is ``rounds[k]`` consecutive bucket entries received together (owner senders: the
-    at most one bucket of each pipeline stage, each from its own stage's senders); without
+    A round is ``rounds[k]`` consecutive bucket entries received together (owner senders: buckets
+    of every pipeline stage, each from its own stage's senders); without
     ``rounds`` every bucket is a round of its own."""
     state = _GROUPS[ticket["group"]]
     _drop_deferred(state, "a new stage ticket came")  # the last sync stopped early

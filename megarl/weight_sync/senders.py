@@ -36,7 +36,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megarl.weight_sync.copy_instructions import Placement
-from megarl.weight_sync.plan import ParamTransfer, ShardSource, WeightSyncPlan
+from megarl.weight_sync.plan import Bucket, ParamTransfer, ShardSource, WeightSyncPlan
 from megarl.weight_sync.segments import _overlap_bytes, overlaps
 
 
@@ -179,44 +179,83 @@ def assign_senders(plan: WeightSyncPlan, placement: Placement) -> OwnerSends:
     return out
 
 
-def plan_rounds(plan: WeightSyncPlan) -> list[tuple]:
+def bucket_links(plan: WeightSyncPlan, sends: OwnerSends) -> dict[int, dict[tuple, int]]:
+    """``{bucket index: {link: bytes}}``: what each bucket puts on each link with owner senders, a
+    link being a trainer rank's outgoing one ``("sent", trainer rank)`` or an engine rank's incoming
+    one ``("got", engine, engine tp rank)`` (from ``sends``: :func:`assign_senders` of ``plan``)."""
+    position = {tr.param.name: b.index for b in plan.buckets for tr in b.params}
+    out: dict[int, dict[tuple, int]] = {b.index: defaultdict(int) for b in plan.buckets}
+    for (name, k, engine, rank), sender in sends.assignment.items():
+        n = sends.parts.get((name, k, rank), 0)
+        if n:
+            links = out[position[name]]
+            links[("sent", sender)] += n
+            links[("got", engine, rank)] += n
+    return {b: dict(links) for b, links in out.items()}
+
+
+ROUND_FILL = 0.8
+"""Owner senders' rounds hold about this share of ``weight_sync.bucket_size_mb`` per engine rank
+(:func:`plan_rounds`): room for the granularity of a bucket."""
+
+
+def plan_rounds(plan: WeightSyncPlan, sends: OwnerSends) -> list[tuple[Bucket, ...]]:
     """The rounds owner senders send in (:mod:`megarl.weight_sync.owner_transport`): the buckets
-    that travel together, at most one per stage, stage order. As many rounds as the stage with the
-    most buckets has buckets; a stage with fewer spreads its buckets over the rounds by bytes:
-    bucket ``j`` goes to round ``floor(c_j * R)``, ``c_j`` the fraction of the stage's wire bytes
-    before the bucket's middle, ``R`` the rounds (at least the round after the stage's previous
-    bucket, at most one that leaves a round for each later bucket), so every round carries about
-    the same share of each stage."""
-    stages = [plan.stage_buckets(pp) for pp in sorted({b.pp_rank for b in plan.buckets})]
-    n = max((len(s) for s in stages), default=0)
-    slots: list[list] = [[] for _ in range(n)]
-    for buckets in stages:
-        total, done, last = sum(b.wire_nbytes for b in buckets) or 1, 0, -1
-        for j, b in enumerate(buckets):
-            last = min(max(last + 1, int((done + b.wire_nbytes / 2) / total * n)), n - (len(buckets) - j))
-            slots[last].append(b)
-            done += b.wire_nbytes
-    return [tuple(r) for r in slots if r]
+    that travel together and are voted on together, each round's in plan order (stage by stage).
+
+    A round lasts as long as its busiest link (:func:`round_link_bytes`), so every round carries the
+    same share of every stage: ``R = ceil(busiest engine rank's bytes / (ROUND_FILL * bucket_size))``
+    rounds (an engine rank receives about ``0.8 * weight_sync.bucket_size_mb`` per round, what its
+    receive buffers hold: two rounds' worth), and bucket ``j`` of a stage goes to round
+    ``floor(c_j * R)``, ``c_j`` the stage's share (by its buckets' busiest engine rank) before the
+    bucket's middle. Balanced only with the owner senders' plan (``build_plan(spread_experts=True)``:
+    consecutive buckets walk over every EP owner and engine EP rank); with model-order buckets a
+    round of consecutive experts lands on one or two engine ranks and owners (and one bucket per
+    stage and round, as before, kept them idle between votes: issue 34, paced 4.4-13.9x the bound
+    on the GPU recipes). Deterministic (integers and indices): every trainer rank derives the same
+    rounds from metadata.
+
+    Args:
+        plan: the whole plan (as :func:`assign_senders`); sends: its :func:`assign_senders`.
+    """
+    links = bucket_links(plan, sends)
+    got = {b: max((n for link, n in mine.items() if link[0] == "got"), default=0) for b, mine in links.items()}
+    engine_total: dict[tuple, int] = defaultdict(int)
+    for mine in links.values():
+        for link, n in mine.items():
+            if link[0] == "got":
+                engine_total[link] += n
+    cap = int(plan.bucket_size_bytes * ROUND_FILL)
+    num = max(1, min(len(plan.buckets), -(-max(engine_total.values(), default=0) // cap)))
+    slots: list[list[Bucket]] = [[] for _ in range(num)]
+    for pp_rank in sorted({b.pp_rank for b in plan.buckets}):
+        buckets = plan.stage_buckets(pp_rank)
+        total, done = sum(got[b.index] for b in buckets) or 1, 0
+        for b in buckets:
+            slots[min(num - 1, (2 * done + got[b.index]) * num // (2 * total))].append(b)
+            done += got[b.index]
+    return [tuple(sorted(r, key=lambda b: b.index)) for r in slots if r]
 
 
-def round_link_bytes(plan: WeightSyncPlan, sends: OwnerSends) -> list[int]:
+def round_link_bytes(plan: WeightSyncPlan, sends: OwnerSends, rounds: list[tuple] | None = None) -> list[int]:
     """The bytes on the busiest link of each round as owner senders run it (:func:`plan_rounds`):
     a round's buckets are sent at once and voted on together, so it lasts as long as its busiest
     link, a trainer rank's outgoing or an engine rank's incoming bytes of the round; the sync
     takes the sum over rounds.
 
     Args:
-        plan: the whole plan (as :func:`assign_senders`); sends: its :func:`assign_senders`.
+        plan: the whole plan (as :func:`assign_senders`); sends: its :func:`assign_senders`;
+        rounds: its :func:`plan_rounds` (None: computed here).
     """
-    rounds = plan_rounds(plan)
-    position = {tr.param.name: k for k, r in enumerate(rounds) for b in r for tr in b.params}
-    sent: list[dict] = [defaultdict(int) for _ in rounds]
-    got: list[dict] = [defaultdict(int) for _ in rounds]
-    for (name, k, engine, rank), sender in sends.assignment.items():
-        n = sends.parts.get((name, k, rank), 0)
-        sent[position[name]][sender] += n
-        got[position[name]][(engine, rank)] += n
-    return [max(max(s.values(), default=0), max(g.values(), default=0)) for s, g in zip(sent, got)]
+    links = bucket_links(plan, sends)
+    out = []
+    for r in rounds if rounds is not None else plan_rounds(plan, sends):
+        load: dict[tuple, int] = defaultdict(int)
+        for bucket in r:
+            for link, n in links[bucket.index].items():
+                load[link] += n
+        out.append(max(load.values(), default=0))
+    return out
 
 
 def unaligned_parts(plan: WeightSyncPlan, placement: Placement) -> list[str]:

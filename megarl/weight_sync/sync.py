@@ -126,6 +126,7 @@ class WeightSynchronizer:
         self.is_helper = False
         """This rank sends segments of its stage besides the stage sender (several senders per stage)."""
         self._connected = False
+        self._owner_order: list | None = None  # owner senders: this stage's buckets in send order (connect)
         self.sliced = False
         """Buckets are laid out per engine rank (decided in :meth:`connect`, the same on every rank)."""
         self._ring: list[torch.Tensor | None] = [None] * RING_SLOTS  # host bucket buffers kept across syncs
@@ -205,7 +206,8 @@ class WeightSynchronizer:
         self.is_helper = index > 0
         if self.is_helper:
             transport.connect(stage)
-        transport.set_owner_senders(senders, index, self.control, parts, list(mine.stage_buckets(stage)))
+        self._owner_order = parts.stage_order(stage)  # round by round (OwnerParts.rounds)
+        transport.set_owner_senders(senders, index, self.control, parts, self._owner_order)
 
     # ------------------------------------------------------------------ the sync
     def sync(self, local_params: Mapping[str, torch.Tensor], policy_version: int, *,
@@ -238,7 +240,7 @@ class WeightSynchronizer:
         on_cpu = all(t.device.type == "cpu" for t in local_params.values())
         gatherer: OwnerFeed | StageGatherer | None = None
         if self.owner and self.mine is not None and self.stage is not None:  # each rank sends its own parts
-            gatherer = OwnerFeed(self.mine, self.stage, local_params)
+            gatherer = OwnerFeed(self.mine, self.stage, local_params, self._owner_order)
         elif self.mine is not None:
             gatherer = StageGatherer(self.mine, self.rank, local_params, self.placement, group=self.group,
                                      ring=self._ring if on_cpu else None, sliced=self.sliced, owners=self.owners,

@@ -126,7 +126,8 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
         return build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,
                           bucket_size_mb=cfg.bucket_size_mb,
                           quantization=served_quantization(hf_config, source=f"{spec.hf_dir}/config.json"),
-                          senders_per_stage=senders_per_stage(cfg, senders))
+                          senders_per_stage=senders_per_stage(cfg, senders),
+                          spread_experts=senders == "owner")  # owner: buckets over every owner and engine rank
 
     transport, senders = cfg.transport, cfg.senders
     if senders == "auto":

@@ -14,9 +14,13 @@ process per engine rank on the engines' host over gloo, all pairs at once. Repor
 the plan's, bytes each engine rank received (counted by the receivers inside the servers) over its
 shard, the load average before and after.
 
+The plan is the owner senders' own, as ``build_weight_sync`` builds it: each layer's experts spread
+over the buckets (``spread_experts``), the buckets packed into rounds that load every link alike
+(``senders.plan_rounds``); the raw transfer moves each round's bytes, all pairs at once, round
+after round.
+
 ``--pp 2``: the trainer in two pipeline stages (TP2 PP2 EP2 ETP1, 4 ranks): both stages deliver at
-once through one group, in rounds of at most one bucket per stage (``senders.plan_rounds``); the
-raw transfer then moves each round's bytes, all pairs at once, round after round.
+once through one group, their buckets in the same rounds.
 
 usage (root, for the namespaces): python tools/benchmarks/weight_sync_hosts.py [--size-gb 0.4]
        [--repeats 3] [--bucket-mb 64] [--pp 1] [--workdir /tmp/megarl_ws_hosts] [--out result.json]
@@ -55,7 +59,7 @@ def _plan(hf_dir: str, bucket_mb: float, pp: int = 1):
                             expert_tensor_parallel_size=1)
     specs = param_specs_from_hf_config(hf_config, tensor_model_parallel_size=2, dtype="bfloat16")
     plan = build_plan(trainer, EngineLayout(tensor_parallel_size=2, num_engines=2), specs, bucket_size_mb=bucket_mb,
-                      senders_per_stage=1)
+                      senders_per_stage=1, spread_experts=True)
     placement = Placement(get_family(hf_config).layout(hf_config, tp_size=2))
     return plan, placement, OwnerParts(plan, placement)
 

@@ -39,6 +39,7 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
     from megarl.training.parallel_state import destroy_parallel
     from megarl.training.trainer_build import build_trainer
     from megarl.weight_sync.manifest_checks import WeightSyncError
+    from megarl.weight_sync.owners import OwnerParts
     from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, LAYOUTS[layout])
@@ -49,7 +50,8 @@ def owner_sync(rank: int, world_size: int, hf_dir: str, layout: str, urls: list[
     syncer = build_weight_sync(spec, trainer.parallel, WeightSyncConfig(bucket_size_mb=0.25), parallel_cfg=cfg.parallel)
     out: dict = {"resolved": (syncer.owner, syncer.transport_name),
                  "stage_buckets": [[b.index for b in syncer.plan.stage_buckets(pp)]
-                                   for pp in sorted({b.pp_rank for b in syncer.plan.buckets})]}
+                                   for pp in sorted({b.pp_rank for b in syncer.plan.buckets})],
+                 "rounds": [[b.index for b in r] for r in OwnerParts(syncer.plan, syncer.placement).rounds()]}
     try:
         if rank == 0:
             workers.reset_engines(urls, hf_dir)

@@ -38,10 +38,11 @@ def _busiest(parts, buckets) -> int:
                                      EngineLayout(tensor_parallel_size=4, num_engines=1)])
 def test_plan_sync_predicts_the_rounds_the_owner_transport_sends(engines):
     """The prediction is the sum over rounds of each round's busiest link, counted from the parts
-    the transport sends; every round carries both stages' buckets while both have one; all stages
-    at once is never slower than bucket after bucket, stage after stage (a session per stage)."""
+    the transport sends; every bucket travels once, each stage's round by round; rounds carry both
+    stages' buckets; all stages at once is never slower than bucket after bucket, stage after stage
+    (a session per stage). How the rounds are packed: ``test_owner_rounds.py``."""
+    from megarl.weight_sync.owner_predict import format_owner_prediction, predict_owner_senders
     from megarl.weight_sync.owners import OwnerParts
-    from megarl.weight_sync.predict import format_owner_prediction, predict_owner_senders
 
     plan, placement = _moe_plan(PP2, engines, MOE)
     plan = replace(plan, senders_per_stage=1)  # owner senders' plan (the copies split the engines themselves)
@@ -49,12 +50,13 @@ def test_plan_sync_predicts_the_rounds_the_owner_transport_sends(engines):
     pred = predict_owner_senders(plan, placement, inter_gbps=50.0)
     rounds = parts.rounds()
     stages = [plan.stage_buckets(pp) for pp in (0, 1)]
-    # every bucket once, each stage's in order, at most one per stage and round, as many rounds as
-    # the stage with the most buckets has; both stages travel together in the other's every bucket
-    assert [b.index for r in rounds for b in r if b.pp_rank == 0] == [b.index for b in stages[0]]
-    assert [b.index for r in rounds for b in r if b.pp_rank == 1] == [b.index for b in stages[1]]
-    assert all(len({b.pp_rank for b in r}) == len(r) for r in rounds)
-    assert len(rounds) == max(map(len, stages)) and sum(len(r) == 2 for r in rounds) == min(map(len, stages)) > 1
+    # every bucket once; each stage sends round by round (plan order inside a round); both stages
+    # travel together
+    assert sorted(b.index for r in rounds for b in r) == [b.index for b in plan.buckets]
+    for pp in (0, 1):
+        assert parts.stage_order(pp) == [b for r in rounds for b in r if b.pp_rank == pp]
+        assert sorted(b.index for b in parts.stage_order(pp)) == [b.index for b in stages[pp]]
+    assert len(rounds) > 1 and any(len({b.pp_rank for b in r}) == 2 for r in rounds)
     assert pred.rounds == len(rounds)
     assert pred.seconds * 50.0 * GB == pytest.approx(sum(_busiest(parts, r) for r in rounds), rel=1e-12)
     # bucket after bucket, stage after stage (one session per stage): never faster
