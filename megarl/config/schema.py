@@ -152,7 +152,10 @@ class WeightSyncConfig:
     host), ``tensor`` (colocated, whole tensors), ``disk`` (safetensors + reload), a name a plugin
     registered, or an import path ``module:Class`` (``megarl.config.sync_transports``)."""
     bucket_size_mb: int = 512
-    """Bucket size for flattened transfers, in MiB."""
+    """Bucket size for flattened transfers, in MiB. Also the engine's receive memory during a sync:
+    with owner senders (``senders: owner``/``auto`` disaggregated) an engine rank receives about
+    ``0.8 * bucket_size_mb`` per round and holds two rounds, ~1.6x this per engine rank
+    (``megarl.weight_sync.senders.plan_rounds``)."""
     senders_per_stage: int | None = None
     """``p2p`` / ``distributed`` with several engines: this many complete copies (data-parallel
     replicas) of each pipeline stage gather and send side by side, replica ``k`` to the engines
