@@ -180,22 +180,35 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
             hf_shapes[key] = [tuple(t.shape) for _, t in outputs]
         names = hf_names(entry, index) if hf_shapes[key] else []  # [] = not exported (tied output layer)
         param_dtype = "float32" if name.endswith(FP32_PARAMS) else dtype
-        head_dim = layout.head_dim if entry.transform in (Transform.QKV, Transform.QKV_GATED) else 0
-        if family.qk_norm_over_heads and name.endswith("self_attention.k_layernorm.weight"):
-            head_dim = layout.head_dim  # k_norm [groups * head_dim]: split by kv heads (_FULL_HEAD_NORMS)
-        pairs = zip(names, hf_shapes[key])
-        sections = _engine_sections(entry, layout, tensor_model_parallel_size, name)
         expert = index.get("E") if entry.expert else None
-        hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim, hf_prefix=family.hf_prefix,
-                             sections=sections if s[0] == sum(sections) else (), expert=expert,
-                             expert_tp_split=entry.tp_split.value, qk_norm_over_heads=family.qk_norm_over_heads)
-                   for n, s in pairs)
+        sections = _engine_sections(entry, layout, tensor_model_parallel_size, name)
+        hf = _hf_specs(family, layout, entry, name, zip(names, hf_shapes[key]), param_dtype, expert, sections)
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
             expert=expert, first_stage=name.startswith("embedding."),
             gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, tuple(shape), entry, layout),
             load_group=load_group(names, family.engine_load_groups)))
     return specs
+
+
+def _hf_specs(family, layout, entry, name: str, named_shapes, dtype: str, expert: int | None,
+              sections: tuple[int, ...]) -> tuple[HFTensorSpec, ...]:
+    """The :class:`HFTensorSpec` of each ``(HF name, shape)`` Megatron parameter ``name`` (its table
+    ``entry``, ``expert`` id) converts to."""
+    return tuple(hf_tensor(n, s, dtype, head_dim=_kv_head_rows(entry, name, layout, family.qk_norm_over_heads),
+                           hf_prefix=family.hf_prefix, sections=sections if s[0] == sum(sections) else (),
+                           expert=expert, expert_tp_split=entry.tp_split.value,
+                           qk_norm_over_heads=family.qk_norm_over_heads) for n, s in named_shapes)
+
+
+def _kv_head_rows(entry, name: str, layout, qk_norm_over_heads: bool) -> int:
+    """Rows per head of the parameter's ``EngineSplit.KV_HEADS`` tensors (k / v of ``linear_qkv``; the k norm
+    over all heads, ``[groups * head_dim]``, :data:`_FULL_HEAD_NORMS`), else 0."""
+    from megarl.models.mapping import Transform
+
+    if entry.transform in (Transform.QKV, Transform.QKV_GATED):
+        return layout.head_dim
+    return layout.head_dim if qk_norm_over_heads and name.endswith("self_attention.k_layernorm.weight") else 0
 
 
 def _engine_sections(entry, layout, tp: int, name: str) -> tuple[int, ...]:
