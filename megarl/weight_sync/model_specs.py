@@ -8,6 +8,9 @@ names and shapes from running the family's own ``megatron_to_hf`` on ``meta`` te
 
 How SGLang shards each HF tensor (:class:`EngineSplit`) follows from the tensor's module name
 (:func:`engine_split_for`); that is SGLang knowledge (0.5.23 model definitions), not the trainer's.
+Which tensors are routed experts, and their expert ids, come from the family's mapping table (its
+``expert`` entries and their ``{E}``), whatever module holds them (``mlp.experts.{E}``, MiniMax-M2's
+``block_sparse_moe.experts.{E}.w1``).
 So is :func:`engine_table`: a tied checkpoint of a family whose SGLang class keeps its own
 ``lm_head`` gets the trained embedding as ``lm_head.weight`` too, every sync.
 """
@@ -24,7 +27,15 @@ _ROWS = ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _COLS = ("o_proj", "down_proj")
 """Row-parallel in SGLang: columns split over TP."""
 _KV = ("k_proj", "v_proj")
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_FULL_HEAD_NORMS = {"q_norm": EngineSplit.ROWS, "k_norm": EngineSplit.KV_HEADS}
+"""q/k norms over all heads (``Family.qk_norm_over_heads``, MiniMax-M2): SGLang 0.5.23's
+``MiniMaxM2RMSNormTP`` holds the weight of its rank's heads, as the q / k projections split them
+(``models/minimax_m2.py`` lines 288-347); per-head q/k norms (Qwen3) are replicated."""
+_EXPERT_SPLITS = {"glu": EngineSplit.ROWS, "column": EngineSplit.ROWS, "row": EngineSplit.COLS,
+                  "none": EngineSplit.REPLICATED}
+"""A routed expert's HF tensors by the Megatron entry's TP split: SGLang's ``FusedMoE`` splits the
+experts' intermediate dimension (``w13_weight`` rows, ``w2_weight`` columns), as Megatron's expert TP;
+an unsplit one (a down-projection bias) is whole on each of the expert's ranks."""
 _TP_AXIS = {"none": None, "column": 0, "glu": 0, "row": 1, "gdn_in_proj": 0, "gdn_conv": 0}
 _HEAD_ROWS = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
               "self_attention.linear_kv_up_proj.weight")
@@ -41,9 +52,10 @@ FP32_PARAMS = ("mlp.router.expert_bias",)
 """Megatron keeps these in fp32 whatever the model dtype (the router's expert-bias buffer)."""
 
 
-def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
+def engine_split_for(hf_name: str, hf_prefix: str = "", *, qk_norm_over_heads: bool = False) -> EngineSplit:
     """How SGLang 0.5.23 shards the HF tensor ``hf_name`` over TP ranks (by its module name);
-    ``hf_prefix``: the family's ``Family.hf_prefix`` (Kimi-K2.5's ``language_model.``)."""
+    ``hf_prefix``: the family's ``Family.hf_prefix`` (Kimi-K2.5's ``language_model.``);
+    ``qk_norm_over_heads``: the family's (q/k norms split by heads, :data:`_FULL_HEAD_NORMS`)."""
     if hf_name.startswith((hf_prefix + "model.embed_tokens.", hf_prefix + "lm_head.")):
         return EngineSplit.VOCAB
     if ".linear_attn." in hf_name:
@@ -51,6 +63,8 @@ def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
         return _LINEAR_ATTN.get(tail, EngineSplit.REPLICATED)
     parts = hf_name.rsplit(".", 2)
     module = parts[-2] if len(parts) == 3 else ""
+    if qk_norm_over_heads and module in _FULL_HEAD_NORMS:
+        return _FULL_HEAD_NORMS[module]
     if module in _ROWS:
         return EngineSplit.ROWS
     if module in _COLS:
@@ -61,13 +75,24 @@ def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
 
 
 def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0, hf_prefix: str = "",
-              sections: tuple[int, ...] = ()) -> HFTensorSpec:
-    """An :class:`HFTensorSpec` whose engine split and expert id follow from its name; ``sections``:
-    the row sections of an ``EngineSplit.SECTION_ROWS`` tensor (default: one, all its rows)."""
-    match = _EXPERT_RE.search(name)
-    split = engine_split_for(name, hf_prefix)
-    return HFTensorSpec(name, tuple(shape), dtype, split, int(match.group(1)) if match else None,
-                        head_dim if split is EngineSplit.KV_HEADS else 0,
+              sections: tuple[int, ...] = (), expert: int | None = None, expert_tp_split: str = "",
+              qk_norm_over_heads: bool = False) -> HFTensorSpec:
+    """An :class:`HFTensorSpec`: a routed expert's (``expert``: its global id, from the family table)
+    split by its Megatron entry's ``expert_tp_split`` (:data:`_EXPERT_SPLITS`), any other tensor's by its
+    name (:func:`engine_split_for`); ``sections``: the row sections of an ``EngineSplit.SECTION_ROWS``
+    tensor (default: one, all its rows).
+
+    Raises:
+        SpecError: an expert tensor whose entry's split SGLang's ``FusedMoE`` does not have.
+    """
+    if expert is not None:
+        if expert_tp_split not in _EXPERT_SPLITS:
+            raise SpecError(f"{name}: expert tensor with TP split {expert_tp_split!r} "
+                            f"(known: {sorted(_EXPERT_SPLITS)})")
+        split = _EXPERT_SPLITS[expert_tp_split]
+    else:
+        split = engine_split_for(name, hf_prefix, qk_norm_over_heads=qk_norm_over_heads)
+    return HFTensorSpec(name, tuple(shape), dtype, split, expert, head_dim if split is EngineSplit.KV_HEADS else 0,
                         sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else ())
 
 
@@ -156,17 +181,35 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
             hf_shapes[key] = [tuple(t.shape) for _, t in outputs]
         names = hf_names(entry, index) if hf_shapes[key] else []  # [] = not exported (tied output layer)
         param_dtype = "float32" if name.endswith(FP32_PARAMS) else dtype
-        head_dim = layout.head_dim if entry.transform in (Transform.QKV, Transform.QKV_GATED) else 0
-        pairs = zip(names, hf_shapes[key])
+        expert = index.get("E") if entry.expert else None
         sections = _engine_sections(entry, layout, tensor_model_parallel_size, name)
-        hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim, hf_prefix=family.hf_prefix,
-                             sections=sections if s[0] == sum(sections) else ()) for n, s in pairs)
+        hf = _hf_specs(family, layout, entry, name, zip(names, hf_shapes[key]), param_dtype, expert, sections)
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
-            expert=index.get("E") if entry.expert else None, first_stage=name.startswith("embedding."),
+            expert=expert, first_stage=name.startswith("embedding."),
             gated=entry.tp_split.value == "glu", tp_unit=_tp_unit(name, tuple(shape), entry, layout),
             load_group=load_group(names, family.engine_load_groups)))
     return specs
+
+
+def _hf_specs(family, layout, entry, name: str, named_shapes, dtype: str, expert: int | None,
+              sections: tuple[int, ...]) -> tuple[HFTensorSpec, ...]:
+    """The :class:`HFTensorSpec` of each ``(HF name, shape)`` Megatron parameter ``name`` (its table
+    ``entry``, ``expert`` id) converts to."""
+    return tuple(hf_tensor(n, s, dtype, head_dim=_kv_head_rows(entry, name, layout, family.qk_norm_over_heads),
+                           hf_prefix=family.hf_prefix, sections=sections if s[0] == sum(sections) else (),
+                           expert=expert, expert_tp_split=entry.tp_split.value,
+                           qk_norm_over_heads=family.qk_norm_over_heads) for n, s in named_shapes)
+
+
+def _kv_head_rows(entry, name: str, layout, qk_norm_over_heads: bool) -> int:
+    """Rows per head of the parameter's ``EngineSplit.KV_HEADS`` tensors (k / v of ``linear_qkv``; the k norm
+    over all heads, ``[groups * head_dim]``, :data:`_FULL_HEAD_NORMS`), else 0."""
+    from megarl.models.mapping import Transform
+
+    if entry.transform in (Transform.QKV, Transform.QKV_GATED):
+        return layout.head_dim
+    return layout.head_dim if qk_norm_over_heads and name.endswith("self_attention.k_layernorm.weight") else 0
 
 
 def _engine_sections(entry, layout, tp: int, name: str) -> tuple[int, ...]:
@@ -196,11 +239,6 @@ def _refuse_unplanned(table, model_type: str) -> None:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for HF tensors "
                         "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
                         "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
-    outside = sorted(name for e in table.values() if e.expert for name in e.hf if ".mlp.experts." not in name)
-    if outside:  # MiniMax-M2's block_sparse_moe.experts.{E}.w1: the specs would make them replicated dense tensors
-        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for experts outside "
-                        f"'mlp.experts.' ({outside[0]}: the plan would send them as replicated tensors without "
-                        "an expert id); megarl plan --no-sync plans the rest")
 
 
 def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str | None:

@@ -16,6 +16,12 @@ Two things live here:
   (``weight_start = 0`` when pre-sharded on CPU), the linears do not. While the fix is active, a
   call with ``narrow_weight=False`` is made with ``weight_start=0``: a weight that is already the
   shard starts at its own row 0. GPU code paths never call this function for pre-sharded weights.
+- :func:`presharded_tp_norm_fix`: SGLang's q/k norms over all heads (MiniMax-M2's ``MiniMaxM2RMSNormTP``,
+  ``models/minimax_m2.py`` lines 317-347) hold their rank's heads' slice of the weight, and their
+  ``weight_loader`` cuts that slice out of whatever it gets, ``use_presharded_weights`` or not: a
+  pre-sharded tensor (already the rank's heads) is cut again, which on rank > 0 fails its
+  ``shard_end <= loaded_weight.shape[0]`` assertion inside the server (on CUDA as on CPU). While the
+  fix is active, a tensor of the parameter's own shape is copied as it is.
 """
 from __future__ import annotations
 
@@ -81,3 +87,49 @@ def cpu_presharded_qkv_fix():
             yield
         finally:
             weight_utils.narrow_padded_param_and_loaded_weight = original
+
+
+TP_NORM_CLASSES = ("sglang.srt.models.minimax_m2.MiniMaxM2RMSNormTP",)
+"""SGLang modules (``module.qualname``) whose ``weight_loader`` slices even pre-sharded tensors."""
+
+
+def tp_norms(model) -> list:
+    """The modules of ``model`` that :func:`presharded_tp_norm_fix` applies to (:data:`TP_NORM_CLASSES`)."""
+    return [m for m in model.modules() if f"{type(m).__module__}.{type(m).__qualname__}" in TP_NORM_CLASSES]
+
+
+@contextlib.contextmanager
+def presharded_tp_norm_fix(modules):
+    """While active, each module's ``weight.weight_loader`` copies a tensor of the parameter's own shape
+    unsliced (a pre-sharded one) and hands any other to SGLang's loader (module docstring).
+
+    Args:
+        modules: :func:`tp_norms` of the model being loaded.
+
+    Raises:
+        RuntimeError: ``modules`` is not empty and SGLang is a release the fix was not written for.
+    """
+    if not modules:
+        yield
+        return
+    version = sglang_version()
+    if version not in SUPPORTED_SGLANG_VERSIONS:
+        raise RuntimeError(f"megarl's pre-sharded loading of {TP_NORM_CLASSES} was written for SGLang "
+                           f"{SUPPORTED_SGLANG_VERSIONS}, found {version}: re-check their weight_loader")
+    saved = [(m.weight, m.weight.weight_loader) for m in modules]
+
+    def loader_of(original):
+        def load(param, loaded_weight):
+            if tuple(loaded_weight.shape) == tuple(param.shape):
+                param.data.copy_(loaded_weight)  # already this rank's heads
+            else:
+                original(param, loaded_weight)
+        return load
+
+    for weight, original in saved:
+        weight.weight_loader = loader_of(original)
+    try:
+        yield
+    finally:
+        for weight, original in saved:
+            weight.weight_loader = original

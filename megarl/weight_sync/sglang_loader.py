@@ -7,7 +7,8 @@ with it. The tensors keep their checkpoint names (``model.layers.0.self_attn.q_p
 hold only the rank's slice; turning on the layers' own ``use_presharded_weights`` switch (column /
 row / QKV / merged linears, vocab-parallel embedding and LM head, FusedMoE) makes SGLang's
 ``model.load_weights`` skip its per-rank narrowing while still doing the fusing (q/k/v -> qkv_proj,
-gate/up -> w13) and padding. Experts of other EP ranks are never sent.
+gate/up -> w13) and padding. Experts of other EP ranks are never sent. MiniMax-M2's q/k norms,
+which have no such switch, get one while loading (``sglang_compat.presharded_tp_norm_fix``).
 
 This runs inside the server: an exception here takes the engine down, which is why the trainer
 validates names, shapes and dtypes before sending (:mod:`megarl.weight_sync.manifest_checks`).
@@ -31,7 +32,8 @@ CUSTOM_WEIGHT_LOADERS = ["megarl.weight_sync.sglang_loader.load_presharded",
 """What an engine that may receive ``shard`` or ``p2p`` updates passes to ``--custom-weight-loader``."""
 STATS_DIR_ENV = "MEGARL_WEIGHT_SYNC_STATS_DIR"
 _PRESHARDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> its modules with a ``use_presharded_weights`` switch."""
+"""model -> (its modules with a ``use_presharded_weights`` switch, its q/k norms over all heads:
+``sglang_compat.tp_norms``)."""
 
 
 def load_presharded(model, named_tensors) -> None:
@@ -41,17 +43,19 @@ def load_presharded(model, named_tensors) -> None:
         model: the rank's SGLang model (``nn.Module`` with ``load_weights``).
         named_tensors: ``[(hf_name, tensor), ...]``: this rank's slices.
     """
-    from megarl.weight_sync.sglang_compat import cpu_presharded_qkv_fix
+    from megarl.weight_sync.sglang_compat import cpu_presharded_qkv_fix, presharded_tp_norm_fix, tp_norms
 
-    modules = _PRESHARDED.get(model)
-    if modules is None:  # walking the module tree costs ~1 ms per call on a small model: once per model
-        modules = _PRESHARDED[model] = [m for m in model.modules() if hasattr(m, "use_presharded_weights")]
+    cached = _PRESHARDED.get(model)
+    if cached is None:  # walking the module tree costs ~1 ms per call on a small model: once per model
+        cached = _PRESHARDED[model] = ([m for m in model.modules() if hasattr(m, "use_presharded_weights")],
+                                       tp_norms(model))
+    modules, norms = cached
     loaded = served(named_tensors)
     toggled = [(m, m.use_presharded_weights) for m in modules]
     for module, _ in toggled:
         module.use_presharded_weights = True
     try:
-        with cpu_presharded_qkv_fix():
+        with cpu_presharded_qkv_fix(), presharded_tp_norm_fix(norms):
             model.load_weights(loaded)
     finally:
         for module, flag in toggled:

@@ -26,10 +26,16 @@ Checkpoint names (what transformers writes and SGLang loads): ``block_sparse_moe
 compute another function than transformers (and megarl) is refused. Multi-token-prediction modules
 (``num_mtp_modules``, HF ``model.layers.{L >= num_hidden_layers}``) are not built.
 
-Not yet right on CUDA: ``tests/gpu/test_minimax_m2_gpu.py`` on an H200 (2026-11-28) found the local
-spec's logits 0.32 from transformers' (CPU: within 1e-5); ``tools/diag/minimax_cuda_layers.py`` puts it
-in attention (layer 0's attention output differs by 0.03; its input norm and the MoE are exact).
-Weight sync is refused (``megarl.weight_sync.model_specs``: experts outside ``mlp.experts.``).
+The CUDA gap (``tests/gpu/test_minimax_m2_gpu.py`` on an H200, 2026-11-28: logits 0.32 from
+transformers', layer 0's attention output 0.03, norms and MoE exact; CPU within 1e-5) was the
+*reference*, not Megatron on CUDA: the GPU node had transformers 5.17.0, whose ``MiniMaxM2Config``
+keeps ``rotary_dim`` as an opaque extra field (huggingface/transformers issue #48241, fixed by PR #48486
+in the 5.19 installed here: ``convert_rope_params_to_dict`` maps it to ``partial_rotary_factor``), so
+its ``MiniMaxM2RotaryEmbedding`` rotated all ``head_dim`` dims of a config that states only
+``rotary_dim``, while megarl (and SGLang) rotate ``rotary_dim``. The tiny config now states the factor
+in ``rope_parameters`` too (:func:`tiny_config`); ``tests/unit/models/test_minimax_m2_rotary.py``
+reproduces the gap on CPU by reading the config as 5.17 does. A released checkpoint's ``config.json``
+states only ``rotary_dim``: compare against transformers >= 5.19 (or SGLang), never an older one.
 """
 from __future__ import annotations
 
@@ -174,21 +180,29 @@ def megatron_shapes(arch: dict) -> dict[str, tuple[int, ...]]:
 
 
 ENGINE_LOAD_GROUPS: tuple = ()
-"""None (``Family.engine_load_groups``): SGLang 0.5.23's ``MiniMaxM2ForCausalLM.load_weights``
-(``sglang/srt/models/minimax_m2.py`` lines 1113-1225) passes every tensor to its parameter's
-``weight_loader`` at once: q/k/v with their shard id, experts' w1/w3/w2 with shard and expert id, the
-q/k norms through ``MiniMaxM2RMSNormTP.weight_loader`` (its TP slice of the whole tensor), the bias
-through ``ebias_weight_loader``; nothing is cached across tensors."""
+"""None (``Family.engine_load_groups``). SGLang 0.5.23's ``MiniMaxM2ForCausalLM.load_weights``
+(``sglang/srt/models/minimax_m2.py`` lines 1113-1225) fuses, each tensor into its own place in one call of
+its parameter's ``weight_loader``: ``q_proj`` / ``k_proj`` / ``v_proj`` -> ``qkv_proj`` (shard ids q, k, v);
+``block_sparse_moe.experts.{E}.w1`` / ``w3`` -> ``experts.w13_weight[E]`` (rows of w1, then of w3) and
+``w2`` -> ``experts.w2_weight[E]`` (``FusedMoE.make_expert_params_mapping``); the stacked ``gate_up_proj``
+mapping is never hit (no dense MLP). ``q_norm`` / ``k_norm`` go to ``MiniMaxM2RMSNormTP.weight_loader`` (its
+heads' slice of the whole tensor; pre-sharded: ``megarl.weight_sync.sglang_compat.presharded_tp_norm_fix``),
+``e_score_correction_bias`` to ``ebias_weight_loader``, the rest to their default loaders. Nothing is cached
+across tensors or calls, so no pair must share a bucket."""
 
 
 def tiny_config(spec, common: dict):
     """The ``tiny:minimax_m2`` config and model class (:attr:`Family.tiny_config`): every layer MoE
     (experts ``spec.moe_intermediate_size`` wide), partial RoPE as released (``rotary_dim =
-    head_dim / 2``), and the released config's engine fields (``use_qk_norm``, ``scoring_func``, ...)."""
+    head_dim / 2``, also as ``rope_parameters.partial_rotary_factor`` so that every transformers
+    release reads it: module docstring, "The CUDA gap"), and the released config's engine fields
+    (``use_qk_norm``, ``scoring_func``, ...)."""
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
     common = dict(common)
-    rope = {"rope_type": "default", "rope_theta": common.pop("rope_theta")}
+    # The factor is written out as well as rotary_dim: transformers before PR #48486 (5.17 among them)
+    # ignores rotary_dim and would rotate the whole head (module docstring, "The CUDA gap")
+    rope = {"rope_type": "default", "rope_theta": common.pop("rope_theta"), "partial_rotary_factor": 0.5}
     cfg = MiniMaxM2Config(  # type: ignore[call-arg]  # PretrainedConfig keeps the extra keys
         intermediate_size=spec.moe_intermediate_size, num_local_experts=spec.num_experts,
         num_experts_per_tok=spec.num_experts_per_tok, rope_parameters=rope, rotary_dim=spec.head_dim // 2,

@@ -30,6 +30,10 @@ Shims (each documented in its own file, each shown still needed by
   import time (``layers/attention/linear/gdn_backend.py`` lines 183-188, ``models/qwen3_5.py`` lines
   283-298), so ``Qwen3_5MoeForCausalLM`` does not load without them (``tests/unit/rollout/test_gdn_ops_shim.py``,
   ``tests/integration/rollout/test_engine_qwen3_5_cpu.py``).
+- ``sglang_minimax_qk_norm.py`` (applied by ``sitecustomize``): MiniMax-M2's q/k norm over all heads.
+  Without AMX, SGLang's ``MiniMaxM2QKRMSNorm`` runs two Triton kernels that assert CUDA tensors
+  (``models/minimax_m2.py`` lines 205, 252); the shim computes CPU tensors in plain torch
+  (``tests/unit/rollout/test_minimax_qk_norm_shim.py``, ``tests/integration/weight_sync/test_load_proof.py``).
 
 Guard: :func:`check_sglang_version` is called by the launcher before a CPU server starts; the shims
 were written against, and are only applied to, :data:`SUPPORTED_SGLANG_VERSION`.
@@ -44,7 +48,7 @@ SUPPORTED_SGLANG_VERSION = "0.5.23"
 """The SGLang version these shims were written and tested for."""
 
 SHIM_NAMES = ("sgl_kernel", "torchvision", "sitecustomize", "sglang_mla_dispatch", "sglang_sink_attention",
-              "sglang_gdn_ops")
+              "sglang_gdn_ops", "sglang_minimax_qk_norm")
 """What the shim directory provides, by import name."""
 
 ALLOW_OTHER_VERSION_ENV = "MEGARL_ALLOW_UNTESTED_SGLANG"

@@ -17,7 +17,8 @@ when the running SGLang is the version this was written for (0.5.23) and the tab
 The same import hook applies ``sglang_mla_dispatch.py`` of this directory (its own docstring says why):
 a ``torch_native`` attention handler for SGLang's MLA models (DeepSeek-V3, Kimi-K2); and
 ``sglang_sink_attention.py``: gpt-oss (attention sinks, sliding window) on ``torch_native``; and
-``sglang_gdn_ops.py``: Qwen3.5's gated-DeltaNet / gated-attention CPU kernels in plain torch.
+``sglang_gdn_ops.py``: Qwen3.5's gated-DeltaNet / gated-attention CPU kernels in plain torch; and
+``sglang_minimax_qk_norm.py``: MiniMax-M2's q/k norm over all heads without its CUDA-only Triton kernels.
 
 Other ``sitecustomize`` modules further down ``sys.path`` are still executed, so this file does not
 hide a site's own customisation.
@@ -99,13 +100,15 @@ def _install() -> None:
         return
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         import sglang_gdn_ops
+        import sglang_minimax_qk_norm
         import sglang_mla_dispatch  # this directory is on the server's sys.path
         import sglang_sink_attention
 
         sys.meta_path.insert(0, _PatchOnImport({
             _TARGET_MODULE: patch_alloc_table,
             sglang_mla_dispatch.TARGET_MODULE: sglang_mla_dispatch.patch_mla_dispatch,
-            **sglang_sink_attention.PATCHES, **sglang_gdn_ops.PATCHES}, before=sglang_gdn_ops.PRE_PATCHES))
+            **sglang_sink_attention.PATCHES, **sglang_gdn_ops.PATCHES, **sglang_minimax_qk_norm.PATCHES},
+            before=sglang_gdn_ops.PRE_PATCHES))
 
 
 def _chain_next_sitecustomize() -> None:

@@ -119,3 +119,64 @@ def test_qk_norm_gradients_match_transformers_at_tp2(tiny_minimax_m2_dir):
             assert ref.abs().max() > 0, hf_name
             diff = (ours - ref).abs().max().item()
             assert diff <= 1e-5 * max(1.0, ref.abs().max().item()), f"{hf_name}: max |grad diff| {diff:.3g}"
+
+
+def _replay_worker(rank, world_size, hf_dir, tokens, forced_routes):
+    """Free logits, and the logits with ``forced_routes [S*B, L, K]`` replayed (R3), on one CPU rank."""
+    from megarl.config.schema import ModelConfig, ParallelConfig
+    from megarl.conversion.load_hf import load_hf_weights
+    from megarl.training.model import build_model
+    from megarl.training.parallel_state import initialize_parallel
+    from megarl.training.routing_replay import RoutingReplay
+
+    state = initialize_parallel(ParallelConfig(), backend="gloo")
+    chunks = build_model(hf_dir, ParallelConfig(), ModelConfig(hf_path=hf_dir), device="cpu", spec="local")
+    load_hf_weights(chunks, hf_dir, state)
+    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+    replay = RoutingReplay(chunks)
+    with torch.no_grad():
+        free = chunks[0](tokens, position_ids, None)
+        replay.replay(forced_routes)
+        forced = chunks[0](tokens, position_ids, None)
+    return {"free": free, "forced": forced}
+
+
+def _forced_gate(gate, indices, hidden_states, e_score_correction_bias):
+    """transformers' ``MiniMaxM2TopKRouter`` with the experts given: weights ``sigmoid(h W^T)`` at them,
+    renormalised (no scaling)."""
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, gate.hidden_dim).float(), gate.weight.float())
+    weights = logits.sigmoid().gather(1, indices)
+    return logits, weights / weights.sum(dim=-1, keepdim=True), indices
+
+
+@pytest.mark.timeout(300)
+def test_replayed_routes_give_transformers_output_for_those_routes(tiny_minimax_m2_dir):
+    """R3 on MiniMax-M2's bias-corrected sigmoid router: replaying other routes (each token's
+    transformers choice shifted by one expert, every layer) gives transformers' output with its gates
+    forced to them, and differs from the free forward."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    from megarl.testing.multiproc import run_ranks
+
+    config = json.loads((tiny_minimax_m2_dir / "config.json").read_text())
+    tokens = torch.randint(0, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
+    model = AutoModelForCausalLM.from_pretrained(tiny_minimax_m2_dir, dtype=torch.float32).eval()
+    routes = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: routes.__setitem__(i, out[2]))
+    with torch.no_grad():
+        model(tokens)
+    shifted = {i: (ids + 1) % config["num_local_experts"] for i, ids in routes.items()}  # [B*S, K], b-major
+    forced = torch.stack([ids.view(BATCH, SEQ, -1).transpose(0, 1).reshape(BATCH * SEQ, -1)  # Megatron: s-major
+                          for _, ids in sorted(shifted.items())], dim=1)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.forward = functools.partial(_forced_gate, layer.mlp.gate, shifted[i])
+    with torch.no_grad():
+        forced_ref = model(tokens).logits
+    (out,) = run_ranks(_replay_worker, 1, args=(str(tiny_minimax_m2_dir), tokens, forced), timeout_s=240)
+    vocab = config["vocab_size"]
+    diff = (out["forced"][..., :vocab] - forced_ref).abs().max().item()
+    assert diff <= 1e-5, f"replayed routes vs transformers with the same routes: max |logit diff| {diff:.3g}"
+    assert (out["forced"] - out["free"]).abs().max().item() > 1e-3  # the replayed routes mattered

@@ -26,6 +26,12 @@ ALLOC_CAPTURE_BUFFER = (
     "assert tuple(cache.buffer.shape) == (4, 2, 2) and int(cache.buffer.abs().sum()) == 0\n"
     "print('IMPORTED')")
 IMPORT_QWEN3_5 = "import sglang.srt.models.qwen3_5; print('IMPORTED')"
+MINIMAX_QK_NORM = (  # what MiniMaxM2QKRMSNorm._forward_naive calls on a CPU without AMX
+    "import torch\n"
+    "from sglang.srt.models import minimax_m2 as m\n"
+    "q, k = torch.randn(3, 8), torch.randn(3, 4)\n"
+    "m.rms_apply_serial(q, k, torch.ones(8), torch.ones(4), m.rms_sumsq_serial(q, k))\n"
+    "print('IMPORTED')")
 
 
 def _shim_dir_without(tmp_path, missing: str | None):
@@ -51,6 +57,7 @@ CASES = {
     "torchvision": (IMPORT_CONFIGS, "No module named 'torchvision'"),
     "sitecustomize": (ALLOC_CAPTURE_BUFFER, "Torch not compiled with CUDA enabled"),
     "sglang_gdn_ops": (IMPORT_QWEN3_5, "fused_sigmoid_mul_cpu"),
+    "sglang_minimax_qk_norm": (MINIMAX_QK_NORM, "is_cuda"),
 }
 
 
@@ -74,6 +81,7 @@ def test_each_shim_is_needed_and_capture_buffer_works_with_all(tmp_path):
              for missing, (code, _) in CASES.items()}
     procs["all shims"] = _run(ALLOC_CAPTURE_BUFFER, cpu_shims.shim_dir())
     procs["qwen3_5 with all shims"] = _run(IMPORT_QWEN3_5, cpu_shims.shim_dir())
+    procs["minimax q/k norm with all shims"] = _run(MINIMAX_QK_NORM, cpu_shims.shim_dir())
     try:
         outputs = {name: p.communicate(timeout=540)[0] for name, p in procs.items()}
     finally:
@@ -84,7 +92,7 @@ def test_each_shim_is_needed_and_capture_buffer_works_with_all(tmp_path):
     for missing, (_, reason) in CASES.items():
         assert procs[missing].returncode != 0, f"SGLang worked without the {missing} shim: remove it"
         assert reason in outputs[missing], outputs[missing][-3000:]
-    for name in ("all shims", "qwen3_5 with all shims"):
+    for name in ("all shims", "qwen3_5 with all shims", "minimax q/k norm with all shims"):
         assert procs[name].returncode == 0, outputs[name][-3000:]
         assert "IMPORTED" in outputs[name]
 

@@ -1,6 +1,7 @@
 """The engine proves what it loaded (issue 34 part 2), on a real SGLang CPU server per family
 (tiny Qwen3-MoE, Qwen3, DeepSeek-V3 with ``q_lora_rank``, GLM-4.5, Kimi-K2.5's text backbone,
-Qwen3.5-MoE: gated attention and gated DeltaNet), every tensor in its own bucket.
+Qwen3.5-MoE: gated attention and gated DeltaNet; MiniMax-M2: ``block_sparse_moe`` experts, q/k norms over
+all heads), every tensor in its own bucket.
 
 References: the trainer's own logprobs after the sync (engine = trainer within fp32 noise when the
 groups are kept whole); SGLang's own DeepSeek loader, which drops a ``q_a_proj`` /
@@ -24,7 +25,8 @@ TOLERANCE = 1e-3
 
 
 FAMILIES = {"qwen3_moe": "tiny_moe_dir", "qwen3": "tiny_dense_dir", "deepseek_v3": "tiny_deepseek_v3_dir",
-            "glm4_moe": "tiny_glm4_moe_dir", "kimi_k25": "tiny_kimi_k25_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_dir"}
+            "glm4_moe": "tiny_glm4_moe_dir", "kimi_k25": "tiny_kimi_k25_dir", "qwen3_5_moe": "tiny_qwen3_5_moe_dir",
+            "minimax_m2": "tiny_minimax_m2_dir"}
 GROUPED = ("deepseek_v3", "kimi_k25")
 """Families with an engine load group (DeepSeek-V3's q_a_proj / kv_a_proj_with_mqa; Kimi-K2.5's text
 backbone is DeepSeek-V3, served by SGLang's KimiK25ForConditionalGeneration around its loader)."""

@@ -101,7 +101,7 @@ def _specs(name: str, tp: int):
 
 
 FAMILY_MODELS = {"qwen3_moe": "qwen3-30b-a3b", "qwen3": "qwen3-8b", "deepseek_v3": "deepseek-v3",
-                 "glm4_moe": "glm-4.5", "kimi_k2": "kimi-k2-like", "kimi_k25": "kimi-k2.5"}
+                 "glm4_moe": "glm-4.5", "kimi_k2": "kimi-k2-like", "kimi_k25": "kimi-k2.5", "minimax_m2": "minimax-m2"}
 
 
 @pytest.mark.timeout(300)

@@ -153,3 +153,29 @@ def test_verified_syncs_proves_exactly_the_verified_ones():
                              syncer=SimpleNamespace(sync=lambda params, version, **kw: calls.append((version, kw)) or {}))
     TrainerWorker.__ray_metadata__.modified_class.sync_weights(worker, 4, False)
     assert calls == [(4, {"load_proof": False})]
+
+
+def test_minimax_m2_experts_and_head_split_norms_are_found_and_a_stale_one_named():
+    """MiniMax-M2's names as SGLang 0.5.23 holds them on engine rank 1 of 2: ``block_sparse_moe.experts.E.w1/w3/w2``
+    in ``block_sparse_moe.experts.w13_weight`` / ``w2_weight`` (``FusedMoE``: w1 rows then w3 rows) and
+    ``self_attn.q_norm.weight`` holding rank 1's heads (``MiniMaxM2RMSNormTP``)."""
+    torch.manual_seed(1)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    layer = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([layer])
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.q_norm = torch.nn.Module()
+    layer.self_attn.q_norm.weight = torch.nn.Parameter(torch.randn(8))  # 2 of 4 heads of 4
+    layer.block_sparse_moe = torch.nn.Module()
+    experts = layer.block_sparse_moe.experts = torch.nn.Module()
+    experts.w13_weight = torch.nn.Parameter(torch.randn(4, 6, 10))  # [E, 2 * I/tp, H]
+    experts.w2_weight = torch.nn.Parameter(torch.randn(4, 10, 3))  # [E, H, I/tp]
+    moe = "model.layers.0.block_sparse_moe.experts."
+    named = [("model.layers.0.self_attn.q_norm.weight", layer.self_attn.q_norm.weight.data.clone()),
+             (moe + "2.w1.weight", experts.w13_weight.data[2, :3].clone()),
+             (moe + "2.w3.weight", experts.w13_weight.data[2, 3:].clone()),
+             (moe + "1.w2.weight", experts.w2_weight.data[1].clone())]
+    assert first_unwritten(model, named) is None
+    named[2] = (named[2][0], named[2][1] + 1e-3)  # the engine still holds the old w3 rows of expert 2
+    assert first_unwritten(model, named) == 2

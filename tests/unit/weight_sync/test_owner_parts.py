@@ -9,6 +9,12 @@ from test_owner_senders import MLA, MOE, _moe_plan
 
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
 
+MINIMAX = {"model_type": "minimax_m2", "architectures": ["MiniMaxM2ForCausalLM"], "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 256,
+           "rotary_dim": 8, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+           "use_routing_bias": True, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
 
 def _shards(plan, placement):
     """``(references, local)``: per HF tensor the whole converted tensor (from the gathered
@@ -69,7 +75,13 @@ def _deliver(parts, bucket, engine, rank, local, corrupt=None):
     # engine TP1 from trainer TP2: a whole o_proj / down_proj slice of two column parts (strided)
     (TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1),
      EngineLayout(tensor_parallel_size=1), MOE),
-], ids=["qwen3_moe-ep4-engine_tp4x2", "mla-ep4-engine_tp2ep2x2", "qwen3_moe-pp2-etp2", "qwen3_moe-engine_tp1"])
+    # MiniMax-M2: block_sparse_moe experts by id; q/k norms replicated on the trainer, split by heads on the
+    # engine (engine TP4 over 2 kv heads: each k_norm head on two ranks)
+    (TrainerLayout(tensor_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1,
+                   data_parallel_size=2), EngineLayout(tensor_parallel_size=4, expert_parallel_size=2, num_engines=2),
+     MINIMAX),
+], ids=["qwen3_moe-ep4-engine_tp4x2", "mla-ep4-engine_tp2ep2x2", "qwen3_moe-pp2-etp2", "qwen3_moe-engine_tp1",
+        "minimax_m2-ep4-engine_tp4ep2x2"])
 def test_parts_rebuild_every_engine_rank_slice_from_the_ticket(trainer, engines, config):
     from megarl.weight_sync.owners import OwnerParts
 

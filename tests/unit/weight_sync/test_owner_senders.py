@@ -129,9 +129,20 @@ def qwen3_moe_rank_bytes(c: dict, tp: int, ep: int) -> int:
     return 2 * (2 * (c["vocab_size"] // tp) * h + h + c["num_hidden_layers"] * layer)
 
 
+def minimax_m2_rank_bytes(c: dict, tp: int, ep: int) -> int:
+    """Engine rank 0's bytes of a BF16 MiniMax-M2 model (SGLang's splits, written out): as Qwen3-MoE's, but
+    the q/k norms hold the rank's heads (``MiniMaxM2RMSNormTP``), the experts are ``intermediate_size``
+    wide and each layer has an fp32 router bias."""
+    h, hd, nh, nkv, moe_tp = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], tp // ep
+    kv_rows, e = (nkv * hd // tp if nkv >= tp else hd), c["num_local_experts"]
+    layer = nh * hd // tp * h * 2 + 2 * kv_rows * h + nh * hd // tp + kv_rows + 2 * h + e * h \
+        + e // ep * 3 * (c["intermediate_size"] // moe_tp) * h
+    return 2 * (2 * (c["vocab_size"] // tp) * h + h + c["num_hidden_layers"] * layer) + 4 * e * c["num_hidden_layers"]
+
+
 RECIPES = {"qwen3_30b_a3b_gpu": qwen3_moe_rank_bytes, "qwen3_235b_a22b_gpu": qwen3_moe_rank_bytes,
            "glm45_gpu": None, "deepseek_v3_gpu": mla_rank_bytes, "kimi_k2_gpu": mla_rank_bytes,
-           "kimi_k25_gpu": None}
+           "kimi_k25_gpu": None, "minimax_m2_gpu": minimax_m2_rank_bytes}
 """Every ``configs/*_gpu.yaml`` (checked below) and, where written, the bound's bytes from config.json alone."""
 
 
