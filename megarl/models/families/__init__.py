@@ -104,6 +104,12 @@ class Family:
     """What weight sync does not plan yet for this family and why (completes "weight sync is not
     planned yet for ..."): :func:`megarl.weight_sync.model_specs.param_specs_from_hf_config` raises it
     as a ``SpecError``, which ``megarl plan`` / ``validate`` report; None: weight sync is planned."""
+    qk_norm_over_heads: bool = False
+    """True where the q/k RMSNorms normalise all heads of a token together (MiniMax-M2's ``q_norm
+    [heads * head_dim]``) instead of each head: the engine splits their weights by heads over its TP
+    ranks (SGLang's ``MiniMaxM2RMSNormTP``), which weight sync follows
+    (:func:`megarl.weight_sync.model_specs.engine_split_for`); the trainer's norm comes from
+    :attr:`block_spec`."""
     tiny_config: Callable[[Any, dict], tuple[Any, type]] | None = None
     """``(TinyModelSpec, common HF config kwargs) -> (HF config, transformers model class)``: the
     family's ``tiny:`` model (:mod:`megarl.models.tiny`), shaped like its released models, scaled

@@ -214,7 +214,7 @@ FAMILY = Family(name="minimax_m2", model_types=("minimax_m2",), table=TABLE, arc
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
                 megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
                 # q/k norms over all heads of a token: Megatron-Core's are per head only
-                block_spec="megarl.training.full_head_qk_norm:full_head_qk_norm_block_spec",
+                block_spec="megarl.training.full_head_qk_norm:full_head_qk_norm_block_spec", qk_norm_over_heads=True,
                 # <think>...</think> (SGLang's "minimax": Qwen3's detector, reasoning forced on);
                 # <minimax:tool_call><invoke name="..."><parameter name="...">...</parameter></invoke>
                 reasoning_parser="minimax", tool_call_parser="minimax-m2",
