@@ -12,6 +12,11 @@ along columns (``TPSplit.ROW``; always a plain copy) becomes one column block pe
 A row piece is contiguous in the shard and in the HF tensor, so a remote shard's rows can be
 received directly into the flat buffer (no copy); a column piece is strided in the HF tensor and is
 received whole into a temporary, then copied.
+
+A sectioned HF tensor (``EngineSplit.SECTION_ROWS``, the gated DeltaNet's ``[q; k; v]``) is held by
+an engine rank as one row block per section (:class:`~megarl.weight_sync.engine_slices.TensorSlice`);
+with ``engine_tp_size`` T its pieces are also cut at those blocks' edges (``s_start + r * n_s / T``),
+so that every piece lies in one block of one engine rank's slice.
 """
 from __future__ import annotations
 
@@ -35,13 +40,15 @@ class Piece:
     dst: tuple[int, int]
 
 
-def _runs(shard: torch.Tensor, src: torch.Tensor) -> list[tuple[int, int, int, int]]:
-    """Per HF row its ``shard`` and ``src`` row -> runs ``(shard, src_start, dst_start, length)``."""
+def _runs(shard: torch.Tensor, src: torch.Tensor, cuts: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
+    """Per HF row its ``shard`` and ``src`` row -> runs ``(shard, src_start, dst_start, length)``; a run
+    also ends before every HF row in ``cuts``."""
     n = shard.numel()
     if n == 0:
         return []
     breaks = torch.ones(n, dtype=torch.bool)
     breaks[1:] = (shard[1:] != shard[:-1]) | (src[1:] != src[:-1] + 1)
+    breaks[[c for c in cuts if 0 < c < n]] = True
     starts = torch.nonzero(breaks)[:, 0].tolist() + [n]
     return [(int(shard[a]), int(src[a]), a, b - a) for a, b in zip(starts[:-1], starts[1:])]
 
@@ -53,13 +60,16 @@ class Placement:
         model_layout: ``Family.layout(hf_config, tp_size=...)`` of the trained model.
         table: the mapping table the plan's specs were named from (default: the family's;
             ``model_specs.engine_table`` for a tied model whose engine keeps its own ``lm_head``).
+        engine_tp_size: the engines' TP: sectioned HF tensors' pieces are cut at its ranks' section
+            blocks (module docstring); 1 = no cuts beyond the shards'.
     """
 
-    def __init__(self, model_layout, table=None) -> None:
+    def __init__(self, model_layout, table=None, *, engine_tp_size: int = 1) -> None:
         from megarl.models.mapping import family_table
 
         self.layout = model_layout
         self.table = table if table is not None else family_table(model_layout)
+        self.engine_tp_size = engine_tp_size
         self._pieces: dict[tuple, tuple[Piece, ...]] = {}
 
     def pieces(self, transfer: ParamTransfer) -> tuple[Piece, ...]:
@@ -72,17 +82,19 @@ class Placement:
         from megarl.models.mapping import lookup, template_of
 
         shapes = tuple(t.shape for t in transfer.param.hf)
-        key = (transfer.param.name, tuple(transfer.param.shape), len(transfer.sources), shapes)
+        cuts = tuple(_section_cuts(t.sections, self.engine_tp_size) for t in transfer.param.hf)
+        key = (transfer.param.name, tuple(transfer.param.shape), len(transfer.sources), shapes, cuts)
         pieces = self._pieces.get(key)
         if pieces is None:  # the name lookups cost more than the copies of a small tensor: once per parameter
             entry, _ = lookup(self.table, transfer.param.name)
             template, _ = template_of(transfer.param.name)
             pieces = self._pieces[key] = self._trace(template, entry, transfer.param.shape, len(transfer.sources),
-                                                     shapes)
+                                                     shapes, cuts)
         return pieces
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - keyed on self too; bounded, so few placements are kept alive
-    def _trace(self, template: str, entry, full_shape: tuple, num_shards: int, hf_shapes: tuple) -> tuple[Piece, ...]:
+    def _trace(self, template: str, entry, full_shape: tuple, num_shards: int, hf_shapes: tuple,
+               cuts: tuple = ()) -> tuple[Piece, ...]:
         from megarl.models.mapping import TPSplit, split_tp, to_hf
 
         if entry.tp_split is TPSplit.ROW and num_shards > 1:
@@ -104,6 +116,18 @@ class Placement:
         pieces = []
         for i, out in enumerate(outputs):
             rows = out[:, 0]
-            for shard, src, dst, length in _runs(owner[rows, 0], owner[rows, 1]):
+            for shard, src, dst, length in _runs(owner[rows, 0], owner[rows, 1], cuts[i] if cuts else ()):
                 pieces.append(Piece(i, shard, 0, (src, src + length), (dst, dst + length)))
         return tuple(pieces)
+
+
+def _section_cuts(sections: tuple[int, ...], engine_tp_size: int) -> tuple[int, ...]:
+    """The HF rows where an engine rank's section block starts (``s_start + r * n_s / T``); () when
+    the tensor has no sections or ``T`` is 1."""
+    if engine_tp_size <= 1 or not sections:
+        return ()
+    out, start = [], 0
+    for n in sections:
+        out += [start + r * (n // engine_tp_size) for r in range(engine_tp_size)]
+        start += n
+    return tuple(out)

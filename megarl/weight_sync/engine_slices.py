@@ -24,17 +24,66 @@ class PlanError(UserError):
 
 @dataclass(frozen=True)
 class TensorSlice:
-    """Rows/columns ``[start, stop)`` along ``axis`` of an HF tensor (``axis`` None = whole tensor)."""
+    """Rows/columns ``[start, stop)`` along ``axis`` of an HF tensor (``axis`` None = whole tensor), or
+    several row blocks (``blocks``, axis 0) held back to back in that order.
+
+    A sectioned tensor (:attr:`~megarl.weight_sync.specs.EngineSplit.SECTION_ROWS`, the gated
+    DeltaNet's ``[q; k; v]``) gives engine rank ``r`` of ``T`` one block per section, ``[q_r; k_r; v_r]``;
+    ``start`` / ``stop`` then span them all and are no slice of their own. Code that meets a slice
+    with a placement piece goes through :meth:`meet`, which places HF rows in the slice whatever
+    its blocks.
+    """
 
     axis: int | None
     start: int = 0
     stop: int = 0
+    blocks: tuple[tuple[int, int], ...] = ()
+    """``[(start, stop)]`` row blocks of a sectioned slice, in the order the engine rank holds them
+    (``axis`` 0); () = the one block ``[start, stop)``."""
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The ``[(start, stop)]`` blocks along ``axis`` (one unless sectioned)."""
+        return self.blocks or ((self.start, self.stop),)
+
+    @property
+    def length(self) -> int:
+        """Rows/columns along ``axis`` this slice holds (0 for a whole-tensor slice)."""
+        return sum(b - a for a, b in self.spans())
 
     def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of this slice of a tensor of shape ``full`` (``full`` itself when ``axis`` is None)."""
         if self.axis is None:
             return full
-        return full[:self.axis] + (self.stop - self.start,) + full[self.axis + 1:]
+        return full[:self.axis] + (self.length,) + full[self.axis + 1:]
+
+    def meet(self, lo: int, hi: int, name: str = "") -> tuple[int, int, int] | None:
+        """The part of ``[lo, hi)`` (indices along ``axis`` of the HF tensor ``name``) this slice holds:
+        ``(lo', hi', at)``, ``at`` its place in the slice along ``axis``; None when they do not meet.
+
+        Raises:
+            PlanError: ``[lo, hi)`` meets several blocks (the placement's pieces must be cut at the
+                engine's section blocks: ``Placement(engine_tp_size=T)``).
+        """
+        out, at = [], 0
+        for a, b in self.spans():
+            if max(a, lo) < min(b, hi):
+                out.append((max(a, lo), min(b, hi), at + max(a, lo) - a))
+            at += b - a
+        if len(out) > 1:
+            raise PlanError(f"{name}: rows [{lo}, {hi}) fall in {len(out)} of an engine rank's section blocks "
+                            f"{list(self.spans())}; build the Placement with the engine's TP (engine_tp_size)")
+        return out[0] if out else None
+
+    def take(self, tensor):
+        """This slice of ``tensor`` (the whole HF tensor): a view for one block, a new tensor of the
+        blocks back to back for several; ``tensor`` itself when ``axis`` is None."""
+        if self.axis is None:
+            return tensor
+        if not self.blocks:
+            return tensor.narrow(self.axis, self.start, self.stop - self.start)
+        import torch
+
+        return torch.cat([tensor.narrow(self.axis, a, b - a) for a, b in self.blocks], dim=self.axis)
 
 
 def sglang_padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -79,6 +128,9 @@ def _block_slice(scale: HFTensorSpec, weight: HFTensorSpec, weight_slice: Tensor
     (SGLang's ``BlockQuantScaleParameter``: the weight's split, in whole blocks)."""
     if weight_slice.axis is None:
         return weight_slice
+    if len(weight_slice.spans()) > 1:
+        raise PlanError(f"{weight.name}: block-FP8 scales of a sectioned tensor are not planned at engine TP > 1 "
+                        "(each engine rank holds several row blocks of it)")
     axis = weight_slice.axis
     b = scale.block[axis]
     if weight_slice.start % b or (weight_slice.stop % b and weight_slice.stop != weight.shape[axis]):
@@ -114,8 +166,22 @@ def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
         head = rank * num_kv_heads // size
         return TensorSlice(0, head * tensor.head_dim, (head + 1) * tensor.head_dim)
     if split is EngineSplit.SECTION_ROWS:
-        raise PlanError(f"{tensor.name}: SGLang holds rows {list(tensor.sections)} section by section on its "
-                        f"{size} ranks (each rank a chunk of every section) and narrows them itself even when "
-                        "pre-sharded; megarl delivers this tensor only whole at engine TP > 1 (transport "
-                        "distributed, tensor or disk; auto picks distributed)")
+        return _section_blocks(tensor, size, rank)
     raise SpecError(f"{tensor.name}: unknown engine split {split!r}")
+
+
+def _section_blocks(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
+    """Engine rank ``rank``'s rows of a sectioned tensor: chunk ``rank`` of every section, back to back
+    (SGLang 0.5.23's ``Qwen3_5GatedDeltaNet``: ``mamba_v2_sharded_weight_loader`` for ``conv1d``, the
+    merged column-parallel ``in_proj_qkvz`` for ``in_proj_qkv``, ``sharded_weight_loader(0)`` for
+    ``dt_bias`` / ``A_log``; ``models/qwen3_5.py`` lines 398-487)."""
+    bad = [n for n in tensor.sections if n % size]
+    if bad:
+        raise PlanError(f"{tensor.name}: row sections {list(tensor.sections)} do not all split over {size} engine "
+                        "ranks (SGLang pads the DeltaNet's heads then; pre-sharded delivery needs them divisible)")
+    blocks, offset = [], 0
+    for n in tensor.sections:
+        step = n // size
+        blocks.append((offset + rank * step, offset + (rank + 1) * step))
+        offset += n
+    return TensorSlice(0, blocks[0][0], blocks[-1][1], tuple(blocks))

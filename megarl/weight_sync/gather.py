@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megarl.training.collectives import irecv, isend
 from megarl.weight_sync.copy_instructions import Placement
+from megarl.weight_sync.manifest_checks import required
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
 from megarl.weight_sync.segments import RankSlices, SegmentOwners, overlaps, sliced_layout
 from megarl.weight_sync.specs import torch_dtype
@@ -152,7 +153,8 @@ class StageGatherer:
         k = overlapping[0]
         sl = regions[k][1]
         if piece.axis == 0:
-            fits = sl.axis is None or (sl.axis == 0 and sl.start <= d0 and d1 <= sl.stop)
+            met = sl.meet(d0, d1) if sl.axis == 0 else None
+            fits = sl.axis is None or (met is not None and met[:2] == (d0, d1))
         else:
             fits = sl.axis == 1 and (sl.start, sl.stop) == (d0, d1)
         return k if fits else None
@@ -302,7 +304,7 @@ class StageGatherer:
             else:
                 hf_positions = where[transfer.param.name]
                 sl, view = targets[hf_positions[piece.hf_index]][self._direct(bucket, hf_positions, piece, dest)]
-                at = piece.dst[0] - (sl.start if sl is not None else 0)
+                at = piece.dst[0] if sl is None else required(sl.meet(*piece.dst), "the piece's block")[2]
                 buffer = view.narrow(piece.axis, at, piece.dst[1] - piece.dst[0])
             works.append(irecv(buffer, source_rank, group=self.group, tag=bucket.index))
             self.timings.bytes_received += buffer.numel() * buffer.element_size()
@@ -344,11 +346,12 @@ class StageGatherer:
             if sl is None:
                 view.narrow(a, d0, d1 - d0).copy_(src)
             elif sl.axis == a:
-                lo, hi = max(d0, sl.start), min(d1, sl.stop)
-                if lo < hi:
-                    view.narrow(a, lo - sl.start, hi - lo).copy_(src.narrow(a, lo - d0, hi - lo))
+                met = sl.meet(d0, d1)
+                if met is not None:
+                    lo, hi, at = met
+                    view.narrow(a, at, hi - lo).copy_(src.narrow(a, lo - d0, hi - lo))
             else:
-                view.narrow(a, d0, d1 - d0).copy_(src.narrow(sl.axis, sl.start, sl.stop - sl.start))
+                view.narrow(a, d0, d1 - d0).copy_(sl.take(src))
 
     def sends_buckets(self) -> list[Bucket]:
         """The buckets :meth:`iter_hf_buckets` yields on this rank: those it sends (the stage

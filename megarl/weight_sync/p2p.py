@@ -62,8 +62,7 @@ class P2PTransport(CheckedTransport):
         parts: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(self.plan.engine_layout.tp_size)]
         for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
             for rank, sl in self.plan.engine_slices_of(spec).items():
-                parts[rank].append((name, tensor if sl.axis is None
-                                    else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)))
+                parts[rank].append((name, sl.take(tensor)))
         return parts
 
     def _listings(self, bucket: Bucket) -> list[list]:

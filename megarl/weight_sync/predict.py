@@ -256,7 +256,8 @@ def placement_from_config(cfg):
     family = get_family(hf_config)
     return Placement(family.layout(
         hf_config, make_vocab_size_divisible_by=int(cfg.model.make_vocab_size_divisible_by),
-        tp_size=int(cfg.parallel.tensor_model_parallel_size)), engine_table(family, hf_config))
+        tp_size=int(cfg.parallel.tensor_model_parallel_size)), engine_table(family, hf_config),
+        engine_tp_size=int(cfg.rollout.engine.tensor_parallel_size))
 
 
 def predict_from_config(cfg, *, intra_gbps: float, inter_gbps: float) -> tuple[WeightSyncPlan, list[SyncPrediction]]:

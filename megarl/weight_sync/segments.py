@@ -61,10 +61,14 @@ def sliced_layout(plan: WeightSyncPlan, bucket: Bucket) -> tuple[list[tuple[int,
     return segments, regions
 
 
-def overlaps(sl, piece) -> bool:
-    """Placement piece ``piece`` has elements inside engine slice ``sl`` of the same HF tensor (a
-    whole-tensor slice, or one split along the other axis, overlaps every piece)."""
-    return sl.axis != piece.axis or (sl.start < piece.dst[1] and piece.dst[0] < sl.stop)
+def overlaps(sl, piece, name: str = "") -> bool:
+    """Placement piece ``piece`` has elements inside engine slice ``sl`` of the same HF tensor ``name`` (a
+    whole-tensor slice, or one split along the other axis, overlaps every piece).
+
+    Raises:
+        PlanError: the piece meets several of a sectioned slice's blocks (``TensorSlice.meet``).
+    """
+    return sl.axis != piece.axis or sl.meet(*piece.dst, name) is not None
 
 
 def _overlap_bytes(spec, piece, sl) -> int:
@@ -72,9 +76,10 @@ def _overlap_bytes(spec, piece, sl) -> int:
     shape = list(spec.shape)
     shape[piece.axis] = piece.dst[1] - piece.dst[0]
     if sl.axis is not None and sl.axis == piece.axis:
-        shape[piece.axis] = max(0, min(piece.dst[1], sl.stop) - max(piece.dst[0], sl.start))
+        met = sl.meet(*piece.dst, spec.name)
+        shape[piece.axis] = 0 if met is None else met[1] - met[0]
     elif sl.axis is not None:
-        shape[sl.axis] = sl.stop - sl.start
+        shape[sl.axis] = sl.length
     return torch.Size(shape).numel() * torch_dtype(spec.dtype).itemsize
 
 
@@ -82,12 +87,14 @@ def _own_rows(spec, sl, pieces: list, owner: int) -> tuple[str, int] | None:
     """``(param name, byte offset in its shard)`` when engine slice ``sl`` of HF tensor ``spec`` is
     one contiguous part of ``owner``'s own shard (see :meth:`SegmentOwners.runs`), else None.
     ``pieces``: ``[(transfer, piece)]`` of that HF tensor."""
-    over = [(t, p) for t, p in pieces if overlaps(sl, p)]
+    over = [(t, p) for t, p in pieces if overlaps(sl, p, spec.name)]
     if len(over) != 1:
         return None
     transfer, piece = over[0]
     source = transfer.sources[piece.shard]
     if source.trainer_rank != owner or transfer.param.dtype != spec.dtype:
+        return None
+    if len(sl.spans()) > 1:  # a sectioned slice: several blocks, never one run of a shard's rows here
         return None
     if piece.axis == 0 and sl.axis in (None, 0):
         lo, hi = (0, spec.shape[0]) if sl.axis is None else (sl.start, sl.stop)

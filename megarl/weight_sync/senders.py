@@ -36,6 +36,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megarl.weight_sync.copy_instructions import Placement
+from megarl.weight_sync.engine_slices import PlanError
 from megarl.weight_sync.plan import Bucket, ParamTransfer, ShardSource, WeightSyncPlan
 from megarl.weight_sync.segments import _overlap_bytes, overlaps
 
@@ -84,9 +85,12 @@ def part_region(spec, sl, piece) -> list[tuple[int, int]]:
     out = [(0, n) for n in spec.shape]
     lo, hi = piece.dst
     if sl.axis == piece.axis:
-        lo, hi = max(lo, sl.start), min(hi, sl.stop)
+        met = sl.meet(lo, hi, spec.name)
+        lo, hi = met[:2] if met is not None else (lo, lo)
     out[piece.axis] = (lo, hi)
     if sl.axis is not None and sl.axis != piece.axis:
+        if len(sl.spans()) > 1:
+            raise PlanError(f"{spec.name}: a column piece of a sectioned slice has no one region")
         out[sl.axis] = (sl.start, sl.stop)
     return out
 
@@ -133,7 +137,7 @@ def engine_parts(plan: WeightSyncPlan, placement: Placement) -> dict[tuple, int]
             fp8 = q is not None and spec.name not in unquantized and q.is_quantized(spec.name, spec.shape)
             for rank, sl in plan.engine_slices_of(spec).items():
                 for t, p in by_tensor[spec.name]:
-                    if not overlaps(sl, p):
+                    if not overlaps(sl, p, spec.name):
                         continue
                     n = fp8_part_bytes(part_region(spec, sl, p), q.block) if fp8 and q is not None \
                         else _overlap_bytes(spec, p, sl)
@@ -298,11 +302,13 @@ def owner_part(spec, sl, piece, shard):
         ``axis`` (the piece's), the whole slice along the other axes.
     """
     lo, hi = piece.dst
+    at = lo
     if sl.axis == piece.axis:
-        lo, hi = max(lo, sl.start), min(hi, sl.stop)
-    if hi <= lo:
-        return None, piece.axis, 0
+        met = sl.meet(lo, hi, spec.name)
+        if met is None:
+            return None, piece.axis, 0
+        lo, hi, at = met
     view = shard.narrow(piece.axis, piece.src[0] + lo - piece.dst[0], hi - lo)
     if sl.axis is not None and sl.axis != piece.axis:
-        view = view.narrow(sl.axis, sl.start, sl.stop - sl.start)
-    return view, piece.axis, lo - (sl.start if sl.axis == piece.axis else 0)
+        view = sl.take(view)
+    return view, piece.axis, at

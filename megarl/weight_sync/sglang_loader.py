@@ -10,6 +10,12 @@ row / QKV / merged linears, vocab-parallel embedding and LM head, FusedMoE) make
 gate/up -> w13) and padding. Experts of other EP ranks are never sent. MiniMax-M2's q/k norms,
 which have no such switch, get one while loading (``sglang_compat.presharded_tp_norm_fix``).
 
+Qwen3.5's gated DeltaNet is the exception (:data:`SECTIONED`): its ``conv1d``, ``dt_bias`` and
+``A_log`` loaders narrow whatever arrives, ignoring the switch, and the packed ``in_proj_qkv`` loader
+splits a tensor by the full section sizes on GPU. A rank's slice of those (one row block per section,
+``[q_r; k_r; v_r]``) is put back at its rows of a zero tensor of the full shape and loaded through
+SGLang's own narrowing loaders, which take exactly those rows (:func:`unshard_sections`).
+
 This runs inside the server: an exception here takes the engine down, which is why the trainer
 validates names, shapes and dtypes before sending (:mod:`megarl.weight_sync.manifest_checks`).
 
@@ -51,16 +57,67 @@ def load_presharded(model, named_tensors) -> None:
                                        tp_norms(model))
     modules, norms = cached
     loaded = served(named_tensors)
+    whole = [(name, unshard_sections(model, name, tensor)) for name, tensor in loaded if _sectioned(name)]
     toggled = [(m, m.use_presharded_weights) for m in modules]
     for module, _ in toggled:
         module.use_presharded_weights = True
     try:
         with cpu_presharded_qkv_fix(), presharded_tp_norm_fix(norms):
-            model.load_weights(loaded)
+            model.load_weights([(name, tensor) for name, tensor in loaded if not _sectioned(name)])
     finally:
         for module, flag in toggled:
             module.use_presharded_weights = flag
+    if whole:  # SGLang's own per-rank narrowing, the switch off (module docstring)
+        model.load_weights(whole)
     _record(model, named_tensors)
+
+
+SECTIONED = {"linear_attn.in_proj_qkv.weight": ("key_dim", "key_dim", "value_dim"),
+             "linear_attn.conv1d.weight": ("key_dim", "key_dim", "value_dim"),
+             "linear_attn.dt_bias": ("num_v_heads",), "linear_attn.A_log": ("num_v_heads",)}
+"""HF tensors SGLang 0.5.23 holds by row sections (``Qwen3_5GatedDeltaNet``, ``models/qwen3_5.py``
+lines 358-487): name suffix -> the DeltaNet module's attributes giving the sections' full sizes."""
+
+
+def _sectioned(name: str) -> bool:
+    return name.endswith(tuple(SECTIONED))
+
+
+def unshard_sections(model, name: str, tensor):
+    """Engine rank ``r``'s slice ``[s0_r; s1_r; ...]`` of the sectioned HF tensor ``name`` at its rows
+    of a zero tensor of the full shape (``[sum(n_s), ...]``, section ``s`` chunk ``r`` at rows
+    ``start_s + r * n_s / T``), for SGLang's narrowing loaders; at engine TP 1 ``tensor`` itself.
+
+    Raises:
+        ValueError: the slice's rows are not ``sum(n_s) / T`` (the trainer checks shapes before sending).
+    """
+    import torch
+
+    suffix = next(s for s in SECTIONED if name.endswith(s))
+    module = _module(model, name[:-len(suffix)] + "linear_attn")
+    size, rank = module.attn_tp_size, module.attn_tp_rank
+    if size == 1:
+        return tensor
+    sections = [int(getattr(module, attr)) for attr in SECTIONED[suffix]]
+    if tensor.shape[0] * size != sum(sections):
+        raise ValueError(f"{name}: {tensor.shape[0]} rows on rank {rank} of {size}, expected {sum(sections) // size} "
+                         f"(sections {sections})")
+    full = torch.zeros((sum(sections),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    start = at = 0
+    for n in sections:
+        step = n // size
+        full[start + rank * step:start + (rank + 1) * step] = tensor[at:at + step]
+        start, at = start + n, at + step
+    return full
+
+
+def _module(model, path: str):
+    """The module at HF path ``path`` (``model.layers.0.linear_attn``), also where SGLang's wrapper nests it."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        tail = path.split("model.", 1)[-1]
+        return next(m for n, m in model.named_modules() if n == tail or n.endswith("." + tail))
 
 
 def served(named_tensors) -> list:

@@ -171,9 +171,9 @@ class ShardTransport(_TensorPayloadTransport):
         for (name, tensor), spec in zip(tensors, bucket.hf_tensors):
             parts: dict = {}  # one copy per distinct slice (replicated slices are shared by ranks)
             for rank, sl in sorted(self.plan.engine_slices_of(spec).items()):
-                key = (sl.axis, sl.start, sl.stop)
+                key = (sl.axis, sl.spans())
                 if key not in parts:
-                    view = tensor if sl.axis is None else tensor.narrow(sl.axis, sl.start, sl.stop - sl.start)
+                    view = sl.take(tensor)
                     # A copy of exactly the slice: a view would share (and ship) the whole storage.
                     parts[key] = view.clone(memory_format=torch.contiguous_format)
                 per_rank[rank].append((name, parts[key]))

@@ -51,11 +51,12 @@ class EngineSplit(str, Enum):
     """Vocab-parallel embedding / LM head: rows of the (64-padded) vocabulary, ``chunk(T, 0)[r]``."""
     SECTION_ROWS = "section_rows"
     """Rows in sections (:attr:`HFTensorSpec.sections`), each chunked over TP: rank ``r`` holds
-    ``[s0_r; s1_r; ...]``, which is not one block of rows at ``T > 1``, and SGLang's own loader does
-    the narrowing even for pre-sharded loads (the gated DeltaNet's ``in_proj_qkv`` / ``conv1d``,
+    ``[s0_r; s1_r; ...]``, one row block per section (:class:`~megarl.weight_sync.engine_slices.TensorSlice`
+    ``blocks``), not one block of rows at ``T > 1`` (the gated DeltaNet's ``in_proj_qkv`` / ``conv1d``,
     sections ``[q; k; v]``, ``mamba_v2_sharded_weight_loader`` and the packed ``in_proj_qkvz`` loader;
-    its ``dt_bias`` / ``A_log``, one section, ``sharded_weight_loader``: ``models/qwen3_5.py``). At
-    ``T > 1`` such a tensor is delivered whole (``distributed``, ``tensor``, ``disk``)."""
+    its ``dt_bias`` / ``A_log``, one section, ``sharded_weight_loader``: ``models/qwen3_5.py``).
+    SGLang's loaders narrow these even when pre-sharded: the engine side puts a rank's blocks back
+    at their rows of a full-size tensor first (:func:`megarl.weight_sync.sglang_loader.unshard_sections`)."""
 
 
 @dataclass(frozen=True)

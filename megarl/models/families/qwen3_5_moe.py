@@ -176,7 +176,10 @@ def tiny_config(spec, common: dict):
     """The ``tiny:qwen3_5_moe`` config and model class (:attr:`Family.tiny_config`): four layers per
     ``spec.num_hidden_layers // 4`` block, three DeltaNet layers then one gated attention layer as
     released (at least one of each), DeltaNet GQA (2 key heads, 4 value heads), partial RoPE 0.25,
-    one shared expert of the experts' width, ``full_attention_interval`` in ``config.json`` where it
+    one shared expert of twice the experts' width (64 rows at the default 32: SGLang's CPU server at TP 2 pads a
+    narrower one to ``TP x 32`` rows, ``configs/update_config.py`` ``adjust_config_with_unaligned_cpu_tp`` lines
+    290-301, and its row-parallel ``down_proj`` then refuses a pre-sharded slice; the routed experts' FusedMoE
+    takes padded slices), ``full_attention_interval`` in ``config.json`` where it
     describes the same layers (SGLang reads it). The builder gives the DeltaNet's constant initial
     ``dt_bias`` (1) and gated-norm weight (1) seeded random values, so a misplaced one changes the logits."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
@@ -191,7 +194,8 @@ def tiny_config(spec, common: dict):
         rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25},
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=spec.head_dim,
         linear_value_head_dim=spec.head_dim, linear_conv_kernel_dim=4,
-        moe_intermediate_size=spec.moe_intermediate_size, shared_expert_intermediate_size=spec.moe_intermediate_size,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=2 * spec.moe_intermediate_size,
         num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok, **common)
     if layers <= 4 or layers % 4 == 0:
         # As the release's config.json: SGLang 0.5.23 derives the layer kinds from it, not from
