@@ -272,7 +272,7 @@ def patch_expert_bias_inplace() -> None:
             return input_
         return original(input_, group)
 
-    reduce._megarl_cpu_patch = True  # type: ignore[attr-defined]
+    reduce._megarl_cpu_patch = True
     layers.reduce_from_tensor_model_parallel_region = reduce
 
 

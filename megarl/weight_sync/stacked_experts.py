@@ -136,7 +136,7 @@ class ShardViews(Mapping):
     def __len__(self) -> int:
         return len(self._shards)
 
-    def values(self):  # type: ignore[override]  # the shards, not their views: see the class docstring
+    def values(self):  # the shards, not their views: see the class docstring
         """The shards themselves (not viewed)."""
         return self._shards.values()
 
