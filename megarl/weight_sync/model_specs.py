@@ -153,8 +153,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         shapes = family.megatron_shapes(family.architecture(hf_config))
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
-    table = engine_table(family, hf_config)
-    _refuse_unplanned(table, hf_config.model_type)
+    _refuse_unplanned(table := engine_table(family, hf_config), hf_config.model_type)
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs, hf_shapes = [], {}  # hf_shapes: (template, shape) -> HF shapes: every layer / expert converts alike
