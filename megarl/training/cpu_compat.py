@@ -18,6 +18,8 @@ cuda_sync              pipeline p2p calls ``torch.cuda.synchronize()``
 cuda_stream            the alltoall token dispatcher creates ``torch.cuda.Stream()``
 moe_splits_numpy       alltoall split sizes stay tensors on CPU; ``all_to_all_single`` rejects them
 torchnorm_sp           the local spec's torch norm refuses ``sequence_parallel`` (needed by MoE+TP)
+expert_bias_inplace    biased experts (gpt-oss) at expert TP 1: ``MLP.forward`` adds the bias in place
+                       to a row-parallel output that Megatron's TP-1 reduce returned as-is
 =====================  ======================================================================
 
 Scope: the patches are process-global (``cuda_device_args`` replaces what
@@ -248,6 +250,32 @@ def patch_torchnorm_sp() -> None:
     WrappedTorchNorm.__new__ = _new
 
 
+def patch_expert_bias_inplace() -> None:
+    """Make the local ``RowParallelLinear``'s reduce over a 1-rank group the plain identity.
+
+    ``_reduce`` returns its input itself at group size 1 (``tensor_parallel/mappings.py:26-28``), so
+    ``_ReduceFromModelParallelRegion`` returns an input as-is and autograd marks the output a view
+    of a custom Function's input; ``MLP.forward`` of a biased expert then adds ``output_bias *
+    per_token_scale`` to it in place (``transformer/mlp.py:244-247``), which autograd forbids
+    (``RuntimeError: ... is a view and is being modified inplace``): gpt-oss cannot train on the
+    local spec at expert TP 1. The identity without the Function is the same forward and backward.
+    """
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+
+    original = layers.reduce_from_tensor_model_parallel_region
+    if getattr(original, "_megarl_cpu_patch", False):
+        return
+
+    def reduce(input_, group=None):
+        if get_tensor_model_parallel_group_if_none(group).size() == 1:
+            return input_
+        return original(input_, group)
+
+    reduce._megarl_cpu_patch = True
+    layers.reduce_from_tensor_model_parallel_region = reduce
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "rng": patch_rng,
     "current_device": patch_current_device,
@@ -258,6 +286,7 @@ PATCHES: dict[str, Callable[[], None]] = {
     "cuda_stream": patch_cuda_stream,
     "moe_splits_numpy": patch_moe_splits_numpy,
     "torchnorm_sp": patch_torchnorm_sp,
+    "expert_bias_inplace": patch_expert_bias_inplace,
 }
 """Every patch by name, in application order."""
 

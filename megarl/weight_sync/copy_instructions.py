@@ -21,12 +21,14 @@ so that every piece lies in one block of one engine rank's slice.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import ParamTransfer
+from megarl.weight_sync.stacked_experts import shard_views
 
 
 @dataclass(frozen=True)
@@ -59,18 +61,27 @@ class Placement:
     Args:
         model_layout: ``Family.layout(hf_config, tp_size=...)`` of the trained model.
         table: the mapping table the plan's specs were named from (default: the family's;
-            ``model_specs.engine_table`` for a tied model whose engine keeps its own ``lm_head``).
+            ``model_specs.engine_table`` for a tied model whose engine keeps its own ``lm_head``,
+            or a family's ``Family.sync_table``).
+        shard_view: ``Family.sync_shard_view`` where ``table`` is the family's ``sync_table``: the
+            trainer shards are read through it (:meth:`local_view`); None: as they are.
         engine_tp_size: the engines' TP: sectioned HF tensors' pieces are cut at its ranks' section
             blocks (module docstring); 1 = no cuts beyond the shards'.
     """
 
-    def __init__(self, model_layout, table=None, *, engine_tp_size: int = 1) -> None:
+    def __init__(self, model_layout, table=None, shard_view=None, *, engine_tp_size: int = 1) -> None:
         from megarl.models.mapping import family_table
 
         self.layout = model_layout
         self.table = table if table is not None else family_table(model_layout)
+        self.shard_view = shard_view
         self.engine_tp_size = engine_tp_size
         self._pieces: dict[tuple, tuple[Piece, ...]] = {}
+
+    def local_view(self, shards: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A rank's shards (global name -> tensor) as the pieces read them (``shard_view``,
+        :class:`megarl.weight_sync.stacked_experts.ShardViews`)."""
+        return shard_views(shards, self.shard_view)
 
     def pieces(self, transfer: ParamTransfer) -> tuple[Piece, ...]:
         """The pieces of one parameter, ordered by HF tensor then destination.

@@ -110,13 +110,19 @@ def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) 
     ranks of its expert-parallel rank and is split over those.
 
     Raises:
-        PlanError: a dimension that does not split, or a vocabulary SGLang would pad (its pre-sharded
-            vocab loader accepts only ``vocab_size / T`` rows per rank).
+        PlanError: a dimension that does not split, a vocabulary SGLang would pad (its pre-sharded
+            vocab loader accepts only ``vocab_size / T`` rows per rank), or a slice of an expert stack
+            at engine EP > 1.
     """
     if tensor.scale_of is not None:
         weight = tensor.scale_of
         return {r: _block_slice(tensor, weight, sl) for r, sl in engine_slices(weight, layout, num_experts).items()}
     if tensor.expert is not None:
+        if tensor.name.endswith("]") and layout.ep_size > 1:
+            raise PlanError(f"{tensor.name}: a slice of a stack of every expert (gpt-oss) cannot be served at engine "
+                            f"expert_parallel_size {layout.ep_size}: SGLang 0.5.23's FusedMoE.weight_loader_fused "
+                            "copies the whole stack into each rank's local experts (layers/moe/fused_moe_triton/"
+                            "layer.py:1559, no expert id); serve it with engine TP only")
         moe_tp = layout.moe_tp_size
         ep_rank = tensor.expert // (num_experts // layout.ep_size)
         return {ep_rank * moe_tp + k: _split(tensor, moe_tp, k) for k in range(moe_tp)}

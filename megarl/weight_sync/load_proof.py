@@ -9,7 +9,8 @@ bit for bit in a parameter of its own module or its parent (the engine fuses q/k
 ``qkv_proj``, gate/up into ``gate_up_proj``, ``q_a_proj`` + ``kv_a_proj_with_mqa`` into
 ``fused_qkv_a_proj_with_mqa``, an expert's matrices into row ranges of ``experts.w13_weight`` /
 ``w2_weight``; where the engine has no module of the parent's path, the nearest ancestor it has:
-SGLang's Qwen3.5 drops ``self_attn``, ``models/qwen3_5.py`` ``load_weights``), as a block of whole
+SGLang's Qwen3.5 drops ``self_attn``, ``models/qwen3_5.py`` ``load_weights``; expert E's slice of a
+gpt-oss stack, ``experts.gate_up_proj[E]``, transposed in expert E of ``w13_weight``), as a block of whole
 rows (columns may be padded past it), after casting to the parameter's dtype (the loaders'
 ``copy_``). A tensor that is nowhere was not written. Where the weights did not change the old value
 passes too: the proof counts after a training step.
@@ -73,6 +74,8 @@ MODULE_TRANSFORMS = {"use_triton_kernels": "triton_kernels MoE (experts transpos
 SKIPPED: set = set()
 """HF names the proof skipped (each logged once per process)."""
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.")
+_STACK = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<stack>[a-z_]+)\[(?P<expert>\d+)\]$")
+"""Expert E's slice of a stack of every expert (gpt-oss, :mod:`megarl.weight_sync.stacked_experts`)."""
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -89,7 +92,9 @@ def first_unwritten(model, named: Sequence[tuple[str, torch.Tensor]]) -> int | N
         cached = _PARAMS[model] = (_by_ancestor(model), transformed_params(model))
     params, transformed = cached
     for index, (name, tensor) in enumerate(named):
-        if any(_contains(p, tensor) for p in _candidates(params, name)):
+        candidates = _stack_candidates(params, name, tensor) if _STACK.match(name) else (
+            (p, tensor) for p in _candidates(params, name))
+        if any(_contains(p, t) for p, t in candidates):
             continue
         why = _transformed_owner(transformed, name)
         if why is None:
@@ -118,9 +123,11 @@ def _transformed_owner(transformed: dict, name: str) -> str | None:
     """Why HF tensor ``name`` cannot be found: a transformed parameter of the same kind (its name
     ends like ``name``'s: ``weight`` / ``weight_scale_inv``) under its module's parent (where
     :func:`_candidates` looks: fused modules, an expert's ``experts``), or None."""
-    match = _EXPERT.match(name)
+    match = _EXPERT.match(name) or _STACK.match(name)
     module = match["prefix"] + ".x" if match else name.rsplit(".", 1)[0]
     parent, kind = module.rsplit(".", 1)[0] + ".", name.rsplit(".", 1)[1]
+    if match and "stack" in match.groupdict():  # experts.gate_up_proj[E] -> w13_weight, ..._bias -> w13_weight_bias
+        kind = "bias" if match["stack"].endswith("bias") else "weight"
     return next((why for param, why in transformed.items()
                  if param.startswith(parent) and param.rsplit(".", 1)[1].endswith(kind)), None)
 
@@ -136,6 +143,21 @@ def _by_ancestor(model) -> dict[str, list[tuple[str, torch.Tensor]]]:
         for depth in range(1, len(parts)):
             out.setdefault(".".join(parts[:depth]), []).append((name, param))
     return out
+
+
+def _stack_candidates(params: dict, name: str, tensor: torch.Tensor):
+    """``(parameter, tensor as it is there)`` for expert E's slice of a stack (:data:`_STACK`): expert
+    E of each fused expert parameter of the stack's module (3-D weights, 2-D biases), the slice
+    transposed where 2-D (SGLang's gpt-oss loader transposes the ``x @ W`` stack into ``w13_weight
+    [E, 2F, H]`` / ``w2_weight [E, H, F]``, ``models/gpt_oss.py:1271``)."""
+    match = _STACK.match(name)
+    if match is None:  # not a stack's slice: no candidate
+        return
+    expert = int(match["expert"])
+    want = tensor.t() if tensor.dim() == 2 else tensor
+    for _, p in params.get(match["prefix"], ()):
+        if p.dim() == want.dim() + 1 and expert < p.shape[0]:
+            yield p[expert], want
 
 
 def _candidates(params: dict, name: str):
@@ -167,7 +189,8 @@ def _contains(param: torch.Tensor, tensor: torch.Tensor) -> bool:
     1-D one as a contiguous run of its elements."""
     data = param.detach()
     if tensor.dim() <= 1:
-        return 0 < tensor.numel() <= data.numel() and _contains_1d(data.reshape(-1), tensor.reshape(-1).to(data.dtype))
+        return 0 < tensor.numel() and 0 < data.numel() and _contains_1d(data.reshape(-1),
+                                                                          tensor.reshape(-1).to(data.dtype))
     cols = tensor.shape[-1]
     if data.dim() < 2 or data.shape[-1] < cols:
         return False
@@ -181,7 +204,11 @@ def _contains(param: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 
 def _contains_1d(have: torch.Tensor, want: torch.Tensor) -> bool:
-    """``want`` as a contiguous run of ``have`` (1-D: norms, biases fused into ``qkv_proj.bias``)."""
+    """``want`` as a contiguous run of ``have`` (1-D: norms, biases fused into ``qkv_proj.bias``), or
+    ``have`` as one of ``want`` where ``want`` is longer (a tensor every rank receives whole and SGLang's
+    loader cuts itself: gpt-oss's ``sinks``, ``models/gpt_oss.py:1291-1314``)."""
+    if want.numel() > have.numel():
+        have, want = want.to(have.dtype), have
     have, want = _bits(have), _bits(want.to(device=have.device))
     n = want.numel()
     for start in (have == want[0]).nonzero().flatten().tolist():

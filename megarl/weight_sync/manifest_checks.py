@@ -26,6 +26,7 @@ import torch
 from megarl.models.families import find_family, text_config_of
 from megarl.rollout.engine_view import EMBEDDING, OUTPUT_LAYER, needs_untied_view
 from megarl.weight_sync.plan import WeightSyncPlan
+from megarl.weight_sync.stacked_experts import stacked_specs
 
 Manifest = dict[str, tuple[tuple[int, ...], str]]
 """HF tensor name -> (shape, dtype name without ``torch.``)."""
@@ -119,7 +120,8 @@ def check_plan_against_manifest(plan: WeightSyncPlan, manifest: Mapping[str, tup
     Raises:
         WeightSyncError: lists unknown names, missing tensors and shape / dtype mismatches.
     """
-    planned = {t.name: t for t in plan.wire_tensors()}  # FP8 weights and scales for a block-FP8 engine
+    # FP8 weights and scales for a block-FP8 engine; an expert stack's slices as the stack the engine loads
+    planned = {t.name: t for t in stacked_specs(list(plan.wire_tensors()))}
     problems = []
     unknown = sorted(set(planned) - set(manifest))
     if unknown:

@@ -48,6 +48,14 @@ _LINEAR_ATTN = {"in_proj_qkv": EngineSplit.SECTION_ROWS, "conv1d": EngineSplit.S
 ``Qwen3_5GatedDeltaNet`` (``models/qwen3_5.py``): ``in_proj_qkvz`` / ``in_proj_ba`` merged column-parallel,
 ``conv1d`` column-parallel by sections, ``dt_bias`` / ``A_log`` split by their own loader, ``out_proj``
 row-parallel; its ``norm`` is replicated."""
+_STACKED = {"gate_up_proj": EngineSplit.COLS, "gate_up_proj_bias": EngineSplit.ROWS, "down_proj": EngineSplit.ROWS,
+            "down_proj_bias": EngineSplit.REPLICATED}
+"""Expert E's slice ``mlp.experts.<stack>[E]`` of a tensor stacking a layer's experts (gpt-oss, HF
+``x @ W`` layout: ``gate_up_proj[E] [H, 2F]``, ``down_proj[E] [F, H]``), as SGLang 0.5.23 splits the
+stack over its MoE TP ranks: ``_load_normal_weights`` transposes the weights (``models/gpt_oss.py:1271``)
+and ``FusedMoE._load_w13`` / ``_load_w2`` narrow ``w13``'s 2F rows (the bias: its last dim) and
+``w2``'s F columns by ``moe_tp_rank`` (``layers/moe/fused_moe_triton/layer.py:788-960``); the down
+bias stays whole (zeroed on ranks > 0, ``models/gpt_oss.py:1272-1275``)."""
 FP32_PARAMS = ("mlp.router.expert_bias",)
 """Megatron keeps these in fp32 whatever the model dtype (the router's expert-bias buffer)."""
 
@@ -58,6 +66,9 @@ def engine_split_for(hf_name: str, hf_prefix: str = "", *, qk_norm_over_heads: b
     ``qk_norm_over_heads``: the family's (q/k norms split by heads, :data:`_FULL_HEAD_NORMS`)."""
     if hf_name.startswith((hf_prefix + "model.embed_tokens.", hf_prefix + "lm_head.")):
         return EngineSplit.VOCAB
+    base, expert = _expert_slice(hf_name)
+    if expert is not None:
+        return _STACKED.get(base.rsplit(".", 1)[1], EngineSplit.REPLICATED)
     if ".linear_attn." in hf_name:
         tail = hf_name.split(".linear_attn.", 1)[1].split(".")[0]
         return _LINEAR_ATTN.get(tail, EngineSplit.REPLICATED)
@@ -67,8 +78,8 @@ def engine_split_for(hf_name: str, hf_prefix: str = "", *, qk_norm_over_heads: b
         return _FULL_HEAD_NORMS[module]
     if module in _ROWS:
         return EngineSplit.ROWS
-    if module in _COLS:
-        return EngineSplit.COLS
+    if module in _COLS:  # a row-parallel layer's bias (gpt-oss's o_proj) is whole on every rank
+        return EngineSplit.REPLICATED if parts[-1] == "bias" else EngineSplit.COLS
     if module in _KV:
         return EngineSplit.KV_HEADS
     return EngineSplit.REPLICATED
@@ -80,31 +91,36 @@ def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 
     """An :class:`HFTensorSpec`: a routed expert's (``expert``: its global id, from the family table)
     split by its Megatron entry's ``expert_tp_split`` (:data:`_EXPERT_SPLITS`), any other tensor's by its
     name (:func:`engine_split_for`); ``sections``: the row sections of an ``EngineSplit.SECTION_ROWS``
-    tensor (default: one, all its rows).
+    tensor (default: one, all its rows). A slice ``stack[E]`` of a tensor stacking a layer's experts
+    (gpt-oss) is split as SGLang splits its stack (:data:`_STACKED`).
 
     Raises:
         SpecError: an expert tensor whose entry's split SGLang's ``FusedMoE`` does not have.
     """
-    if expert is not None:
+    stacked = _expert_slice(name)[1]
+    if expert is not None and stacked is None:
         if expert_tp_split not in _EXPERT_SPLITS:
             raise SpecError(f"{name}: expert tensor with TP split {expert_tp_split!r} "
                             f"(known: {sorted(_EXPERT_SPLITS)})")
         split = _EXPERT_SPLITS[expert_tp_split]
-    else:
+    else:  # a stack's expert slice (gpt-oss's mlp.experts.gate_up_proj[E]): by its stack (_STACKED)
         split = engine_split_for(name, hf_prefix, qk_norm_over_heads=qk_norm_over_heads)
+        expert = expert if expert is not None else stacked
     return HFTensorSpec(name, tuple(shape), dtype, split, expert, head_dim if split is EngineSplit.KV_HEADS else 0,
                         sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else ())
 
 
 def engine_table(family, hf_config) -> Mapping:
-    """The family's mapping table as the engines load it: for a tied checkpoint whose SGLang class
-    keeps ``lm_head`` apart (:func:`megarl.rollout.engine_view.needs_untied_view`), the embedding is
-    also sent as ``lm_head.weight`` (``megarl.models.mapping.embedding_as_output``), so the engine's
-    untied output layer stays equal to the trainer's tied embedding."""
+    """The family's mapping table as the engines load it (its ``Family.sync_table`` where it has
+    one): for a tied checkpoint whose SGLang class keeps ``lm_head`` apart
+    (:func:`megarl.rollout.engine_view.needs_untied_view`), the embedding is also sent as
+    ``lm_head.weight`` (``megarl.models.mapping.embedding_as_output``), so the engine's untied
+    output layer stays equal to the trainer's tied embedding."""
     from megarl.models.mapping import embedding_as_output
     from megarl.rollout.engine_view import needs_untied_view
 
-    return embedding_as_output(family.table) if needs_untied_view(hf_config) else family.table
+    table = family.sync_table if family.sync_table is not None else family.table
+    return embedding_as_output(table) if needs_untied_view(hf_config) else table
 
 
 def _hf_config_object(config: Any):
@@ -165,12 +181,13 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
     _refuse_by_family(family, hf_config.model_type)
-    _refuse_unplanned(family.table, hf_config.model_type)
+    _refuse_unplanned(table := engine_table(family, hf_config), hf_config.model_type)
     dtype = dtype or str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                          or "bfloat16").replace("torch.", "")
     specs, hf_shapes = [], {}  # hf_shapes: (template, shape) -> HF shapes: every layer / expert converts alike
-    table = engine_table(family, hf_config)
     for name, shape in shapes.items():
+        if family.sync_shard_view is not None:  # the parameter as weight sync reads it (Family.sync_table)
+            shape = tuple(family.sync_shard_view(name, torch.empty(shape, device="meta")).shape)
         template, index = template_of(name)
         entry = table.get(template) or lookup(table, name)[0]  # lookup raises a named KeyError
         if entry.transform is Transform.VOCAB:
@@ -236,21 +253,22 @@ def _refuse_unplanned(table, model_type: str) -> None:
 
     transforms = {e.transform for e in table.values()}
     if transforms & {Transform.TRANSPOSE, Transform.GLU_INTERLEAVED_T}:
-        raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for HF tensors "
-                        "stacked over experts in x @ W orientation (SGLang loads gpt-oss's experts.gate_up_proj as "
-                        "a layer's whole stack, megarl sends one per expert); megarl plan --no-sync plans the rest")
+        raise SpecError(f"config.json ({model_type}): weight sync is not planned for a table whose conversion "
+                        "transposes (the copy instructions trace rows only): the family needs a sync_table with "
+                        "a sync_shard_view in HF orientation, as gpt-oss has; megarl plan --no-sync plans the rest")
 
 
 def load_group(hf_names: Sequence[str], groups: Sequence[Sequence[str]]) -> str | None:
     """The key of the engine load group (``Family.engine_load_groups``) one of ``hf_names`` belongs
-    to: the group's first template filled with the name's layer; None when in none."""
+    to: the group's first template filled with the name's layer, ``{E}`` (any expert: gpt-oss's
+    stacks, one group per layer) as ``*``; None when in none."""
     for group in groups:
         for template in group:
-            pattern = re.escape(template).replace(re.escape("{L}"), r"(?P<L>\d+)")
+            pattern = re.escape(template).replace(re.escape("{L}"), r"(?P<L>\d+)").replace(re.escape("{E}"), r"\d+")
             for name in hf_names:
                 match = re.fullmatch(pattern, name)
                 if match:
-                    return group[0].format(**match.groupdict())
+                    return group[0].replace("{E}", "*").format(**match.groupdict())
     return None
 
 
@@ -260,3 +278,10 @@ def _refuse_by_family(family, model_type: str) -> None:
     if family.weight_sync_refusal:
         raise SpecError(f"config.json ({model_type}): weight sync is not planned yet for "
                         f"{family.weight_sync_refusal}; megarl plan --no-sync plans the rest")
+
+
+def _expert_slice(hf_name: str) -> tuple[str, int | None]:
+    """``megarl.models.mapping.expert_slice``: (stack name, expert) of ``stack[E]``, else (name, None)."""
+    from megarl.models.mapping import expert_slice
+
+    return expert_slice(hf_name)

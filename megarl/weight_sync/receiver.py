@@ -61,6 +61,7 @@ import torch.distributed as dist
 from megarl.training.collectives import all_reduce, broadcast, group_device, irecv
 from megarl.weight_sync import wire
 from megarl.weight_sync.receiver_parts import part_targets, place_parts
+from megarl.weight_sync.stacked_experts import manifest_entry, manifest_experts, stack_expert_slices
 
 __all__ = ["RECEIVER", "part_targets", "place_parts", "receive_shards"]
 
@@ -276,7 +277,8 @@ def _drop_deferred(state: dict, why: str) -> None:
 
 def _load(model, named: list, state: dict, bucket: int, *, whole: bool, proof: bool) -> None:
     """Load one voted bucket (on an engine serving a dequantised view of a block-FP8 checkpoint, CPU:
-    :mod:`megarl.rollout.dequantized_view`, its FP8 slices dequantised first); pre-sharded (``p2p``), then,
+    :mod:`megarl.rollout.dequantized_view`, its FP8 slices dequantised first; an expert stack's slices
+    stacked, :mod:`megarl.weight_sync.stacked_experts`); pre-sharded (``p2p``), then,
     with ``proof`` (the stage ticket's, from
     ``weight_sync.load_proof``), prove every tensor is in the engine's parameters
     (:func:`megarl.weight_sync.load_proof.first_unwritten`). A failure is kept for the
@@ -286,10 +288,11 @@ def _load(model, named: list, state: dict, bucket: int, *, whole: bool, proof: b
 
     try:
         loaded = served(named)  # FP8 slices dequantised where the engine serves a dequantised view (CPU)
+        stacked = stack_expert_slices(loaded, manifest_experts(_manifest()))  # gpt-oss: stacks loaded whole
         if whole:
-            model.load_weights(loaded)
+            model.load_weights(stacked)
             return
-        load_presharded(model, loaded)
+        load_presharded(model, stacked)
         missing = first_unwritten(model, loaded) if proof else None
     except Exception:  # noqa: BLE001
         log.error("p2p receiver: loading bucket %s failed: %s", bucket, traceback.format_exc())
@@ -343,9 +346,10 @@ def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[
     manifest = _manifest()
     views, offset = [], 0
     for index, (name, dtype, shape, expected) in enumerate(ticket["tensors"]):
-        if manifest is None or name not in manifest:
+        known = None if manifest is None else manifest_entry(manifest, name)  # an expert stack's slice too
+        if known is None:
             return 2, index, []
-        full_shape, full_dtype = manifest[name]
+        full_shape, full_dtype = known
         if dtype != full_dtype:
             return 4, index, []
         if len(shape) != len(full_shape) or any(s <= 0 or f % s for s, f in zip(shape, full_shape)):

@@ -97,6 +97,7 @@ class DistributedTransport(GroupTransport):
         if self.group is None:
             raise WeightSyncError("distributed transport used before connect()")
         self._wait_broadcast()
+        tensors = self._stacked(tensors, views_only=True)  # SGLang's flattened bucket: its bytes as they lie
         names = [n for n, _ in tensors]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
@@ -178,7 +179,7 @@ class ShardTransport(_TensorPayloadTransport):
                     parts[key] = view.clone(memory_format=torch.contiguous_format)
                 per_rank[rank].append((name, parts[key]))
                 nbytes[rank] += parts[key].numel() * parts[key].element_size()
-        return per_rank, nbytes
+        return [self._stacked(p) for p in per_rank], nbytes
 
 
 class TensorTransport(_TensorPayloadTransport):
@@ -187,7 +188,7 @@ class TensorTransport(_TensorPayloadTransport):
     name = "tensor"
 
     def _payloads(self, bucket, tensors):
-        whole = [(n, t.contiguous()) for n, t in tensors]
+        whole = [(n, t.contiguous()) for n, t in self._stacked(tensors)]
         size = sum(t.numel() * t.element_size() for _, t in whole)
         return [whole] * self.plan.engine_layout.tp_size, [size] * self.plan.engine_layout.tp_size
 
@@ -226,7 +227,7 @@ class DiskTransport(Transport):
 
         started = time.perf_counter()
         # save_file refuses tensors sharing storage (q/k/v views of one fused tensor): copy.
-        save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in tensors},
+        save_file({n: t.detach().to("cpu").contiguous().clone() for n, t in self._stacked(tensors)},
                   str(self.directory / f"bucket-{bucket.index:05d}.safetensors"))
         self.stats.transfer_s += time.perf_counter() - started
         self._count([bucket.nbytes] * self.plan.engine_layout.tp_size)

@@ -222,6 +222,8 @@ class WeightSynchronizer:
             WeightSyncError: a planned shard is missing or malformed, conversion did not produce the
                 planned tensors, or an engine refused an update.
         """
+        if self.placement is not None:  # as the family's sync table reads them (gpt-oss: experts in HF layout)
+            local_params = self.placement.local_view(local_params)
         if self.mine is not None:
             check_local_params(self.mine, self.rank, local_params)
         if load_proof is not None and hasattr(self.transport, "load_proof"):  # the checked transports

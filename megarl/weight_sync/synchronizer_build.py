@@ -143,7 +143,7 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
     layout = family.layout(hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                            tp_size=parallel.tp_size)
     return WeightSynchronizer(plan, transport, list(spec.engine_urls), rank=parallel.rank,
-                              placement=Placement(layout, engine_table(family, hf_config),
+                              placement=Placement(layout, engine_table(family, hf_config), family.sync_shard_view,
                                                   engine_tp_size=spec.engine_tp_size),
                               manifest=read_manifest(spec.hf_dir) if spec.check_manifest else None,
                               pause_mode=cfg.pause_mode, group=group, senders=senders,

@@ -20,6 +20,7 @@ import torch
 from megarl.weight_sync.engine_clients import EngineClients, wait_all
 from megarl.weight_sync.manifest_checks import WeightSyncError
 from megarl.weight_sync.plan import Bucket, WeightSyncPlan
+from megarl.weight_sync.stacked_experts import stack_expert_slices
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,18 @@ class Transport:
 
     def close(self) -> None:
         """Release transport resources (process groups)."""
+
+    def _stacked(self, tensors, *, views_only: bool = False) -> list:
+        """``tensors`` (``[(hf_name, tensor)]``) as SGLang's loader takes them: each complete run of
+        an expert stack's slices as the stack (:func:`megarl.weight_sync.stacked_experts.stack_expert_slices`).
+
+        Raises:
+            WeightSyncError: ``views_only`` and a stack's slices are not back to back.
+        """
+        try:
+            return stack_expert_slices(tensors, lambda _: self.plan.num_experts, views_only=views_only)
+        except ValueError as err:
+            raise WeightSyncError(f"{self.name}: {err}") from err
 
     def _count(self, per_rank_bytes: Sequence[int]) -> None:
         for r, n in enumerate(per_rank_bytes):

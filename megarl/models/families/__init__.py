@@ -70,6 +70,13 @@ class Family:
     (per layer) in one bucket (:func:`megarl.weight_sync.plan.build_plan`). A member absent from a
     model (no ``q_lora_rank``: no ``q_a_proj``) just leaves a smaller group. Each family cites the
     SGLang 0.5.23 source it read; () = its loader loads every tensor on its own."""
+    sync_table: Mapping[str, Entry] | None = None
+    """The mapping table weight sync plans with where it differs from :attr:`table` (gpt-oss: its
+    experts in HF orientation, read through :attr:`sync_shard_view`); None: :attr:`table`."""
+    sync_shard_view: Callable[[str, Any], Any] | None = None
+    """``(global Megatron name, trainer shard) -> the shard as weight sync reads it`` (the layout of
+    :attr:`sync_table`: a copy, for the parameters whose entry differs; the others unchanged; also
+    applied to ``meta`` tensors for shapes). None: the shards as they are."""
     reasoning_parser: str | None
     """SGLang ``ReasoningParser`` name of the family's reasoning format (None: it writes none);
     what ``rollout.agent.reasoning_parser: auto`` selects."""

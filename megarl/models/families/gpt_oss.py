@@ -20,6 +20,13 @@ the gate, ``GptOssExperts._apply_gate``), ``gate_up_proj_bias [E, 2F]`` (alterna
 Megatron's ``linear_fc1`` ``[gate; up]`` rows (``Transform.GLU_INTERLEAVED_T``) and ``linear_fc2``
 (``Transform.TRANSPOSE``); exported checkpoints are stacked again, in the HF layout.
 
+Weight sync: SGLang 0.5.23 loads a layer's experts only as whole stacks (:data:`ENGINE_LOAD_GROUPS`);
+weight sync plans them per expert under the table :data:`SYNC_TABLE`, reading each trainer shard
+through :func:`sync_shard_view`, keeps each stack's slices in one bucket and hands the stack over
+whole (``megarl.weight_sync.stacked_experts``). SGLang captures gpt-oss's routes for routing replay
+(R3): ``GptOssSparseMoeBlock`` builds ``TopK(layer_id=...)`` (``models/gpt_oss.py:221-225``), whose
+``select_experts`` records them (``layers/moe/topk.py:3185``).
+
 MXFP4: the released checkpoints store the expert weights as MXFP4 (``gate_up_proj_blocks`` /
 ``_scales``, ``quantization_config.quant_method == "mxfp4"``). megarl refuses such a config
 (:func:`check_supported` names ``quantization_config``): no dequantising reader is written yet.
@@ -58,6 +65,61 @@ TABLE = {
     LOCAL + "linear_fc2.bias": Entry((EXPERTS + "down_proj_bias[{E}]",), C, TPSplit.NONE, expert=True),
 }
 """Canonical (local-spec) names; the experts' HF names are slices of the stacked tensors."""
+
+_FC1, _FC1_BIAS, _FC2 = (LOCAL + "linear_fc1.weight", LOCAL + "linear_fc1.bias", LOCAL + "linear_fc2.weight")
+SYNC_TABLE = {
+    **TABLE,
+    _FC1: Entry((EXPERTS + "gate_up_proj[{E}]",), C, TPSplit.ROW, expert=True),
+    _FC1_BIAS: Entry((EXPERTS + "gate_up_proj_bias[{E}]",), C, TPSplit.COLUMN, expert=True),
+    _FC2: Entry((EXPERTS + "down_proj[{E}]",), C, TPSplit.COLUMN, expert=True),
+}
+"""The table weight sync plans with (:attr:`Family.sync_table`): the expert weights as
+:func:`sync_shard_view` shows them, already in HF orientation, so each converts by a plain copy
+and an ETP shard is one block of its HF slice (``gate_up_proj[E]`` columns, ``gate_up_proj_bias[E]``
+and ``down_proj[E]`` rows). Weight sync's copy instructions trace row permutations only; the
+transposes and the gate/up interleave happen in the view."""
+
+ENGINE_LOAD_GROUPS = tuple((EXPERTS + f"{stack}[{{E}}]",) for stack in
+                           ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
+"""SGLang 0.5.23 loads a layer's experts only as whole stacks: the bf16 ``GptOssSparseMoeBlock``
+builds its ``FusedMoE`` with ``use_weight_loader_fused`` (``models/gpt_oss.py:237``), whose
+``weight_loader_fused`` copies the whole ``[E, ...]`` tensor into ``w13_weight`` / ``w2_weight``
+(and their biases) at once (``layers/moe/fused_moe_triton/layer.py:1559``, ``param.data`` of every
+local expert, no expert id); ``_load_normal_weights`` reaches it only through
+``make_expert_params_mapping_fused`` (``models/gpt_oss.py:1215-1283``: checkpoint names
+``experts.gate_up_proj`` / ``_bias``, ``experts.down_proj`` / ``_bias``, transposed there), with no
+per-expert name. So each stack's E slices travel in one bucket and are handed to SGLang stacked
+(:mod:`megarl.weight_sync.stacked_experts`); a slice sent alone is a name SGLang skips."""
+
+
+def sync_shard_view(name: str, shard):
+    """A trainer shard of ``name`` as weight sync reads it (:attr:`Family.sync_shard_view`, the
+    :data:`SYNC_TABLE` layout); other parameters unchanged. A contiguous copy for the experts.
+
+    Args:
+        name: global Megatron name.
+        shard: the rank's shard: ``linear_fc1.weight [2F/etp, H]`` (``[gate_k; up_k]``) ->
+            ``[H, 2F/etp]`` with gate, up columns alternating (HF ``gate_up_proj`` columns of ETP
+            block k); ``linear_fc1.bias [2F/etp]`` -> alternating; ``linear_fc2.weight [H, F/etp]``
+            -> ``[F/etp, H]``. Works on ``meta`` tensors (shapes).
+    """
+    template = _sync_template(name)
+    if template == _FC2:
+        return shard.t().contiguous()
+    if template in (_FC1, _FC1_BIAS):
+        gate, up = shard.chunk(2, dim=0)
+        interleaved = shard.new_empty(shard.shape)
+        interleaved[0::2], interleaved[1::2] = gate, up
+        return interleaved.t().contiguous() if shard.dim() == 2 else interleaved
+    return shard
+
+
+def _sync_template(name: str) -> str | None:
+    """:data:`SYNC_TABLE`'s expert template of ``name`` (None for any other parameter)."""
+    if ".local_experts." not in name or not name.endswith(("linear_fc1.weight", "linear_fc1.bias",
+                                                           "linear_fc2.weight")):
+        return None
+    return LOCAL + name.rsplit(".local_experts.", 1)[1].split(".", 1)[1]
 
 QUICK_GELU_ALPHA = 1.702
 """The sigmoid gain of Megatron's ``quick_gelu`` (``megatron/core/activations.py``)."""
@@ -233,4 +295,5 @@ FAMILY = Family(name="gpt_oss", model_types=("gpt_oss",), table=TABLE, architect
                 reasoning_parser="gpt-oss", tool_call_parser="gpt-oss",
                 # srt/models/gpt_oss.py builds a ParallelLMHead of its own (never reads tie_word_embeddings)
                 engine_class="sglang.srt.models.gpt_oss.GptOssForCausalLM", engine_unties_lm_head=True,
+                engine_load_groups=ENGINE_LOAD_GROUPS, sync_table=SYNC_TABLE, sync_shard_view=sync_shard_view,
                 tiny_config=tiny_config, tiny_random_norms=True)

@@ -11,9 +11,10 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
     step and sync again with the groups ignored (``model_specs.load_group`` answering None, as
     before issue 34), so every group's members travel in separate buckets.
 
-    Returns (rank 0): ``{"trainer", "engine", "buckets", "split_pairs", "error"}``: trainer and
-    engine logprobs after the first sync, its number of buckets, how many groups the second plan
-    split, and the second sync's error (None if it passed); without ``split_groups`` only the first.
+    Returns (rank 0): ``{"trainer", "engine", "buckets", "split_pairs", "split_stacks", "error"}``:
+    trainer and engine logprobs after the first sync, its number of buckets, how many groups the second
+    plan split (DeepSeek pairs, gpt-oss expert stacks), and the second sync's error (None if it
+    passed); without ``split_groups`` only the first.
     """
     from megarl.config.schema import WeightSyncConfig
     from megarl.conversion.initial_weights import initial_weights
@@ -21,6 +22,7 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
     from megarl.training.trainer_build import build_trainer
     from megarl.weight_sync import model_specs
     from megarl.weight_sync.manifest_checks import WeightSyncError
+    from megarl.weight_sync.stacked_experts import stacked_specs
     from megarl.weight_sync.synchronizer_build import SyncSpec, build_weight_sync
 
     cfg = workers.make_cfg(hf_dir, {})
@@ -38,7 +40,8 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
             syncer.close()
         out["trainer"] = workers.trainer_probe_logprobs(trainer, probes)
         out["engine"] = workers.engine_logprobs(urls, probes)[0]
-        out["buckets"], out["tensors"] = len(syncer.plan.buckets), sum(1 for _ in syncer.plan.hf_tensors())
+        # tensors as the engine loads them (a gpt-oss expert stack is one, its slices one bucket)
+        out["buckets"], out["tensors"] = len(syncer.plan.buckets), len(stacked_specs(list(syncer.plan.hf_tensors())))
         if not split_groups:
             return out if rank == 0 else None
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
@@ -51,6 +54,11 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
         where = {t.name: b.index for b in split.plan.buckets for t in b.hf_tensors}
         out["split_pairs"] = sum(where[n] != where[n.replace("q_a_proj", "kv_a_proj_with_mqa")]
                                  for n in where if n.endswith("q_a_proj.weight"))
+        stacks: dict = {}  # gpt-oss: buckets holding each expert stack's slices (name[E])
+        for n, b in where.items():
+            if n.endswith("]"):
+                stacks.setdefault(n.rsplit("[", 1)[0], set()).add(b)
+        out["split_stacks"] = sum(len(buckets) > 1 for buckets in stacks.values())
         try:
             split.sync(dict(trainer.named_parameters_for_sync()), policy_version=trainer.step)
             out["error"] = None

@@ -27,6 +27,7 @@ EXPECTED = {
     "cuda_stream": ("RuntimeError", "torch.cuda.Stream requires CUDA"),
     "moe_splits_numpy": ("TypeError", "split_sizes"),
     "torchnorm_sp": ("AssertionError", "sequence parallel not supported"),
+    "expert_bias_inplace": ("RuntimeError", "is a view and is being modified inplace"),
 }
 
 
@@ -89,6 +90,14 @@ def _probe(name: str) -> None:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         norm = WrappedTorchNorm(_config(tensor_model_parallel_size=2, sequence_parallel=True), 32)
         assert all(p.sequence_parallel for p in norm.parameters()), "norm params not tagged"
+    elif name == "expert_bias_inplace":  # RowParallelLinear's reduce at TP 1, then MLP.forward's in-place bias
+        from megatron.core.tensor_parallel import layers
+        x = torch.ones(2, 3, requires_grad=True)
+        group = parallel_state.get_tensor_model_parallel_group()  # 1 rank
+        out = layers.reduce_from_tensor_model_parallel_region(x * 2.0, group=group)
+        out += torch.ones(3)
+        out.sum().backward()
+        assert torch.equal(x.grad, torch.full((2, 3), 2.0)), x.grad
     else:
         raise KeyError(name)
 

@@ -140,9 +140,21 @@ def minimax_m2_rank_bytes(c: dict, tp: int, ep: int) -> int:
     return 2 * (2 * (c["vocab_size"] // tp) * h + h + c["num_hidden_layers"] * layer) + 4 * e * c["num_hidden_layers"]
 
 
+def gpt_oss_rank_bytes(c: dict, tp: int, ep: int) -> int:
+    """Engine rank 0's bytes of a BF16 gpt-oss model (engine EP 1; SGLang's splits, written out): the
+    sinks and the o_proj / experts' down biases whole, each expert stack's 2F / F axis over TP."""
+    h, hd, nh, nkv, e, f = (c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"],
+                            c["num_local_experts"], c["intermediate_size"])
+    kv_rows = nkv * hd // tp if nkv >= tp else hd
+    attn = (nh * hd // tp + 2 * kv_rows) * (h + 1) + h * nh * hd // tp + h + nh
+    experts = e * h * 2 * f // tp + e * 2 * f // tp + e * f // tp * h + e * h
+    layer = 2 * h + attn + e * (h + 1) + experts
+    return 2 * (2 * (c["vocab_size"] // tp) * h + h + c["num_hidden_layers"] * layer)
+
+
 RECIPES = {"qwen3_30b_a3b_gpu": qwen3_moe_rank_bytes, "qwen3_235b_a22b_gpu": qwen3_moe_rank_bytes,
            "glm45_gpu": None, "deepseek_v3_gpu": mla_rank_bytes, "kimi_k2_gpu": mla_rank_bytes,
-           "kimi_k25_gpu": None, "minimax_m2_gpu": minimax_m2_rank_bytes}
+           "kimi_k25_gpu": None, "minimax_m2_gpu": minimax_m2_rank_bytes, "gpt_oss_120b_gpu": gpt_oss_rank_bytes}
 """Every ``configs/*_gpu.yaml`` (checked below) and, where written, the bound's bytes from config.json alone."""
 
 
