@@ -24,6 +24,8 @@ _ROWS = ("q_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _COLS = ("o_proj", "down_proj")
 """Row-parallel in SGLang: columns split over TP."""
 _KV = ("k_proj", "v_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+"""MLP projections: their intermediate dimension is what a CPU engine pads (:func:`mlp_sections`)."""
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.(\d+)\.")
 _TP_AXIS = {"none": None, "column": 0, "glu": 0, "row": 1, "gdn_in_proj": 0, "gdn_conv": 0}
 _HEAD_ROWS = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
@@ -60,15 +62,29 @@ def engine_split_for(hf_name: str, hf_prefix: str = "") -> EngineSplit:
     return EngineSplit.REPLICATED
 
 
+def mlp_sections(hf_name: str, n_shared_experts: int = 1) -> int:
+    """:attr:`HFTensorSpec.mlp_sections` of the HF tensor ``hf_name``: ``n_shared_experts`` for a DeepSeek-V3 /
+    GLM-4.5 shared expert (``mlp.shared_experts.``: SGLang 0.5.23 builds it ``config.moe_intermediate_size *
+    config.n_shared_experts`` wide, ``models/deepseek_v2.py:870``, ``models/glm4_moe.py:472``, from the size its
+    CPU runner padded), 1 for any other MLP projection (dense ``mlp.``, ``mlp.experts.E.``, Qwen's
+    ``mlp.shared_expert.`` of ``shared_expert_intermediate_size``), 0 for a tensor that is none."""
+    parts = hf_name.rsplit(".", 2)
+    if len(parts) < 3 or parts[-2] not in _MLP or ".mlp." not in hf_name:
+        return 0
+    return n_shared_experts if ".mlp.shared_experts." in hf_name else 1
+
+
 def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0, hf_prefix: str = "",
-              sections: tuple[int, ...] = ()) -> HFTensorSpec:
-    """An :class:`HFTensorSpec` whose engine split and expert id follow from its name; ``sections``:
-    the row sections of an ``EngineSplit.SECTION_ROWS`` tensor (default: one, all its rows)."""
+              sections: tuple[int, ...] = (), n_shared_experts: int = 1) -> HFTensorSpec:
+    """An :class:`HFTensorSpec` whose engine split, expert id and MLP sections (:func:`mlp_sections`, with
+    the model's ``n_shared_experts``) follow from its name; ``sections``: the row sections of an
+    ``EngineSplit.SECTION_ROWS`` tensor (default: one, all its rows)."""
     match = _EXPERT_RE.search(name)
     split = engine_split_for(name, hf_prefix)
     return HFTensorSpec(name, tuple(shape), dtype, split, int(match.group(1)) if match else None,
                         head_dim if split is EngineSplit.KV_HEADS else 0,
-                        sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else ())
+                        sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else (),
+                        mlp_sections=mlp_sections(name, n_shared_experts))
 
 
 def engine_table(family, hf_config) -> Mapping:
@@ -136,7 +152,8 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         family = get_family(hf_config)
         layout = family.layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                tp_size=tensor_model_parallel_size)
-        shapes = family.megatron_shapes(family.architecture(hf_config))
+        arch = family.architecture(hf_config)
+        shapes = family.megatron_shapes(arch)
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
     _refuse_unplanned(family.table, hf_config.model_type)
@@ -159,7 +176,8 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         pairs = zip(names, hf_shapes[key])
         sections = _engine_sections(entry, layout, tensor_model_parallel_size, name)
         hf = tuple(hf_tensor(n, s, param_dtype, head_dim=head_dim, hf_prefix=family.hf_prefix,
-                             sections=sections if s[0] == sum(sections) else ()) for n, s in pairs)
+                             sections=sections if s[0] == sum(sections) else (),
+                             n_shared_experts=int(arch.get("n_shared_experts") or 1)) for n, s in pairs)
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
             expert=index.get("E") if entry.expert else None, first_stage=name.startswith("embedding."),
