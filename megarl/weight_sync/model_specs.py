@@ -152,8 +152,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         family = get_family(hf_config)
         layout = family.layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                tp_size=tensor_model_parallel_size)
-        arch = family.architecture(hf_config)
-        shapes = family.megatron_shapes(arch)
+        shapes = family.megatron_shapes(arch := family.architecture(hf_config))
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
     _refuse_unplanned(family.table, hf_config.model_type)

@@ -103,7 +103,7 @@ def test_cpu_engine_ranks_hold_what_sglang_loads_from_disk():
     layouts = [(1, 1), (2, 1), (4, 1), (4, 2)]
     tensors = {(f, tp, ep): _mlp_tensors(c, tp, ep) for f, c in configs.items() for tp, ep in layouts}
     cases = []
-    for (f, tp, ep), listed in tensors.items():
+    for (f, tp, _ep), listed in tensors.items():
         text = _text(configs[f])
         sizes = {a: getattr(text, a) for a in ("moe_intermediate_size", "intermediate_size") if hasattr(text, a)}
         cases.append({"tp": tp, "sizes": sizes,
