@@ -63,12 +63,16 @@ TWIN_ENGINE_TP = 2
 """The twin engine's TP where the recipe's engines have TP > 1 and its family is in :data:`ENGINE_TP2_FAMILIES`:
 two SGLang CPU ranks, one core each (``SGLANG_CPU_OMP_THREADS_BIND``,
 :func:`megarl.rollout.engine_resources.cpu_threads_bind`), so each engine rank receives and loads its own slice of
-every bucket as the recipe's TP 4-32 ranks do."""
-ENGINE_TP2_FAMILIES = ("qwen3_moe", "qwen3")
-"""Tiny families whose SGLang 0.5.23 CPU engine at TP 2 loads megarl's pre-sharded updates (a first step ran:
-Qwen3-30B-A3B's twin). Not (yet) the others: DeepSeek-V3's twin at engine TP 2 had its pre-sharded load refused
-by SGLang's RowParallelLinear (bucket 3: parameter [64, 32], received slice [64, 16]; 2026-11-28, open), and
-GLM-4.5's and Kimi-K2.5's were not run at TP 2. Their twins keep engine TP 1 and say so in a note."""
+every bucket as the recipe's TP 4-32 ranks do. (A CPU engine pads the tiny models' ``moe_intermediate_size`` 32
+to 64, so its rank 0 holds every expert and shared expert whole and rank 1 none: attention, embeddings and dense
+MLPs are split; :mod:`megarl.weight_sync.engine_slices`.)"""
+ENGINE_TP2_FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe", "kimi_k25")
+"""Tiny families whose SGLang 0.5.23 CPU engine at TP 2 loads megarl's pre-sharded updates: Qwen3-MoE and Qwen3
+(a first step ran: Qwen3-30B-A3B's twin), DeepSeek-V3 (also Kimi-K2's twin), GLM-4.5 and Kimi-K2.5 (engine =
+trainer after a p2p sync with the load proof: ``tests/integration/weight_sync/test_engine_tp2_families.py``).
+DeepSeek-V3's twin at engine TP 2 was refused before (its shared expert's ``down_proj`` sent as [64, 16] per rank
+where a CPU engine, which pads ``moe_intermediate_size`` to a multiple of 64, holds [64, 32] on rank 0 and nothing
+on rank 1: :mod:`megarl.weight_sync.engine_slices`). The others keep engine TP 1 and say so in a note."""
 
 
 def _tiny_model(hf_path: str) -> tuple[str, list[str]]:

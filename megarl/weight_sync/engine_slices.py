@@ -5,6 +5,23 @@ Dense tensors are split over the engine's TP ranks as SGLang 0.5.23's layers spl
 its expert-parallel rank; a block-FP8 scale follows its weight's split in whole blocks. The plan
 (:meth:`~megarl.weight_sync.plan.WeightSyncPlan.engine_slice`) and every transport that delivers
 slices read it from here.
+
+Engines on CPU split MLP projections over a *padded* intermediate dimension. SGLang 0.5.23's model
+runner calls ``adjust_config_with_unaligned_cpu_tp`` (``model_executor/model_runner.py:1301-1304``,
+``if self.device == "cpu"``) before building the model; it rounds ``moe_intermediate_size``,
+``intermediate_size``, ``intermediate_size_mlp`` and ``shared_expert_intermediate_size`` up to a
+multiple of ``T * 32`` (``configs/update_config.py``: ``intermediate_padding_size = tp_size *
+get_moe_padding_size(...)``, ``DEFAULT_MOE_PADDING_SIZE = 32`` without a block-quantised config; a CPU
+engine megarl starts serves a dequantised view, :mod:`megarl.rollout.dequantized_view`). Every rank
+then holds chunk ``r`` of the padded dimension: the real rows/columns ``[r * P/T, (r + 1) * P/T)`` cut
+at the real size (``narrow_padded_param_and_loaded_weight``, ``model_loader/weight_utils.py:1995``,
+zeros the rest). The tiny models' ``moe_intermediate_size`` 32 becomes 64 at ``T = 2``: rank 0 holds
+each expert and shared expert whole and rank 1 holds padding only, not 16 columns each. A pre-sharded
+``down_proj`` half (``[H, 16]``) was refused by ``RowParallelLinear.weight_loader``'s shape assertion
+(``layers/linear.py:1708``: it does not narrow or pad pre-sharded weights), which killed DeepSeek-V3's
+twin at engine TP 2 on its shared expert; FusedMoE and the column-parallel linears zero-pad a narrower
+slice (``layer.py:838``, ``linear.py:843``), so routed experts loaded, in another layout than a load
+from disk. GPU engines (0.5.23's CUDA path) do not pad these sizes.
 """
 from __future__ import annotations
 
@@ -16,6 +33,9 @@ from megarl.weight_sync.specs import EngineSplit, HFTensorSpec, SpecError
 
 SGLANG_VOCAB_PADDING = 64
 """SGLang 0.5.23 ``DEFAULT_VOCAB_PADDING_SIZE`` (``layers/vocab_parallel_embedding.py``)."""
+SGLANG_CPU_MLP_PADDING = 32
+"""SGLang 0.5.23 ``DEFAULT_MOE_PADDING_SIZE`` (``configs/update_config.py``): a CPU engine of TP ``T`` pads
+MLP intermediate sizes to a multiple of ``T`` times this (module docstring)."""
 
 
 class PlanError(UserError):
@@ -107,12 +127,15 @@ def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) 
     """What each SGLang engine rank holds of ``tensor``: ``{tp_rank: slice}``, receivers only.
 
     Dense tensors are split over the engine's TP ranks; a routed expert lives on the ``moe_tp``
-    ranks of its expert-parallel rank and is split over those.
+    ranks of its expert-parallel rank and is split over those. On a CPU engine an MLP projection is
+    split over its padded intermediate dimension (module docstring): a rank whose chunk is padding
+    only holds nothing of it and is left out.
 
     Raises:
         PlanError: a dimension that does not split, a vocabulary SGLang would pad (its pre-sharded
-            vocab loader accepts only ``vocab_size / T`` rows per rank), or a slice of an expert stack
-            at engine EP > 1.
+            vocab loader accepts only ``vocab_size / T`` rows per rank), a slice of an expert stack
+            at engine EP > 1, kv heads a CPU engine pads, or an MLP chunk a CPU engine holds part
+            real, part padding (:func:`_padded_chunk`).
     """
     if tensor.scale_of is not None:
         weight = tensor.scale_of
@@ -125,8 +148,22 @@ def engine_slices(tensor: HFTensorSpec, layout: EngineLayout, num_experts: int) 
                             "layer.py:1559, no expert id); serve it with engine TP only")
         moe_tp = layout.moe_tp_size
         ep_rank = tensor.expert // (num_experts // layout.ep_size)
-        return {ep_rank * moe_tp + k: _split(tensor, moe_tp, k) for k in range(moe_tp)}
-    return {r: _split(tensor, layout.tp_size, r) for r in range(layout.tp_size)}
+        held = {ep_rank * moe_tp + k: _split(tensor, moe_tp, k, layout) for k in range(moe_tp)}
+    else:
+        held = {r: _split(tensor, layout.tp_size, r, layout) for r in range(layout.tp_size)}
+    return {r: sl for r, sl in held.items() if sl is not None}
+
+
+def sglang_cpu_padded(size: int, mlp_sections: int, tp_size: int) -> int:
+    """The intermediate size a CPU engine of TP ``tp_size`` builds for an MLP dimension of ``size``
+    made of ``mlp_sections`` blocks (:attr:`~megarl.weight_sync.specs.HFTensorSpec.mlp_sections`): each
+    block rounded up to a multiple of ``tp_size * SGLANG_CPU_MLP_PADDING`` (SGLang 0.5.23
+    ``adjust_config_with_unaligned_cpu_tp``, ``configs/update_config.py:290-303``); ``size`` when
+    ``mlp_sections`` is 0."""
+    if mlp_sections == 0:
+        return size
+    unit = tp_size * SGLANG_CPU_MLP_PADDING
+    return mlp_sections * -(-(size // mlp_sections) // unit) * unit
 
 
 def _block_slice(scale: HFTensorSpec, weight: HFTensorSpec, weight_slice: TensorSlice) -> TensorSlice:
@@ -146,9 +183,46 @@ def _block_slice(scale: HFTensorSpec, weight: HFTensorSpec, weight_slice: Tensor
     return TensorSlice(axis, weight_slice.start // b, -(-weight_slice.stop // b))
 
 
-def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
+def _padded_chunk(tensor: HFTensorSpec, axis: int, size: int, rank: int, layout: EngineLayout) -> TensorSlice | None:
+    """Rank ``rank``'s chunk of ``tensor``'s padded intermediate dimension on a CPU engine (module
+    docstring), cut at the real size (the whole tensor: ``TensorSlice(None)``); None where it is padding only.
+
+    A chunk that is part real, part padding is sent only where it is the whole tensor and SGLang's loader
+    zero-pads it (the column-parallel linears with :func:`~megarl.weight_sync.sglang_compat.cpu_presharded_qkv_fix`,
+    ``linear.py:843``; FusedMoE, ``fused_moe_triton/layer.py:838``: a routed expert on its first MoE-TP rank
+    when the engine has EP > 1, since the padding is a multiple of ``T * 32``, not of ``T / ep * 32``).
+
+    Raises:
+        PlanError: a part-padded chunk of a dense row-parallel tensor (SGLang's ``RowParallelLinear`` asserts
+            the padded shape for a pre-sharded weight, ``layers/linear.py:1708``), or one that is not the
+            whole tensor (megarl's receiver takes only slices that divide the checkpoint's shape).
+    """
+    n = tensor.shape[axis]
+    padded = sglang_cpu_padded(n, tensor.mlp_sections, layout.tp_size)
+    step = padded // size  # padded is a multiple of tp_size * 32, size divides tp_size
+    start, stop = min(rank * step, n), min((rank + 1) * step, n)
+    if start == stop:
+        return None
+    if stop - start < step and (axis == 1 and tensor.expert is None or (start, stop) != (0, n)):
+        why = ("SGLang 0.5.23's RowParallelLinear does not pad a pre-sharded weight (linear.py:1708 asserts the "
+               "padded shape)" if axis == 1 and tensor.expert is None else
+               "megarl sends a part-padded chunk only when it is the whole tensor")
+        raise PlanError(f"{tensor.name}: a CPU engine of TP {layout.tp_size} pads its {n} "
+                        f"{('rows', 'columns')[axis]} to {padded}, so engine rank {rank} holds [{start}, {stop}) and "
+                        f"{step - (stop - start)} of zeros; {why}: this tensor goes whole (transport distributed, "
+                        "tensor or disk)")
+    return TensorSlice(None) if (start, stop) == (0, n) else TensorSlice(axis, start, stop)
+
+
+def _split(tensor: HFTensorSpec, size: int, rank: int, layout: EngineLayout) -> TensorSlice | None:
     split = tensor.engine_split
-    if split is EngineSplit.REPLICATED or size == 1:
+    if split is EngineSplit.REPLICATED:
+        return TensorSlice(None)
+    if split in (EngineSplit.ROWS, EngineSplit.COLS) and tensor.mlp_sections and layout.device == "cpu":
+        axis = 0 if split is EngineSplit.ROWS else 1
+        if sglang_cpu_padded(tensor.shape[axis], tensor.mlp_sections, layout.tp_size) != tensor.shape[axis]:
+            return _padded_chunk(tensor, axis, size, rank, layout)
+    if size == 1:
         return TensorSlice(None)
     if split is EngineSplit.ROWS:
         return _chunk(tensor, 0, size, rank)
@@ -161,16 +235,7 @@ def _split(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
                             f"delivery needs vocab_size divisible by {SGLANG_VOCAB_PADDING} and by TP")
         return _chunk(tensor, 0, size, rank)
     if split is EngineSplit.KV_HEADS:
-        num_kv_heads = tensor.shape[0] // tensor.head_dim
-        if num_kv_heads >= size:
-            if num_kv_heads % size:
-                raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads do not split over {size} engine ranks")
-            per_rank = num_kv_heads // size
-            return TensorSlice(0, rank * per_rank * tensor.head_dim, (rank + 1) * per_rank * tensor.head_dim)
-        if size % num_kv_heads:
-            raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads cannot be replicated over {size} ranks")
-        head = rank * num_kv_heads // size
-        return TensorSlice(0, head * tensor.head_dim, (head + 1) * tensor.head_dim)
+        return _kv_heads(tensor, size, rank, layout)
     if split is EngineSplit.SECTION_ROWS:
         return _section_blocks(tensor, size, rank)
     raise SpecError(f"{tensor.name}: unknown engine split {split!r}")
@@ -191,3 +256,20 @@ def _section_blocks(tensor: HFTensorSpec, size: int, rank: int) -> TensorSlice:
         blocks.append((offset + rank * step, offset + (rank + 1) * step))
         offset += n
     return TensorSlice(0, blocks[0][0], blocks[-1][1], tuple(blocks))
+
+
+def _kv_heads(tensor: HFTensorSpec, size: int, rank: int, layout: EngineLayout) -> TensorSlice:
+    """kv-head block ``rank`` if the kv heads split over ``size`` ranks, else (GPU) head ``rank * nkv // size``."""
+    num_kv_heads = tensor.shape[0] // tensor.head_dim
+    if num_kv_heads >= size:
+        if num_kv_heads % size:
+            raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads do not split over {size} engine ranks")
+        per_rank = num_kv_heads // size
+        return TensorSlice(0, rank * per_rank * tensor.head_dim, (rank + 1) * per_rank * tensor.head_dim)
+    if layout.device == "cpu":  # update_config.py:244-283: heads padded to a multiple of T instead of replicated
+        raise PlanError(f"{tensor.name}: a CPU engine of TP {size} pads {num_kv_heads} kv heads to {size} "
+                        "(SGLang 0.5.23 adjust_config_with_unaligned_cpu_tp); megarl delivers it only whole there")
+    if size % num_kv_heads:
+        raise PlanError(f"{tensor.name}: {num_kv_heads} kv heads cannot be replicated over {size} ranks")
+    head = rank * num_kv_heads // size
+    return TensorSlice(0, head * tensor.head_dim, (head + 1) * tensor.head_dim)

@@ -234,10 +234,16 @@ class EngineLayout:
     """SGLang ``--ep-size`` (must divide ``tensor_parallel_size``)."""
     num_engines: int = 1
     """Engines that all receive every weight update."""
+    device: str = "cuda"
+    """Where the engines run, ``cuda`` or ``cpu`` (SGLang's ``--device``): on ``cpu`` SGLang 0.5.23 pads
+    MLP intermediate sizes to a multiple of ``T * 32`` before building the model, which moves the
+    engine ranks' slices (:func:`~megarl.weight_sync.engine_slices.sglang_cpu_padded`)."""
 
     def __post_init__(self) -> None:
         _check_positive("EngineLayout", tensor_parallel_size=self.tensor_parallel_size,
                         expert_parallel_size=self.expert_parallel_size, num_engines=self.num_engines)
+        if self.device not in ("cuda", "cpu"):
+            raise LayoutError(f"EngineLayout.device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.tensor_parallel_size % self.expert_parallel_size:
             raise LayoutError(
                 f"EngineLayout.expert_parallel_size {self.expert_parallel_size} must divide "

@@ -36,6 +36,8 @@ _EXPERT_SPLITS = {"glu": EngineSplit.ROWS, "column": EngineSplit.ROWS, "row": En
 """A routed expert's HF tensors by the Megatron entry's TP split: SGLang's ``FusedMoE`` splits the
 experts' intermediate dimension (``w13_weight`` rows, ``w2_weight`` columns), as Megatron's expert TP;
 an unsplit one (a down-projection bias) is whole on each of the expert's ranks."""
+_MLP = ("gate_proj", "up_proj", "down_proj")
+"""MLP projections: their intermediate dimension is what a CPU engine pads (:func:`mlp_sections`)."""
 _TP_AXIS = {"none": None, "column": 0, "glu": 0, "row": 1, "gdn_in_proj": 0, "gdn_conv": 0}
 _HEAD_ROWS = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
               "self_attention.linear_kv_up_proj.weight")
@@ -85,14 +87,27 @@ def engine_split_for(hf_name: str, hf_prefix: str = "", *, qk_norm_over_heads: b
     return EngineSplit.REPLICATED
 
 
+def mlp_sections(hf_name: str, n_shared_experts: int = 1) -> int:
+    """:attr:`HFTensorSpec.mlp_sections` of the HF tensor ``hf_name``: ``n_shared_experts`` for a DeepSeek-V3 /
+    GLM-4.5 shared expert (``mlp.shared_experts.``: SGLang 0.5.23 builds it ``config.moe_intermediate_size *
+    config.n_shared_experts`` wide, ``models/deepseek_v2.py:870``, ``models/glm4_moe.py:472``, from the size its
+    CPU runner padded), 1 for any other MLP projection (dense ``mlp.``, ``mlp.experts.E.``, Qwen's
+    ``mlp.shared_expert.`` of ``shared_expert_intermediate_size``), 0 for a tensor that is none."""
+    parts = hf_name.rsplit(".", 2)
+    if len(parts) < 3 or parts[-2] not in _MLP or ".mlp." not in hf_name:
+        return 0
+    return n_shared_experts if ".mlp.shared_experts." in hf_name else 1
+
+
 def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 0, hf_prefix: str = "",
               sections: tuple[int, ...] = (), expert: int | None = None, expert_tp_split: str = "",
-              qk_norm_over_heads: bool = False) -> HFTensorSpec:
+              qk_norm_over_heads: bool = False, n_shared_experts: int = 1) -> HFTensorSpec:
     """An :class:`HFTensorSpec`: a routed expert's (``expert``: its global id, from the family table)
     split by its Megatron entry's ``expert_tp_split`` (:data:`_EXPERT_SPLITS`), any other tensor's by its
     name (:func:`engine_split_for`); ``sections``: the row sections of an ``EngineSplit.SECTION_ROWS``
     tensor (default: one, all its rows). A slice ``stack[E]`` of a tensor stacking a layer's experts
-    (gpt-oss) is split as SGLang splits its stack (:data:`_STACKED`).
+    (gpt-oss) is split as SGLang splits its stack (:data:`_STACKED`). Its MLP sections
+    (:func:`mlp_sections`) follow from its name and the model's ``n_shared_experts``.
 
     Raises:
         SpecError: an expert tensor whose entry's split SGLang's ``FusedMoE`` does not have.
@@ -107,7 +122,8 @@ def hf_tensor(name: str, shape: tuple[int, ...], dtype: str, *, head_dim: int = 
         split = engine_split_for(name, hf_prefix, qk_norm_over_heads=qk_norm_over_heads)
         expert = expert if expert is not None else stacked
     return HFTensorSpec(name, tuple(shape), dtype, split, expert, head_dim if split is EngineSplit.KV_HEADS else 0,
-                        sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else ())
+                        sections=(sections or (shape[0],)) if split is EngineSplit.SECTION_ROWS else (),
+                        mlp_sections=mlp_sections(name, n_shared_experts))
 
 
 def engine_table(family, hf_config) -> Mapping:
@@ -177,7 +193,7 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         family = get_family(hf_config)
         layout = family.layout(hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                tp_size=tensor_model_parallel_size)
-        shapes = family.megatron_shapes(family.architecture(hf_config))
+        shapes = family.megatron_shapes(arch := family.architecture(hf_config))
     except (KeyError, ValueError, AttributeError, TypeError) as err:
         raise SpecError(f"config.json ({getattr(hf_config, 'model_type', None)}): {err}") from err
     _refuse_by_family(family, hf_config.model_type)
@@ -200,7 +216,8 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
         param_dtype = "float32" if name.endswith(FP32_PARAMS) else dtype
         expert = index.get("E") if entry.expert else None
         sections = _engine_sections(entry, layout, tensor_model_parallel_size, name)
-        hf = _hf_specs(family, layout, entry, name, zip(names, hf_shapes[key]), param_dtype, expert, sections)
+        hf = _hf_specs(family, layout, entry, name, zip(names, hf_shapes[key]), param_dtype, expert, sections,
+                       int(arch.get("n_shared_experts") or 1))
         specs.append(ParamSpec(
             name, tuple(shape), param_dtype, _TP_AXIS[entry.tp_split.value], hf, layer=index.get("L"),
             expert=expert, first_stage=name.startswith("embedding."),
@@ -210,13 +227,14 @@ def param_specs_from_hf_config(config: Any, *, tensor_model_parallel_size: int =
 
 
 def _hf_specs(family, layout, entry, name: str, named_shapes, dtype: str, expert: int | None,
-              sections: tuple[int, ...]) -> tuple[HFTensorSpec, ...]:
+              sections: tuple[int, ...], n_shared_experts: int) -> tuple[HFTensorSpec, ...]:
     """The :class:`HFTensorSpec` of each ``(HF name, shape)`` Megatron parameter ``name`` (its table
-    ``entry``, ``expert`` id) converts to."""
+    ``entry``, ``expert`` id; the model's ``n_shared_experts``) converts to."""
     return tuple(hf_tensor(n, s, dtype, head_dim=_kv_head_rows(entry, name, layout, family.qk_norm_over_heads),
                            hf_prefix=family.hf_prefix, sections=sections if s[0] == sum(sections) else (),
                            expert=expert, expert_tp_split=entry.tp_split.value,
-                           qk_norm_over_heads=family.qk_norm_over_heads) for n, s in named_shapes)
+                           qk_norm_over_heads=family.qk_norm_over_heads, n_shared_experts=n_shared_experts)
+                 for n, s in named_shapes)
 
 
 def _kv_head_rows(entry, name: str, layout, qk_norm_over_heads: bool) -> int:

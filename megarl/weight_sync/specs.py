@@ -80,10 +80,19 @@ class HFTensorSpec:
     """``(rows, cols)`` of weight per scale element (``scale_of`` only)."""
     sections: tuple[int, ...] = ()
     """Row sections (``EngineSplit.SECTION_ROWS`` only), summing to ``shape[0]``."""
+    mlp_sections: int = 0
+    """For an MLP projection (``gate_proj`` / ``up_proj`` / ``down_proj`` of a dense MLP, a routed or a
+    shared expert): how many equal blocks its intermediate dimension (the TP-split one) is made of, each
+    of which SGLang pads on CPU (:func:`~megarl.weight_sync.engine_slices.sglang_cpu_padded`): 1, or
+    ``n_shared_experts`` for DeepSeek-V3 / GLM-4.5 shared experts (SGLang builds them
+    ``moe_intermediate_size * n_shared_experts`` wide from the padded ``moe_intermediate_size``). 0: not
+    an MLP intermediate dimension."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise SpecError(f"{self.name}: unknown dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
+        if self.mlp_sections < 0:
+            raise SpecError(f"{self.name}: mlp_sections must be >= 0, got {self.mlp_sections}")
         if self.scale_of is not None and len(self.block) != 2:
             raise SpecError(f"{self.name}: a block scale needs block=(rows, cols), got {self.block}")
         if self.engine_split is EngineSplit.SECTION_ROWS and sum(self.sections) != self.shape[0]:

@@ -33,6 +33,10 @@ class SyncSpec:
     """Every engine's ``--tp``."""
     engine_ep_size: int = 1
     """Every engine's ``--ep-size``."""
+    engine_device: str | None = None
+    """Where the engines run (``cuda`` / ``cpu``: a CPU engine pads MLP sizes, which moves its ranks' slices,
+    :class:`~megarl.weight_sync.layout.EngineLayout`); None: this process's kind, ``cuda`` where torch sees
+    a GPU, else ``cpu`` (engines megarl starts run on the trainer's kind of device)."""
     dtype: str = "bfloat16"
     """The trainer's parameter dtype (``float32`` on CPU tests)."""
     make_vocab_size_divisible_by: int = 128
@@ -45,6 +49,15 @@ class SyncSpec:
     """Address of this host as the engines reach it (group transports)."""
     port_base: int | None = None
     """Where group transports' ports start on this host (``cluster.master_port``; None: no base)."""
+
+
+def engine_device(spec: SyncSpec) -> str:
+    """``spec.engine_device``, or where it is None ``cuda`` if torch sees a GPU here, else ``cpu``."""
+    if spec.engine_device is not None:
+        return spec.engine_device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def trainer_layout_of(parallel, parallel_cfg=None) -> TrainerLayout:
@@ -120,7 +133,7 @@ def build_weight_sync(spec: SyncSpec, parallel, cfg, *, parallel_cfg=None, group
                                        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                                        dtype=spec.dtype)
     engine_layout = EngineLayout(tensor_parallel_size=spec.engine_tp_size, expert_parallel_size=spec.engine_ep_size,
-                                 num_engines=len(spec.engine_urls))
+                                 num_engines=len(spec.engine_urls), device=engine_device(spec))
 
     def plan_for(senders: str):
         return build_plan(trainer_layout_of(parallel, parallel_cfg), engine_layout, specs,

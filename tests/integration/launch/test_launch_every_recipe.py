@@ -65,7 +65,8 @@ for _i, _r in enumerate(RECIPES):
             TWIN_OF[_r] = _other
             break
 RUN_TIMEOUT_S = 420  # quiet 2-core machine: ~90-110 s per recipe (engine start, Ray, final checkpoint);
-# a twin with a TP 2 engine (Qwen3 families) ~1.6x that: qwen3_235b_a22b 174 s against 106 s at TP 1 (2026-11-28)
+# a twin with a TP 2 engine ~1.6x that: qwen3_235b_a22b 174 s against 106 s at TP 1 (2026-11-28); at TP 2 since
+# 3101bc1: deepseek_v3 364 s (load average ~20), glm45 199 s, kimi_k25 101 s, kimi_k2 108 s (load falling)
 
 
 @pytest.fixture(scope="module")

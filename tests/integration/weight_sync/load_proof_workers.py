@@ -5,11 +5,13 @@ import workers
 
 
 def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: list[str], probes,
-                                 train_sequences, bucket_size_mb: float, split_groups: bool = True) -> dict | None:
+                                 train_sequences, bucket_size_mb: float, split_groups: bool = True,
+                                 engine_tp: int = 1, reset: bool = True) -> dict | None:
     """Train two steps; ``p2p`` sync with buckets of ``bucket_size_mb`` (every tensor its own
-    bucket, the engine load groups kept whole) and read the engines' probe logprobs; train one more
-    step and sync again with the groups ignored (``model_specs.load_group`` answering None, as
-    before issue 34), so every group's members travel in separate buckets.
+    bucket, the engine load groups kept whole) into engines of TP ``engine_tp`` and read the engines'
+    probe logprobs; train one more step and sync again with the groups ignored
+    (``model_specs.load_group`` answering None, as before issue 34), so every group's members travel
+    in separate buckets. ``reset``: reload ``hf_dir`` into the engines at the end (a shared engine).
 
     Returns (rank 0): ``{"trainer", "engine", "buckets", "split_pairs", "split_stacks", "error"}``:
     trainer and engine logprobs after the first sync, its number of buckets, how many groups the second
@@ -29,7 +31,7 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
     trainer = build_trainer(cfg, load_weights=initial_weights(cfg.model))
     for step in range(2):
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=step)))
-    spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, dtype="float32", check_manifest=False)
+    spec = SyncSpec(hf_dir=hf_dir, engine_urls=urls, engine_tp_size=engine_tp, dtype="float32", check_manifest=False)
     ws_cfg = WeightSyncConfig(transport="p2p", senders="segment", bucket_size_mb=bucket_size_mb)
     out: dict = {}
     try:
@@ -42,6 +44,7 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
         out["engine"] = workers.engine_logprobs(urls, probes)[0]
         # tensors as the engine loads them (a gpt-oss expert stack is one, its slices one bucket)
         out["buckets"], out["tensors"] = len(syncer.plan.buckets), len(stacked_specs(list(syncer.plan.hf_tensors())))
+        out["rank_bytes"] = syncer.plan.engine_shard_bytes()
         if not split_groups:
             return out if rank == 0 else None
         trainer.train_step(trainer.prepare_batch(workers.packed(train_sequences, train=True, seed=5)))
@@ -72,7 +75,7 @@ def sync_with_and_without_groups(rank: int, world_size: int, hf_dir: str, urls: 
         finally:
             split.close()
     finally:
-        if rank == 0:
+        if rank == 0 and reset:
             workers.reset_engines(urls, hf_dir)  # leave the engine as it started
         destroy_parallel()
     return out if rank == 0 else None
