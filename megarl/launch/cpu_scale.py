@@ -47,7 +47,7 @@ from omegaconf import DictConfig
 
 from megarl.config.schema import TrainConfig
 from megarl.launch.twin_features import expert_data_parallel_copies
-from megarl.models.families import find_family
+from megarl.models.families import REFERENCE_FAMILY, all_families, find_family
 from megarl.models.tiny import MTP_FAMILIES, tiny_families
 
 WORLD_SIZE = 2
@@ -66,13 +66,14 @@ two SGLang CPU ranks, one core each (``SGLANG_CPU_OMP_THREADS_BIND``,
 every bucket as the recipe's TP 4-32 ranks do. (A CPU engine pads the tiny models' ``moe_intermediate_size`` 32
 to 64, so its rank 0 holds every expert and shared expert whole and rank 1 none: attention, embeddings and dense
 MLPs are split; :mod:`megarl.weight_sync.engine_slices`.)"""
-ENGINE_TP2_FAMILIES = ("qwen3_moe", "qwen3", "deepseek_v3", "glm4_moe", "kimi_k25")
-"""Tiny families whose SGLang 0.5.23 CPU engine at TP 2 loads megarl's pre-sharded updates: Qwen3-MoE and Qwen3
-(a first step ran: Qwen3-30B-A3B's twin), DeepSeek-V3 (also Kimi-K2's twin), GLM-4.5 and Kimi-K2.5 (engine =
-trainer after a p2p sync with the load proof: ``tests/integration/weight_sync/test_engine_tp2_families.py``).
-DeepSeek-V3's twin at engine TP 2 was refused before (its shared expert's ``down_proj`` sent as [64, 16] per rank
-where a CPU engine, which pads ``moe_intermediate_size`` to a multiple of 64, holds [64, 32] on rank 0 and nothing
-on rank 1: :mod:`megarl.weight_sync.engine_slices`). The others keep engine TP 1 and say so in a note."""
+ENGINE_TP2_FAMILIES = tuple(f.name for f in all_families() if f.twin_engine_tp2)
+"""Tiny families (``Family.twin_engine_tp2``) whose SGLang 0.5.23 CPU engine at TP 2 loads megarl's
+pre-sharded updates: Qwen3-MoE and Qwen3 (a first step ran: Qwen3-30B-A3B's twin), DeepSeek-V3 (also
+Kimi-K2's twin), GLM-4.5 and Kimi-K2.5 (engine = trainer after a p2p sync with the load proof:
+``tests/integration/weight_sync/test_engine_tp2_families.py``). DeepSeek-V3's twin at engine TP 2 was refused
+before (its shared expert's ``down_proj`` sent as [64, 16] per rank where a CPU engine, which pads
+``moe_intermediate_size`` to a multiple of 64, holds [64, 32] on rank 0 and nothing on rank 1:
+:mod:`megarl.weight_sync.engine_slices`). The others keep engine TP 1 and say so in a note."""
 
 
 def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
@@ -85,8 +86,8 @@ def _tiny_model(hf_path: str) -> tuple[str, list[str]]:
         return hf_path, []
     config = Path(hf_path) / "config.json"
     if not config.is_file():
-        return "tiny:qwen3_moe", [f"cpu-scale: model.hf_path {hf_path} has no config.json here: using "
-                                  "tiny:qwen3_moe (megarl's reference family)"]
+        return f"tiny:{REFERENCE_FAMILY}", [f"cpu-scale: model.hf_path {hf_path} has no config.json here: "
+                                            f"using tiny:{REFERENCE_FAMILY} (megarl's reference family)"]
     hf = json.loads(config.read_text())
     model_type = hf.get("model_type")
     family = find_family(model_type)

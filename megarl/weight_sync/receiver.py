@@ -288,7 +288,7 @@ def _load(model, named: list, state: dict, bucket: int, *, whole: bool, proof: b
 
     try:
         loaded = served(named)  # FP8 slices dequantised where the engine serves a dequantised view (CPU)
-        stacked = stack_expert_slices(loaded, manifest_experts(_manifest()))  # gpt-oss: stacks loaded whole
+        stacked = _stack_experts(loaded)  # gpt-oss: stacks loaded whole
         if whole:
             model.load_weights(stacked)
             return
@@ -368,6 +368,16 @@ def _check(buffer: torch.Tensor, ticket: dict, *, whole: bool = False) -> tuple[
     if offset != buffer.numel():
         return 5, max(len(views) - 1, 0), []
     return 0, 0, views
+
+
+def _stack_experts(loaded: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``loaded`` with each complete expert stack stacked (:func:`stack_expert_slices`); the served
+    checkpoint's manifest (:func:`_manifest`) is read only where a bucket holds a stack's slices."""
+    from megarl.models.mapping import expert_slice
+
+    if all(expert_slice(name)[1] is None for name, _ in loaded):
+        return loaded
+    return stack_expert_slices(loaded, manifest_experts(_manifest()))
 
 
 def _manifest() -> dict | None:

@@ -33,6 +33,7 @@ each group in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -378,11 +379,9 @@ class WeightSynchronizer:
         the later buckets the stage's other ranks still send their shards of (errors dropped: the
         first one is raised)."""
         transport.abort()
-        try:
+        with contextlib.suppress(Exception):  # the first error is the one to raise
             for _ in buckets:
                 pass
-        except Exception:  # noqa: BLE001 - the first error is the one to raise
-            pass
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         """Every rank's metrics reduced over the trainer group (:func:`reduce_sync_stats`)."""

@@ -96,6 +96,11 @@ class Family:
     served through an untied view (:mod:`megarl.rollout.engine_view`) and the engine holds a second
     vocabulary matrix (:mod:`megarl.plan.shape`). False: the class shares ``embed_tokens`` when tied.
     ``tests/unit/models/test_family_rules.py`` checks it against the installed SGLang class."""
+    twin_engine_tp2: bool = False
+    """True where SGLang 0.5.23's CPU engine at TP 2 serves the family's ``tiny:`` model and loads megarl's
+    pre-sharded updates (engine = trainer after a p2p sync with the load proof:
+    ``tests/integration/weight_sync/test_engine_tp2_families.py``); ``--cpu-scale`` twins of recipes
+    whose engines have TP > 1 then keep engine TP 2 (:data:`megarl.launch.cpu_scale.ENGINE_TP2_FAMILIES`)."""
     block_spec: str | None = None
     """Where Megatron-Core's GPT block spec cannot express the family: the import path
     (``package.module:function``) of the function that builds its decoder block spec,

@@ -329,7 +329,8 @@ def tiny_config(spec, common: dict):
     return cfg, DeepseekV3ForCausalLM
 
 
-FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), table=TABLE, architecture=architecture,
+FAMILY = Family(name="deepseek_v3", twin_engine_tp2=True,  # engine TP 2 at CPU scale (Family.twin_engine_tp2)
+                model_types=("deepseek_v3",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
                 megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
                 # DeepSeek-V3 / R1: <think>...</think> (the R1 template opens it in the prompt);

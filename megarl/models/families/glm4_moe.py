@@ -133,7 +133,8 @@ def tiny_config(spec, common: dict):
                          attention_bias=True, n_group=1, topk_group=1, **moe, **common), Glm4MoeForCausalLM
 
 
-FAMILY = Family(name="glm4_moe", model_types=("glm4_moe",), table=TABLE, architecture=architecture,
+FAMILY = Family(name="glm4_moe", twin_engine_tp2=True,  # engine TP 2 at CPU scale (Family.twin_engine_tp2)
+                model_types=("glm4_moe",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
                 megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
                 # <think>...</think>; <tool_call>name <arg_key>k</arg_key><arg_value>v</arg_value>...

@@ -147,7 +147,8 @@ def _rename_tensors(hf_dir, renames) -> None:
     save_file({renamed(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
 
 
-FAMILY = Family(name="kimi_k25", model_types=("kimi_k25",), table=TABLE, architecture=architecture,
+FAMILY = Family(name="kimi_k25", twin_engine_tp2=True,  # engine TP 2 at CPU scale (Family.twin_engine_tp2)
+                model_types=("kimi_k25",), table=TABLE, architecture=architecture,
                 text_config=text_config, hf_prefix=PREFIX,
                 transformer_config_kwargs=v3.transformer_config_kwargs, gpt_model_kwargs=v3.gpt_model_kwargs,
                 megatron_shapes=v3.megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,

@@ -21,7 +21,8 @@ def tiny_config(spec, common: dict):
     return Qwen3Config(intermediate_size=spec.intermediate_size, **common), Qwen3ForCausalLM
 
 
-FAMILY = Family(name="qwen3", model_types=("qwen3",), table=TABLE, architecture=architecture,
+FAMILY = Family(name="qwen3", twin_engine_tp2=True,  # engine TP 2 at CPU scale (Family.twin_engine_tp2)
+                model_types=("qwen3",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=moe.common_transformer_config_kwargs,
                 gpt_model_kwargs=moe.gpt_model_kwargs, megatron_shapes=moe.megatron_shapes,
                 engine_load_groups=moe.ENGINE_LOAD_GROUPS, reasoning_parser="qwen3", tool_call_parser="qwen25",

@@ -188,7 +188,8 @@ def tiny_config(spec, common: dict):
     return cfg, Qwen3MoeForCausalLM
 
 
-FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), table=TABLE, architecture=architecture,
+FAMILY = Family(name="qwen3_moe", twin_engine_tp2=True,  # engine TP 2 at CPU scale (Family.twin_engine_tp2)
+                model_types=("qwen3_moe",), table=TABLE, architecture=architecture,
                 transformer_config_kwargs=transformer_config_kwargs, gpt_model_kwargs=gpt_model_kwargs,
                 megatron_shapes=megatron_shapes, engine_load_groups=ENGINE_LOAD_GROUPS,
                 # <think>...</think>; <tool_call>{json}</tool_call>

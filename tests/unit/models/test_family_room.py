@@ -226,10 +226,6 @@ def test_weight_sync_refuses_by_the_familys_own_reason(monkeypatch):
 # ------------------------------------------------------------------ nobody else names a family
 
 ALLOWED = {
-    ("megarl/launch/cpu_scale.py", "qwen3_moe"):
-        "ENGINE_TP2_FAMILIES and the reference-family fallback: launch/, owned by the engine-TP2 twin work "
-        "(should become a Family field and REFERENCE_FAMILY)",
-    ("megarl/launch/cpu_scale.py", "qwen3"): "ENGINE_TP2_FAMILIES (as above)",
     ("megarl/plan/shape.py", "qwen3_moe"): "qk_norm by model type: should read the family's architecture",
     ("megarl/plan/shape.py", "qwen3"): "as above",
     ("megarl/models/chat_templates/__init__.py", "qwen3"): "a template file's name (qwen3.jinja), not a family rule",

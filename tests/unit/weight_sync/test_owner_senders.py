@@ -154,7 +154,8 @@ def gpt_oss_rank_bytes(c: dict, tp: int, ep: int) -> int:
 
 RECIPES = {"qwen3_30b_a3b_gpu": qwen3_moe_rank_bytes, "qwen3_235b_a22b_gpu": qwen3_moe_rank_bytes,
            "glm45_gpu": None, "deepseek_v3_gpu": mla_rank_bytes, "kimi_k2_gpu": mla_rank_bytes,
-           "kimi_k25_gpu": None, "minimax_m2_gpu": minimax_m2_rank_bytes, "gpt_oss_120b_gpu": gpt_oss_rank_bytes}
+           "kimi_k25_gpu": None, "minimax_m2_gpu": minimax_m2_rank_bytes, "gpt_oss_120b_gpu": gpt_oss_rank_bytes,
+           "qwen3_5_397b_a17b_gpu": None}
 """Every ``configs/*_gpu.yaml`` (checked below) and, where written, the bound's bytes from config.json alone."""
 
 
