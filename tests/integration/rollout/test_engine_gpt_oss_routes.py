@@ -5,7 +5,7 @@ SGLang 0.5.23 captures gpt-oss's routes: ``GptOssSparseMoeBlock`` builds ``TopK(
 (``layers/moe/topk.py:3185``). Reference: transformers' ``GptOssTopKRouter`` (``torch.topk`` of the
 router logits, bias included) on the same ids and weights (float32, eager). Top-k sets are compared;
 a difference counts as a failure only where the k-th and (k+1)-th logits are more than 1e-4 apart
-(a near-tie may fall either way between two implementations, /work/shared/notes/sglang_sync_r3.md).
+(a near-tie may fall either way between two implementations: two topk kernels order equal logits differently).
 """
 from __future__ import annotations
 
