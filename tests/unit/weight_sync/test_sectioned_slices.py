@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_owner_parts import _deliver
+from test_qwen3_5_sync_plan import CONFIG  # the same tiny Qwen3.5 config
 
 from megarl.weight_sync.engine_slices import PlanError
 from megarl.weight_sync.layout import EngineLayout, TrainerLayout
@@ -23,12 +24,6 @@ from megarl.weight_sync.plan import build_plan
 
 pytestmark = pytest.mark.timeout(300)
 
-CONFIG = {"model_type": "qwen3_5_moe_text", "hidden_size": 32, "num_hidden_layers": 2,
-          "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 8, "num_key_value_heads": 4,
-          "head_dim": 8, "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 8,
-          "linear_value_head_dim": 4, "linear_conv_kernel_dim": 4, "moe_intermediate_size": 16,
-          "shared_expert_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 1024,
-          "torch_dtype": "float32"}
 SECTIONS = {"in_proj_qkv.weight": (32, 32, 32), "conv1d.weight": (32, 32, 32), "dt_bias": (8,), "A_log": (8,)}
 """Key dim 4 x 8, value dim 8 x 4; 8 value heads (written out from ``CONFIG``)."""
 
